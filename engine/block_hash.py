@@ -1,0 +1,35 @@
+"""Chained, stable hashes of full KV blocks for the prefix cache.
+
+hash(block i) = sha256(hash(block i-1) | extra keys | token ids of block i). A 256-bit digest
+makes accidental collisions negligible, and the block manager also compares token ids on every
+hit, so a collision can never serve another prompt's K/V. Python's `hash()` is salted per
+process and would break across the scheduler's restarts, so it is not used.
+"""
+
+import hashlib
+from array import array
+
+from engine.request import Request
+
+ROOT_HASH = b"kvpager-prefix-v1"
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int], cache_salt: str | None) -> bytes:
+    digest = hashlib.sha256(parent_hash)
+    if cache_salt:
+        digest.update(b"salt:" + cache_salt.encode())
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
+    """Extend `request.block_hashes` to cover every full block of its known tokens."""
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    if len(hashes) < num_full:
+        tokens = request.all_token_ids
+        for block_idx in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else ROOT_HASH
+            block_tokens = tokens[block_idx * block_size : (block_idx + 1) * block_size]
+            hashes.append(hash_block(parent, block_tokens, request.cache_salt))
+    return hashes

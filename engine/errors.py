@@ -1,0 +1,35 @@
+"""Typed errors raised at the engine's edges (requests, configuration, checkpoints)."""
+
+
+class KvpagerError(Exception):
+    """Base class of every error kvpager raises on purpose."""
+
+    type: str = "internal_error"
+
+
+class InvalidRequestError(KvpagerError, ValueError):
+    """A request (prompt or sampling parameters) is invalid; `param` names the field."""
+
+    type = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestTooLongError(InvalidRequestError):
+    """Prompt plus max_tokens can never fit in max_model_len or in the whole cache."""
+
+    type = "request_too_long"
+
+
+class ConfigError(KvpagerError, ValueError):
+    """An engine or service setting is invalid."""
+
+    type = "invalid_config"
+
+
+class CheckpointError(KvpagerError):
+    """A model path is missing, is not a checkpoint, or has weights we cannot read."""
+
+    type = "invalid_checkpoint"

@@ -1,0 +1,178 @@
+"""Executor: the model weights, the paged cache tensors, and one step's forward + sampling.
+
+It owns every tensor; the scheduler owns every block id. `execute(step)` applies the step's
+deltas to the persistent request table, carries out block copies and swaps, runs one forward
+over the flat batch and samples the sequences whose computed tokens caught up.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.attention import PagedAttention
+from engine.config import ModelConfig, parse_dtype
+from engine.errors import ConfigError
+from engine.input_batch import InputBatch
+from engine.model.loader import load_model
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from kernels.backend import default_backend_name, get_kernel_ops
+from schemas.executor import ScheduledStep
+from schemas.scheduler import StepOutput, TokenLogprobs
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model_path: Path
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError("num_blocks: must be at least 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory: must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto' keeps the checkpoint's dtype, except half types on CPU run in float32."""
+    if name != "auto":
+        return parse_dtype(name)
+    dtype = parse_dtype(model_config.checkpoint_dtype)
+    return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
+
+
+class Executor:
+    def __init__(self, config: ExecutorConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.backend = config.attention_backend
+        if self.backend == "auto":
+            self.backend = default_backend_name()
+        self.ops = get_kernel_ops(self.backend)
+        started = time.perf_counter()
+        self.model = load_model(
+            config.model_path, model_config, self.dtype, self.device, config.max_model_len
+        )
+        self.num_blocks = config.num_blocks or self._blocks_that_fit()
+        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            (model_config.num_layers, 2, self.num_blocks, config.block_size,
+             model_config.num_kv_heads, model_config.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size,
+                                self.device)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        log.info("executor ready", device=str(self.device), dtype=str(self.dtype),
+                 num_blocks=self.num_blocks, backend=self.backend,
+                 load_s=round(time.perf_counter() - started, 2))
+
+    def _blocks_that_fit(self) -> int:
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
+        budget = self.config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1 - self.config.gpu_memory_utilization) * total)
+        if budget is None:  # CPU default: never more than every sequence at full length needs
+            max_useful = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
+            return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
+        if budget < per_block:
+            raise ConfigError(f"kv_cache_memory: {budget} bytes hold no {per_block}-byte block")
+        return budget // per_block
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        self._apply_deltas(step)
+        if step.blocks_to_copy:
+            self.ops.copy_blocks(self.kv_cache, torch.tensor(step.blocks_to_copy).view(-1, 2))
+        if not step.num_scheduled_tokens:
+            return StepOutput(step_id=step.step_id)
+        inputs = self.batch.prepare(step.num_scheduled_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.attention,
+                            inputs.meta)
+        if not inputs.sampled_states:
+            return StepOutput(step_id=step.step_id)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampled = self.sampler(logits, self._sampling_batch(inputs.sampled_states))
+        return self._step_output(step.step_id, inputs.sampled_states, sampled)
+
+    def _apply_deltas(self, step: ScheduledStep) -> None:
+        for req_id in step.finished_req_ids:
+            self.batch.remove(req_id)
+        for new in step.new_requests:
+            seed = new.sampling_params.seed
+            generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+            self.batch.add(new, generator)
+        for cached in step.cached_requests:
+            self.batch.update(cached)
+
+    def _sampling_batch(self, states) -> SamplingBatch:
+        return SamplingBatch.build(
+            params=[s.params for s in states],
+            generators=[s.generator for s in states],
+            prompt_token_ids=[self.batch.prompt_token_ids(s) for s in states]
+            if any(s.params.repetition_penalty != 1.0 for s in states)
+            else [[] for _ in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+
+    def _step_output(self, step_id: int, states, sampled: SamplerOutput) -> StepOutput:
+        token_ids = sampled.sampled_token_ids.tolist()
+        for state, token_id in zip(states, token_ids):
+            self.batch.append_token(state, token_id)
+        return StepOutput(
+            step_id=step_id,
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=token_ids,
+            logprobs=_logprobs(sampled, states),
+        )
+
+
+def _logprobs(sampled: SamplerOutput, states) -> list[TokenLogprobs] | None:
+    if sampled.logprobs is None:
+        return None
+    values = sampled.logprobs.tolist()
+    top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
+    top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+    out = []
+    for i, state in enumerate(states):
+        k = state.params.logprobs or 0
+        out.append(
+            TokenLogprobs(
+                logprob=values[i],
+                top_token_ids=top_ids[i][:k] if top_ids else [],
+                top_logprobs=top_values[i][:k] if top_values else [],
+            )
+        )
+    return out

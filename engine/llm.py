@@ -1,0 +1,216 @@
+"""LLM: the offline API. One process, no NATS: schedule, execute, update, in a loop."""
+
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.download import resolve_model
+from engine.errors import InvalidRequestError
+from engine.executor import Executor, ExecutorConfig
+from engine.logs import ensure_logging
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Tracked:
+    """An in-flight request with its output being assembled."""
+
+    request: Request
+    output: RequestOutput
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+
+
+class LLM:
+    """Generate from a checkpoint folder or a known model name, vLLM style:
+
+    llm = LLM("smollm2-135m-instruct", dtype="float32")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        attention_backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        ensure_logging()
+        path = resolve_model(model, progress=sys.stderr.isatty())
+        self.model_config = ModelConfig.from_path(path)
+        max_model_len = max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        if self.model_config.sliding_window:  # full attention is exact up to the window
+            max_model_len = min(max_model_len, self.model_config.sliding_window)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.executor = Executor(
+            ExecutorConfig(
+                model_path=path, dtype=dtype, device=device, block_size=block_size,
+                num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                attention_backend=attention_backend, seed=seed,
+            ),
+            self.model_config,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            CacheConfig(block_size, self.executor.num_blocks, enable_prefix_caching),
+        )
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        tracked = [self._track(p, sp) for p, sp in zip(prompts, params)]
+        for item in tracked:  # everything is validated before anything is queued
+            self.scheduler._check_fits(item.request)
+        for item in tracked:
+            self.scheduler.add_request(item.request)
+        self._run(tracked, use_tqdm and sys.stderr.isatty())
+        return [item.output for item in tracked]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError("messages: this model has no chat template", "messages")
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    def stats(self) -> dict[str, Any]:
+        manager, stats = self.scheduler.block_manager, self.scheduler.stats
+        return {
+            "num_blocks": manager.num_blocks,
+            "block_size": manager.block_size,
+            "num_free_blocks": manager.num_free_blocks,
+            "num_used_blocks": manager.num_used_blocks,
+            "num_cached_blocks": manager.num_cached_blocks,
+            "peak_used_blocks": stats.peak_used_blocks,
+            "peak_running": stats.peak_running,
+            "num_preemptions": stats.num_preemptions,
+            "num_steps": stats.num_steps,
+            "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, dict):
+            return [SamplingParams.from_dict(sampling_params)] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise InvalidRequestError("sampling_params: one per prompt", "sampling_params")
+        return list(sampling_params)
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt: must not be empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})", "prompt")
+        return token_ids
+
+    def _track(self, prompt: Prompt, params: SamplingParams) -> _Tracked:
+        if params.n > 1 or params.is_beam_search:
+            raise InvalidRequestError("n: parallel sampling is not supported yet", "n")
+        token_ids = self._token_ids(prompt)
+        request = Request(
+            request_id=str(next(self._ids)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        completion = CompletionOutput(index=0, text="", token_ids=[])
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            outputs=[completion],
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        return _Tracked(request, output, completion, detokenizer)
+
+    def _run(self, tracked: list[_Tracked], show_progress: bool) -> None:
+        by_id = {item.request.request_id: item for item in tracked}
+        with tqdm(total=len(tracked), disable=not show_progress, desc="generate") as bar:
+            while self.scheduler.has_unfinished:
+                step = self.scheduler.schedule()
+                output = self.executor.execute(step)
+                logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+                for request in self.scheduler.update_from_output(step, output):
+                    item = by_id[request.request_id]
+                    if request.request_id in logprobs:
+                        item.completion.logprobs = item.completion.logprobs or []
+                        item.completion.logprobs.append(logprobs[request.request_id])
+                    if self._absorb(item, request):
+                        bar.update(1)
+            if self.scheduler.finished_req_ids:  # let the executor drop finished rows now
+                self.executor.execute(self.scheduler.schedule())
+
+    def _absorb(self, item: _Tracked, request: Request) -> bool:
+        """Append the request's newest token to its output; True once it has finished."""
+        completion, detokenizer = item.completion, item.detokenizer
+        completion.token_ids.append(request.output_token_ids[-1])
+        completion.text += detokenizer.add_tokens(request.output_token_ids[-1:])
+        if detokenizer.stopped is not None and not request.is_finished:
+            request.stop_reason = detokenizer.stopped
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if not request.is_finished:
+            return False
+        completion.text += detokenizer.flush()
+        completion.finish_reason = request.status.value
+        completion.stop_reason = request.stop_reason
+        item.output.num_cached_tokens = request.num_cached_tokens
+        return True

@@ -1,0 +1,1 @@
+"""The engine's own decoder (Llama, Mistral, Qwen2) and its safetensors loader."""

@@ -1,0 +1,109 @@
+"""One decoder for Llama, Mistral and Qwen2; the families differ only by config switches.
+
+Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.config import ModelConfig
+from engine.model.rope import apply_rope, cos_sin_table
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face computes it: normalise in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.q_size = config.num_heads * head_dim
+        self.kv_size = config.num_kv_heads * head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            head_dim,
+        )
+        self.eps = config.rms_norm_eps
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(hidden)
+        self.qkv_weight = param(self.q_size + 2 * self.kv_size, hidden)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_weight = param(hidden, self.q_size)
+        self.post_attention_norm = param(hidden)
+        self.gate_up_weight = param(2 * config.intermediate_size, hidden)
+        self.down_weight = param(hidden, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: PagedAttention,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        h = rms_norm(x, self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = attention(q, k, v, layer_cache, meta).reshape(num_tokens, self.q_size)
+        x = x + F.linear(attn, self.o_weight)
+        h = rms_norm(x, self.post_attention_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class Decoder(nn.Module):
+    """Token ids and positions of a flat batch in, final hidden states out."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
+        )
+        cos, sin = cos_sin_table(config, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attention: PagedAttention,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions int64 [T]; kv_cache [layers, 2, blocks, bs, kv_heads, d]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        dtype = self.embed_tokens.dtype
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attention, kv_cache[layer_idx], meta)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] -> fp32 [num_sampled, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,91 @@
+"""Request: one sequence's token state, as the scheduler and block manager see it."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; recomputes its tokens when resumed
+    SWAPPED = "swapped"  # blocks moved to the CPU pool; swapped back in when resumed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. `num_computed_tokens` chases `num_tokens`; a step that catches up samples.
+
+    `num_tokens` counts prompt and output tokens; every token before `num_computed_tokens` has
+    its K/V in the cache. Parallel samples and beams are separate Requests sharing blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold (prompt + max_tokens)."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_id_at(self, position: int) -> int:
+        if position < self.num_prompt_tokens:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - self.num_prompt_tokens]
+
+    def check_stop(self) -> RequestStatus | None:
+        """Finish status after a token was appended, or None to keep going.
+
+        Stop *strings* are checked by the detokenizer, which finishes the request itself.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,106 @@
+"""SamplingParams: how to sample one request, validated on construction and on decode.
+
+A msgspec Struct so the same object is the engine's API, the wire form the executor receives,
+and the fields a client sends. Names and defaults follow vLLM's `SamplingParams`.
+"""
+
+import math
+from typing import Any
+
+import msgspec
+
+from engine.errors import InvalidRequestError
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    skip_special_tokens: bool = True
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._check_ranges()
+        self._check_beam_search()
+
+    def _check_ranges(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "length_penalty"):
+            _check(math.isfinite(getattr(self, name)), name, "must be a finite number")
+        _check(self.n >= 1, "n", "must be at least 1")
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               "must be in [0, max_tokens]")
+        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               "must be in [0, 20]")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+
+    def _check_beam_search(self) -> None:
+        _check(self.beam_width >= 1, "beam_width", "must be at least 1")
+        if self.beam_width == 1:
+            return
+        _check(self.n <= self.beam_width, "n", "must be <= beam_width in beam search")
+        _check(self.temperature == 0.0, "temperature", "beam search is greedy: use 0")
+        for name, neutral in (("top_p", 1.0), ("min_p", 0.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            _check(getattr(self, name) == neutral, name, "is not supported with beam search")
+        _check(self.top_k in (0, -1), "top_k", "is not supported with beam search")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "SamplingParams":
+        """Build from a plain mapping; unknown fields and wrong types raise InvalidRequestError."""
+        for name in fields:
+            _check(name in cls.__struct_fields__, name, "unknown sampling field")
+        try:
+            return msgspec.convert(fields, cls)
+        except msgspec.ValidationError as exc:
+            param = _param_of(str(exc))
+            raise InvalidRequestError(str(exc), param=param) from exc
+
+
+def _param_of(message: str) -> str | None:
+    """The failing field: msgspec ends type errors with `$.field`; our checks start `field:`."""
+    marker = "$."
+    if marker in message:
+        return message.rsplit(marker, 1)[1].split("[")[0].split(".")[0].rstrip("`'\" ")
+    head = message.split(":", 1)[0]
+    return head if head in SamplingParams.__struct_fields__ else None

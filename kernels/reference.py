@@ -1,0 +1,139 @@
+"""Pure-torch twins of the Triton kernels: obviously right, computed in fp32.
+
+They share the launchers' signatures so tests can compare the two directly, and the engine's
+torch attention backend (CPU serving) calls them. Cache layout everywhere:
+
+    kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache = kv_cache[layer, 0]   value_cache = kv_cache[layer, 1]
+    slot      = block_id * block_size + offset_in_block
+"""
+
+import torch
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V rows into the paged caches at their slots; negative slots are skipped.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
+    num_kv_heads, head_dim]; slot_mapping: int64 [num_tokens].
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """[num_tokens, num_kv_heads, head_dim] of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:num_tokens]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """q [..., kvh, group, q_len, d], k/v [..., kvh, 1, kv_len, d], mask broadcastable."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """All sequences have one query token: one batched gather and matmul, no Python loop."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    blocks = block_tables[:, :num_blocks].long()
+    # [num_seqs, kvh, 1, max_len, d]
+    k = key_cache[blocks].flatten(1, 2)[:, :max_len].float().permute(0, 2, 1, 3).unsqueeze(2)
+    v = value_cache[blocks].flatten(1, 2)[:, :max_len].float().permute(0, 2, 1, 3).unsqueeze(2)
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
+    positions = torch.arange(max_len, device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, 1, max_len)
+    out = _attend(q, k, v, mask, scale)  # [num_seqs, kvh, group, 1, d]
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _sequence_attention(q_seq, key_cache, value_cache, block_table, seq_len, scale):
+    """Causal attention of one sequence's query chunk over its whole cached context."""
+    q_len, num_heads, head_dim = q_seq.shape
+    num_kv_heads = key_cache.shape[2]
+    k = _gather_context(key_cache, block_table, seq_len).float().permute(1, 0, 2).unsqueeze(1)
+    v = _gather_context(value_cache, block_table, seq_len).float().permute(1, 0, 2).unsqueeze(1)
+    q = q_seq.float().permute(1, 0, 2).reshape(num_kv_heads, -1, q_len, head_dim)
+    # query i sits at position seq_len - q_len + i and sees keys 0..that position
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q_seq.device)
+    mask = torch.arange(seq_len, device=q_seq.device)[None, :] <= q_pos[:, None]
+    out = _attend(q, k, v, mask, scale)  # [kvh, group, q_len, d]
+    return out.reshape(num_heads, q_len, head_dim).permute(1, 0, 2)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
+
+    query: [num_tokens, num_heads, head_dim], sequences packed back to back;
+    caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: int32
+    [num_seqs, max_blocks_per_seq]; cu_seqlens_q: int32 [num_seqs + 1] query offsets;
+    seq_lens: int32 [num_seqs] context length of each sequence *including* its new tokens,
+    whose K/V must already be in the cache. num_heads is a multiple of num_kv_heads (GQA).
+    Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    """
+    if max_seqlen_q == 1:
+        out = _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return out.to(query.dtype)
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for seq_idx, seq_len in enumerate(lens):
+        start, end = starts[seq_idx], starts[seq_idx + 1]
+        out[start:end] = _sequence_attention(
+            query[start:end], key_cache, value_cache, block_tables[seq_idx], seq_len, scale
+        )
+    return out.to(query.dtype)
+
+
+def copy_blocks_ref(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks within one cache, every layer, K and V (copy-on-write).
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim];
+    block_mapping: int64 [num_pairs, 2] of (src_block, dst_block); no dst is also a src.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+def swap_blocks_ref(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor
+) -> None:
+    """Move whole blocks between two caches (device <-> CPU pool), every layer, K and V.
+
+    src_cache, dst_cache: [num_layers, 2, num_blocks_*, block_size, num_kv_heads, head_dim],
+    possibly on different devices; block_mapping: int64 [num_pairs, 2] of
+    (block in src_cache, block in dst_cache), on the CPU.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].to(src_cache.device)
+    dst = block_mapping[:, 1].to(dst_cache.device)
+    dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)

@@ -1,0 +1,48 @@
+"""What the executor receives from its scheduler: one ScheduledStep per model step.
+
+Only ids and small int lists travel: a request's tokens and block ids once (`NewRequest`),
+then deltas (`CachedRequest`). The executor keeps a persistent request table and builds every
+tensor (input ids, positions, slot mapping, block tables) itself.
+"""
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request new to the executor: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed
+    num_prompt_tokens: int
+    sampling_params: SamplingParams  # `seed` already offset per parallel sample
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits, or tokens kept through a swap
+
+
+class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A running request's change since the last step."""
+
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: list[int] = []
+    # table[replace_from:] = new_block_ids. Usually an append; copy-on-write of a shared
+    # partly filled tail replaces the last block too.
+    replace_from: int = 0
+
+
+class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
+    step_id: int
+    new_requests: list[NewRequest] = []
+    cached_requests: list[CachedRequest] = []
+    num_scheduled_tokens: dict[str, int] = {}  # every request running this step, in order
+    finished_req_ids: list[str] = []  # finished, aborted or preempted: drop their state
+    blocks_to_copy: list[tuple[int, int]] = []  # (src, dst), before the forward pass
+    blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
+    forks: list[tuple[str, str]] = []  # (parent, child): child copies the parent's state
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
