@@ -5,10 +5,12 @@ deltas to the persistent request table, carries out block copies and swaps, runs
 over the flat batch and samples the sequences whose computed tokens caught up.
 """
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import structlog
 import torch
 
@@ -36,6 +38,7 @@ class ExecutorConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
     gpu_memory_utilization: float = 0.9
+    swap_space: int = 0  # bytes of host memory for swapped-out and evicted blocks
     max_num_seqs: int = 256
     max_model_len: int = 4096
     attention_backend: str = "auto"
@@ -46,6 +49,11 @@ class ExecutorConfig:
             raise ConfigError("num_blocks: must be at least 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory: must be positive")
+        if not 0 <= self.swap_space <= host_memory_bytes():
+            raise ConfigError(
+                f"swap_space: {self.swap_space} bytes is not in [0, host memory "
+                f"{host_memory_bytes()}]"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
 
@@ -54,6 +62,10 @@ class ExecutorConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -81,19 +93,37 @@ class Executor:
         self.num_blocks = config.num_blocks or self._blocks_that_fit()
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
-            (model_config.num_layers, 2, self.num_blocks, config.block_size,
-             model_config.num_kv_heads, model_config.head_dim),
+            (
+                model_config.num_layers,
+                2,
+                self.num_blocks,
+                config.block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+            ),
             dtype=self.dtype,
             device=self.device,
         )
+        self.num_cpu_blocks = self._cpu_blocks_that_fit()
+        pin = self.device.type == "cuda"
+        cpu_shape = list(self.kv_cache.shape)
+        cpu_shape[2] = self.num_cpu_blocks
+        # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin)
         self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size,
-                                self.device)
-        self.sampler = Sampler()
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        log.info("executor ready", device=str(self.device), dtype=str(self.dtype),
-                 num_blocks=self.num_blocks, backend=self.backend,
-                 load_s=round(time.perf_counter() - started, 2))
+        self.batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size, self.device
+        )
+        # unseeded requests draw from one engine-wide generator seeded by `seed`
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        log.info(
+            "executor ready",
+            device=str(self.device),
+            dtype=str(self.dtype),
+            num_blocks=self.num_blocks,
+            backend=self.backend,
+            load_s=round(time.perf_counter() - started, 2),
+        )
 
     def _blocks_that_fit(self) -> int:
         per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
@@ -102,35 +132,68 @@ class Executor:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - (1 - self.config.gpu_memory_utilization) * total)
         if budget is None:  # CPU default: never more than every sequence at full length needs
-            max_useful = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
+            max_useful = self.config.max_num_seqs * -(
+                -self.config.max_model_len // self.config.block_size
+            )
             return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
         if budget < per_block:
             raise ConfigError(f"kv_cache_memory: {budget} bytes hold no {per_block}-byte block")
         return budget // per_block
 
+    def _cpu_blocks_that_fit(self) -> int:
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
+        return self.config.swap_space // per_block
+
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepOutput:
         self._apply_deltas(step)
-        if step.blocks_to_copy:
-            self.ops.copy_blocks(self.kv_cache, torch.tensor(step.blocks_to_copy).view(-1, 2))
+        self._move_blocks(step)
         if not step.num_scheduled_tokens:
             return StepOutput(step_id=step.step_id)
         inputs = self.batch.prepare(step.num_scheduled_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.attention,
-                            inputs.meta)
-        if not inputs.sampled_states:
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta
+        )
+        states, logits_indices = self._with_forks(step, inputs)
+        if not states:
             return StepOutput(step_id=step.step_id)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        sampled = self.sampler(logits, self._sampling_batch(inputs.sampled_states))
-        return self._step_output(step.step_id, inputs.sampled_states, sampled)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sampled = self.sampler(logits, self._sampling_batch(states))
+        return self._step_output(step.step_id, states, sampled)
+
+    def _move_blocks(self, step: ScheduledStep) -> None:
+        """Swap-outs first (they save content that swap-ins and copies may overwrite)."""
+        if step.blocks_to_swap_out:
+            self.ops.swap_blocks(self.kv_cache, self.cpu_cache, _pairs(step.blocks_to_swap_out))
+        if step.blocks_to_swap_in:
+            self.ops.swap_blocks(self.cpu_cache, self.kv_cache, _pairs(step.blocks_to_swap_in))
+        if step.blocks_to_copy:
+            self.ops.copy_blocks(self.kv_cache, _pairs(step.blocks_to_copy).to(self.device))
+
+    def _with_forks(self, step: ScheduledStep, inputs) -> tuple[list, torch.Tensor]:
+        """Sampled rows plus forked samples, which sample from their parent's logits row."""
+        states, indices = list(inputs.sampled_states), inputs.logits_indices
+        if not step.forks:
+            return states, indices
+        row_of = {state.req_id: i for i, state in enumerate(states)}
+        extra = []
+        for fork in step.forks:
+            parent = self.batch.states[fork.parent_id]
+            params = msgspec.structs.replace(parent.params, seed=fork.seed)
+            states.append(
+                self.batch.fork(fork.parent_id, fork.child_id, params, self._generator(fork.seed))
+            )
+            extra.append(row_of[fork.parent_id])
+        return states, torch.cat([indices, indices[torch.tensor(extra, device=self.device)]])
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _apply_deltas(self, step: ScheduledStep) -> None:
         for req_id in step.finished_req_ids:
             self.batch.remove(req_id)
         for new in step.new_requests:
-            seed = new.sampling_params.seed
-            generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            self.batch.add(new, generator)
+            self.batch.add(new, self._generator(new.sampling_params.seed))
         for cached in step.cached_requests:
             self.batch.update(cached)
 
@@ -157,6 +220,10 @@ class Executor:
             sampled_token_ids=token_ids,
             logprobs=_logprobs(sampled, states),
         )
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
 
 
 def _logprobs(sampled: SamplerOutput, states) -> list[TokenLogprobs] | None:

@@ -5,6 +5,7 @@ side) from its first step to its last; a step only applies deltas (new tokens, n
 and then gathers its batch with vectorised indexing, never rebuilding tables from scratch.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,32 @@ class InputBatch:
         end = cached.replace_from + len(cached.new_block_ids)
         self.block_table[state.row, cached.replace_from : end] = cached.new_block_ids
         state.num_blocks = max(state.num_blocks, end)
+
+    def fork(
+        self,
+        parent_id: str,
+        child_id: str,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> RequestState:
+        """A parallel sample: a copy of the parent's row and state, with its own sampling."""
+        parent = self.states[parent_id]
+        assert child_id not in self.states, f"{child_id} forked twice"
+        row = self.free_rows.pop()
+        self.token_ids[row, : parent.num_tokens] = self.token_ids[parent.row, : parent.num_tokens]
+        self.block_table[row, : parent.num_blocks] = self.block_table[
+            parent.row, : parent.num_blocks
+        ]
+        child = dataclasses.replace(
+            parent,
+            req_id=child_id,
+            row=row,
+            params=params,
+            generator=generator,
+            output_token_ids=list(parent.output_token_ids),
+        )
+        self.states[child_id] = child
+        return child
 
     def remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)

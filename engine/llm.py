@@ -25,12 +25,12 @@ Prompt = str | list[int]
 
 @dataclass
 class _Tracked:
-    """An in-flight request with its output being assembled."""
+    """An in-flight request (all its samples) with its output being assembled."""
 
     request: Request
     output: RequestOutput
-    completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer
+    detokenizers: list[IncrementalDetokenizer]
+    num_finished: int = 0
 
 
 class LLM:
@@ -56,6 +56,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         attention_backend: str = "auto",
         seed: int = 0,
+        swap_space: int = 0,
+        preemption_mode: str = "auto",
     ) -> None:
         ensure_logging()
         path = resolve_model(model, progress=sys.stderr.isatty())
@@ -66,19 +68,34 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.executor = Executor(
             ExecutorConfig(
-                model_path=path, dtype=dtype, device=device, block_size=block_size,
-                num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                attention_backend=attention_backend, seed=seed,
+                model_path=path,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                attention_backend=attention_backend,
+                seed=seed,
+                swap_space=swap_space,
             ),
             self.model_config,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                preemption_mode=preemption_mode,
             ),
-            CacheConfig(block_size, self.executor.num_blocks, enable_prefix_caching),
+            CacheConfig(
+                block_size,
+                self.executor.num_blocks,
+                enable_prefix_caching,
+                self.executor.num_cpu_blocks,
+            ),
         )
         self._ids = itertools.count()
 
@@ -94,7 +111,7 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(prompts))
         tracked = [self._track(p, sp) for p, sp in zip(prompts, params)]
         for item in tracked:  # everything is validated before anything is queued
-            self.scheduler._check_fits(item.request)
+            self.scheduler.check_request(item.request)
         for item in tracked:
             self.scheduler.add_request(item.request)
         self._run(tracked, use_tqdm and sys.stderr.isatty())
@@ -129,6 +146,11 @@ class LLM:
             "peak_used_blocks": stats.peak_used_blocks,
             "peak_running": stats.peak_running,
             "num_preemptions": stats.num_preemptions,
+            "num_swap_preemptions": stats.num_swap_preemptions,
+            "num_cpu_blocks": manager.cpu.num_blocks,
+            "num_swapped_out_blocks": manager.num_swapped_out_blocks,
+            "num_swapped_in_blocks": manager.num_swapped_in_blocks,
+            "num_evictions": manager.num_evictions,
             "num_steps": stats.num_steps,
             "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
@@ -163,8 +185,8 @@ class LLM:
         return token_ids
 
     def _track(self, prompt: Prompt, params: SamplingParams) -> _Tracked:
-        if params.n > 1 or params.is_beam_search:
-            raise InvalidRequestError("n: parallel sampling is not supported yet", "n")
+        if params.is_beam_search:
+            raise InvalidRequestError("beam_width: use LLM.beam_search", "beam_width")
         token_ids = self._token_ids(prompt)
         request = Request(
             request_id=str(next(self._ids)),
@@ -172,37 +194,38 @@ class LLM:
             sampling_params=params,
             eos_token_ids=self.model_config.eos_token_ids,
         )
-        completion = CompletionOutput(index=0, text="", token_ids=[])
         output = RequestOutput(
             request_id=request.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
-            outputs=[completion],
+            outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)],
         )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        return _Tracked(request, output, completion, detokenizer)
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in range(params.n)
+        ]
+        return _Tracked(request, output, detokenizers)
 
     def _run(self, tracked: list[_Tracked], show_progress: bool) -> None:
-        by_id = {item.request.request_id: item for item in tracked}
+        by_group = {item.request.group_id: item for item in tracked}
         with tqdm(total=len(tracked), disable=not show_progress, desc="generate") as bar:
             while self.scheduler.has_unfinished:
                 step = self.scheduler.schedule()
                 output = self.executor.execute(step)
                 logprobs = dict(zip(output.req_ids, output.logprobs or ()))
                 for request in self.scheduler.update_from_output(step, output):
-                    item = by_id[request.request_id]
-                    if request.request_id in logprobs:
-                        item.completion.logprobs = item.completion.logprobs or []
-                        item.completion.logprobs.append(logprobs[request.request_id])
-                    if self._absorb(item, request):
+                    item = by_group[request.group_id]
+                    if self._absorb(item, request, logprobs.get(request.request_id)):
                         bar.update(1)
             if self.scheduler.finished_req_ids:  # let the executor drop finished rows now
                 self.executor.execute(self.scheduler.schedule())
 
-    def _absorb(self, item: _Tracked, request: Request) -> bool:
-        """Append the request's newest token to its output; True once it has finished."""
-        completion, detokenizer = item.completion, item.detokenizer
+    def _absorb(self, item: _Tracked, request: Request, logprobs) -> bool:
+        """Append a sample's newest token to its output; True once every sample finished."""
+        completion = item.output.outputs[request.sample_index]
+        detokenizer = item.detokenizers[request.sample_index]
         completion.token_ids.append(request.output_token_ids[-1])
+        if logprobs is not None:
+            completion.logprobs = (completion.logprobs or []) + [logprobs]
         completion.text += detokenizer.add_tokens(request.output_token_ids[-1:])
         if detokenizer.stopped is not None and not request.is_finished:
             request.stop_reason = detokenizer.stopped
@@ -212,5 +235,6 @@ class LLM:
         completion.text += detokenizer.flush()
         completion.finish_reason = request.status.value
         completion.stop_reason = request.stop_reason
-        item.output.num_cached_tokens = request.num_cached_tokens
-        return True
+        item.output.num_cached_tokens = item.request.num_cached_tokens
+        item.num_finished += 1
+        return item.num_finished == len(item.output.outputs)

@@ -42,6 +42,14 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Parallel samples: every sample of a request shares `group_id` (the parent's id);
+    # `num_pending_forks` samples are forked from the parent when its prompt completes.
+    group_id: str = ""
+    sample_index: int = 0
+    num_pending_forks: int = 0
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -67,11 +75,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    def token_id_at(self, position: int) -> int:
-        if position < self.num_prompt_tokens:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - self.num_prompt_tokens]
 
     def check_stop(self) -> RequestStatus | None:
         """Finish status after a token was appended, or None to keep going.

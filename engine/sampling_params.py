@@ -46,8 +46,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._check_beam_search()
 
     def _check_ranges(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "length_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "length_penalty",
+        ):
             _check(math.isfinite(getattr(self, name)), name, "must be a finite number")
         _check(self.n >= 1, "n", "must be at least 1")
         _check(self.temperature >= 0.0, "temperature", "must be >= 0")
@@ -58,12 +65,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               "must be in [0, max_tokens]")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-               "must be in [0, 20]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
 
     def _check_beam_search(self) -> None:
@@ -72,8 +77,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return
         _check(self.n <= self.beam_width, "n", "must be <= beam_width in beam search")
         _check(self.temperature == 0.0, "temperature", "beam search is greedy: use 0")
-        for name, neutral in (("top_p", 1.0), ("min_p", 0.0), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        for name, neutral in (
+            ("top_p", 1.0),
+            ("min_p", 0.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
             _check(getattr(self, name) == neutral, name, "is not supported with beam search")
         _check(self.top_k in (0, -1), "top_k", "is not supported with beam search")
 

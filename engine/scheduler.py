@@ -4,19 +4,20 @@ Every request has `num_computed_tokens` and a target, `num_tokens` (prompt + out
 Each step hands out a token budget, running requests first, until computed catches up; a
 request whose computed tokens reach its target this step gets a sampled token. Prefill,
 chunked prefill, prefix hits and decode all fall out of that rule. When blocks run out, the
-newest running request is preempted (its blocks freed, recomputed later).
+newest running request is preempted: swapped to the CPU pool or freed and recomputed later.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import InvalidRequestError, RequestTooLongError
 from engine.request import Request, RequestStatus
-from schemas.executor import CachedRequest, NewRequest, ScheduledStep
+from schemas.executor import CachedRequest, ForkRequest, NewRequest, ScheduledStep
 from schemas.scheduler import StepOutput
 
 log = structlog.get_logger(__name__)
@@ -26,6 +27,7 @@ log = structlog.get_logger(__name__)
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    num_swap_preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     peak_used_blocks: int = 0
@@ -41,6 +43,7 @@ class _StepPlan:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_requests: list[NewRequest] = field(default_factory=list)
     cached_requests: list[CachedRequest] = field(default_factory=list)
+    forks: list[ForkRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
 
@@ -49,31 +52,45 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_manager = BlockManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.num_cpu_blocks,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}  # group id -> its parallel samples
+        self.num_swapped = 0
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
         self.stats = SchedulerStats()
         self.step_id = 0
 
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise a typed error if it can never run."""
-        if request.request_id in self.requests:
+        """Queue a request (n > 1 samples fork from it later), or raise a typed error."""
+        self.check_request(request)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise InvalidRequestError("the waiting queue is full", param=None)
+        request.num_pending_forks = request.sampling_params.n - 1
+        self.requests[request.request_id] = request
+        self.groups[request.group_id] = [request]
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise a typed error if the request can never run; no side effects."""
+        if request.request_id in self.requests or request.group_id in self.groups:
             raise InvalidRequestError(
                 f"request_id: {request.request_id!r} is already in flight", param="request_id"
             )
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt: must not be empty", param="prompt")
-        self._check_fits(request)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise InvalidRequestError("the waiting queue is full", param=None)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
-
-    def _check_fits(self, request: Request) -> None:
+        if request.sampling_params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n: {request.sampling_params.n} samples exceed max_num_seqs "
+                f"({self.config.max_num_seqs})",
+                param="n",
+            )
         max_len, block_size = self.config.max_model_len, self.cache_config.block_size
         if request.max_num_tokens > max_len:
             raise RequestTooLongError(
@@ -96,6 +113,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def _num_seqs_in_use(self) -> int:
+        """Running and swapped sequences plus the samples running parents will fork."""
+        pending = sum(r.num_pending_forks for r in self.running)
+        return len(self.running) + self.num_swapped + pending
+
     def schedule(self) -> ScheduledStep:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -103,13 +126,17 @@ class Scheduler:
             self._schedule_waiting(plan)
         self.step_id += 1
         self._record_usage()
+        ops = self.block_manager.take_ops()
         step = ScheduledStep(
             step_id=self.step_id,
             new_requests=plan.new_requests,
             cached_requests=plan.cached_requests,
             num_scheduled_tokens=plan.num_scheduled,
             finished_req_ids=self.finished_req_ids,
-            blocks_to_copy=self.block_manager.take_copies(),
+            blocks_to_copy=ops.copy,
+            blocks_to_swap_out=ops.swap_out,
+            blocks_to_swap_in=ops.swap_in,
+            forks=plan.forks,
         )
         self.finished_req_ids = []
         return step
@@ -142,37 +169,95 @@ class Scheduler:
         if request.request_id not in self.at_executor:
             plan.new_requests.append(self._new_request_data(request))
             self.at_executor.add(request.request_id)
-            return
-        # Copy-on-write may replace the shared tail block, so new ids overwrite the table
-        # from this index rather than always being appended.
-        table = self.block_manager.get_block_table(request.request_id)
-        replace_from = len(table) - len(new_block_ids)
-        plan.cached_requests.append(
-            CachedRequest(
-                req_id=request.request_id,
-                num_computed_tokens=request.num_computed_tokens,
-                new_block_ids=new_block_ids,
-                replace_from=replace_from,
+        else:
+            # Copy-on-write may replace the shared tail block and a swap-in the whole table,
+            # so new ids overwrite the table from this index rather than always appending.
+            table = self.block_manager.get_block_table(request.request_id)
+            plan.cached_requests.append(
+                CachedRequest(
+                    req_id=request.request_id,
+                    num_computed_tokens=request.num_computed_tokens,
+                    new_block_ids=new_block_ids,
+                    replace_from=len(table) - len(new_block_ids),
+                )
             )
-        )
+        if (
+            request.num_pending_forks
+            and request.num_computed_tokens + num_new == request.num_tokens
+        ):
+            self._fork_samples(request, plan)
+
+    def _fork_samples(self, parent: Request, plan: _StepPlan) -> None:
+        """The parent's prompt completes this step: its other samples share its blocks."""
+        params = parent.sampling_params
+        for index in range(1, parent.num_pending_forks + 1):
+            seed = None if params.seed is None else params.seed + index
+            child = Request(
+                request_id=f"{parent.request_id}#{index}",
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=msgspec.structs.replace(params, seed=seed),
+                eos_token_ids=parent.eos_token_ids,
+                cache_salt=parent.cache_salt,
+                arrival_time=parent.arrival_time,
+                status=RequestStatus.RUNNING,
+                num_cached_tokens=parent.num_cached_tokens,
+                block_hashes=list(parent.block_hashes),
+                group_id=parent.group_id,
+                sample_index=index,
+            )
+            self.block_manager.fork(parent, child)
+            self.requests[child.request_id] = child
+            self.groups[parent.group_id].append(child)
+            self.running.append(child)
+            self.at_executor.add(child.request_id)
+            plan.forks.append(ForkRequest(parent.request_id, child.request_id, seed))
+        parent.num_pending_forks = 0
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and plan.budget > 0:
             request = self.waiting[0]
-            hits = self.block_manager.find_cached_prefix(request)
-            num_hit_tokens = len(hits) * self.cache_config.block_size
-            num_new = request.num_tokens - num_hit_tokens
-            if num_new > plan.budget and not self.config.enable_chunked_prefill:
+            if request.status is RequestStatus.SWAPPED:
+                if not self._swap_in(request, plan):
+                    break
+                continue
+            room = self.config.max_num_seqs - self._num_seqs_in_use
+            if room < 1 + request.num_pending_forks or not self._admit(request, plan):
                 break
-            num_new = min(num_new, plan.budget)
-            if self.block_manager.allocate_slots(request, num_new, hits) is None:
-                break
-            self.waiting.popleft()
-            self._note_prefix_hits(request, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._note_running(request, num_new, [], plan)
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        hits = self.block_manager.find_cached_prefix(request)
+        num_hit_tokens = len(hits) * self.cache_config.block_size
+        num_new = request.num_tokens - num_hit_tokens
+        if num_new > plan.budget and not self.config.enable_chunked_prefill:
+            return False
+        num_new = min(num_new, plan.budget)
+        if self.block_manager.allocate_slots(request, num_new, hits) is None:
+            return False
+        self.waiting.popleft()
+        self._note_prefix_hits(request, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._note_running(request, num_new, [], plan)
+        return True
+
+    def _swap_in(self, request: Request, plan: _StepPlan) -> bool:
+        num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+        # room for the swapped blocks, one new block and a copy-on-write of a shared tail
+        needed = self.block_manager.num_blocks_to_swap_in(request) + 2
+        if needed > self.block_manager.num_free_blocks:
+            return False
+        self.waiting.popleft()
+        self.num_swapped -= 1
+        table = self.block_manager.swap_in(request)
+        grown = self.block_manager.allocate_slots(request, num_new)
+        assert grown is not None, "swap-in reserved too little"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        full_table = self.block_manager.get_block_table(request.request_id)
+        assert full_table[: len(table) - 1] == table[:-1] or not table
+        self._note_running(request, num_new, list(full_table), plan)
+        return True
 
     def _note_prefix_hits(self, request: Request, num_hit_tokens: int) -> None:
         if request.num_preemptions == 0:
@@ -190,16 +275,34 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
+    def _preemption_mode(self, request: Request) -> str:
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            # Recomputing a forked sample loses the prompt blocks it shared: swap those.
+            mode = "swap" if len(self.groups.get(request.group_id, ())) > 1 else "recompute"
+        if mode == "swap" and not (
+            self.block_manager.cpu.enabled and self.block_manager.can_swap_out(request)
+        ):
+            mode = "recompute"
+        return mode
+
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks; it recomputes its tokens when it runs again."""
-        self.block_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        """Swap the request's blocks out, or free them to recompute its tokens later."""
+        mode = self._preemption_mode(request)
+        if mode == "swap":
+            self.block_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.num_swapped += 1
+            self.stats.num_swap_preemptions += 1
+        else:
+            self.block_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self._forget_at_executor(request.request_id)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self._forget_at_executor(request.request_id)
         self.waiting.appendleft(request)
-        log.debug("preempted", request_id=request.request_id, mode="recompute")
+        log.debug("preempted", request_id=request.request_id, mode=mode)
 
     def _forget_at_executor(self, request_id: str) -> None:
         if request_id in self.at_executor:
@@ -215,39 +318,60 @@ class Scheduler:
         sampled = dict(zip(output.req_ids, output.sampled_token_ids))
         updated = []
         for req_id, num_tokens in step.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted since the step was planned
-            request.num_computed_tokens += num_tokens
-            token_id = sampled.get(req_id)
-            if token_id is None:
-                continue  # a prefill chunk that has not reached the end of the prompt
-            request.output_token_ids.append(token_id)
-            updated.append(request)
-            status = request.check_stop()
-            if status is not None:
-                self.finish(request, status)
+            request = self._live(req_id)
+            if request is not None:
+                request.num_computed_tokens += num_tokens
+                updated += self._append_sampled(request, sampled)
+        for fork in step.forks:
+            request = self._live(fork.child_id)
+            if request is not None:
+                request.num_computed_tokens = request.num_prompt_tokens
+                updated += self._append_sampled(request, sampled)
         return updated
 
+    def _live(self, req_id: str) -> Request | None:
+        """The request if it still runs (it may have been aborted since the step was planned)."""
+        request = self.requests.get(req_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return None
+        return request
+
+    def _append_sampled(self, request: Request, sampled: dict[str, int]) -> list[Request]:
+        token_id = sampled.get(request.request_id)
+        if token_id is None:
+            return []  # a prefill chunk that has not reached the end of the prompt
+        request.output_token_ids.append(token_id)
+        status = request.check_stop()
+        if status is not None:
+            self.finish(request, status)
+        return [request]
+
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Finish a request (stop, length, stop string or abort) and free its blocks."""
+        """Finish one sequence (stop, length, stop string or abort) and free its blocks."""
         if request.is_finished:
             return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self.num_swapped -= request.status is RequestStatus.SWAPPED
         request.status = status
+        request.num_pending_forks = 0
         self.block_manager.free(request)
         self._forget_at_executor(request.request_id)
         self.requests.pop(request.request_id, None)
+        group = self.groups.get(request.group_id, [])
+        if all(r.is_finished for r in group):
+            self.groups.pop(request.group_id, None)
         self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
 
-    def abort(self, request_id: str) -> bool:
-        request = self.requests.get(request_id)
-        if request is None:
+    def abort(self, group_id: str) -> bool:
+        """Abort every sample of a request; False if it is unknown or already finished."""
+        group = self.groups.get(group_id)
+        if group is None:
             return False
-        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        for request in list(group):
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
 
     def _record_usage(self) -> None:
@@ -257,8 +381,12 @@ class Scheduler:
         stats.peak_running = max(stats.peak_running, len(self.running))
 
     def check_invariants(self) -> None:
-        self.block_manager.check_invariants()
+        manager = self.block_manager
+        manager.check_invariants()
         for request in self.running:
-            assert request.request_id in self.block_manager.block_tables, request.request_id
+            assert request.request_id in manager.block_tables, request.request_id
         for request in self.waiting:
-            assert request.request_id not in self.block_manager.block_tables, request.request_id
+            assert request.request_id not in manager.block_tables, request.request_id
+            swapped = request.status is RequestStatus.SWAPPED
+            assert swapped == (request.request_id in manager.swapped_tables), request.request_id
+        assert self.num_swapped == len(manager.swapped_tables)

@@ -32,6 +32,18 @@ class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     replace_from: int = 0
 
 
+class ForkRequest(msgspec.Struct, array_like=True):
+    """A parallel sample forked from `parent_id` as its prompt completes this step.
+
+    The executor copies the parent's row after the forward pass and samples the child's first
+    token from the parent's logits with the child's own seed.
+    """
+
+    parent_id: str
+    child_id: str
+    seed: int | None
+
+
 class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     step_id: int
     new_requests: list[NewRequest] = []
@@ -41,8 +53,33 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_to_copy: list[tuple[int, int]] = []  # (src, dst), before the forward pass
     blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
-    forks: list[tuple[str, str]] = []  # (parent, child): child copies the parent's state
+    forks: list[ForkRequest] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+
+# --- Over NATS: what the executor service receives on `<prefix>.internal.<instance>.executor.
+# steps`, in publish order: the pieces of a step's long token lists, then the step itself.
+
+
+class StepPiece(msgspec.Struct, tag="piece", array_like=True):
+    """Leading token ids of one of the next step's NewRequests, sent ahead to keep messages
+    small; the NewRequest's own `token_ids` are the rest."""
+
+    req_id: str
+    token_ids: list[int]
+
+
+class RunStep(msgspec.Struct, tag="step", array_like=True):
+    step: ScheduledStep
+
+
+SchedulerMessage = StepPiece | RunStep
+
+
+class Attached(msgspec.Struct, array_like=True):
+    """The scheduler's answer to ExecutorReady: steps will follow."""
+
+    scheduler_id: str

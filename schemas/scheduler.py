@@ -1,6 +1,8 @@
-"""What the scheduler receives from its executor: the tokens sampled by one step."""
+"""What the scheduler receives: sampled tokens from its executor, requests from tokenizers."""
 
 import msgspec
+
+from engine.sampling_params import SamplingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -18,3 +20,88 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any asked
     # Beam search: per request, the top candidates (token id, log-prob) to extend beams.
     beam_candidates: dict[str, list[tuple[int, float]]] = {}
+
+
+# --- Over NATS: what the scheduler service receives -------------------------------------
+# From tokenizers on `<prefix>.internal.<instance>.scheduler.requests`, in publish order, so a
+# request's pieces always arrive before it: `PromptPiece`* then `AddRequest`, later maybe a
+# `FinishRequest`.
+
+
+class PromptPiece(msgspec.Struct, tag="piece", array_like=True):
+    """Leading prompt ids of a request too long for one message; its AddRequest follows."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """A tokenized request; `prompt_token_ids` follow the ids of its PromptPieces, if any.
+
+    Sent as a NATS request: the scheduler answers `AddResult` (accepted, or why not). New
+    tokens go to `reply_to`, the subject of the tokenizer replica that owns the stream.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    reply_to: str
+
+
+class FinishRequest(msgspec.Struct, tag="finish", array_like=True):
+    """End a request early: "abort" (every sample) or "stop" (a stop string, one sample).
+
+    The scheduler frees the blocks at once and answers with a final `SampleDelta` per sample
+    it ended, so the stream's final event follows the freeing.
+    """
+
+    request_id: str
+    finish_reason: str  # "abort" | "stop"
+    index: int | None = None  # the sample a stop string ended; None: all of them
+    stop_reason: str | None = None
+
+
+TokenizerMessage = PromptPiece | AddRequest | FinishRequest
+
+
+# From the executor: `ExecutorReady` (request-reply on `.scheduler.attach`), then one
+# `StepDone` or `StepFailed` per ScheduledStep on `.scheduler.outputs`.
+
+
+class ExecutorReady(msgspec.Struct, array_like=True):
+    """The executor's capacity, announced once its model and cache are allocated."""
+
+    executor_id: str
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    model: str
+
+
+class StepDone(msgspec.Struct, tag="done", array_like=True):
+    """A step's output with the executor's own timings (seconds)."""
+
+    output: StepOutput
+    execute_s: float  # receipt of the step to its output
+    wait_s: float  # previous output sent to this step received: idle on scheduler + NATS
+
+
+class StepFailed(msgspec.Struct, tag="failed", array_like=True):
+    step_id: int
+    message: str
+
+
+ExecutorMessage = StepDone | StepFailed
+
+
+class SchedulerInfo(msgspec.Struct):
+    """The scheduler's answer on `.scheduler.info`: is an executor attached, and its limits."""
+
+    executor_attached: bool
+    model: str = ""
+    max_model_len: int = 0
+    vocab_size: int = 0

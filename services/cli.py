@@ -33,8 +33,11 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="checkpoint folder or known model name (default: %(default)s)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint folder or known model name (default: %(default)s)",
+    )
     parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--max-model-len", type=int, default=None)
 

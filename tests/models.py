@@ -8,8 +8,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
-from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -1,6 +1,6 @@
 """Block manager: exact block ids, free-list order and ref counts (block_size 4, 8 blocks)."""
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, CachedBlock
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ def test_prefix_hit_shares_blocks_and_lru_eviction():
     assert manager.num_cached_blocks == 2  # only full blocks are cached
     b = make_request("b", prompt[:8] + [50, 51, 52])
     hits = manager.find_cached_prefix(b)
-    assert hits == [0, 1]
+    assert hits == [CachedBlock(0), CachedBlock(1)]
     assert manager.allocate_slots(b, 3, hits) == [3]
     assert manager.get_block_table("b") == [0, 1, 3]
     assert [manager.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
@@ -65,15 +65,15 @@ def test_prefix_hit_shares_blocks_and_lru_eviction():
     # (a frees 2 and drops its refs on 0 and 1; b then frees 3, 1, 0)
     assert list(manager.free_queue) == [4, 5, 6, 7, 2, 3, 1, 0]
     c = make_request("c", prompt[:8] + [7])
-    assert manager.find_cached_prefix(c) == [0, 1]
+    assert manager.find_cached_prefix(c) == [CachedBlock(0), CachedBlock(1)]
     # a request taking 5 blocks evicts the oldest free blocks: 4, 5, 6, 7, then 2 (uncached)
     d = make_request("d", list(range(200, 220)))
     assert manager.allocate_slots(d, 20) == [4, 5, 6, 7, 2]
-    assert manager.find_cached_prefix(c) == [0, 1]
+    assert manager.find_cached_prefix(c) == [CachedBlock(0), CachedBlock(1)]
     e = make_request("e", list(range(300, 308)))
     assert manager.allocate_slots(e, 8) == [3, 1]  # then evicts cached block 1
     assert manager.num_evictions == 1
-    assert manager.find_cached_prefix(c) == [0]
+    assert manager.find_cached_prefix(c) == [CachedBlock(0)]
     manager.check_invariants()
 
 
@@ -84,7 +84,9 @@ def test_whole_prompt_cached_still_computes_last_token():
     manager.allocate_slots(a, 8)
     computed(a, 8)
     b = make_request("b", prompt)
-    assert manager.find_cached_prefix(b) == [0]  # block 1 holds the last token: recompute it
+    assert manager.find_cached_prefix(b) == [
+        CachedBlock(0)
+    ]  # block 1 holds the last token: recompute it
 
 
 def test_fork_then_copy_on_write_of_shared_tail():
@@ -100,12 +102,12 @@ def test_fork_then_copy_on_write_of_shared_tail():
     child.output_token_ids.append(9)
     assert manager.num_blocks_needed(child, 1) == 1
     assert manager.allocate_slots(child, 1) == [2]
-    assert manager.take_copies() == [(1, 2)]
+    assert manager.take_ops().copy == [(1, 2)]
     assert manager.get_block_table("c") == [0, 2]
     # the parent now owns block 1 alone and writes into it in place
     parent.output_token_ids.append(8)
     assert manager.allocate_slots(parent, 1) == []
-    assert manager.take_copies() == []
+    assert manager.take_ops().copy == []
     assert [manager.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
     manager.check_invariants()
     manager.free(parent)

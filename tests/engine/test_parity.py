@@ -39,8 +39,9 @@ def model_and_expected(request):
 
 
 def run_engine(path, prompts, **engine_args):
-    llm = LLM(str(path), dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch",
-              **engine_args)
+    llm = LLM(
+        str(path), dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch", **engine_args
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -71,8 +72,7 @@ def test_preemption_keeps_tokens_exact(model_and_expected):
 
 def test_chunked_prefill_keeps_tokens_exact(model_and_expected):
     path, prompts, expected = model_and_expected
-    llm, got = run_engine(path, prompts, num_blocks=128, max_num_batched_tokens=6,
-                          max_num_seqs=4)
+    llm, got = run_engine(path, prompts, num_blocks=128, max_num_batched_tokens=6, max_num_seqs=4)
     assert llm.stats()["num_steps"] > MAX_TOKENS * 4  # chunks and a 4-request cap
     assert got == expected
     assert_all_free(llm)

@@ -1,0 +1,78 @@
+"""CpuBlockPool: the host-memory tier of the KV cache, counted in blocks.
+
+A CPU block is free, owned by a swapped-out request, or holds an evicted prefix-cache block
+(kept in LRU order and dropped first when space is needed). Blocks released during a step
+become reusable only at the next step: the executor carries out a step's swap-outs before its
+swap-ins, so a block read by a swap-in must not be rewritten by a swap-out of the same step.
+"""
+
+from collections import OrderedDict
+
+
+class CpuBlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.owned: set[int] = set()
+        self.cached: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self.released: list[int] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_blocks > 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take now: free ones plus evictable cached ones."""
+        return len(self.free) + len(self.cached)
+
+    def allocate(self) -> int | None:
+        """A block for a swapped-out request; evicts the oldest cached block if none is free."""
+        block_id = self._take()
+        if block_id is not None:
+            self.owned.add(block_id)
+        return block_id
+
+    def cache(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """A block to keep an evicted prefix-cache block in, or None when the pool is full."""
+        if block_hash in self.cached:
+            self.cached.move_to_end(block_hash)
+            return None  # already kept
+        block_id = self._take()
+        if block_id is not None:
+            self.cached[block_hash] = (block_id, token_ids)
+        return block_id
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        entry = self.cached.get(block_hash)
+        if entry is None or entry[1] != token_ids:
+            return None
+        return entry[0]
+
+    def take_cached(self, block_hash: bytes) -> int:
+        """Remove a cached block that is being swapped back in; returns its block id."""
+        block_id, _ = self.cached.pop(block_hash)
+        self.released.append(block_id)
+        return block_id
+
+    def release(self, block_id: int) -> None:
+        self.owned.remove(block_id)
+        self.released.append(block_id)
+
+    def end_step(self) -> None:
+        self.free.extend(self.released)
+        self.released = []
+
+    def _take(self) -> int | None:
+        if self.free:
+            return self.free.pop()
+        if self.cached:
+            _, (block_id, _) = self.cached.popitem(last=False)
+            return block_id
+        return None
+
+    def check_invariants(self) -> None:
+        cached = {block_id for block_id, _ in self.cached.values()}
+        groups = [set(self.free), self.owned, cached, set(self.released)]
+        assert sum(len(g) for g in groups) == self.num_blocks, "CPU blocks lost or duplicated"
+        assert len(set().union(*groups)) == self.num_blocks, "a CPU block is in two states"

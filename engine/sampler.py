@@ -1,0 +1,304 @@
+"""Sampler: one step's logits to one token a row, vectorised over the batch.
+
+Order (vLLM's): min_tokens -> penalties -> [greedy rows: argmax] -> temperature -> min_p ->
+top_k -> top_p -> sample. Sampling is an exponential race, `argmax(probs / q)` with
+`q ~ Exp(1)` (equivalent to Gumbel-max); a row with its own `torch.Generator` draws its own `q`,
+so a seeded request samples the same tokens whatever else shares its batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# Temperatures below this are greedy: dividing by them overflows float32 logits.
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class PenaltyTensors:
+    """Repetition, presence and frequency penalties of one step (rows = sampled sequences)."""
+
+    repetition: torch.Tensor  # float32 [num_rows]; 1.0 = off
+    presence: torch.Tensor  # float32 [num_rows]; 0.0 = off
+    frequency: torch.Tensor  # float32 [num_rows]; 0.0 = off
+    seen_mask: torch.Tensor  # bool [num_rows, vocab]: token in prompt or output
+    output_counts: torch.Tensor  # float32 [num_rows, vocab]: occurrences in the output
+
+
+@dataclass
+class SamplingBatch:
+    """Tensors for one step; row i samples the next token of sequence i.
+
+    Optional fields are None when no row uses the feature, so the common cases skip the work.
+    Generators must live on `device`.
+    """
+
+    temperature: torch.Tensor  # float32 [num_rows]; 1.0 on greedy rows so dividing is harmless
+    greedy_mask: torch.Tensor  # bool [num_rows]
+    all_greedy: bool
+    any_greedy: bool
+    seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
+    any_unseeded_random: bool  # some random row draws from the shared (global) generator
+    top_k: torch.Tensor | None  # int64 [num_rows]; vocab_size where disabled
+    top_p: torch.Tensor | None  # float32 [num_rows]; 1.0 where disabled
+    min_p: torch.Tensor | None  # float32 [num_rows]; 0.0 where disabled
+    penalties: PenaltyTensors | None
+    banned_rows: torch.Tensor | None  # int64 [num_banned]: with banned_token_ids, the
+    banned_token_ids: torch.Tensor | None  # (row, token) pairs min_tokens forbids this step
+    max_num_logprobs: int | None  # most top logprobs any row asked for; None: no row asked
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.penalties is None
+
+    @property
+    def no_top_k_p(self) -> bool:
+        return self.top_k is None and self.top_p is None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingBatch":
+        """Gather one step's per-row parameters into tensors on `device`."""
+        num_rows = len(params)
+        assert len(generators) == len(prompt_token_ids) == len(output_token_ids) == num_rows, (
+            "one generator, prompt and output per row"
+        )
+        greedy = [_is_greedy(p) for p in params]
+        random_rows = [i for i in range(num_rows) if not greedy[i]]
+        seeded_rows = [(i, g) for i in random_rows if (g := generators[i]) is not None]
+        banned_rows, banned_ids = _min_tokens_bans(
+            params, output_token_ids, eos_token_ids, vocab_size
+        )
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=_floats(_random_row_values(params, greedy, "temperature", 1.0), device),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            seeded_rows=seeded_rows,
+            any_unseeded_random=len(seeded_rows) < len(random_rows),
+            top_k=_top_k(params, greedy, vocab_size, device),
+            top_p=_unless_neutral(_random_row_values(params, greedy, "top_p", 1.0), 1.0, device),
+            min_p=_unless_neutral(_random_row_values(params, greedy, "min_p", 0.0), 0.0, device),
+            penalties=_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            banned_rows=_ints(banned_rows, device) if banned_rows else None,
+            banned_token_ids=_ints(banned_ids, device) if banned_rows else None,
+            max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """One token a row, and its logprobs when any row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # int64 [num_rows]
+    logprobs: torch.Tensor | None  # float32 [num_rows]: log-prob of the sampled token
+    top_logprob_ids: torch.Tensor | None  # int64 [num_rows, max_num_logprobs], best first
+    top_logprobs: torch.Tensor | None  # float32 [num_rows, max_num_logprobs]
+
+
+class Sampler:
+    """Samples one token a row from float logits [num_rows, vocab].
+
+    Logprobs are the log_softmax of the logits after min_tokens bans and penalties but before
+    temperature and top-k/top-p/min-p filtering (so they do not depend on the sampling knobs).
+    Greedy rows are exactly `argmax` of the penalised logits (ties: lowest index).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # for rows without a seed of their own; None: torch's global
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.to(torch.float32, copy=True)  # edited in place below; caller's untouched
+        if batch.banned_rows is not None:
+            logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
+        if batch.penalties is not None:
+            _apply_penalties(logits, batch.penalties)
+        logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy = logits.argmax(dim=-1) if batch.any_greedy else None
+            sampled = _sample_random(logits, batch, self.generator)
+            if greedy is not None:
+                sampled = torch.where(batch.greedy_mask, greedy, sampled)
+        return _output(sampled, logprobs, batch.max_num_logprobs)
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy or params.temperature < _MIN_TEMPERATURE
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _random_row_values(
+    params: list[SamplingParams], greedy: list[bool], name: str, neutral: float
+) -> list[float]:
+    """A sampling knob per row, neutral on greedy rows (which never use it)."""
+    return [neutral if g else getattr(p, name) for p, g in zip(params, greedy, strict=True)]
+
+
+def _unless_neutral(
+    values: list[float], neutral: float, device: torch.device
+) -> torch.Tensor | None:
+    """None when every row holds the neutral value, so the filter is skipped."""
+    return None if all(v == neutral for v in values) else _floats(values, device)
+
+
+def _top_k(
+    params: list[SamplingParams], greedy: list[bool], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    top_k = [
+        vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
+        for p, g in zip(params, greedy, strict=True)
+    ]
+    return None if all(k == vocab_size for k in top_k) else _ints(top_k, device)
+
+
+def _min_tokens_bans(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_ids: list[int],
+    vocab_size: int,
+) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to forbid: EOS (unless ignore_eos) and stop tokens before min_tokens.
+
+    Ids outside the vocabulary can never be sampled, so they need no ban (and would not index).
+    """
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(output) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        in_vocab = sorted(t for t in banned if t < vocab_size)
+        rows.extend([row] * len(in_vocab))
+        token_ids.extend(in_vocab)
+    return rows, token_ids
+
+
+def _penalties(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> PenaltyTensors | None:
+    repetition = [p.repetition_penalty for p in params]
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    if all(r == 1.0 for r in repetition) and not any(presence) and not any(frequency):
+        return None
+    output_counts = _token_counts(output_token_ids, vocab_size, device)
+    seen_mask = output_counts > 0
+    if any(r != 1.0 for r in repetition):  # only repetition looks at the prompt
+        seen_mask |= _token_counts(prompt_token_ids, vocab_size, device) > 0
+    return PenaltyTensors(
+        repetition=_floats(repetition, device),
+        presence=_floats(presence, device),
+        frequency=_floats(frequency, device),
+        seen_mask=seen_mask,
+        output_counts=output_counts,
+    )
+
+
+def _token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """float32 [num_rows, vocab_size]: how often each token occurs in each row's list."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    # Pad with vocab_size: an extra column, counted then dropped.
+    padded = _ints([ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids], device)
+    padded = padded.view(len(token_ids), max_len)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
+    """In place. Repetition as in CTRL (divide positive, multiply negative logits of seen
+    tokens); presence and frequency as in OpenAI's API, over output tokens only."""
+    repetition = penalties.repetition.unsqueeze(1).expand_as(logits)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits.copy_(torch.where(penalties.seen_mask, penalised, logits))
+    logits -= penalties.frequency.unsqueeze(1) * penalties.output_counts
+    logits -= penalties.presence.unsqueeze(1) * (penalties.output_counts > 0).float()
+
+
+def _sample_random(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Edits logits in place; returns int64 [num_rows] (meaningless on greedy rows)."""
+    logits /= batch.temperature.unsqueeze(1)
+    if batch.min_p is not None:
+        _apply_min_p(logits, batch.min_p)
+    if not batch.no_top_k_p:
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return _exponential_race(logits.softmax(dim=-1), batch, generator)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """In place: drop tokens whose probability is below min_p times the most likely one's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the top_k largest logits (ties with the k-th kept too), then the smallest prefix of
+    the rest, by probability, whose mass reaches top_p."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth_largest = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p == 1 keep everything: rounding could push mass_before past 1.0.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _exponential_race(
+    probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): picks token i with probability probs[i]."""
+    q = torch.empty_like(probs)
+    if batch.any_unseeded_random:
+        q.exponential_(generator=generator)
+    else:
+        q.fill_(1.0)  # greedy rows (overridden later) still need defined values
+    for row, generator in batch.seeded_rows:
+        q[row].exponential_(generator=generator)
+    # q == 0 would make 0/0 = NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(torch.float32).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _output(
+    sampled: torch.Tensor, logprobs: torch.Tensor | None, max_num_logprobs: int | None
+) -> SamplerOutput:
+    if logprobs is None or max_num_logprobs is None:
+        return SamplerOutput(sampled, None, None, None)
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(max_num_logprobs, dim=-1)
+    return SamplerOutput(sampled, sampled_logprobs, top_ids, top_logprobs)

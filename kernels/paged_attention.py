@@ -1,0 +1,343 @@
+"""Paged attention: one kernel for mixed batches of prefill chunks and decode tokens.
+
+Each program owns one query tile of one sequence and one KV head. With GQA the GROUP query
+heads sharing that KV head are stacked into the tile's rows, so K/V are read once for all of
+them (rows padded to a power of 2 and masked when GROUP is not one):
+
+    row r of the tile -> token  = q_tile * BLOCK_Q + r // GROUP_PAD   (within the sequence)
+                         head   = kv_head * GROUP  + r %  GROUP_PAD
+                         q_pos  = seq_len - q_len + token              (causal position)
+    key position pos  -> block  = block_table[pos // BLOCK_SIZE]
+                         cache[block, pos % BLOCK_SIZE, kv_head, :]
+
+The key tile (BLOCK_N positions) is gathered through the block table position by position, so
+BLOCK_N is independent of the cache block size. Split-KV (flash-decoding) runs the same kernel
+with the context cut into `num_splits` partitions along grid axis 2: each program writes its
+unnormalised partial output with its running max and sum, and `_reduce_splits_kernel`
+combines them.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_PARTITION_SIZE = 256  # tokens of context per split-KV program, at least
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _kv_tile_offsets(
+    block_table_ptr,
+    kv_head,
+    start,
+    kv_end,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Cache offsets and mask, [BLOCK_N, HEAD_DIM_PAD], of positions start.. (K and V alike)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    in_range = pos < kv_end
+    block_id = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    row = block_id * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+    row += kv_head * stride_cache_head
+    return row[:, None] + offs_d[None, :], in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def _attend_range(
+    q,
+    q_pos,
+    kv_start,
+    kv_end,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over keys kv_start..kv_end (causal).
+
+    Returns the unnormalised fp32 output, the running max (log2 domain) and the running sum.
+    Rows that see no key keep max -1e30 and sum 0 (finite, so no NaN reaches the reducer).
+    """
+    acc = tl.zeros([q.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([q.shape[0]], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    for start in range(kv_start, kv_end, BLOCK_N):
+        kv_offs, kv_mask = _kv_tile_offsets(
+            block_table_ptr, kv_head, start, kv_end, stride_cache_block, stride_cache_slot,
+            stride_cache_head, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE,
+        )  # fmt: skip
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        # "ieee" only matters for fp32 caches (no tf32); bf16/fp16 use tensor cores anyway
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        pos = start + tl.arange(0, BLOCK_N)
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_m_ptr,
+    partial_l_ptr,
+    qk_scale,
+    num_splits,
+    partition_size,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_tables_seq,
+    stride_partial_token,
+    stride_partial_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq_idx, q_tile = tl.program_id(0), tl.program_id(1)
+    kv_head, split_idx = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
+    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:  # grid is sized for the longest query chunk
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    token = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = (token < q_len) & (rows % GROUP_PAD < GROUP)
+    mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    token_idx = (q_start + token).to(tl.int64)  # row in the packed batch
+    q_offs = token_idx[:, None] * stride_query_token + head[:, None] * stride_query_head
+    q = tl.load(query_ptr + q_offs + offs_d[None, :], mask=mask, other=0.0)
+    # causal: the tile's last query sits at seq_len - q_len + (q_tile + 1) * BLOCK_Q - 1
+    kv_start = 0
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (q_tile + 1) * BLOCK_Q)
+    if SPLIT:
+        kv_start = split_idx * partition_size
+        kv_end = tl.minimum(kv_end, kv_start + partition_size)
+    acc, m_i, l_i = _attend_range(
+        q, seq_len - q_len + token, kv_start, kv_end, key_cache_ptr, value_cache_ptr,
+        block_tables_ptr + seq_idx * stride_block_tables_seq, kv_head, qk_scale,
+        stride_cache_block, stride_cache_slot, stride_cache_head,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+    )  # fmt: skip
+    if SPLIT:
+        # partials: [num_tokens, num_heads, num_splits] (+ [head_dim] for the output)
+        part = token_idx * stride_partial_token + head * stride_partial_head + split_idx
+        tl.store(partial_m_ptr + part, m_i, mask=row_mask)
+        tl.store(partial_l_ptr + part, l_i, mask=row_mask)
+        tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offs = token_idx[:, None] * stride_out_token + head[:, None] * stride_out_head
+        out_ptrs = out_ptr + out_offs + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_m_ptr,
+    partial_l_ptr,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    stride_partial_token,
+    stride_partial_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token_idx, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    part = token_idx * stride_partial_token + head * stride_partial_head + offs_s
+    split_mask = offs_s < num_splits
+    m = tl.load(partial_m_ptr + part, mask=split_mask, other=float("-inf"))
+    l_i = tl.load(partial_l_ptr + part, mask=split_mask, other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))  # rescale every split to the global max
+    denom = tl.sum(weight * l_i, 0)
+    mask = split_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    out_ptrs = out_ptr + token_idx * stride_out_token + head * stride_out_head + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_context: int, num_sms: int
+) -> int:
+    """Split-KV only for decode-only batches too small to fill the GPU with long contexts.
+
+    Aims at about two programs per SM, each partition at least MIN_PARTITION_SIZE tokens.
+    """
+    num_programs = num_seqs * num_kv_heads
+    target = 2 * num_sms
+    if max_seqlen_q != 1 or num_programs >= target or max_context < 2 * MIN_PARTITION_SIZE:
+        return 1
+    by_occupancy = -(-target // num_programs)
+    return max(1, min(by_occupancy, max_context // MIN_PARTITION_SIZE, MAX_SPLITS))
+
+
+def _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens):
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} KV heads"
+    assert key_cache.shape[3] == query.shape[2], "query and cache head_dim differ"
+    assert query.dtype == key_cache.dtype == value_cache.dtype, "query and caches share a dtype"
+    assert key_cache.stride() == value_cache.stride(), "key and value caches must share strides"
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    assert cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()
+    assert cu_seqlens_q.shape[0] == seq_lens.shape[0] + 1 == block_tables.shape[0] + 1
+
+
+def _tile_sizes(group: int, max_seqlen_q: int) -> tuple[int, int]:
+    """(GROUP_PAD, BLOCK_Q): at least 16 rows (tl.dot's minimum), 64 for prefill."""
+    group_pad = triton.next_power_of_2(group)
+    rows = 16 if max_seqlen_q == 1 else 64
+    return group_pad, max(1, rows // group_pad)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
+
+    query: [num_tokens, num_heads, head_dim], sequences packed back to back, head_dim
+    contiguous (a view into a fused qkv tensor is fine); key_cache, value_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim], same strides, head_dim contiguous; block_tables:
+    int32 [num_seqs, max_blocks_per_seq], rows contiguous; cu_seqlens_q: int32 [num_seqs + 1];
+    seq_lens: int32 [num_seqs], context lengths including the new tokens (already cached);
+    max_seqlen_q: the longest query chunk (host int, sizes the grid). Returns a contiguous
+    [num_tokens, num_heads, head_dim] tensor in query's dtype.
+
+    num_splits: None lets `choose_num_splits` decide (split-KV for small decode batches with
+    long contexts, judged by block_tables.shape[1] * block_size); 1 forces the single pass,
+    > 1 forces split-KV with that many context partitions (any batch, also prefill).
+    """
+    _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0] == 0:
+        return out
+    if num_splits is None:
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 0
+        num_seqs, max_context = block_tables.shape[0], block_tables.shape[1] * key_cache.shape[1]
+        num_kv_heads = key_cache.shape[2]
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context, num_sms)
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    if num_splits == 1:
+        unused = torch.empty(0, dtype=torch.float32, device=query.device)
+        _launch_attention(*args, (unused, unused, unused), 1, scale, max_seqlen_q)
+        return out
+    num_tokens, num_heads, head_dim = query.shape
+    partial_m = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+    partial_l = torch.empty_like(partial_m)
+    partial_out = query.new_empty(
+        (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32
+    )
+    partials = (partial_out, partial_m, partial_l)
+    _launch_attention(*args, partials, num_splits, scale, max_seqlen_q)
+    _launch_reduce(out, partials)
+    return out
+
+
+def _launch_attention(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out, partials,
+    num_splits, scale, max_seqlen_q,
+):  # fmt: skip
+    """The main kernel; with num_splits > 1 it fills partials (out, m, l) instead of out."""
+    num_heads, head_dim = query.shape[1:]
+    num_seqs, block_size, num_kv_heads = seq_lens.shape[0], key_cache.shape[1], key_cache.shape[2]
+    partial_out, partial_m, partial_l = partials
+    block_n = 64
+    max_context = block_tables.shape[1] * block_size
+    partition_size = triton.cdiv(max_context, num_splits * block_n) * block_n
+    group_pad, block_q = _tile_sizes(num_heads // num_kv_heads, max_seqlen_q)
+    grid = (num_seqs, triton.cdiv(max_seqlen_q, block_q), num_kv_heads * num_splits)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+        out, partial_out, partial_m, partial_l,
+        scale * LOG2E, num_splits, partition_size,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        num_heads * num_splits, num_splits,
+        GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+        # the interpreter (CPU) multiplies bf16 bit patterns in tl.dot: upcast there only
+        DOT_FP32=not query.is_cuda and key_cache.dtype == torch.bfloat16,
+    )  # fmt: skip
+
+
+def _launch_reduce(out, partials):
+    """Combine the split-KV partials into out: one program per (token, head)."""
+    partial_out, partial_m, partial_l = partials
+    num_tokens, num_heads, num_splits, head_dim = partial_out.shape
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        out, partial_out, partial_m, partial_l, num_splits,
+        out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
