@@ -66,6 +66,7 @@ class BlockManager:
         self.cpu = CpuBlockPool(num_cpu_blocks)
         self.ops = BlockOps()
         self.num_evictions = 0
+        self.num_copies = 0  # copy-on-write block copies
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
 
@@ -204,12 +205,22 @@ class BlockManager:
             entries.append(CachedBlock(cpu_block, on_cpu=True))
         self.swapped_tables[request.request_id] = entries
 
-    def num_blocks_to_swap_in(self, request: Request) -> int:
-        return sum(e.on_cpu for e in self.swapped_tables[request.request_id])
+    def num_blocks_to_resume(self, request: Request, num_new_tokens: int) -> int:
+        """Free device blocks that swap_in plus allocate_slots(num_new_tokens) will take."""
+        entries = self.swapped_tables[request.request_id]
+        total = request.num_computed_tokens + num_new_tokens
+        grow = max(0, -(-total // self.block_size) - len(entries))
+        tail_idx = request.num_computed_tokens // self.block_size
+        shared_tail = (
+            request.num_computed_tokens % self.block_size != 0
+            and tail_idx < len(entries)
+            and not entries[tail_idx].on_cpu
+            and self.blocks[entries[tail_idx].block_id].ref_count > 1
+        )
+        return sum(e.on_cpu for e in entries) + grow + int(shared_tail)
 
     def swap_in(self, request: Request) -> list[int]:
         """Bring a swapped-out request's blocks back; returns its whole new block table."""
-        assert self.num_blocks_to_swap_in(request) <= self.num_free_blocks, "swap_in: no room"
         table = []
         for entry in self.swapped_tables.pop(request.request_id):
             if not entry.on_cpu:
@@ -248,6 +259,7 @@ class BlockManager:
         self.blocks[src].ref_count -= 1
         table[idx] = dst
         self.ops.copy.append((src, dst))
+        self.num_copies += 1
         return [dst]
 
     def _pop_free(self) -> int:

@@ -33,3 +33,9 @@ class CheckpointError(KvpagerError):
     """A model path is missing, is not a checkpoint, or has weights we cannot read."""
 
     type = "invalid_checkpoint"
+
+
+class OverloadedError(KvpagerError):
+    """The waiting queue is full: the request may succeed later."""
+
+    type = "overloaded"

@@ -158,8 +158,16 @@ class Executor:
         if not states:
             return StepOutput(step_id=step.step_id)
         logits = self.model.compute_logits(hidden[logits_indices])
-        sampled = self.sampler(logits, self._sampling_batch(states))
-        return self._step_output(step.step_id, states, sampled)
+        beam_rows = [i for i, s in enumerate(states) if s.params.is_beam_search]
+        beam_candidates = _beam_candidates(
+            logits, states, beam_rows, self.model_config.eos_token_ids
+        )
+        if beam_rows:
+            keep = [i for i, s in enumerate(states) if not s.params.is_beam_search]
+            states, logits = [states[i] for i in keep], logits[keep]
+        output = self._step_output(step.step_id, states, logits)
+        output.beam_candidates = beam_candidates
+        return output
 
     def _move_blocks(self, step: ScheduledStep) -> None:
         """Swap-outs first (they save content that swap-ins and copies may overwrite)."""
@@ -190,12 +198,17 @@ class Executor:
         return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _apply_deltas(self, step: ScheduledStep) -> None:
+        for parent_id, child_id in step.beam_forks:  # before removals: parents may go too
+            parent = self.batch.states[parent_id]
+            self.batch.fork(parent_id, child_id, parent.params, None)
         for req_id in step.finished_req_ids:
             self.batch.remove(req_id)
         for new in step.new_requests:
             self.batch.add(new, self._generator(new.sampling_params.seed))
         for cached in step.cached_requests:
             self.batch.update(cached)
+            for token_id in cached.new_token_ids:
+                self.batch.append_token(self.batch.states[cached.req_id], token_id)
 
     def _sampling_batch(self, states) -> SamplingBatch:
         return SamplingBatch.build(
@@ -210,7 +223,10 @@ class Executor:
             device=self.device,
         )
 
-    def _step_output(self, step_id: int, states, sampled: SamplerOutput) -> StepOutput:
+    def _step_output(self, step_id: int, states, logits: torch.Tensor) -> StepOutput:
+        if not states:
+            return StepOutput(step_id=step_id)
+        sampled = self.sampler(logits, self._sampling_batch(states))
         token_ids = sampled.sampled_token_ids.tolist()
         for state, token_id in zip(states, token_ids):
             self.batch.append_token(state, token_id)
@@ -220,6 +236,23 @@ class Executor:
             sampled_token_ids=token_ids,
             logprobs=_logprobs(sampled, states),
         )
+
+
+def _beam_candidates(logits: torch.Tensor, states, rows: list[int], eos_ids) -> dict:
+    """Each beam's best next tokens: enough for transformers' 2 x beam_width continuations."""
+    if not rows:
+        return {}
+    logprobs = logits[rows].log_softmax(dim=-1)
+    # per beam at most the group's continuations: (2 + stop tokens) x width bounds them
+    needed = max(
+        (2 + len(eos_ids) + len(states[i].params.stop_token_ids)) * states[i].params.beam_width
+        for i in rows
+    )
+    values, token_ids = logprobs.topk(min(needed, logprobs.shape[-1]), dim=-1)
+    return {
+        states[i].req_id: list(zip(ids, vals))
+        for i, ids, vals in zip(rows, token_ids.tolist(), values.tolist())
+    }
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:

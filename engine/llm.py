@@ -151,6 +151,7 @@ class LLM:
             "num_swapped_out_blocks": manager.num_swapped_out_blocks,
             "num_swapped_in_blocks": manager.num_swapped_in_blocks,
             "num_evictions": manager.num_evictions,
+            "num_block_copies": manager.num_copies,
             "num_steps": stats.num_steps,
             "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
@@ -184,9 +185,19 @@ class LLM:
             raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})", "prompt")
         return token_ids
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | dict[str, Any],
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search (`beam_width` > 1): each output holds the best `n` beams, best first."""
+        params = self._params_per_prompt(sampling_params, 1)[0]
+        if not params.is_beam_search:
+            raise InvalidRequestError("beam_width: must be > 1 for beam search", "beam_width")
+        return self.generate(prompts, params, use_tqdm)
+
     def _track(self, prompt: Prompt, params: SamplingParams) -> _Tracked:
-        if params.is_beam_search:
-            raise InvalidRequestError("beam_width: use LLM.beam_search", "beam_width")
         token_ids = self._token_ids(prompt)
         request = Request(
             request_id=str(next(self._ids)),
@@ -210,14 +221,28 @@ class LLM:
         with tqdm(total=len(tracked), disable=not show_progress, desc="generate") as bar:
             while self.scheduler.has_unfinished:
                 step = self.scheduler.schedule()
+                if not step.num_scheduled_tokens and not self.scheduler.running:
+                    raise RuntimeError("scheduler stalled: nothing runs and nothing is admitted")
                 output = self.executor.execute(step)
                 logprobs = dict(zip(output.req_ids, output.logprobs or ()))
                 for request in self.scheduler.update_from_output(step, output):
                     item = by_group[request.group_id]
                     if self._absorb(item, request, logprobs.get(request.request_id)):
                         bar.update(1)
+                for group_id, beams in self.scheduler.take_beam_results().items():
+                    self._absorb_beams(by_group[group_id], beams)
+                    bar.update(1)
             if self.scheduler.finished_req_ids:  # let the executor drop finished rows now
                 self.executor.execute(self.scheduler.schedule())
+
+    def _absorb_beams(self, item: _Tracked, beams) -> None:
+        stops = set(item.request.eos_token_ids) | set(item.request.sampling_params.stop_token_ids)
+        skip = item.request.sampling_params.skip_special_tokens
+        for completion, beam in zip(item.output.outputs, beams):
+            completion.token_ids = beam.token_ids
+            completion.text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=skip)
+            completion.finish_reason = "stop" if beam.token_ids[-1] in stops else "length"
+            completion.cumulative_score = float(beam.score)
 
     def _absorb(self, item: _Tracked, request: Request, logprobs) -> bool:
         """Append a sample's newest token to its output; True once every sample finished."""

@@ -13,6 +13,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_score: float | None = None  # beam search: length-penalised log-prob
 
 
 @dataclass

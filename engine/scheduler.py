@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from engine.beam_search import BeamSearchGroup, FinishedBeam
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.errors import InvalidRequestError, RequestTooLongError
+from engine.errors import InvalidRequestError, OverloadedError, RequestTooLongError
 from engine.request import Request, RequestStatus
 from schemas.executor import CachedRequest, ForkRequest, NewRequest, ScheduledStep
 from schemas.scheduler import StepOutput
@@ -62,6 +63,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # group id -> its parallel samples
         self.num_swapped = 0
+        self.beam_groups: dict[str, BeamSearchGroup] = {}
+        self.beam_results: dict[str, list[FinishedBeam]] = {}  # finished searches, to collect
+        self._beam_forks: list[tuple[str, str]] = []  # for the next step
+        self._beam_tokens: dict[str, int] = {}  # chosen tokens the executor has not seen yet
+        self._num_beam_children = 0
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
         self.stats = SchedulerStats()
@@ -71,10 +77,16 @@ class Scheduler:
         """Queue a request (n > 1 samples fork from it later), or raise a typed error."""
         self.check_request(request)
         if len(self.waiting) >= self.config.max_waiting:
-            raise InvalidRequestError("the waiting queue is full", param=None)
-        request.num_pending_forks = request.sampling_params.n - 1
+            raise OverloadedError(f"the waiting queue is full ({self.config.max_waiting})")
+        params = request.sampling_params
+        request.num_pending_forks = max(params.n, params.beam_width) - 1
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
+        if params.is_beam_search:
+            stops = frozenset(request.eos_token_ids) | frozenset(params.stop_token_ids)
+            group = BeamSearchGroup(params, stops)
+            group.start(request)
+            self.beam_groups[request.group_id] = group
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
@@ -85,12 +97,14 @@ class Scheduler:
             )
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt: must not be empty", param="prompt")
-        if request.sampling_params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n: {request.sampling_params.n} samples exceed max_num_seqs "
-                f"({self.config.max_num_seqs})",
-                param="n",
-            )
+        params = request.sampling_params
+        for name in ("n", "beam_width"):
+            if getattr(params, name) > self.config.max_num_seqs:
+                raise InvalidRequestError(
+                    f"{name}: {getattr(params, name)} sequences exceed max_num_seqs "
+                    f"({self.config.max_num_seqs})",
+                    param=name,
+                )
         max_len, block_size = self.config.max_model_len, self.cache_config.block_size
         if request.max_num_tokens > max_len:
             raise RequestTooLongError(
@@ -137,8 +151,9 @@ class Scheduler:
             blocks_to_swap_out=ops.swap_out,
             blocks_to_swap_in=ops.swap_in,
             forks=plan.forks,
+            beam_forks=self._beam_forks,
         )
-        self.finished_req_ids = []
+        self.finished_req_ids, self._beam_forks = [], []
         return step
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -146,6 +161,9 @@ class Scheduler:
         while idx < len(self.running) and plan.budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if num_new == 0:  # a beam waiting for its siblings' candidates
+                idx += 1
+                continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
                 break  # the request itself was preempted: nothing newer is left to run
@@ -166,6 +184,8 @@ class Scheduler:
     def _note_running(self, request: Request, num_new: int, new_block_ids, plan) -> None:
         plan.budget -= num_new
         plan.num_scheduled[request.request_id] = num_new
+        token_id = self._beam_tokens.pop(request.request_id, None)
+        new_token_ids = [] if token_id is None else [token_id]
         if request.request_id not in self.at_executor:
             plan.new_requests.append(self._new_request_data(request))
             self.at_executor.add(request.request_id)
@@ -178,14 +198,17 @@ class Scheduler:
                     req_id=request.request_id,
                     num_computed_tokens=request.num_computed_tokens,
                     new_block_ids=new_block_ids,
+                    new_token_ids=new_token_ids,
                     replace_from=len(table) - len(new_block_ids),
                 )
             )
-        if (
-            request.num_pending_forks
-            and request.num_computed_tokens + num_new == request.num_tokens
-        ):
+        completes_prompt = request.num_computed_tokens + num_new == request.num_tokens
+        if request.num_pending_forks and completes_prompt and not self._is_beam(request):
             self._fork_samples(request, plan)
+
+    @staticmethod
+    def _is_beam(request: Request) -> bool:
+        return request.sampling_params.is_beam_search
 
     def _fork_samples(self, parent: Request, plan: _StepPlan) -> None:
         """The parent's prompt completes this step: its other samples share its blocks."""
@@ -215,14 +238,27 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0:
-            request = self.waiting[0]
-            if request.status is RequestStatus.SWAPPED:
-                if not self._swap_in(request, plan):
-                    break
+            if self._resume_or_admit(self.waiting[0], plan):
                 continue
-            room = self.config.max_num_seqs - self._num_seqs_in_use
-            if room < 1 + request.num_pending_forks or not self._admit(request, plan):
+            if self.running or plan.num_scheduled or not self.num_swapped:
                 break
+            # Nothing runs, yet the head cannot start: swapped requests hold shared device
+            # blocks. Let them recompute instead, so the head always fits.
+            for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
+                self._drop_swapped(request)
+
+    def _resume_or_admit(self, request: Request, plan: _StepPlan) -> bool:
+        if request.status is RequestStatus.SWAPPED:
+            return self._swap_in(request, plan)
+        room = self.config.max_num_seqs - self._num_seqs_in_use
+        return room >= 1 + request.num_pending_forks and self._admit(request, plan)
+
+    def _drop_swapped(self, request: Request) -> None:
+        self.block_manager.free(request)
+        self.num_swapped -= 1
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._forget_at_executor(request.request_id)
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         hits = self.block_manager.find_cached_prefix(request)
@@ -243,19 +279,19 @@ class Scheduler:
 
     def _swap_in(self, request: Request, plan: _StepPlan) -> bool:
         num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-        # room for the swapped blocks, one new block and a copy-on-write of a shared tail
-        needed = self.block_manager.num_blocks_to_swap_in(request) + 2
-        if needed > self.block_manager.num_free_blocks:
+        if self.block_manager.num_blocks_to_resume(request, num_new) > (
+            self.block_manager.num_free_blocks
+        ):
             return False
         self.waiting.popleft()
         self.num_swapped -= 1
-        table = self.block_manager.swap_in(request)
+        self.block_manager.swap_in(request)
         grown = self.block_manager.allocate_slots(request, num_new)
         assert grown is not None, "swap-in reserved too little"
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        # the executor's row replaces its whole table
         full_table = self.block_manager.get_block_table(request.request_id)
-        assert full_table[: len(table) - 1] == table[:-1] or not table
         self._note_running(request, num_new, list(full_table), plan)
         return True
 
@@ -305,6 +341,7 @@ class Scheduler:
         log.debug("preempted", request_id=request.request_id, mode=mode)
 
     def _forget_at_executor(self, request_id: str) -> None:
+        self._beam_tokens.pop(request_id, None)  # a resumed request sends all its tokens
         if request_id in self.at_executor:
             self.at_executor.discard(request_id)
             self.finished_req_ids.append(request_id)
@@ -319,8 +356,12 @@ class Scheduler:
         updated = []
         for req_id, num_tokens in step.num_scheduled_tokens.items():
             request = self._live(req_id)
-            if request is not None:
-                request.num_computed_tokens += num_tokens
+            if request is None:
+                continue
+            request.num_computed_tokens += num_tokens
+            if self._is_beam(request):
+                self._report_beam(request, output.beam_candidates.get(req_id))
+            else:
                 updated += self._append_sampled(request, sampled)
         for fork in step.forks:
             request = self._live(fork.child_id)
@@ -363,7 +404,69 @@ class Scheduler:
         group = self.groups.get(request.group_id, [])
         if all(r.is_finished for r in group):
             self.groups.pop(request.group_id, None)
+            self.beam_groups.pop(request.group_id, None)
         self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
+
+    def _report_beam(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
+        if candidates is None:
+            return  # a prefill chunk that has not reached the end of the prompt
+        group = self.beam_groups[beam.group_id]
+        if group.report(beam, candidates):
+            self._advance_beams(
+                group, [r for r in self.groups[beam.group_id] if r.request_id in group.scores]
+            )
+
+    def _advance_beams(self, group: BeamSearchGroup, beams: list[Request]) -> None:
+        """Apply one beam-search selection: fork beams chosen twice, free beams not chosen."""
+        running, done = group.select(beams)
+        beams[0].num_pending_forks = 0
+        if done:
+            self.beam_results[beams[0].group_id] = group.finished
+            for beam in beams:
+                self.finish(beam, RequestStatus.FINISHED_STOPPED)
+            return
+        chosen: dict[str, Request] = {}
+        assigned = []
+        for cont in running:  # forks copy their source before any new token is appended
+            first = cont.source.request_id not in chosen
+            beam = cont.source if first else self._fork_beam(cont.source)
+            chosen.setdefault(cont.source.request_id, beam)
+            assigned.append((beam, cont))
+        for beam, cont in assigned:
+            beam.output_token_ids.append(cont.token_id)
+            self._beam_tokens[beam.request_id] = cont.token_id
+            group.scores[beam.request_id] = cont.score
+        for beam in beams:
+            if beam.request_id not in chosen:
+                self.finish(beam, RequestStatus.FINISHED_STOPPED)
+
+    def _fork_beam(self, source: Request) -> Request:
+        self._num_beam_children += 1
+        child = Request(
+            request_id=f"{source.group_id}~{self._num_beam_children}",
+            prompt_token_ids=source.prompt_token_ids,
+            sampling_params=source.sampling_params,
+            eos_token_ids=source.eos_token_ids,
+            cache_salt=source.cache_salt,
+            arrival_time=source.arrival_time,
+            output_token_ids=list(source.output_token_ids),
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=source.num_computed_tokens,
+            block_hashes=list(source.block_hashes),
+            group_id=source.group_id,
+        )
+        self.block_manager.fork(source, child)
+        self.requests[child.request_id] = child
+        self.groups[source.group_id].append(child)
+        self.running.append(child)
+        self.at_executor.add(child.request_id)
+        self._beam_forks.append((source.request_id, child.request_id))
+        return child
+
+    def take_beam_results(self) -> dict[str, list[FinishedBeam]]:
+        """Finished beam searches since the last call: group id -> best beams, best first."""
+        results, self.beam_results = self.beam_results, {}
+        return results
 
     def abort(self, group_id: str) -> bool:
         """Abort every sample of a request; False if it is unknown or already finished."""

@@ -27,6 +27,7 @@ class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     num_computed_tokens: int
     new_block_ids: list[int] = []
+    new_token_ids: list[int] = []  # tokens the scheduler chose (beam search), to append
     # table[replace_from:] = new_block_ids. Usually an append; copy-on-write of a shared
     # partly filled tail replaces the last block too.
     replace_from: int = 0
@@ -54,6 +55,8 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
     forks: list[ForkRequest] = []
+    # (parent, child) beams: before the forward pass the child copies the parent's row
+    beam_forks: list[tuple[str, str]] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

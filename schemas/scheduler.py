@@ -18,7 +18,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     req_ids: list[str] = []
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any asked
-    # Beam search: per request, the top candidates (token id, log-prob) to extend beams.
+    # Beam search: per beam, its best next tokens as (token id, log-prob), best first.
     beam_candidates: dict[str, list[tuple[int, float]]] = {}
 
 

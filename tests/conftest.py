@@ -21,3 +21,6 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return build_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+pytest_plugins = ["tests.smollm2_fixture"]
