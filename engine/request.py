@@ -1,5 +1,6 @@
 """Request: one sequence's token state, as the scheduler and block manager see it."""
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -92,3 +93,16 @@ class Request:
         if self.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def fork(self, request_id: str, **changes) -> "Request":
+        """A running copy sharing this request's tokens so far (parallel samples, beams)."""
+        return dataclasses.replace(
+            self,
+            request_id=request_id,
+            output_token_ids=list(self.output_token_ids),
+            block_hashes=list(self.block_hashes),
+            status=RequestStatus.RUNNING,
+            num_pending_forks=0,
+            num_preemptions=0,
+            **changes,
+        )

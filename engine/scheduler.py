@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from engine.beam_search import BeamSearchGroup, FinishedBeam
+from engine.beam_scheduler import BeamScheduler
+from engine.beam_search import FinishedBeam
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import InvalidRequestError, OverloadedError, RequestTooLongError
@@ -63,11 +64,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # group id -> its parallel samples
         self.num_swapped = 0
-        self.beam_groups: dict[str, BeamSearchGroup] = {}
-        self.beam_results: dict[str, list[FinishedBeam]] = {}  # finished searches, to collect
-        self._beam_forks: list[tuple[str, str]] = []  # for the next step
-        self._beam_tokens: dict[str, int] = {}  # chosen tokens the executor has not seen yet
-        self._num_beam_children = 0
+        self.beams = BeamScheduler(self)
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
         self.stats = SchedulerStats()
@@ -83,10 +80,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
         if params.is_beam_search:
-            stops = frozenset(request.eos_token_ids) | frozenset(params.stop_token_ids)
-            group = BeamSearchGroup(params, stops)
-            group.start(request)
-            self.beam_groups[request.group_id] = group
+            self.beams.start(request)
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
@@ -151,9 +145,9 @@ class Scheduler:
             blocks_to_swap_out=ops.swap_out,
             blocks_to_swap_in=ops.swap_in,
             forks=plan.forks,
-            beam_forks=self._beam_forks,
+            beam_forks=self.beams.take_forks(),
         )
-        self.finished_req_ids, self._beam_forks = [], []
+        self.finished_req_ids = []
         return step
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -184,8 +178,7 @@ class Scheduler:
     def _note_running(self, request: Request, num_new: int, new_block_ids, plan) -> None:
         plan.budget -= num_new
         plan.num_scheduled[request.request_id] = num_new
-        token_id = self._beam_tokens.pop(request.request_id, None)
-        new_token_ids = [] if token_id is None else [token_id]
+        new_token_ids = self.beams.pop_token(request.request_id)
         if request.request_id not in self.at_executor:
             plan.new_requests.append(self._new_request_data(request))
             self.at_executor.add(request.request_id)
@@ -215,26 +208,22 @@ class Scheduler:
         params = parent.sampling_params
         for index in range(1, parent.num_pending_forks + 1):
             seed = None if params.seed is None else params.seed + index
-            child = Request(
-                request_id=f"{parent.request_id}#{index}",
-                prompt_token_ids=parent.prompt_token_ids,
+            child = parent.fork(
+                f"{parent.request_id}#{index}",
                 sampling_params=msgspec.structs.replace(params, seed=seed),
-                eos_token_ids=parent.eos_token_ids,
-                cache_salt=parent.cache_salt,
-                arrival_time=parent.arrival_time,
-                status=RequestStatus.RUNNING,
-                num_cached_tokens=parent.num_cached_tokens,
-                block_hashes=list(parent.block_hashes),
-                group_id=parent.group_id,
                 sample_index=index,
             )
-            self.block_manager.fork(parent, child)
-            self.requests[child.request_id] = child
-            self.groups[parent.group_id].append(child)
-            self.running.append(child)
-            self.at_executor.add(child.request_id)
+            self.add_forked(parent, child)
             plan.forks.append(ForkRequest(parent.request_id, child.request_id, seed))
         parent.num_pending_forks = 0
+
+    def add_forked(self, parent: Request, child: Request) -> None:
+        """Register a running child that shares all of its parent's blocks."""
+        self.block_manager.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.groups[parent.group_id].append(child)
+        self.running.append(child)
+        self.at_executor.add(child.request_id)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0:
@@ -341,7 +330,7 @@ class Scheduler:
         log.debug("preempted", request_id=request.request_id, mode=mode)
 
     def _forget_at_executor(self, request_id: str) -> None:
-        self._beam_tokens.pop(request_id, None)  # a resumed request sends all its tokens
+        self.beams.pop_token(request_id)  # a resumed request sends all its tokens
         if request_id in self.at_executor:
             self.at_executor.discard(request_id)
             self.finished_req_ids.append(request_id)
@@ -360,7 +349,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_tokens
             if self._is_beam(request):
-                self._report_beam(request, output.beam_candidates.get(req_id))
+                self.beams.report(request, output.beam_candidates.get(req_id))
             else:
                 updated += self._append_sampled(request, sampled)
         for fork in step.forks:
@@ -404,69 +393,12 @@ class Scheduler:
         group = self.groups.get(request.group_id, [])
         if all(r.is_finished for r in group):
             self.groups.pop(request.group_id, None)
-            self.beam_groups.pop(request.group_id, None)
+            self.beams.groups.pop(request.group_id, None)
         self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
-
-    def _report_beam(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
-        if candidates is None:
-            return  # a prefill chunk that has not reached the end of the prompt
-        group = self.beam_groups[beam.group_id]
-        if group.report(beam, candidates):
-            self._advance_beams(
-                group, [r for r in self.groups[beam.group_id] if r.request_id in group.scores]
-            )
-
-    def _advance_beams(self, group: BeamSearchGroup, beams: list[Request]) -> None:
-        """Apply one beam-search selection: fork beams chosen twice, free beams not chosen."""
-        running, done = group.select(beams)
-        beams[0].num_pending_forks = 0
-        if done:
-            self.beam_results[beams[0].group_id] = group.finished
-            for beam in beams:
-                self.finish(beam, RequestStatus.FINISHED_STOPPED)
-            return
-        chosen: dict[str, Request] = {}
-        assigned = []
-        for cont in running:  # forks copy their source before any new token is appended
-            first = cont.source.request_id not in chosen
-            beam = cont.source if first else self._fork_beam(cont.source)
-            chosen.setdefault(cont.source.request_id, beam)
-            assigned.append((beam, cont))
-        for beam, cont in assigned:
-            beam.output_token_ids.append(cont.token_id)
-            self._beam_tokens[beam.request_id] = cont.token_id
-            group.scores[beam.request_id] = cont.score
-        for beam in beams:
-            if beam.request_id not in chosen:
-                self.finish(beam, RequestStatus.FINISHED_STOPPED)
-
-    def _fork_beam(self, source: Request) -> Request:
-        self._num_beam_children += 1
-        child = Request(
-            request_id=f"{source.group_id}~{self._num_beam_children}",
-            prompt_token_ids=source.prompt_token_ids,
-            sampling_params=source.sampling_params,
-            eos_token_ids=source.eos_token_ids,
-            cache_salt=source.cache_salt,
-            arrival_time=source.arrival_time,
-            output_token_ids=list(source.output_token_ids),
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=source.num_computed_tokens,
-            block_hashes=list(source.block_hashes),
-            group_id=source.group_id,
-        )
-        self.block_manager.fork(source, child)
-        self.requests[child.request_id] = child
-        self.groups[source.group_id].append(child)
-        self.running.append(child)
-        self.at_executor.add(child.request_id)
-        self._beam_forks.append((source.request_id, child.request_id))
-        return child
 
     def take_beam_results(self) -> dict[str, list[FinishedBeam]]:
         """Finished beam searches since the last call: group id -> best beams, best first."""
-        results, self.beam_results = self.beam_results, {}
-        return results
+        return self.beams.take_results()
 
     def abort(self, group_id: str) -> bool:
         """Abort every sample of a request; False if it is unknown or already finished."""

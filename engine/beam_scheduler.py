@@ -1,0 +1,89 @@
+"""Beam search inside the scheduler: turn each selection into forks, frees and new tokens.
+
+The scheduler reports each beam's candidates here; once a group's live beams have all
+reported, the selection is applied: a beam chosen twice forks (the child shares its blocks),
+a beam not chosen finishes and frees its blocks, and every new beam's token is queued for the
+executor, which does not sample beams itself.
+"""
+
+from typing import TYPE_CHECKING
+
+from engine.beam_search import BeamSearchGroup, Continuation, FinishedBeam
+from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+
+class BeamScheduler:
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self.scheduler = scheduler
+        self.groups: dict[str, BeamSearchGroup] = {}
+        self.results: dict[str, list[FinishedBeam]] = {}  # finished searches, to collect
+        self.forks: list[tuple[str, str]] = []  # (source, child) for the next step
+        self.tokens: dict[str, int] = {}  # chosen tokens the executor has not seen yet
+        self._num_children = 0
+
+    def start(self, root: Request) -> None:
+        params = root.sampling_params
+        group = BeamSearchGroup(params, frozenset(root.eos_token_ids) | set(params.stop_token_ids))
+        group.start(root)
+        self.groups[root.group_id] = group
+
+    def report(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
+        if candidates is None:
+            return  # a prefill chunk that has not reached the end of the prompt
+        group = self.groups[beam.group_id]
+        if group.report(beam, candidates):
+            members = self.scheduler.groups[beam.group_id]
+            self._advance(group, [r for r in members if r.request_id in group.scores])
+
+    def _advance(self, group: BeamSearchGroup, beams: list[Request]) -> None:
+        running, done = group.select(beams)
+        beams[0].num_pending_forks = 0  # the root's reserved seats are now beams
+        if done:
+            self.results[beams[0].group_id] = group.finished
+            for beam in beams:
+                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+            return
+        assigned = self._assign(running)
+        for beam, cont in assigned:
+            beam.output_token_ids.append(cont.token_id)
+            self.tokens[beam.request_id] = cont.token_id
+            group.scores[beam.request_id] = cont.score
+        chosen = {cont.source.request_id for _, cont in assigned}
+        for beam in beams:
+            if beam.request_id not in chosen:
+                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+
+    def _assign(self, running: list[Continuation]) -> list[tuple[Request, Continuation]]:
+        """A beam per continuation: its source the first time, a fork of it after that.
+
+        Forks copy their source before any new token is appended.
+        """
+        seen: set[str] = set()
+        assigned = []
+        for cont in running:
+            source = cont.source
+            if source.request_id in seen:
+                self._num_children += 1
+                child = source.fork(f"{source.group_id}~{self._num_children}")
+                self.scheduler.add_forked(source, child)
+                self.forks.append((source.request_id, child.request_id))
+                assigned.append((child, cont))
+            else:
+                seen.add(source.request_id)
+                assigned.append((source, cont))
+        return assigned
+
+    def pop_token(self, request_id: str) -> list[int]:
+        token_id = self.tokens.pop(request_id, None)
+        return [] if token_id is None else [token_id]
+
+    def take_forks(self) -> list[tuple[str, str]]:
+        forks, self.forks = self.forks, []
+        return forks
+
+    def take_results(self) -> dict[str, list[FinishedBeam]]:
+        results, self.results = self.results, {}
+        return results
