@@ -32,6 +32,42 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_service(args: argparse.Namespace) -> int:
+    from services.settings import Settings
+
+    settings = Settings.from_args(args)
+    if args.command == "tokenizer":
+        from services.tokenizer.main import run
+    elif args.command == "scheduler":
+        from services.scheduler.main import run
+    else:
+        from services.executor.main import run
+    return run(settings)
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from services.schema import render
+
+    sys.stdout.write(render())
+    return 0
+
+
+SERVICES = {
+    "tokenizer": "validate and tokenize requests, stream text back",
+    "scheduler": "plan steps and own the KV block accounting",
+    "executor": "run the model on the paged KV cache",
+}
+
+
+def _add_service_parsers(sub) -> dict[str, Callable]:
+    from services.settings import add_arguments
+
+    for name, help_text in SERVICES.items():
+        add_arguments(sub.add_parser(name, help=f"NATS service: {help_text}"))
+    sub.add_parser("schema", help="print the JSON Schema of the public NATS API")
+    return {**dict.fromkeys(SERVICES, _cmd_service), "schema": _cmd_schema}
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -54,16 +90,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     offline.add_argument("--temperature", type=float, default=0.0)
     offline.add_argument("--seed", type=int, default=None)
     _add_model_args(offline)
-    return parser, {"download": _cmd_download, "offline": _cmd_offline}
+    commands = {"download": _cmd_download, "offline": _cmd_offline}
+    commands.update(_add_service_parsers(sub))
+    return parser, commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, commands = build_parser()
-    args = parser.parse_args(argv)
     try:
+        parser, commands = build_parser()  # flag defaults read KVPAGER_* variables
+        args = parser.parse_args(argv)
         return commands[args.command](args)
     except KvpagerError as exc:
-        print(f"kvpager {args.command}: {exc}", file=sys.stderr)
+        print(f"kvpager: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

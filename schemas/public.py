@@ -1,0 +1,198 @@
+"""What clients send and receive: the public API, JSON on the wire (msgpack on request).
+
+`llm.generate` takes a `GenerateRequest` (JSON, or msgpack with the header
+`Content-Type: application/msgpack`) published with a reply subject; the events come back on
+it as `GenerateEvent`s, in the request's encoding. `llm.abort` takes an `AbortRequest`;
+`llm.health`, `llm.stats` and `llm.models` answer any (empty) request with `Health`, `Stats`
+and `ModelList`. `kvpager schema` prints the JSON Schema of these structs.
+"""
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One turn of a conversation, rendered with the model's chat template."""
+
+    role: Annotated[str, Meta(min_length=1, description="e.g. system, user, assistant")]
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A generation request: exactly one of `prompt`, `messages` or `prompt_token_ids`.
+
+    The sampling fields have the names, defaults and meanings of the engine's
+    `SamplingParams` (vLLM's). Unknown fields are an error.
+    """
+
+    request_id: (
+        Annotated[
+            str, Meta(min_length=1, max_length=256, description="unique among requests in flight")
+        ]
+        | None
+    ) = None
+    prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
+    messages: (
+        Annotated[
+            list[ChatMessage], Meta(min_length=1, description="chat, rendered with its template")
+        ]
+        | None
+    ) = None
+    prompt_token_ids: (
+        Annotated[list[NonNegInt], Meta(min_length=1, description="token ids, used as is")] | None
+    ) = None
+    stream: Annotated[
+        bool, Meta(description="an event per new tokens (true) or one final event (false)")
+    ] = True
+    timeout: (
+        Annotated[float, Meta(gt=0, description="seconds from arrival, then aborted")] | None
+    ) = None
+    deadline: Annotated[float, Meta(description="unix time (seconds), then aborted")] | None = None
+    n: Annotated[
+        int, Meta(ge=1, description="samples per prompt, events tell them apart by `index`")
+    ] = 1
+    temperature: Annotated[float, Meta(ge=0.0, description="0 is greedy")] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, description="0 or -1: disabled")] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Meta(ge=0)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    max_tokens: Annotated[int, Meta(ge=1, description="most tokens to generate")] = 16
+    min_tokens: Annotated[int, Meta(ge=0, description="no EOS or stop id before this")] = 0
+    stop: Annotated[
+        str | list[Annotated[str, Meta(min_length=1)]], Meta(description="stop strings")
+    ] = []
+    stop_token_ids: list[NonNegInt] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: (
+        Annotated[int, Meta(ge=0, le=20, description="top alternatives besides the sampled token")]
+        | None
+    ) = None
+    skip_special_tokens: bool = True
+    beam_width: Annotated[int, Meta(ge=1, description="beam search (not served yet)")] = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Stop a request: its stream ends with finish_reason "abort" and its blocks are freed."""
+
+    request_id: str
+
+
+class ErrorInfo(msgspec.Struct):
+    """Why a request failed; `param` names the offending request field when there is one.
+
+    `type`: invalid_request, request_too_long, overloaded (the waiting queue is full; retry
+    later), unavailable (no scheduler or executor answers), deadline_exceeded, internal_error.
+    """
+
+    type: str
+    message: str
+    param: str | None = None
+
+
+class Usage(msgspec.Struct):
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_prompt_tokens: Annotated[int, Meta(description="served by the prefix cache")]
+
+
+class TokenLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class GenerateEvent(msgspec.Struct, kw_only=True):
+    """One event of a stream. `seq` counts 0, 1, 2... per stream, so a gap is visible.
+
+    Every stream ends with exactly one final event, the one with `usage` set; it has a
+    `finish_reason` and, when the request failed, `error`. With `stream: false` it is the only
+    event and carries all the text and token ids.
+    """
+
+    request_id: str
+    seq: int
+    index: Annotated[int, Meta(description="which of the n samples")] = 0
+    text: Annotated[str, Meta(description="new text since the previous event")] = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: Annotated[
+        int | str | None, Meta(description="the stop token id or stop string that matched")
+    ] = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.usage is not None
+
+
+class Health(msgspec.Struct):
+    """`ok` when a tokenizer, the scheduler and its executor all answer."""
+
+    status: Literal["ok", "unavailable"]
+    instance: str
+    model: str
+    message: str = ""
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    instance: str
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(msgspec.Struct):
+    models: list[ModelCard]
+
+
+class Percentiles(msgspec.Struct):
+    """Of the most recent samples (milliseconds)."""
+
+    count: int = 0
+    mean: float = 0.0
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+
+
+class Stats(msgspec.Struct, kw_only=True):
+    """One scheduler/executor pair: KV blocks, queues, throughput and latencies."""
+
+    instance: str
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: Annotated[int, Meta(description="free blocks holding prefix-cache data")]
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+    num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    num_generated_tokens: int
+    tokens_per_s: Annotated[float, Meta(description="generated, over the last 10 s")]
+    ttft_ms: Annotated[Percentiles, Meta(description="arrival at the scheduler to 1st token")]
+    itl_ms: Annotated[Percentiles, Meta(description="between tokens of one request")]
+    step_ms: Annotated[Percentiles, Meta(description="executor time per step")]
+    executor_wait_ms: Annotated[
+        Percentiles, Meta(description="executor idle between back-to-back steps")
+    ]

@@ -1,0 +1,1 @@
+"""The executor service: model, paged cache and sampling, driven by ScheduledSteps."""

@@ -1,0 +1,1 @@
+"""The scheduler service: block accounting and step planning for one executor."""

@@ -1,0 +1,289 @@
+"""Scheduler service: engine.scheduler.Scheduler driven over NATS, one step at a time.
+
+    executor attaches (capacity) -> Scheduler built -> loop:
+        schedule() -> ScheduledStep to the executor
+        publish the previous step's tokens to the tokenizers (while the executor runs)
+        StepOutput back -> update_from_output() -> deltas into the outbox
+
+Tokenizer messages (adds, aborts, stop-string finishes) are handled between awaits, so they
+never interleave with a schedule() or an update. `step_id` must come back as sent.
+"""
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.errors import KvpagerError
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from schemas.executor import Attached, ScheduledStep
+from schemas.public import ErrorInfo
+from schemas.scheduler import (
+    AddRequest,
+    ExecutorReady,
+    FinishRequest,
+    PromptPiece,
+    SchedulerInfo,
+    StepDone,
+    StepFailed,
+    TokenizerMessage,
+)
+from schemas.tokenizer import AddResult
+from services.scheduler.link import ExecutorLink
+from services.scheduler.metrics import ServiceMetrics
+from services.scheduler.outbox import Outbox, Route
+from services.scheduler.stats import build_stats
+from services.settings import Settings
+from services.subjects import Subjects
+from services.wire import encode_public, pack
+
+log = structlog.get_logger(__name__)
+
+_tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
+
+
+class SchedulerService:
+    def __init__(self, nc: NATS, settings: Settings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.subjects = Subjects(settings.prefix, settings.instance)
+        self.scheduler_id = uuid.uuid4().hex[:12]
+        self.core: Scheduler | None = None
+        self.executor: ExecutorReady | None = None
+        self.outbox = Outbox(nc)
+        self.metrics = ServiceMetrics()
+        self._pieces: dict[str, list[int]] = {}
+        self._work = asyncio.Event()
+        self._attached = asyncio.Event()
+        self.link = ExecutorLink(nc, self.subjects, settings.piece_tokens)
+        self._closing = False  # refuse new requests
+        self._stopped = False  # no more steps
+        self._requests_sub = None
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        nc, subjects = self.nc, self.subjects
+        await nc.subscribe(subjects.scheduler_attach, cb=self._on_attach)
+        await self.link.start()
+        await nc.subscribe(subjects.scheduler_info, cb=self._on_info)
+        await nc.subscribe(subjects.stats, cb=self._on_stats)
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
+
+    # --- the executor attaches ---------------------------------------------------------
+
+    async def _on_attach(self, msg: Msg) -> None:
+        ready = msgspec.msgpack.decode(msg.data, type=ExecutorReady)
+        if self.core is not None:  # a restarted executor has lost every request's state
+            self._fail_all(ErrorInfo("unavailable", "the executor restarted"))
+            self.link.cancel()
+        self.executor, self.core = ready, self._build_core(ready)
+        await msg.respond(pack(Attached(self.scheduler_id)))
+        if self._requests_sub is None:  # "no responders" for tokenizers until now
+            self._requests_sub = await self.nc.subscribe(
+                self.subjects.scheduler_requests, cb=self._on_tokenizer
+            )
+        log.info(
+            "executor attached",
+            executor=ready.executor_id,
+            num_blocks=ready.num_blocks,
+            block_size=ready.block_size,
+            num_cpu_blocks=ready.num_cpu_blocks,
+        )
+        self._attached.set()
+        self._work.set()
+
+    def _build_core(self, ready: ExecutorReady) -> Scheduler:
+        settings = self.settings
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=min(settings.max_num_seqs, ready.max_num_seqs),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=ready.max_model_len,
+            enable_chunked_prefill=settings.enable_chunked_prefill,
+            preemption_mode=settings.preemption_mode,
+            max_waiting=settings.max_waiting,
+        )
+        cache_config = CacheConfig(
+            ready.block_size, ready.num_blocks, settings.enable_prefix_caching, ready.num_cpu_blocks
+        )
+        return Scheduler(scheduler_config, cache_config)
+
+    # --- requests from tokenizers ----------------------------------------------------------
+
+    async def _on_tokenizer(self, msg: Msg) -> None:
+        message = _tokenizer_decoder.decode(msg.data)
+        if isinstance(message, PromptPiece):
+            self._pieces.setdefault(message.request_id, []).extend(message.token_ids)
+        elif isinstance(message, AddRequest):
+            error = self._add(message)
+            if msg.reply:
+                await msg.respond(pack(AddResult(error)))
+        else:
+            self._finish(message)
+
+    def _add(self, add: AddRequest) -> ErrorInfo | None:
+        token_ids = self._pieces.pop(add.request_id, []) + add.prompt_token_ids
+        if self._closing:
+            return ErrorInfo("unavailable", "the scheduler is shutting down")
+        request = Request(
+            request_id=add.request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=add.sampling_params,
+            eos_token_ids=tuple(self.executor.eos_token_ids),
+        )
+        try:
+            self.core.add_request(request)
+        except KvpagerError as exc:
+            log.info("request refused", request_id=add.request_id, error=exc.type)
+            return ErrorInfo(exc.type, str(exc), getattr(exc, "param", None))
+        self.outbox.routes[add.request_id] = Route(add.reply_to, set(range(add.sampling_params.n)))
+        log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
+        self._work.set()
+        return None
+
+    def _finish(self, finish: FinishRequest) -> None:
+        """Abort every sample, or stop the one a stop string ended; blocks freed now.
+
+        Unknown ids are ignored: the request has finished and its last delta is on its way.
+        """
+        group = list(self.core.groups.get(finish.request_id, ()))
+        if finish.finish_reason == "stop":
+            for request in group:
+                if request.sample_index == finish.index and not request.is_finished:
+                    request.stop_reason = finish.stop_reason
+                    self.core.finish(request, RequestStatus.FINISHED_STOPPED)
+                    self._answer_finish(request.group_id, request.sample_index, "stop", request)
+        elif group:
+            self.core.abort(finish.request_id)
+            route = self.outbox.routes.get(finish.request_id)
+            for index in sorted(route.open_indices) if route else ():
+                self._answer_finish(finish.request_id, index, "abort", group[0])  # unforked too
+        if group:
+            log.info(
+                "request finished early",
+                request_id=finish.request_id,
+                finish_reason=finish.finish_reason,
+            )
+            self._work.set()  # the executor must drop them, and the answer must go out
+
+    def _answer_finish(self, request_id: str, index: int, reason: str, request: Request) -> None:
+        self.outbox.add_final(
+            request_id, index, reason, num_cached_tokens=request.num_cached_tokens
+        )
+
+    def _fail_all(self, error: ErrorInfo) -> None:
+        for request_id in list(self.outbox.routes):
+            for request in list(self.core.groups.get(request_id, ())):
+                self.core.finish(request, RequestStatus.FINISHED_ABORTED)
+            route = self.outbox.routes.get(request_id)
+            for index in sorted(route.open_indices) if route else ():
+                self.outbox.add_final(request_id, index, "error", error)
+        log.error("failed every request", error=error.type, message=error.message)
+        self._work.set()
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        await self._attached.wait()
+        back_to_back = False  # this step was planned right after the previous output
+        while not self._stopped:
+            core = self.core
+            if not (core.has_unfinished or core.finished_req_ids):
+                await self.outbox.flush(core.step_id)
+                self._work.clear()
+                await self._work.wait()
+                back_to_back = False
+                continue
+            step = core.schedule()
+            done = await self._exchange(core, step)
+            if done is None:
+                back_to_back = False
+                continue
+            self._absorb(step, done, back_to_back)
+            back_to_back = bool(step.num_scheduled_tokens)
+            if not step.num_scheduled_tokens and not core.finished_req_ids:
+                await self._idle_briefly()  # nothing could be scheduled: do not spin
+
+    async def _idle_briefly(self) -> None:
+        self._work.clear()
+        try:
+            await asyncio.wait_for(self._work.wait(), timeout=0.01)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _exchange(self, core: Scheduler, step: ScheduledStep) -> StepDone | None:
+        """Send the step, flush the previous step's tokens meanwhile, await the answer."""
+        await self.link.send(step)
+        await self.outbox.flush(step.step_id)  # overlaps the executor's work
+        answer = await self.link.answer(step.step_id, self.settings.step_timeout)
+        if self.core is not core or self._stopped:  # re-attached or stopping: step abandoned
+            return None
+        if answer is None:
+            timeout = self.settings.step_timeout
+            message = f"the executor did not answer step {step.step_id} in {timeout} s"
+            self._fail_all(ErrorInfo("unavailable", message))
+        elif isinstance(answer, StepFailed):
+            message = f"the executor failed step {answer.step_id}: {answer.message}"
+            self._fail_all(ErrorInfo("internal_error", message))
+        return answer if isinstance(answer, StepDone) else None
+
+    def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
+        now, output, metrics = time.monotonic(), done.output, self.metrics
+        metrics.step.add(done.execute_s)
+        if back_to_back:
+            metrics.executor_wait.add(done.wait_s)
+        updated = self.core.update_from_output(step, output)
+        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+        for request in updated:
+            route = self.outbox.add_token(request, logprobs.get(request.request_id))
+            if route is not None:
+                self._time_token(route, now)
+        metrics.throughput.add(len(updated), now)
+        if self.settings.check_invariants:
+            self.core.check_invariants()
+
+    def _time_token(self, route: Route, now: float) -> None:
+        if route.first_token_at is None:
+            route.first_token_at = now
+            self.metrics.ttft.add(now - route.arrival)
+        else:
+            self.metrics.itl.add(now - route.last_token_at)
+        route.last_token_at = now
+
+    # --- queries ---------------------------------------------------------------------------
+
+    async def _on_info(self, msg: Msg) -> None:
+        ready = self.executor
+        info = SchedulerInfo(executor_attached=False)
+        if ready is not None:
+            info = SchedulerInfo(True, ready.model, ready.max_model_len, ready.vocab_size)
+        await msg.respond(pack(info))
+
+    async def _on_stats(self, msg: Msg) -> None:
+        if self.core is None:
+            return  # no answer until the executor attaches: the client times out
+        stats = build_stats(self.settings.instance, self.core, self.metrics)
+        await msg.respond(encode_public(stats, msgpack=False)[0])
+
+    async def stop(self) -> None:
+        """Refuse new requests, let running ones finish for a while, then fail the rest."""
+        self._closing = True
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while self.outbox.routes and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.outbox.routes:
+            self._fail_all(ErrorInfo("unavailable", "the scheduler is shutting down"))
+        self._stopped = True
+        self.link.cancel()  # do not wait for a step the executor may never answer
+        self._work.set()
+        if self._loop_task is not None:
+            await asyncio.wait({self._loop_task}, timeout=5.0)
+            self._loop_task.cancel()
+        if self.core is not None:
+            await self.outbox.flush(self.core.step_id)  # the final deltas

@@ -1,0 +1,32 @@
+"""The public Stats of one scheduler/executor pair, read off the engine and the metrics."""
+
+from engine.scheduler import Scheduler
+from schemas.public import Stats
+from services.scheduler.metrics import ServiceMetrics
+
+
+def build_stats(instance: str, core: Scheduler, metrics: ServiceMetrics) -> Stats:
+    manager, stats = core.block_manager, core.stats
+    queried = stats.prefix_queried_tokens
+    return Stats(
+        instance=instance,
+        num_blocks=manager.num_blocks,
+        block_size=manager.block_size,
+        num_used_blocks=manager.num_used_blocks,
+        num_free_blocks=manager.num_free_blocks,
+        num_cached_blocks=manager.num_cached_blocks,
+        num_running=len(core.running),
+        num_waiting=len(core.waiting),
+        num_preemptions=stats.num_preemptions,
+        num_steps=stats.num_steps,
+        num_finished=dict(stats.finished),
+        prefix_cache_queried_tokens=queried,
+        prefix_cache_hit_tokens=stats.prefix_hit_tokens,
+        prefix_cache_hit_rate=round(stats.prefix_hit_tokens / queried, 4) if queried else 0.0,
+        num_generated_tokens=metrics.throughput.total,
+        tokens_per_s=metrics.throughput.per_second(),
+        ttft_ms=metrics.ttft.percentiles(),
+        itl_ms=metrics.itl.percentiles(),
+        step_ms=metrics.step.percentiles(),
+        executor_wait_ms=metrics.executor_wait.percentiles(),
+    )

@@ -1,0 +1,143 @@
+"""Service settings: command-line flags over `KVPAGER_*` environment variables over defaults.
+
+The one module that reads the environment. Every service takes the same `Settings`, so a
+launcher can pass one set of flags (or one environment) to all three processes.
+"""
+
+import argparse
+import dataclasses
+import os
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+
+ENV_PREFIX = "KVPAGER_"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _opt(help_text: str, **extra: Any) -> Any:
+    return field(default=extra.pop("default"), metadata={"help": help_text, **extra})
+
+
+@dataclass(frozen=True)
+class Settings:
+    nats_url: str = _opt("NATS server URL", default="nats://127.0.0.1:4222")
+    prefix: str = _opt("subject prefix of the public API", default="llm")
+    instance: str = _opt("name of this scheduler/executor pair", default="default")
+    model: str = _opt("checkpoint folder or known model name", default=DEFAULT_MODEL)
+    dtype: str = _opt("float32 | bfloat16 | float16 | auto", default="auto")
+    device: str = _opt("cpu | cuda | cuda:N | auto", default="auto")
+    attention_backend: str = _opt("torch | triton | auto", default="auto")
+    block_size: int = _opt("tokens per KV block", default=16)
+    num_blocks: int | None = _opt("KV blocks (default: what fits)", default=None)
+    kv_cache_memory: int | None = _opt("bytes for the KV cache", default=None)
+    swap_space: int = _opt("bytes of host memory for swapped-out blocks", default=0)
+    max_num_seqs: int = _opt("most requests running at once", default=256)
+    max_num_batched_tokens: int = _opt("token budget of one step", default=2048)
+    max_model_len: int | None = _opt("prompt + output limit (default: the model's)", default=None)
+    max_waiting: int = _opt("waiting-queue bound; past it, 'overloaded'", default=1024)
+    enable_prefix_caching: bool = _opt("share full prompt blocks", default=True)
+    enable_chunked_prefill: bool = _opt("split long prompts across steps", default=True)
+    preemption_mode: str = _opt("auto | recompute | swap", default="auto")
+    seed: int = _opt("seed of unseeded sampling", default=0)
+    piece_tokens: int = _opt("most token ids in one internal message", default=65536)
+    step_timeout: float = _opt("seconds the scheduler waits for one step", default=300.0)
+    finish_timeout: float = _opt("seconds a stream waits for an abort to land", default=10.0)
+    drain_timeout: float = _opt("seconds to finish streams on shutdown", default=10.0)
+    check_invariants: bool = _opt("check block accounting after every step", default=False)
+    log_level: str = _opt("debug | info | warning | error", default="info")
+    log_json: bool | None = _opt("JSON log lines (default: when not a tty)", default=None)
+
+    def __post_init__(self) -> None:
+        for name in ("prefix", "instance"):
+            value = getattr(self, name)
+            if not value or any(c in value for c in " \t*>") or value.startswith("."):
+                raise ConfigError(f"{name}: {value!r} is not a valid NATS subject token")
+        if "." in self.instance:
+            raise ConfigError("instance: must be a single subject token (no dots)")
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+            "piece_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1")
+        for name in ("step_timeout", "finish_timeout", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive")
+
+    def model_path(self) -> Path:
+        """A checkpoint folder as given, or a known model name fetched and converted."""
+        path = Path(self.model).expanduser()
+        if path.is_dir():
+            return path
+        from engine.download import resolve_model  # network and conversion: only by name
+
+        return resolve_model(self.model, progress=False)
+
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        """The configured limit, or the model's (at most 8192, and at most its window)."""
+        max_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
+        if model_config.sliding_window:  # full attention is exact up to the window
+            max_len = min(max_len, model_config.sliding_window)
+        return max_len
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Settings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; each default comes from `KVPAGER_<NAME>` when set."""
+    hints = get_type_hints(Settings)
+    for spec in dataclasses.fields(Settings):
+        kind = _base_type(hints[spec.name])
+        flag = "--" + spec.name.replace("_", "-")
+        env_name = ENV_PREFIX + spec.name.upper()
+        default = _from_env(env_name, kind, spec.default)
+        help_text = f"{spec.metadata['help']} [env {env_name}; default {default}]"
+        if kind is bool:
+            parser.add_argument(
+                flag, default=default, help=help_text, action=argparse.BooleanOptionalAction
+            )
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def environment(settings: Settings) -> dict[str, str]:
+    """The `KVPAGER_*` variables that reproduce `settings` in a child process (launchers)."""
+    env = {}
+    for spec in dataclasses.fields(Settings):
+        value = getattr(settings, spec.name)
+        if value is not None:
+            env[ENV_PREFIX + spec.name.upper()] = (
+                str(value).lower() if isinstance(value, bool) else str(value)
+            )
+    return env
+
+
+def _base_type(hint: Any) -> type:
+    if get_origin(hint) in (Union, types.UnionType):
+        return next(arg for arg in get_args(hint) if arg is not type(None))
+    return hint
+
+
+def _from_env(name: str, kind: type, default: Any) -> Any:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if kind is bool:
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ConfigError(f"{name}: {raw!r} is not a boolean")
+        return raw.lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {raw!r} is not a valid {kind.__name__}") from exc

@@ -1,0 +1,71 @@
+"""The NATS subject map: the public API under a prefix, internals under a named instance.
+
+llm.generate                          client -> tokenizer (queue group), reply: events
+llm.abort                             client -> every tokenizer (the owner acts)
+llm.health | llm.models               client -> tokenizer (queue group), request-reply
+llm.stats                             client -> scheduler, request-reply
+llm.internal.<instance>.scheduler.requests   tokenizer -> scheduler: AddRequest (reply:
+                                      AddResult), PromptPiece, FinishRequest
+llm.internal.<instance>.scheduler.info       tokenizer -> scheduler, request-reply
+llm.internal.<instance>.scheduler.attach     executor -> scheduler: ExecutorReady
+llm.internal.<instance>.scheduler.outputs    executor -> scheduler: StepDone, StepFailed
+llm.internal.<instance>.executor.steps       scheduler -> executor: StepPiece, RunStep
+llm.internal.<instance>.tokens.<replica>     scheduler -> one tokenizer: TokenBatch
+"""
+
+from dataclasses import dataclass
+
+TOKENIZER_QUEUE = "kvpager-tokenizer"
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "llm"
+    instance: str = "default"
+
+    @property
+    def generate(self) -> str:
+        return f"{self.prefix}.generate"
+
+    @property
+    def abort(self) -> str:
+        return f"{self.prefix}.abort"
+
+    @property
+    def health(self) -> str:
+        return f"{self.prefix}.health"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.prefix}.stats"
+
+    @property
+    def models(self) -> str:
+        return f"{self.prefix}.models"
+
+    @property
+    def _internal(self) -> str:
+        return f"{self.prefix}.internal.{self.instance}"
+
+    @property
+    def scheduler_requests(self) -> str:
+        return f"{self._internal}.scheduler.requests"
+
+    @property
+    def scheduler_info(self) -> str:
+        return f"{self._internal}.scheduler.info"
+
+    @property
+    def scheduler_attach(self) -> str:
+        return f"{self._internal}.scheduler.attach"
+
+    @property
+    def scheduler_outputs(self) -> str:
+        return f"{self._internal}.scheduler.outputs"
+
+    @property
+    def executor_steps(self) -> str:
+        return f"{self._internal}.executor.steps"
+
+    def tokens(self, replica_id: str) -> str:
+        return f"{self._internal}.tokens.{replica_id}"

@@ -1,0 +1,137 @@
+"""A public request's bytes in, a validated and tokenized request out, or a typed error."""
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+from transformers import PreTrainedTokenizerBase
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from schemas.public import GenerateRequest
+
+MSGPACK = "application/msgpack"
+_PARAM_AT = re.compile(r"`\$\.([A-Za-z_]+)")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+
+_json_decoder = msgspec.json.Decoder(GenerateRequest)
+_msgpack_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    timeout_s: float | None  # from now; None: no deadline
+
+
+def is_msgpack(headers: dict[str, str] | None) -> bool:
+    return bool(headers) and headers.get("Content-Type", "").startswith(MSGPACK)
+
+
+def decode_request(body: bytes, msgpack: bool) -> GenerateRequest:
+    """Decode and type-check; every failure is an InvalidRequestError naming the field."""
+    if not body.strip():
+        raise InvalidRequestError("empty request body: expected a JSON object", param=None)
+    try:
+        return (_msgpack_decoder if msgpack else _json_decoder).decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(str(exc), param=_param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        kind = "msgpack" if msgpack else "JSON"
+        raise InvalidRequestError(f"malformed {kind}: {exc}", param=None) from exc
+
+
+def request_id_of(body: bytes, msgpack: bool) -> str:
+    """The request id a client sent, even in a request that fails validation; else a new one."""
+    try:
+        raw = (msgspec.msgpack if msgpack else msgspec.json).decode(body)
+    except (msgspec.DecodeError, ValueError):
+        raw = None
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    if isinstance(request_id, str) and 0 < len(request_id) <= 256:
+        return request_id
+    return uuid.uuid4().hex
+
+
+def prepare(
+    request: GenerateRequest, request_id: str, tokenizer: PreTrainedTokenizerBase, vocab_size: int
+) -> Prepared:
+    """Check the cross-field rules, build SamplingParams, tokenize."""
+    params = sampling_params(request)
+    if params.is_beam_search:  # its results come whole at the end, not as token streams
+        raise InvalidRequestError("beam_width: beam search is not served yet", "beam_width")
+    return Prepared(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids(request, tokenizer, vocab_size),
+        params=params,
+        stream=request.stream,
+        timeout_s=_timeout_s(request),
+    )
+
+
+def sampling_params(request: GenerateRequest) -> SamplingParams:
+    fields = {name: getattr(request, name) for name in SamplingParams.__struct_fields__}
+    if isinstance(fields["stop"], str):
+        fields["stop"] = [fields["stop"]]
+    return SamplingParams(**fields)  # raises InvalidRequestError naming the field
+
+
+def prompt_token_ids(
+    request: GenerateRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int
+) -> list[int]:
+    given = [
+        name
+        for name in ("prompt", "messages", "prompt_token_ids")
+        if getattr(request, name) is not None
+    ]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            f"exactly one of prompt, messages or prompt_token_ids is required, got {len(given)}",
+            param=given[-1] if given else "prompt",
+        )
+    if request.prompt is not None:
+        token_ids = tokenizer.encode(request.prompt)  # as engine.LLM does
+    elif request.messages is not None:
+        token_ids = _apply_chat_template(request, tokenizer)
+    else:
+        token_ids = request.prompt_token_ids
+    if not token_ids:
+        raise InvalidRequestError(f"{given[0]}: must not be empty", param=given[0])
+    if max(token_ids) >= vocab_size:
+        raise InvalidRequestError(
+            f"prompt_token_ids: must be in [0, {vocab_size})", param="prompt_token_ids"
+        )
+    return token_ids
+
+
+def _apply_chat_template(request: GenerateRequest, tokenizer) -> list[int]:
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("messages: this model has no chat template", "messages")
+    messages = [msgspec.structs.asdict(m) for m in request.messages]
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # a template may raise on roles it does not know
+        raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
+
+
+def _timeout_s(request: GenerateRequest) -> float | None:
+    limits = []
+    if request.timeout is not None:
+        limits.append(request.timeout)
+    if request.deadline is not None:
+        limits.append(request.deadline - time.time())
+    return min(limits) if limits else None
+
+
+def _param_of(message: str) -> str | None:
+    match = _PARAM_AT.search(message) or _UNKNOWN_FIELD.search(message)
+    return match.group(1) if match else None

