@@ -9,6 +9,7 @@ torch attention backend (CPU serving) calls them. Cache layout everywhere:
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def reshape_and_cache_ref(
@@ -42,41 +43,38 @@ def _gather_context(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-    """q [..., kvh, group, q_len, d], k/v [..., kvh, 1, kv_len, d], mask broadcastable."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    """fp32 softmax attention. q [B, heads, q_len, d], k/v [B, kv_heads, kv_len, d] (any
+    strides), mask bool broadcastable to [B, heads, q_len, kv_len]; GQA by head groups."""
+    out = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out  # [B, heads, q_len, d]
 
 
 def _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
-    """All sequences have one query token: one batched gather and matmul, no Python loop."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    """All sequences have one query token: one batched gather and attention, no Python loop."""
+    num_seqs = query.shape[0]
+    block_size = key_cache.shape[1]
     max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    blocks = block_tables[:, :num_blocks].long()
-    # [num_seqs, kvh, 1, max_len, d]
-    k = key_cache[blocks].flatten(1, 2)[:, :max_len].float().permute(0, 2, 1, 3).unsqueeze(2)
-    v = value_cache[blocks].flatten(1, 2)[:, :max_len].float().permute(0, 2, 1, 3).unsqueeze(2)
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
+    blocks = block_tables[:, : -(-max_len // block_size)].long()
+    # [num_seqs, kv_heads, max_len, d], padded past each sequence's length
+    k = key_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    v = value_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2)
     positions = torch.arange(max_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, 1, max_len)
-    out = _attend(q, k, v, mask, scale)  # [num_seqs, kvh, group, 1, d]
-    return out.reshape(num_seqs, num_heads, head_dim)
+    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
+    return _attend(query.unsqueeze(2), k, v, mask, scale).squeeze(2)
 
 
 def _sequence_attention(q_seq, key_cache, value_cache, block_table, seq_len, scale):
     """Causal attention of one sequence's query chunk over its whole cached context."""
-    q_len, num_heads, head_dim = q_seq.shape
-    num_kv_heads = key_cache.shape[2]
-    k = _gather_context(key_cache, block_table, seq_len).float().permute(1, 0, 2).unsqueeze(1)
-    v = _gather_context(value_cache, block_table, seq_len).float().permute(1, 0, 2).unsqueeze(1)
-    q = q_seq.float().permute(1, 0, 2).reshape(num_kv_heads, -1, q_len, head_dim)
+    q_len = q_seq.shape[0]
+    k = _gather_context(key_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
+    v = _gather_context(value_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
     # query i sits at position seq_len - q_len + i and sees keys 0..that position
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q_seq.device)
     mask = torch.arange(seq_len, device=q_seq.device)[None, :] <= q_pos[:, None]
-    out = _attend(q, k, v, mask, scale)  # [kvh, group, q_len, d]
-    return out.reshape(num_heads, q_len, head_dim).permute(1, 0, 2)
+    out = _attend(q_seq.transpose(0, 1).unsqueeze(0), k, v, mask, scale)  # [1, heads, q_len, d]
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_ref(
@@ -101,6 +99,22 @@ def paged_attention_ref(
     if max_seqlen_q == 1:
         out = _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
         return out.to(query.dtype)
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    decode = torch.nonzero(q_lens == 1).flatten()
+    if decode.numel():  # the decode rows of a mixed batch still go in one batch
+        rows = cu_seqlens_q[decode].long()
+        out[rows] = _decode_attention(
+            query[rows], key_cache, value_cache, block_tables[decode], seq_lens[decode], scale
+        )
+    starts, lens, q_lens = cu_seqlens_q.tolist(), seq_lens.tolist(), q_lens.tolist()
+    for seq_idx, seq_len in enumerate(lens):
+        if q_lens[seq_idx] > 1:
+            start, end = starts[seq_idx], starts[seq_idx + 1]
+            out[start:end] = _sequence_attention(
+                query[start:end], key_cache, value_cache, block_tables[seq_idx], seq_len, scale
+            )
+    return out.to(query.dtype)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq_idx, seq_len in enumerate(lens):
