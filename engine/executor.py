@@ -144,6 +144,16 @@ class Executor:
         per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
         return self.config.swap_space // per_block
 
+    def reset(self) -> None:
+        """Forget every request (a new scheduler took over); weights and caches stay as they are.
+
+        The new scheduler starts with every block free, so stale cache contents are never read.
+        """
+        config = self.config
+        self.batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size, self.device
+        )
+
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepOutput:
         self._apply_deltas(step)

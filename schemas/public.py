@@ -2,9 +2,11 @@
 
 `llm.generate` takes a `GenerateRequest` (JSON, or msgpack with the header
 `Content-Type: application/msgpack`) published with a reply subject; the events come back on
-it as `GenerateEvent`s, in the request's encoding. `llm.abort` takes an `AbortRequest`;
-`llm.health`, `llm.stats` and `llm.models` answer any (empty) request with `Health`, `Stats`
-and `ModelList`. `kvpager schema` prints the JSON Schema of these structs.
+it as `GenerateEvent`s, in the request's encoding. While a stream has nothing to say, a
+keepalive comes every second or so: an empty message with the header `Kvpager-Keepalive`;
+skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` takes an
+`AbortRequest`; `llm.health`, `llm.stats` and `llm.models` answer any (empty) request with
+`Health`, `Stats` and `ModelList`. `kvpager schema` prints the JSON Schema of these structs.
 """
 
 from typing import Annotated, Literal
@@ -14,7 +16,9 @@ from msgspec import Meta
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
-NonNegInt = Annotated[int, Meta(ge=0)]
+INT32_MAX = 2**31 - 1  # counts and token ids beyond this can never be served
+NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
@@ -34,7 +38,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     request_id: (
         Annotated[
-            str, Meta(min_length=1, max_length=256, description="unique among requests in flight")
+            str,
+            Meta(
+                min_length=1,
+                max_length=256,
+                pattern="^[^#]+$",
+                description="unique among requests in flight; no '#' (sample ids use it)",
+            ),
         ]
         | None
     ) = None
@@ -54,20 +64,22 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timeout: (
         Annotated[float, Meta(gt=0, description="seconds from arrival, then aborted")] | None
     ) = None
-    deadline: Annotated[float, Meta(description="unix time (seconds), then aborted")] | None = None
+    deadline: (
+        Annotated[float, Meta(ge=0.0, description="unix time (seconds), then aborted")] | None
+    ) = None
     n: Annotated[
-        int, Meta(ge=1, description="samples per prompt, events tell them apart by `index`")
+        Count, Meta(description="samples per prompt, events tell them apart by `index`")
     ] = 1
     temperature: Annotated[float, Meta(ge=0.0, description="0 is greedy")] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1, description="0 or -1: disabled")] = 0
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX, description="0 or -1: disabled")] = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, Meta(ge=0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
-    max_tokens: Annotated[int, Meta(ge=1, description="most tokens to generate")] = 16
-    min_tokens: Annotated[int, Meta(ge=0, description="no EOS or stop id before this")] = 0
+    max_tokens: Annotated[Count, Meta(description="most tokens to generate")] = 16
+    min_tokens: Annotated[NonNegInt, Meta(description="no EOS or stop id before this")] = 0
     stop: Annotated[
         str | list[Annotated[str, Meta(min_length=1)]], Meta(description="stop strings")
     ] = []
@@ -79,7 +91,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         | None
     ) = None
     skip_special_tokens: bool = True
-    beam_width: Annotated[int, Meta(ge=1, description="beam search (not served yet)")] = 1
+    beam_width: Annotated[Count, Meta(description="beam search (not served yet)")] = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
 
@@ -94,7 +106,11 @@ class ErrorInfo(msgspec.Struct):
     """Why a request failed; `param` names the offending request field when there is one.
 
     `type`: invalid_request, request_too_long, overloaded (the waiting queue is full; retry
-    later), unavailable (no scheduler or executor answers), deadline_exceeded, internal_error.
+    later), unavailable (no scheduler answers, or a service lost its NATS connection),
+    executor_unavailable (the executor stopped, hung or restarted; retry once it is back),
+    deadline_exceeded, internal_error, and connection_lost: made by the Python client itself
+    when its NATS connection dropped or the stream went silent (events may be lost; the client
+    aborted the request).
     """
 
     type: str
@@ -183,6 +199,9 @@ class Stats(msgspec.Struct, kw_only=True):
     num_running: int
     num_waiting: int
     num_preemptions: int
+    num_swap_preemptions: Annotated[
+        int, Meta(description="preemptions that moved blocks to host memory")
+    ] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

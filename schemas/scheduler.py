@@ -99,9 +99,15 @@ ExecutorMessage = StepDone | StepFailed
 
 
 class SchedulerInfo(msgspec.Struct):
-    """The scheduler's answer on `.scheduler.info`: is an executor attached, and its limits."""
+    """The scheduler's answer on `.scheduler.info`: is an executor attached, and its limits.
+
+    Also the liveness ping of tokenizers and the executor: `scheduler_id` changes when the
+    scheduler restarts (its requests are gone), `executor_id` names the executor it steps.
+    """
 
     executor_attached: bool
     model: str = ""
     max_model_len: int = 0
     vocab_size: int = 0
+    scheduler_id: str = ""
+    executor_id: str = ""

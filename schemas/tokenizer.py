@@ -2,7 +2,8 @@
 
 `AddResult` answers an AddRequest. `TokenBatch` arrives on the replica's own subject
 (`<prefix>.internal.<instance>.tokens.<replica>`), one per step with every delta of the
-streams that replica owns, in step order.
+streams that replica owns, in step order. An empty message with a reply subject on that
+subject is the scheduler's liveness ping: the replica answers with an empty message.
 """
 
 import msgspec
@@ -12,9 +13,14 @@ from schemas.scheduler import TokenLogprobs
 
 
 class AddResult(msgspec.Struct, array_like=True, omit_defaults=True):
-    """None: queued. Otherwise why the scheduler refused the request (too long, overloaded)."""
+    """None: queued. Otherwise why the scheduler refused the request (too long, overloaded).
+
+    `scheduler_id` names the scheduler that queued it: if another one answers later, the
+    request is lost.
+    """
 
     error: ErrorInfo | None = None
+    scheduler_id: str = ""
 
 
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,18 +1,26 @@
 """The `kvpager` command: one subcommand per job, each a thin call into engine or services."""
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Callable
 
 from engine.errors import KvpagerError
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from services.client import ClientError
+from services.settings import (
+    CONNECTION_FIELDS,
+    DEFAULT_MODEL,
+    ServeSettings,
+    Settings,
+    add_arguments,
+    configured,
+)
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
     from engine.download import resolve_model
 
-    print(resolve_model(args.model, progress=True))
+    print(resolve_model(args.model or configured("model") or DEFAULT_MODEL, progress=True))
     return 0
 
 
@@ -33,8 +41,6 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
 
 def _cmd_service(args: argparse.Namespace) -> int:
-    from services.settings import Settings
-
     settings = Settings.from_args(args)
     if args.command == "tokenizer":
         from services.tokenizer.main import run
@@ -43,6 +49,40 @@ def _cmd_service(args: argparse.Namespace) -> int:
     else:
         from services.executor.main import run
     return run(settings)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from services.serve.launcher import serve
+
+    embedded = args.nats_url is None
+    if embedded:  # a placeholder until the embedded server knows its URL
+        args.nats_url = Settings.nats_url
+    return serve(Settings.from_args(args), ServeSettings.from_args(args), embedded)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from services import terminal
+
+    request = terminal.request_for(
+        args.prompt,
+        args.chat,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    return asyncio.run(terminal.generate(Settings.from_args(args), request))
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from services import terminal
+
+    return asyncio.run(terminal.stats(Settings.from_args(args), args.json, args.watch))
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    from services import terminal
+
+    return asyncio.run(terminal.health(Settings.from_args(args), args.timeout))
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -60,12 +100,39 @@ SERVICES = {
 
 
 def _add_service_parsers(sub) -> dict[str, Callable]:
-    from services.settings import add_arguments
-
     for name, help_text in SERVICES.items():
         add_arguments(sub.add_parser(name, help=f"NATS service: {help_text}"))
+    serve = sub.add_parser(
+        "serve",
+        help="nats-server and the three services, ready to use",
+        description="Without --nats-url, start a nats-server on loopback (--nats-port).",
+    )
+    add_arguments(serve)
+    serve.set_defaults(nats_url=configured("nats_url"))  # unset: start an embedded server
+    add_arguments(serve, ServeSettings)
     sub.add_parser("schema", help="print the JSON Schema of the public NATS API")
-    return {**dict.fromkeys(SERVICES, _cmd_service), "schema": _cmd_schema}
+    return {**dict.fromkeys(SERVICES, _cmd_service), "serve": _cmd_serve, "schema": _cmd_schema}
+
+
+def _add_client_parsers(sub) -> dict[str, Callable]:
+    generate = sub.add_parser("generate", help="stream a completion from a running kvpager")
+    _add_prompt_args(generate)
+    stats = sub.add_parser("stats", help="KV cache, queue and latency figures (llm.stats)")
+    stats.add_argument("--json", action="store_true", help="one JSON object")
+    stats.add_argument("--watch", type=float, metavar="SECONDS", help="repeat until Ctrl-C")
+    health = sub.add_parser("health", help="exit 0 if the API answers ok (llm.health)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    for parser in (generate, stats, health):
+        add_arguments(parser, names=CONNECTION_FIELDS)
+    return {"generate": _cmd_generate, "stats": _cmd_stats, "health": _cmd_health}
+
+
+def _add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt")
+    parser.add_argument("--chat", action="store_true", help="apply the chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -78,20 +145,54 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
 
 
+def _cmd_kv_size(args: argparse.Namespace) -> int:
+    from engine.config import ModelConfig, parse_dtype
+    from engine.kv_size import kv_size
+
+    config = ModelConfig.from_path(args.model)
+    dtype = parse_dtype(args.dtype or config.checkpoint_dtype)
+    report = kv_size(
+        config,
+        dtype,
+        max_tokens=args.tokens,
+        users=args.users,
+        budget_bytes=int(args.budget_gib * 1024**3),
+        avg_tokens=args.avg_tokens or args.tokens // 2,
+        block_size=args.block_size,
+    )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def _add_kv_size_parser(sub) -> dict[str, Callable]:
+    parser = sub.add_parser("kv-size", help="KV-cache bytes and sequences per memory budget")
+    parser.add_argument("model", help="checkpoint folder or config.json")
+    parser.add_argument("--tokens", type=int, default=4096, help="max tokens per sequence")
+    parser.add_argument("--users", type=int, default=256, help="concurrent sequences")
+    parser.add_argument("--dtype", default=None, help="KV dtype (default: the checkpoint's)")
+    parser.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget")
+    parser.add_argument(
+        "--avg-tokens",
+        type=int,
+        default=None,
+        help="average sequence length under paging (default: tokens / 2)",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    return {"kv-size": _cmd_kv_size}
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     parser = argparse.ArgumentParser(prog="kvpager", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     download = sub.add_parser("download", help="fetch and convert a known model")
-    download.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    download.add_argument("model", nargs="?", help="default: $KVPAGER_MODEL, else the default")
     offline = sub.add_parser("offline", help="generate in-process, no NATS")
-    offline.add_argument("prompt")
-    offline.add_argument("--chat", action="store_true", help="apply the chat template")
-    offline.add_argument("--max-tokens", type=int, default=64)
-    offline.add_argument("--temperature", type=float, default=0.0)
-    offline.add_argument("--seed", type=int, default=None)
+    _add_prompt_args(offline)
     _add_model_args(offline)
     commands = {"download": _cmd_download, "offline": _cmd_offline}
     commands.update(_add_service_parsers(sub))
+    commands.update(_add_client_parsers(sub))
+    commands.update(_add_kv_size_parser(sub))
     return parser, commands
 
 
@@ -100,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parser, commands = build_parser()  # flag defaults read KVPAGER_* variables
         args = parser.parse_args(argv)
         return commands[args.command](args)
-    except KvpagerError as exc:
+    except (KvpagerError, ClientError) as exc:
         print(f"kvpager: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,10 +4,15 @@
     async for event in client.generate(prompt="Hello", max_tokens=32, temperature=0):
         print(event.text, end="")
 
-Closing or cancelling the iterator before its final event sends `llm.abort`. A request with
-no kvpager listening raises NoKvpagerError; a gap in `seq` raises StreamGapError.
+Every stream ends with exactly one final event (`event.is_final`). Closing or cancelling the
+iterator before it sends `llm.abort`. When the client's NATS connection drops, or a stream
+hears nothing (not even a keepalive) for `idle_timeout` seconds, its events may be lost: the
+client aborts the request and ends the stream with a final event of its own, error type
+"connection_lost". A request with no kvpager listening raises NoKvpagerError; a gap in `seq`
+raises StreamGapError.
 """
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,11 +22,22 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from schemas.public import AbortRequest, GenerateEvent, GenerateRequest, Health, ModelList, Stats
+from schemas.public import (
+    AbortRequest,
+    ErrorInfo,
+    GenerateEvent,
+    GenerateRequest,
+    Health,
+    ModelList,
+    Stats,
+    Usage,
+)
 from services.subjects import Subjects
 from services.wire import MSGPACK_HEADERS
 
-DEFAULT_IDLE_TIMEOUT_S = 300.0
+DEFAULT_IDLE_TIMEOUT_S = 30.0  # services send a keepalive about every second
+POLL_S = 0.5  # how often a waiting stream looks at the connection
+KEEPALIVE_HEADER = "Kvpager-Keepalive"
 _event_json = msgspec.json.Decoder(GenerateEvent)
 _event_msgpack = msgspec.msgpack.Decoder(GenerateEvent)
 
@@ -38,10 +54,6 @@ class StreamGapError(ClientError):
     """An event was lost or reordered: `seq` skipped."""
 
 
-class StreamTimeoutError(ClientError):
-    """No event came for `idle_timeout` seconds."""
-
-
 class Client:
     def __init__(
         self, nc: NATS, prefix: str = "llm", idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
@@ -52,9 +64,15 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, url: str = "nats://127.0.0.1:4222", prefix: str = "llm", **options: Any
+        cls,
+        url: str = "nats://127.0.0.1:4222",
+        prefix: str = "llm",
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        **connect_options: Any,
     ) -> "Client":
-        return cls(await nats.connect(url, name="kvpager-client"), prefix, **options)
+        """Connect; `connect_options` go to `nats.connect` (auth, TLS, reconnect policy)."""
+        nc = await nats.connect(url, **{"name": "kvpager-client", **connect_options})
+        return cls(nc, prefix, idle_timeout)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -76,7 +94,7 @@ class Client:
     def generate_raw(
         self, payload: bytes, headers: dict[str, str] | None = None
     ) -> AsyncIterator[GenerateEvent]:
-        """Send bytes as they are (tools, tests); no abort on close, as the id is unknown."""
+        """Send bytes as they are (tools, tests); no abort on close before an event names it."""
         return self._events(payload, headers, None)
 
     async def _events(
@@ -84,31 +102,55 @@ class Client:
     ) -> AsyncIterator[GenerateEvent]:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
-        finished = False
+        reconnects = self.nc.stats["reconnects"]
+        finished = lost = False
+        seq, num_tokens = 0, 0
         try:
             await self.nc.publish(self.subjects.generate, payload, reply=inbox, headers=headers)
-            seq = 0
             while not finished:
-                event = await self._next_event(sub)
-                if event.seq != seq:
+                event = await self._next_event(sub, reconnects)
+                if event is None:
+                    lost = True
+                    event = _lost_event(request_id or "", seq, num_tokens, self.idle_timeout)
+                elif event.seq != seq:
                     raise StreamGapError(f"{event.request_id}: seq {event.seq}, expected {seq}")
-                seq += 1
+                request_id = request_id or event.request_id  # raw requests: learnt here
+                seq, num_tokens = seq + 1, num_tokens + len(event.token_ids)
                 finished = event.is_final
                 yield event
         finally:
-            await sub.unsubscribe()
-            if not finished and request_id is not None and not self.nc.is_closed:
-                await self.abort(request_id)
+            await self._close_stream(sub, request_id if lost or not finished else None)
 
-    async def _next_event(self, sub) -> GenerateEvent:
-        try:
-            msg = await sub.next_msg(timeout=self.idle_timeout)
-        except nats.errors.TimeoutError as exc:
-            raise StreamTimeoutError(f"no event for {self.idle_timeout} s") from exc
-        if msg.headers and msg.headers.get("Status") == "503":
-            raise NoKvpagerError(f"no kvpager listens on {self.subjects.generate!r}")
-        msgpack = msg.headers and msg.headers.get("Content-Type") == MSGPACK_HEADERS["Content-Type"]
-        return (_event_msgpack if msgpack else _event_json).decode(msg.data)
+    async def _close_stream(self, sub, abort_id: str | None) -> None:
+        if self.nc.is_closed:
+            return
+        await sub.unsubscribe()
+        if abort_id is not None:  # while reconnecting, the abort waits in nats-py's buffer
+            await self.abort(abort_id)
+
+    async def _next_event(self, sub, reconnects: int) -> GenerateEvent | None:
+        """The next event; None when it may never come (connection dropped, stream silent)."""
+        deadline = time.monotonic() + self.idle_timeout
+        while self.nc.stats["reconnects"] == reconnects:  # else events may have been lost
+            wait_s = min(POLL_S, deadline - time.monotonic())
+            try:
+                msg = await sub.next_msg(timeout=max(0.01, wait_s))
+            except nats.errors.TimeoutError:
+                if not self.nc.is_connected or time.monotonic() >= deadline:
+                    return None
+                continue
+            except nats.errors.ConnectionClosedError:
+                return None
+            headers = msg.headers or {}
+            if headers.get("Status") == "503":
+                raise NoKvpagerError(f"no kvpager listens on {self.subjects.generate!r}")
+            if KEEPALIVE_HEADER in headers:
+                deadline = time.monotonic() + self.idle_timeout
+                continue
+            if self.nc.stats["reconnects"] == reconnects:
+                msgpack = headers.get("Content-Type") == MSGPACK_HEADERS["Content-Type"]
+                return (_event_msgpack if msgpack else _event_json).decode(msg.data)
+        return None
 
     async def abort(self, request_id: str) -> None:
         await self.nc.publish(self.subjects.abort, msgspec.json.encode(AbortRequest(request_id)))
@@ -128,3 +170,20 @@ class Client:
         except nats.errors.NoRespondersError as exc:
             raise NoKvpagerError(f"no kvpager listens on {subject!r}") from exc
         return msgspec.json.decode(msg.data, type=kind)
+
+
+def _lost_event(request_id: str, seq: int, num_tokens: int, idle_timeout: float) -> GenerateEvent:
+    """The final event the client makes itself when the stream's own may never come."""
+    message = (
+        f"the NATS connection dropped or the stream was silent for {idle_timeout} s: events "
+        "may be lost, so the request was aborted"
+    )
+    return GenerateEvent(
+        request_id=request_id,
+        seq=seq,
+        finish_reason="error",
+        error=ErrorInfo("connection_lost", message),
+        usage=Usage(
+            num_prompt_tokens=0, num_completion_tokens=num_tokens, num_cached_prompt_tokens=0
+        ),
+    )

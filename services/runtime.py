@@ -12,6 +12,7 @@ import uvloop
 from nats.aio.client import Client as NATS
 
 from engine.logs import configure_logging
+from services.connection import connect_options
 from services.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -60,6 +61,7 @@ async def connect(settings: Settings, name: str) -> NATS:
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
                 allow_reconnect=True,
+                **connect_options(settings),
             )
         except (OSError, nats.errors.NoServersError, asyncio.TimeoutError):
             if attempt + 1 == CONNECT_ATTEMPTS:

@@ -10,10 +10,12 @@ import os
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
-from engine.config import ModelConfig
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:  # engine.config imports torch: keep client commands fast to start
+    from engine.config import ModelConfig
 
 ENV_PREFIX = "KVPAGER_"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -51,6 +53,26 @@ class Settings:
     check_invariants: bool = _opt("check block accounting after every step", default=False)
     log_level: str = _opt("debug | info | warning | error", default="info")
     log_json: bool | None = _opt("JSON log lines (default: when not a tty)", default=None)
+    nats_token: str | None = _opt("NATS authentication token", default=None, secret=True)
+    nats_user: str | None = _opt("NATS user name (with a password)", default=None)
+    nats_password: str | None = _opt(
+        "NATS password (prefer the env variable)", default=None, secret=True
+    )
+    nats_creds: str | None = _opt("NATS credentials file (JWT + nkey; needs nkeys)", default=None)
+    nats_nkey: str | None = _opt("NATS nkey seed file (needs the nkeys package)", default=None)
+    nats_tls_ca: str | None = _opt("CA file to verify the NATS server's certificate", default=None)
+    nats_tls_cert: str | None = _opt("client certificate file (TLS client auth)", default=None)
+    nats_tls_key: str | None = _opt("client private key file (TLS client auth)", default=None)
+    nats_inbox_prefix: str | None = _opt("reply subjects' prefix (default _INBOX)", default=None)
+    heartbeat_interval: float = _opt("seconds between liveness pings and keepalives", default=1.0)
+    liveness_timeout: float = _opt("seconds before a silent peer counts as gone", default=10.0)
+    max_request_bytes: int = _opt("largest request body, checked unread", default=1 << 20)
+    max_prompt_tokens: int | None = _opt("longest prompt (default: no cap)", default=None)
+    max_output_tokens: int | None = _opt("largest max_tokens (default: no cap)", default=None)
+    max_n: int = _opt("most samples (n) per request", default=16)
+    max_beam_width: int = _opt("widest beam search per request", default=16)
+    max_stop_strings: int = _opt("most stop strings per request", default=16)
+    max_stop_string_chars: int = _opt("longest stop string (characters)", default=256)
 
     def __post_init__(self) -> None:
         for name in ("prefix", "instance"):
@@ -68,9 +90,20 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
-        for name in ("step_timeout", "finish_timeout", "drain_timeout"):
+        timeouts = ("step_timeout", "finish_timeout", "drain_timeout")
+        for name in (*timeouts, "heartbeat_interval", "liveness_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
+        self._check_nats_auth()
+
+    def _check_nats_auth(self) -> None:
+        if (self.nats_user is None) != (self.nats_password is None):
+            raise ConfigError("nats_user and nats_password: give both or neither")
+        methods = [self.nats_token, self.nats_user, self.nats_creds, self.nats_nkey]
+        if sum(method is not None for method in methods) > 1:
+            raise ConfigError("NATS auth: give one of token, user/password, creds or nkey")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ConfigError("nats_tls_cert and nats_tls_key: give both or neither")
 
     def model_path(self) -> Path:
         """A checkpoint folder as given, or a known model name fetched and converted."""
@@ -81,7 +114,7 @@ class Settings:
 
         return resolve_model(self.model, progress=False)
 
-    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+    def resolve_max_model_len(self, model_config: "ModelConfig") -> int:
         """The configured limit, or the model's (at most 8192, and at most its window)."""
         max_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
         if model_config.sliding_window:  # full attention is exact up to the window
@@ -94,15 +127,20 @@ class Settings:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; each default comes from `KVPAGER_<NAME>` when set."""
-    hints = get_type_hints(Settings)
-    for spec in dataclasses.fields(Settings):
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type = Settings, names: tuple[str, ...] | None = None
+) -> None:
+    """One flag per setting of `cls` (only `names` if given); defaults from `KVPAGER_<NAME>`."""
+    hints = get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        if names is not None and spec.name not in names:
+            continue
         kind = _base_type(hints[spec.name])
         flag = "--" + spec.name.replace("_", "-")
         env_name = ENV_PREFIX + spec.name.upper()
         default = _from_env(env_name, kind, spec.default)
-        help_text = f"{spec.metadata['help']} [env {env_name}; default {default}]"
+        shown = "(set)" if spec.metadata.get("secret") and default is not None else default
+        help_text = f"{spec.metadata['help']} [env {env_name}; default {shown}]"
         if kind is bool:
             parser.add_argument(
                 flag, default=default, help=help_text, action=argparse.BooleanOptionalAction
@@ -141,3 +179,49 @@ def _from_env(name: str, kind: type, default: Any) -> Any:
         return kind(raw)
     except ValueError as exc:
         raise ConfigError(f"{name}: {raw!r} is not a valid {kind.__name__}") from exc
+
+
+# What a client command needs to reach the API: the server, the prefix, auth and TLS.
+CONNECTION_FIELDS = (
+    "nats_url",
+    "prefix",
+    "nats_token",
+    "nats_user",
+    "nats_password",
+    "nats_creds",
+    "nats_nkey",
+    "nats_tls_ca",
+    "nats_tls_cert",
+    "nats_tls_key",
+    "nats_inbox_prefix",
+)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What only `kvpager serve` needs: the embedded nats-server and the start-up wait."""
+
+    nats_port: int = _opt("port of the embedded nats-server (loopback)", default=4222)
+    nats_config: str | None = _opt("nats-server config file for the embedded server", default=None)
+    nats_server_cert: str | None = _opt("TLS certificate of the embedded server", default=None)
+    nats_server_key: str | None = _opt("TLS private key of the embedded server", default=None)
+    ready_timeout: float = _opt("seconds to wait for the services to answer", default=600.0)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.nats_port < 65536:
+            raise ConfigError(f"nats_port: {self.nats_port} is not a TCP port")
+        if (self.nats_server_cert is None) != (self.nats_server_key is None):
+            raise ConfigError("nats_server_cert and nats_server_key: give both or neither")
+        if self.ready_timeout <= 0:
+            raise ConfigError("ready_timeout: must be positive")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServeSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def configured(name: str) -> Any:
+    """`KVPAGER_<NAME>` as the type of the `Settings` field `name`, or None when unset."""
+    kind = _base_type(get_type_hints(Settings)[name])
+    return _from_env(ENV_PREFIX + name.upper(), kind, None)

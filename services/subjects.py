@@ -6,11 +6,14 @@ llm.health | llm.models               client -> tokenizer (queue group), request
 llm.stats                             client -> scheduler, request-reply
 llm.internal.<instance>.scheduler.requests   tokenizer -> scheduler: AddRequest (reply:
                                       AddResult), PromptPiece, FinishRequest
-llm.internal.<instance>.scheduler.info       tokenizer -> scheduler, request-reply
+llm.internal.<instance>.scheduler.info       tokenizers, executor -> scheduler: SchedulerInfo,
+                                      request-reply (their liveness ping too)
 llm.internal.<instance>.scheduler.attach     executor -> scheduler: ExecutorReady
 llm.internal.<instance>.scheduler.outputs    executor -> scheduler: StepDone, StepFailed
 llm.internal.<instance>.executor.steps       scheduler -> executor: StepPiece, RunStep
-llm.internal.<instance>.tokens.<replica>     scheduler -> one tokenizer: TokenBatch
+llm.internal.<instance>.executor.<id>.ping   scheduler -> one executor: liveness, request-reply
+llm.internal.<instance>.tokens.<replica>     scheduler -> one tokenizer: TokenBatch; empty
+                                      request: liveness ping
 """
 
 from dataclasses import dataclass
@@ -66,6 +69,9 @@ class Subjects:
     @property
     def executor_steps(self) -> str:
         return f"{self._internal}.executor.steps"
+
+    def executor_ping(self, executor_id: str) -> str:
+        return f"{self._internal}.executor.{executor_id}.ping"
 
     def tokens(self, replica_id: str) -> str:
         return f"{self._internal}.tokens.{replica_id}"

@@ -2,30 +2,38 @@
 
 It announces its capacity until a scheduler answers, then runs each step it receives, in
 order, and returns the sampled tokens with its own timings. All tensors stay here; the steps
-carry ids only.
+carry ids only. Steps run on a worker thread, so the event loop keeps answering the
+scheduler's liveness pings during a long step.
+
+When its scheduler is gone, restarted or has dropped it (or our NATS connection was
+interrupted, so a step may be lost), the executor forgets every request, takes a new id (the
+old scheduler's pings then find no one and it fails its requests at once) and attaches again.
 """
 
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import nats.errors
 import structlog
+import torch
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.config import ModelConfig
 from engine.executor import Executor, ExecutorConfig
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
-from schemas.scheduler import ExecutorReady, StepDone, StepFailed
+from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
+from services.liveness import PeerGone, Reconnects, ping, repeat
 from services.settings import Settings
 from services.subjects import Subjects
 from services.wire import pack
 
 log = structlog.get_logger(__name__)
 
-ANNOUNCE_INTERVAL_S = 0.2
+ATTACH_TIMEOUT_S = 2.0
 IDLE_BEFORE_EXIT_S = 0.5
 _decoder = msgspec.msgpack.Decoder(SchedulerMessage)
 
@@ -49,6 +57,16 @@ def load_executor(settings: Settings) -> Executor:
     return Executor(config, model_config)
 
 
+def step_thread(device: torch.device) -> ThreadPoolExecutor:
+    """The one thread every step runs on (CUDA's current device is per thread: set it once)."""
+
+    def init() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpager-step", initializer=init)
+
+
 class ExecutorService:
     def __init__(self, nc: NATS, settings: Settings, executor: Executor) -> None:
         self.nc = nc
@@ -56,15 +74,31 @@ class ExecutorService:
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.executor = executor
         self.executor_id = uuid.uuid4().hex[:12]
+        self.scheduler_id: str | None = None  # attached to it
+        self._attaching = False
         self._pieces: dict[str, list[int]] = {}
         self._last_step_id: int | None = None
         self._last_output_at: float | None = None
-        self._announce_task: asyncio.Task | None = None
         self._last_activity = 0.0
+        self._lock = asyncio.Lock()  # a step and a reset never overlap
+        self._worker = step_thread(executor.device)
+        self._reconnects = Reconnects(nc)
+        self._ping_sub = None
+        self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.executor_steps, cb=self._on_message)
-        self._announce_task = asyncio.get_running_loop().create_task(self._announce())
+        await self._answer_pings()
+        self._watch_task = repeat(self.settings.heartbeat_interval, self._tick)
+
+    async def _answer_pings(self) -> None:
+        async def pong(msg: Msg) -> None:
+            await msg.respond(b"")
+
+        if self._ping_sub is not None:
+            await self._ping_sub.unsubscribe()
+        subject = self.subjects.executor_ping(self.executor_id)
+        self._ping_sub = await self.nc.subscribe(subject, cb=pong)
 
     def ready_message(self) -> ExecutorReady:
         executor, config = self.executor, self.executor.config
@@ -80,30 +114,76 @@ class ExecutorService:
             model=self.settings.model,
         )
 
-    async def _announce(self) -> None:
-        """Ask to attach until a scheduler answers (it may start before or after us)."""
-        payload = pack(self.ready_message())
-        while True:
-            try:
-                reply = await self.nc.request(self.subjects.scheduler_attach, payload, timeout=2)
-                break
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                await asyncio.sleep(ANNOUNCE_INTERVAL_S)
-        attached = msgspec.msgpack.decode(reply.data, type=Attached)
+    # --- attaching, and watching the scheduler ---------------------------------------------
+
+    async def _tick(self) -> None:
+        await self._check_reconnect()
+        if self.scheduler_id is None:
+            await self._attach()
+        else:
+            await self._check_scheduler()
+
+    async def _check_reconnect(self) -> None:
+        if self._reconnects.take():  # a step or its answer may be lost: start afresh
+            await self._detach("the connection to NATS was interrupted")
+
+    async def _attach(self) -> None:
+        """Ask to attach (a scheduler may start before or after us); steps follow the answer."""
+        self._attaching = True  # the first step may come before the answer is read
+        try:
+            reply = await self.nc.request(
+                self.subjects.scheduler_attach, pack(self.ready_message()), timeout=ATTACH_TIMEOUT_S
+            )
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return
+        finally:
+            self._attaching = False
+        self.scheduler_id = msgspec.msgpack.decode(reply.data, type=Attached).scheduler_id
         log.info(
             "attached to scheduler",
-            scheduler=attached.scheduler_id,
+            scheduler=self.scheduler_id,
             executor=self.executor_id,
             num_blocks=self.executor.num_blocks,
         )
 
+    async def _check_scheduler(self) -> None:
+        try:
+            reply = await ping(
+                self.nc, self.subjects.scheduler_info, self.settings.heartbeat_interval
+            )
+        except PeerGone:
+            await self._detach("the scheduler stopped")
+            return
+        if reply is None:
+            return  # busy, or NATS is down: the reconnect check covers the latter
+        info = msgspec.msgpack.decode(reply.data, type=SchedulerInfo)
+        if (info.scheduler_id, info.executor_id) != (self.scheduler_id, self.executor_id):
+            await self._detach("the scheduler restarted or dropped this executor")
+
+    async def _detach(self, reason: str) -> None:
+        log.warning("detached from the scheduler", reason=reason, scheduler=self.scheduler_id)
+        self.scheduler_id = None
+        async with self._lock:
+            self.executor.reset()
+            self._pieces.clear()
+            self._last_step_id = self._last_output_at = None
+        self.executor_id = uuid.uuid4().hex[:12]
+        await self._answer_pings()
+
+    # --- steps ---------------------------------------------------------------------------------
+
     async def _on_message(self, msg: Msg) -> None:
         received_at = self._last_activity = time.monotonic()
+        await self._check_reconnect()
+        if self.scheduler_id is None and not self._attaching:
+            log.warning("step from a scheduler this executor is not attached to: dropped")
+            return
         message = _decoder.decode(msg.data)
         if isinstance(message, StepPiece):
             self._pieces.setdefault(message.req_id, []).extend(message.token_ids)
         elif isinstance(message, RunStep):
-            await self._run_step(message.step, received_at)
+            async with self._lock:
+                await self._run_step(message.step, received_at)
 
     async def _run_step(self, step: ScheduledStep, received_at: float) -> None:
         wait_s = received_at - self._last_output_at if self._last_output_at else 0.0
@@ -112,8 +192,10 @@ class ExecutorService:
         if expected is not None and step.step_id != expected:
             await self._fail(step.step_id, f"got step {step.step_id}, expected {expected}")
             return
+        step = self._with_pieces(step)
         try:
-            output = self.executor.execute(self._with_pieces(step))
+            loop = asyncio.get_running_loop()
+            output = await loop.run_in_executor(self._worker, self.executor.execute, step)
         except Exception as exc:  # a bug: answer so the scheduler fails the requests, not hangs
             log.exception("step failed", step_id=step.step_id)
             await self._fail(step.step_id, repr(exc))
@@ -143,10 +225,11 @@ class ExecutorService:
 
     async def stop(self) -> None:
         """Keep serving while steps still come (the scheduler finishing), then stop."""
-        if self._announce_task is not None:
-            self._announce_task.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         deadline = time.monotonic() + self.settings.drain_timeout + 5.0
         while time.monotonic() < deadline:
             if time.monotonic() - self._last_activity > IDLE_BEFORE_EXIT_S:
-                return
+                break
             await asyncio.sleep(0.1)
+        self._worker.shutdown(wait=False)

@@ -4,6 +4,7 @@ import time
 from collections import deque
 
 from schemas.public import Percentiles
+from services.scheduler.outbox import Route
 
 WINDOW_SAMPLES = 4096
 THROUGHPUT_WINDOW_S = 10.0
@@ -58,3 +59,12 @@ class ServiceMetrics:
         self.step = Samples()
         self.executor_wait = Samples()
         self.throughput = Throughput()
+
+    def time_token(self, route: Route, now: float) -> None:
+        """A request's new token: time to the first one, or between two."""
+        if route.first_token_at is None:
+            route.first_token_at = now
+            self.ttft.add(now - route.arrival)
+        else:
+            self.itl.add(now - route.last_token_at)
+        route.last_token_at = now

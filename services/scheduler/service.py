@@ -6,7 +6,9 @@
         StepOutput back -> update_from_output() -> deltas into the outbox
 
 Tokenizer messages (adds, aborts, stop-string finishes) are handled between awaits, so they
-never interleave with a schedule() or an update. `step_id` must come back as sent.
+never interleave with a schedule() or an update. `step_id` must come back as sent. When the
+executor is lost (PeerWatch), every request fails at once and the loop waits for an executor
+to attach; a new Scheduler is built for it.
 """
 
 import asyncio
@@ -18,7 +20,6 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import KvpagerError
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -29,16 +30,18 @@ from schemas.scheduler import (
     ExecutorReady,
     FinishRequest,
     PromptPiece,
-    SchedulerInfo,
     StepDone,
     StepFailed,
     TokenizerMessage,
 )
 from schemas.tokenizer import AddResult
+from services.liveness import repeat
+from services.scheduler.attach import build_core, scheduler_info
 from services.scheduler.link import ExecutorLink
 from services.scheduler.metrics import ServiceMetrics
 from services.scheduler.outbox import Outbox, Route
 from services.scheduler.stats import build_stats
+from services.scheduler.watch import PeerWatch
 from services.settings import Settings
 from services.subjects import Subjects
 from services.wire import encode_public, pack
@@ -60,12 +63,21 @@ class SchedulerService:
         self.metrics = ServiceMetrics()
         self._pieces: dict[str, list[int]] = {}
         self._work = asyncio.Event()
-        self._attached = asyncio.Event()
         self.link = ExecutorLink(nc, self.subjects, settings.piece_tokens)
+        self.watch = PeerWatch(
+            nc,
+            self.subjects,
+            settings,
+            executor_id=lambda: self.executor.executor_id if self.executor else None,
+            tokenizer_subjects=lambda: {route.reply_to for route in self.outbox.routes.values()},
+            lose_executor=self._lose_executor,
+            drop_tokenizer=self._drop_tokenizer,
+        )
         self._closing = False  # refuse new requests
         self._stopped = False  # no more steps
         self._requests_sub = None
         self._loop_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         nc, subjects = self.nc, self.subjects
@@ -74,16 +86,18 @@ class SchedulerService:
         await nc.subscribe(subjects.scheduler_info, cb=self._on_info)
         await nc.subscribe(subjects.stats, cb=self._on_stats)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
 
     # --- the executor attaches ---------------------------------------------------------
 
     async def _on_attach(self, msg: Msg) -> None:
+        self.watch.check_reconnect()  # drop the executor of before the reconnect first
         ready = msgspec.msgpack.decode(msg.data, type=ExecutorReady)
         if self.core is not None:  # a restarted executor has lost every request's state
             self._fail_all(ErrorInfo("unavailable", "the executor restarted"))
             self.link.cancel()
-        self.executor, self.core = ready, self._build_core(ready)
+        self.executor, self.core = ready, build_core(self.settings, ready)
         await msg.respond(pack(Attached(self.scheduler_id)))
         if self._requests_sub is None:  # "no responders" for tokenizers until now
             self._requests_sub = await self.nc.subscribe(
@@ -96,34 +110,28 @@ class SchedulerService:
             block_size=ready.block_size,
             num_cpu_blocks=ready.num_cpu_blocks,
         )
-        self._attached.set()
         self._work.set()
 
-    def _build_core(self, ready: ExecutorReady) -> Scheduler:
-        settings = self.settings
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=min(settings.max_num_seqs, ready.max_num_seqs),
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=ready.max_model_len,
-            enable_chunked_prefill=settings.enable_chunked_prefill,
-            preemption_mode=settings.preemption_mode,
-            max_waiting=settings.max_waiting,
-        )
-        cache_config = CacheConfig(
-            ready.block_size, ready.num_blocks, settings.enable_prefix_caching, ready.num_cpu_blocks
-        )
-        return Scheduler(scheduler_config, cache_config)
+    def _lose_executor(self, error: ErrorInfo) -> None:
+        """Fail every request now; the core stays (all blocks free) until an executor attaches."""
+        if self.executor is None:
+            return
+        log.error("executor lost", executor=self.executor.executor_id, reason=error.message)
+        self.executor = None
+        self._fail_all(error)
+        self.link.cancel()
 
     # --- requests from tokenizers ----------------------------------------------------------
 
     async def _on_tokenizer(self, msg: Msg) -> None:
+        self.watch.check_reconnect()
         message = _tokenizer_decoder.decode(msg.data)
         if isinstance(message, PromptPiece):
             self._pieces.setdefault(message.request_id, []).extend(message.token_ids)
         elif isinstance(message, AddRequest):
             error = self._add(message)
             if msg.reply:
-                await msg.respond(pack(AddResult(error)))
+                await msg.respond(pack(AddResult(error, self.scheduler_id)))
         else:
             self._finish(message)
 
@@ -131,6 +139,9 @@ class SchedulerService:
         token_ids = self._pieces.pop(add.request_id, []) + add.prompt_token_ids
         if self._closing:
             return ErrorInfo("unavailable", "the scheduler is shutting down")
+        if self.executor is None:
+            message = "no executor is attached (it stopped or restarted); retry soon"
+            return ErrorInfo("executor_unavailable", message)
         request = Request(
             request_id=add.request_id,
             prompt_token_ids=token_ids,
@@ -177,6 +188,12 @@ class SchedulerService:
             request_id, index, reason, num_cached_tokens=request.num_cached_tokens
         )
 
+    def _drop_tokenizer(self, reply_to: str) -> None:
+        """Abort the requests of a tokenizer replica that is gone: no one reads their tokens."""
+        for request_id, route in list(self.outbox.routes.items()):
+            if route.reply_to == reply_to:
+                self._finish(FinishRequest(request_id, "abort"))
+
     def _fail_all(self, error: ErrorInfo) -> None:
         for request_id in list(self.outbox.routes):
             for request in list(self.core.groups.get(request_id, ())):
@@ -190,14 +207,11 @@ class SchedulerService:
     # --- the loop ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        await self._attached.wait()
         back_to_back = False  # this step was planned right after the previous output
         while not self._stopped:
             core = self.core
-            if not (core.has_unfinished or core.finished_req_ids):
-                await self.outbox.flush(core.step_id)
-                self._work.clear()
-                await self._work.wait()
+            if self.executor is None or not (core.has_unfinished or core.finished_req_ids):
+                await self._wait_for_work(core)
                 back_to_back = False
                 continue
             step = core.schedule()
@@ -209,6 +223,12 @@ class SchedulerService:
             back_to_back = bool(step.num_scheduled_tokens)
             if not step.num_scheduled_tokens and not core.finished_req_ids:
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
+
+    async def _wait_for_work(self, core: Scheduler | None) -> None:
+        self._work.clear()  # before the flush: work that comes during it is not missed
+        if core is not None:
+            await self.outbox.flush(core.step_id)  # final deltas, e.g. of a lost executor
+        await self._work.wait()
 
     async def _idle_briefly(self) -> None:
         self._work.clear()
@@ -222,12 +242,12 @@ class SchedulerService:
         await self.link.send(step)
         await self.outbox.flush(step.step_id)  # overlaps the executor's work
         answer = await self.link.answer(step.step_id, self.settings.step_timeout)
-        if self.core is not core or self._stopped:  # re-attached or stopping: step abandoned
-            return None
+        if self.core is not core or self.executor is None or self._stopped:
+            return None  # re-attached, executor lost or stopping: step abandoned
         if answer is None:
             timeout = self.settings.step_timeout
             message = f"the executor did not answer step {step.step_id} in {timeout} s"
-            self._fail_all(ErrorInfo("unavailable", message))
+            self._lose_executor(ErrorInfo("executor_unavailable", message))
         elif isinstance(answer, StepFailed):
             message = f"the executor failed step {answer.step_id}: {answer.message}"
             self._fail_all(ErrorInfo("internal_error", message))
@@ -243,27 +263,16 @@ class SchedulerService:
         for request in updated:
             route = self.outbox.add_token(request, logprobs.get(request.request_id))
             if route is not None:
-                self._time_token(route, now)
+                metrics.time_token(route, now)
         metrics.throughput.add(len(updated), now)
         if self.settings.check_invariants:
             self.core.check_invariants()
 
-    def _time_token(self, route: Route, now: float) -> None:
-        if route.first_token_at is None:
-            route.first_token_at = now
-            self.metrics.ttft.add(now - route.arrival)
-        else:
-            self.metrics.itl.add(now - route.last_token_at)
-        route.last_token_at = now
-
     # --- queries ---------------------------------------------------------------------------
 
     async def _on_info(self, msg: Msg) -> None:
-        ready = self.executor
-        info = SchedulerInfo(executor_attached=False)
-        if ready is not None:
-            info = SchedulerInfo(True, ready.model, ready.max_model_len, ready.vocab_size)
-        await msg.respond(pack(info))
+        self.watch.check_reconnect()  # never report an executor that is about to be dropped
+        await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor)))
 
     async def _on_stats(self, msg: Msg) -> None:
         if self.core is None:
@@ -280,6 +289,8 @@ class SchedulerService:
         if self.outbox.routes:
             self._fail_all(ErrorInfo("unavailable", "the scheduler is shutting down"))
         self._stopped = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         self.link.cancel()  # do not wait for a step the executor may never answer
         self._work.set()
         if self._loop_task is not None:

@@ -18,6 +18,7 @@ def build_stats(instance: str, core: Scheduler, metrics: ServiceMetrics) -> Stat
         num_running=len(core.running),
         num_waiting=len(core.waiting),
         num_preemptions=stats.num_preemptions,
+        num_swap_preemptions=stats.num_swap_preemptions,
         num_steps=stats.num_steps,
         num_finished=dict(stats.finished),
         prefix_cache_queried_tokens=queried,

@@ -1,5 +1,6 @@
 """A public request's bytes in, a validated and tokenized request out, or a typed error."""
 
+import math
 import re
 import time
 import uuid
@@ -10,7 +11,8 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from schemas.public import GenerateRequest
+from schemas.public import ErrorInfo, GenerateRequest
+from services.tokenizer.limits import RequestLimits
 
 MSGPACK = "application/msgpack"
 _PARAM_AT = re.compile(r"`\$\.([A-Za-z_]+)")
@@ -43,7 +45,7 @@ def decode_request(body: bytes, msgpack: bool) -> GenerateRequest:
         return (_msgpack_decoder if msgpack else _json_decoder).decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(str(exc), param=_param_of(str(exc))) from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8 is the latter
         kind = "msgpack" if msgpack else "JSON"
         raise InvalidRequestError(f"malformed {kind}: {exc}", param=None) from exc
 
@@ -61,19 +63,36 @@ def request_id_of(body: bytes, msgpack: bool) -> str:
 
 
 def prepare(
-    request: GenerateRequest, request_id: str, tokenizer: PreTrainedTokenizerBase, vocab_size: int
+    request: GenerateRequest,
+    request_id: str,
+    tokenizer: PreTrainedTokenizerBase,
+    vocab_size: int,
+    limits: RequestLimits,
 ) -> Prepared:
-    """Check the cross-field rules, build SamplingParams, tokenize."""
+    """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
+    limits.check_request(request)
     params = sampling_params(request)
     if params.is_beam_search:  # its results come whole at the end, not as token streams
         raise InvalidRequestError("beam_width: beam search is not served yet", "beam_width")
+    token_ids = prompt_token_ids(request, tokenizer, vocab_size)
+    limits.check_prompt(len(token_ids), _prompt_field(request))
     return Prepared(
         request_id=request_id,
-        prompt_token_ids=prompt_token_ids(request, tokenizer, vocab_size),
+        prompt_token_ids=token_ids,
         params=params,
         stream=request.stream,
         timeout_s=_timeout_s(request),
     )
+
+
+def admission_error(prepared: Prepared, in_flight: bool) -> ErrorInfo | None:
+    """Why a well-formed request cannot start now: its id is taken, or its deadline passed."""
+    if in_flight:
+        message = f"request_id: {prepared.request_id!r} is already in flight"
+        return ErrorInfo("invalid_request", message, "request_id")
+    if prepared.timeout_s is not None and prepared.timeout_s <= 0:
+        return ErrorInfo("deadline_exceeded", "the deadline passed before arrival")
+    return None
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:
@@ -123,13 +142,19 @@ def _apply_chat_template(request: GenerateRequest, tokenizer) -> list[int]:
         raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
 
 
+def _prompt_field(request: GenerateRequest) -> str:
+    given = [name for name in ("messages", "prompt_token_ids") if getattr(request, name)]
+    return given[0] if given else "prompt"
+
+
 def _timeout_s(request: GenerateRequest) -> float | None:
     limits = []
     if request.timeout is not None:
         limits.append(request.timeout)
     if request.deadline is not None:
         limits.append(request.deadline - time.time())
-    return min(limits) if limits else None
+    timeout_s = min(limits) if limits else None
+    return timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
 
 
 def _param_of(message: str) -> str | None:

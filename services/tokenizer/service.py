@@ -17,19 +17,29 @@ from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import KvpagerError
-from schemas.public import AbortRequest, ErrorInfo, GenerateEvent, Health, ModelCard, ModelList
-from schemas.scheduler import AddRequest, FinishRequest, PromptPiece, SchedulerInfo
+from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
+from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from schemas.tokenizer import AddResult, TokenBatch
+from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
-from services.tokenizer.requests import Prepared, decode_request, is_msgpack, prepare, request_id_of
+from services.tokenizer import info
+from services.tokenizer.limits import RequestLimits
+from services.tokenizer.requests import (
+    Prepared,
+    admission_error,
+    decode_request,
+    is_msgpack,
+    prepare,
+    request_id_of,
+)
 from services.tokenizer.streams import Stream, error_event
+from services.tokenizer.watch import StreamWatch
 from services.wire import encode_public, pack
 
 log = structlog.get_logger(__name__)
 
 ADD_TIMEOUT_S = 10.0
-INFO_TIMEOUT_S = 2.0
 
 
 def _error(exc: KvpagerError) -> ErrorInfo:
@@ -45,11 +55,16 @@ class TokenizerService:
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
+        self.watch = StreamWatch(
+            nc, self.subjects.scheduler_info, settings, self.streams, self._lose
+        )
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._public_subs: list = []
+        self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         subjects, nc = self.subjects, self.nc
@@ -60,6 +75,7 @@ class TokenizerService:
             await nc.subscribe(subjects.health, queue=TOKENIZER_QUEUE, cb=self._on_health),
             await nc.subscribe(subjects.models, queue=TOKENIZER_QUEUE, cb=self._on_models),
         ]
+        self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         log.info("tokenizer ready", replica=self.replica_id, generate=subjects.generate)
 
     # --- requests in ------------------------------------------------------------------
@@ -70,33 +86,36 @@ class TokenizerService:
             return
         msgpack = is_msgpack(msg.headers)
         try:
-            request = decode_request(msg.data, msgpack)
-            request_id = request.request_id or uuid.uuid4().hex
-            prepared = prepare(request, request_id, self.tokenizer, self.vocab_size)
+            prepared = self._prepare(msg.data, msgpack)
         except KvpagerError as exc:
-            request_id = request_id_of(msg.data, msgpack)
-            await self._refuse(msg.reply, msgpack, request_id, _error(exc))
+            await self._refuse(msg.reply, msgpack, self._id_of(msg.data, msgpack), _error(exc))
             return
-        refusal = self._check_admission(prepared)
+        except Exception as exc:  # a bug must not leave the client waiting
+            log.exception("request preparation failed")
+            error = ErrorInfo("internal_error", f"the request could not be prepared: {exc!r}")
+            await self._refuse(msg.reply, msgpack, self._id_of(msg.data, msgpack), error)
+            return
+        refusal = admission_error(prepared, in_flight=prepared.request_id in self.streams)
         if refusal is not None:
-            await self._refuse(msg.reply, msgpack, request_id, refusal, prepared)
+            await self._refuse(msg.reply, msgpack, prepared.request_id, refusal, prepared)
             return
         stream = Stream(prepared, self.tokenizer, msg.reply, msgpack)
-        self.streams[request_id] = stream
+        self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
-            self._arm(request_id, prepared.timeout_s, self._on_deadline)
+            self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
         self._spawn(self._submit(stream, prepared))
 
-    def _check_admission(self, prepared: Prepared) -> ErrorInfo | None:
-        if prepared.request_id in self.streams:
-            return ErrorInfo(
-                "invalid_request",
-                f"request_id: {prepared.request_id!r} is already in flight",
-                "request_id",
-            )
-        if prepared.timeout_s is not None and prepared.timeout_s <= 0:
-            return ErrorInfo("deadline_exceeded", "the deadline passed before arrival")
-        return None
+    def _prepare(self, body: bytes, msgpack: bool) -> Prepared:
+        self.limits.check_body(body)  # before any parsing
+        request = decode_request(body, msgpack)
+        request_id = request.request_id or uuid.uuid4().hex
+        return prepare(request, request_id, self.tokenizer, self.vocab_size, self.limits)
+
+    def _id_of(self, body: bytes, msgpack: bool) -> str:
+        """The client's request id for an error event; an oversized body is not parsed."""
+        if len(body) > self.limits.max_request_bytes:
+            return uuid.uuid4().hex
+        return request_id_of(body, msgpack)
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
@@ -104,6 +123,14 @@ class TokenizerService:
         await self._publish_events(reply_to, msgpack, [error_event(request_id, error, num_prompt)])
 
     async def _submit(self, stream: Stream, prepared: Prepared) -> None:
+        try:
+            await self._add(stream, prepared)
+        except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
+            log.exception("request submission failed", request_id=stream.request_id)
+            error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
+            await self._lose(stream, error)
+
+    async def _add(self, stream: Stream, prepared: Prepared) -> None:
         """Pieces of a long prompt, then the AddRequest as a NATS request."""
         ids, size = prepared.prompt_token_ids, self.settings.piece_tokens
         num_head = (len(ids) - 1) // size * size  # the AddRequest keeps the last piece
@@ -116,9 +143,9 @@ class TokenizerService:
             prepared.params,
             self.subjects.tokens(self.replica_id),
         )
-        error = await self._request_add(add)
-        if error is not None:
-            await self._end(stream, error)
+        result = await self._request_add(add)
+        if result.error is not None:
+            await self._end(stream, result.error)
             return
         log.info(
             "request queued",
@@ -126,28 +153,32 @@ class TokenizerService:
             num_prompt_tokens=len(ids),
             max_tokens=prepared.params.max_tokens,
         )
-        stream.submitted = True
+        stream.submitted, stream.scheduler_id = True, result.scheduler_id
         if stream.aborting:  # an abort or deadline that came while the add was on its way
             await self._send_finish(stream, FinishRequest(stream.request_id, "abort"))
 
-    async def _request_add(self, add: AddRequest) -> ErrorInfo | None:
+    async def _request_add(self, add: AddRequest) -> AddResult:
+        subject = self.subjects.scheduler_requests
         try:
-            reply = await self.nc.request(
-                self.subjects.scheduler_requests, pack(add), timeout=ADD_TIMEOUT_S
-            )
+            reply = await self.nc.request(subject, pack(add), timeout=ADD_TIMEOUT_S)
         except nats.errors.NoRespondersError:
-            return ErrorInfo("unavailable", f"no scheduler on instance {self.settings.instance!r}")
-        except nats.errors.TimeoutError:
-            return ErrorInfo("unavailable", "the scheduler did not answer in time")
-        return msgspec.msgpack.decode(reply.data, type=AddResult).error
+            instance = self.settings.instance
+            return AddResult(ErrorInfo("unavailable", f"no scheduler on instance {instance!r}"))
+        except nats.errors.TimeoutError:  # the add may have landed: take it back
+            await self.nc.publish(subject, pack(FinishRequest(add.request_id, "abort")))
+            return AddResult(ErrorInfo("unavailable", "the scheduler did not answer in time"))
+        return msgspec.msgpack.decode(reply.data, type=AddResult)
 
     # --- aborts, deadlines, stop strings -------------------------------------------------
 
     async def _on_abort(self, msg: Msg) -> None:
+        if len(msg.data) > self.limits.max_request_bytes:
+            log.warning("oversized abort request dropped", num_bytes=len(msg.data))
+            return
         try:
             decoder = msgspec.msgpack if is_msgpack(msg.headers) else msgspec.json
             abort = decoder.decode(msg.data, type=AbortRequest)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             log.warning("bad abort request", error=str(exc))
             return
         stream = self.streams.get(abort.request_id)
@@ -184,13 +215,17 @@ class TokenizerService:
     # --- tokens in, events out -------------------------------------------------------------
 
     async def _on_tokens(self, msg: Msg) -> None:
+        if msg.reply and not msg.data:  # the scheduler's liveness ping
+            await msg.respond(b"")
+            return
+        await self.watch.check_reconnect()  # batches before this one may be lost
         batch = msgspec.msgpack.decode(msg.data, type=TokenBatch)
         for delta in batch.deltas:
             stream = self.streams.get(delta.request_id)
             if stream is None:
                 continue  # ended here already (stop string, timeout): late tokens
             events, finish = stream.on_delta(delta)
-            await self._publish_events(stream.reply_to, stream.msgpack, events)
+            await self._send(stream, events)
             if finish is not None:
                 await self._send_finish(stream, finish)
             if stream.done:
@@ -200,9 +235,17 @@ class TokenizerService:
         """End a stream without the scheduler (refused, unreachable)."""
         if self.streams.get(stream.request_id) is not stream:
             return
-        events = stream.end(error)
-        await self._publish_events(stream.reply_to, stream.msgpack, events)
+        await self._send(stream, stream.end(error))
         self._close(stream)
+
+    async def _lose(self, stream: Stream, error: ErrorInfo) -> None:
+        """End a stream here, and ask the scheduler (if it still runs it) to drop it too."""
+        if self.streams.get(stream.request_id) is not stream:
+            return
+        if stream.submitted:
+            finish = FinishRequest(stream.request_id, "abort")
+            await self.nc.publish(self.subjects.scheduler_requests, pack(finish))
+        await self._end(stream, error)
 
     def _close(self, stream: Stream) -> None:
         self.streams.pop(stream.request_id, None)
@@ -218,6 +261,11 @@ class TokenizerService:
             error=stream.error.type if stream.error else None,
         )
 
+    async def _send(self, stream: Stream, events: list[GenerateEvent]) -> None:
+        if events:
+            stream.last_sent_at = time.monotonic()
+        await self._publish_events(stream.reply_to, stream.msgpack, events)
+
     async def _publish_events(self, reply_to: str, msgpack: bool, events: list[GenerateEvent]):
         for event in events:
             data, headers = encode_public(event, msgpack)
@@ -225,38 +273,15 @@ class TokenizerService:
 
     # --- health and models -----------------------------------------------------------------
 
-    async def _scheduler_info(self) -> SchedulerInfo | None:
-        try:
-            reply = await self.nc.request(self.subjects.scheduler_info, b"", timeout=INFO_TIMEOUT_S)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            return None
-        return msgspec.msgpack.decode(reply.data, type=SchedulerInfo)
-
     async def _on_health(self, msg: Msg) -> None:
-        info = await self._scheduler_info()
-        if info is None:
-            health = Health(
-                "unavailable", self.settings.instance, self.settings.model, "no scheduler answers"
-            )
-        elif not info.executor_attached:
-            health = Health(
-                "unavailable",
-                self.settings.instance,
-                self.settings.model,
-                "the scheduler waits for its executor",
-            )
-        else:
-            health = Health("ok", self.settings.instance, info.model)
-        await msg.respond(encode_public(health, is_msgpack(msg.headers))[0])
+        await self._answer(msg, info.health)
 
     async def _on_models(self, msg: Msg) -> None:
-        info = await self._scheduler_info()
-        models = []
-        if info is not None and info.executor_attached:
-            models.append(
-                ModelCard(info.model, self.settings.instance, info.max_model_len, info.vocab_size)
-            )
-        await msg.respond(encode_public(ModelList(models), is_msgpack(msg.headers))[0])
+        await self._answer(msg, info.models)
+
+    async def _answer(self, msg: Msg, build) -> None:
+        state = await info.scheduler_info(self.nc, self.subjects.scheduler_info)
+        await msg.respond(encode_public(build(state, self.settings), is_msgpack(msg.headers))[0])
 
     # --- plumbing --------------------------------------------------------------------------
 
@@ -277,6 +302,8 @@ class TokenizerService:
         for sub in self._public_subs:
             await sub.unsubscribe()
         await self._wait_for_streams(self.settings.drain_timeout)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         error = ErrorInfo("unavailable", "the tokenizer is shutting down")
         for stream in list(self.streams.values()):
             await self._abort(stream, error)

@@ -6,6 +6,7 @@ stream asks the scheduler to finish it (`FinishRequest`) and ends the sample whe
 scheduler answers, so the final event always follows the freeing of the request's blocks.
 """
 
+import time
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -43,7 +44,9 @@ class Stream:
         self.error: ErrorInfo | None = None  # on the final event: why the request failed
         self.abort_error: ErrorInfo | None = None  # why we aborted it (deadline, shutdown)
         self.submitted = False  # the scheduler accepted it
+        self.scheduler_id = ""  # the scheduler that accepted it
         self.aborting = False
+        self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
         self._samples = [
             _Sample(IncrementalDetokenizer(tokenizer, prepared.prompt_token_ids, prepared.params))

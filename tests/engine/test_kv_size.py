@@ -1,5 +1,7 @@
 """The planning tool's arithmetic, checked on the seed's example (Llama 3.1 70B)."""
 
+import json
+
 import torch
 
 from engine.config import ModelConfig
@@ -33,3 +35,15 @@ def test_llama_70b_sequence_is_about_1_3_gb():
     assert report.contiguous_sequences == (80 * 1024**3) // (327_680 * 4096) == 64
     assert report.paged_sequences == (80 * 1024**3) // (327_680 * 1008)  # 63 blocks of 16
     assert abs(report.paged_utilisation - 1000 / 1008) < 1e-9
+
+
+def test_kv_size_command(tmp_path, capsys):
+    from services.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_70B))
+    assert main(["kv-size", str(tmp_path), "--tokens", "4096", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes per token:        327,680" in out
+    assert "contiguous max-length reservation: 64" in out
+    assert main(["kv-size", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""Benchmarks: serving throughput and latency against peers (run.py), kernels (kernels.py)."""

@@ -1,0 +1,93 @@
+"""Ablation: paging versus contiguous per-request reservation, at the same KV memory budget.
+
+Systems before PagedAttention (FasterTransformer, Orca) stored each request's K/V in one
+contiguous region reserved when the request is admitted, sized for the longest it may grow.
+`ContiguousBlockManager` reproduces that inside kvpager: on a request's first allocation it
+takes every block of its reservation at once (`max_model_len` tokens, or `prompt + max_tokens`
+in the "oracle" variant that knows each output length in advance); later steps then never
+allocate. Everything else (model, executor, scheduler, token budget, block size) is the same
+engine, so the difference in concurrency and throughput comes from the reservation alone.
+
+Honesty notes: blocks of one reservation need not be adjacent in memory here; contiguity
+itself costs nothing on top (a real contiguous allocator would add external fragmentation, so
+this baseline flatters contiguous reservation). Prefix caching is off in every arm, and only
+n = 1 workloads run (a fork would share the reserved, still empty blocks).
+"""
+
+import gc
+from collections.abc import Callable
+
+from benchmarks.config import BenchConfig
+from benchmarks.kvpager_offline import build_llm, drive, warm_up
+from benchmarks.machine import CpuWatch, wait_for_quiet
+from benchmarks.metrics import EngineResult
+from benchmarks.workloads import Workload
+from engine.block_manager import BlockManager, CachedBlock
+from engine.request import Request
+
+
+class ContiguousBlockManager(BlockManager):
+    """Takes a request's whole reservation (`reserve(request)` tokens) at its first allocation."""
+
+    def __init__(self, num_blocks: int, block_size: int, reserve: Callable[[Request], int]):
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+        self.reserve = reserve
+
+    def _with_reservation(self, request: Request, num_new_tokens: int, hits) -> int:
+        if request.request_id in self.block_tables:
+            return num_new_tokens  # reserved at admission already
+        held = request.num_computed_tokens + len(hits) * self.block_size
+        return max(num_new_tokens, self.reserve(request) - held)
+
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, hits: list[CachedBlock] = ()
+    ) -> int:
+        num_tokens = self._with_reservation(request, num_new_tokens, hits)
+        return super().num_blocks_needed(request, num_tokens, hits)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hits: list[CachedBlock] = ()
+    ) -> list[int] | None:
+        num_tokens = self._with_reservation(request, num_new_tokens, hits)
+        return super().allocate_slots(request, num_tokens, hits)
+
+
+def ablation_blocks(workload: Workload, cfg: BenchConfig, fraction: float) -> int:
+    """A budget of `fraction` of the blocks all requests need at full length, at least one
+    max_model_len reservation."""
+    bs = cfg.block_size
+    full = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // bs) for r in workload.requests)
+    return max(-(-cfg.max_model_len // bs), int(fraction * full))
+
+
+def run_ablation(
+    workload: Workload, cfg: BenchConfig, num_blocks: int, quiet_wait_s: float = 0.0
+) -> list[EngineResult]:
+    assert all(r.n == 1 for r in workload.requests), "the ablation runs n = 1 workloads only"
+    arms: dict[str, Callable[[Request], int] | None] = {
+        "paged (on demand)": None,
+        "contiguous, prompt + max_tokens (oracle)": lambda r: r.max_num_tokens,
+        f"contiguous, max_model_len {cfg.max_model_len}": lambda r: cfg.max_model_len,
+    }
+    llm = build_llm(cfg, num_blocks=num_blocks, enable_prefix_caching=False)
+    warm_up(llm)
+    results = []
+    for name, reserve in arms.items():
+        scheduler = llm.scheduler
+        assert not scheduler.has_unfinished and not scheduler.block_manager.num_used_blocks
+        if reserve is not None:
+            scheduler.block_manager = ContiguousBlockManager(num_blocks, cfg.block_size, reserve)
+        else:
+            scheduler.block_manager = BlockManager(num_blocks, cfg.block_size, False)
+        print(f"[ablation] {name}: {num_blocks} blocks of {cfg.block_size}", flush=True)
+        if quiet_wait_s:
+            wait_for_quiet(quiet_wait_s)
+        watch = CpuWatch()
+        result = drive(llm, workload, f"ablation {name}", cfg.dtype)
+        result.extra["other_cores"] = round(watch.other_cores(), 2)
+        scheduler.check_invariants()
+        result.extra["arm"] = name
+        results.append(result)
+    del llm
+    gc.collect()
+    return results

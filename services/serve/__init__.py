@@ -1,0 +1,1 @@
+"""`kvpager serve`: an embedded nats-server and the three services as child processes."""

@@ -1,0 +1,40 @@
+"""What `kvpager serve` prints: where the API is, its subjects, and how to try it."""
+
+import json
+
+from schemas.public import Stats
+from services.settings import Settings
+from services.subjects import Subjects
+
+EXAMPLE_REQUEST = {"prompt": "Hello", "max_tokens": 32, "stream": False}
+
+
+def starting_lines(settings: Settings, server_pid: int | None) -> list[str]:
+    where = f"embedded nats-server, pid {server_pid}" if server_pid else "external server"
+    return [
+        f"kvpager: NATS {settings.nats_url} ({where})",
+        f"kvpager: starting executor, scheduler and tokenizer for {settings.model}",
+    ]
+
+
+def ready_banner(settings: Settings, stats: Stats, max_model_len: int) -> list[str]:
+    subjects, url = Subjects(settings.prefix), settings.nats_url
+    request = json.dumps(EXAMPLE_REQUEST)
+    lines = [
+        f"  subjects: {subjects.generate} (request, streamed events), {subjects.abort}, "
+        f"{subjects.health}, {subjects.models}, {subjects.stats}",
+        f'  try:      kvpager generate "Hello" --nats-url {url}',
+        f"            nats req {subjects.generate} '{request}' --server {url}",
+        "            kvpager stats   (KV cache and queues)",
+    ]
+    if _has_auth(settings):
+        lines.append("  clients need the same NATS credentials (KVPAGER_NATS_* or --nats-* flags)")
+    return lines + [
+        f"kvpager: ready on {url}: {stats.num_blocks} KV blocks of {stats.block_size} tokens, "
+        f"max_model_len {max_model_len} (Ctrl-C to stop)"
+    ]
+
+
+def _has_auth(settings: Settings) -> bool:
+    secrets = (settings.nats_token, settings.nats_user, settings.nats_creds, settings.nats_nkey)
+    return any(secret is not None for secret in secrets)

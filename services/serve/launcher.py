@@ -1,0 +1,195 @@
+"""`kvpager serve`: from nothing to a ready API in one command.
+
+    resolve the model (download and convert on first use)  ->  check the checkpoint and that
+    the KV cache holds one request  ->  start the embedded nats-server (or probe --nats-url)
+    ->  executor, scheduler and tokenizer as `kvpager <name>` children, talking only via NATS
+    ->  poll llm.health until the executor has attached  ->  "ready"  ->  Ctrl-C or SIGTERM
+    ->  SIGTERM the services (they drain their streams)  ->  stop the nats-server.
+
+A child that exits on its own stops everything, with a non-zero exit status.
+"""
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats.errors
+
+from engine.errors import ConfigError, KvpagerError
+from engine.logs import configure_logging
+from services.client import Client, ClientError
+from services.connection import open_connection
+from services.serve import processes
+from services.serve.banner import ready_banner, starting_lines
+from services.serve.embedded import EmbeddedNats
+from services.settings import ServeSettings, Settings, environment
+
+SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
+POLL_S = 0.25
+STOP_MARGIN_S = 15.0
+
+
+class ServeError(KvpagerError):
+    """A service exited or never answered."""
+
+    type = "unavailable"
+
+
+def serve(settings: Settings, options: ServeSettings, embedded: bool) -> int:
+    """Run until Ctrl-C or SIGTERM; `embedded`: start our own nats-server on loopback."""
+    from engine.download import resolve_model
+
+    configure_logging(settings.log_level, settings.log_json)
+    path = resolve_model(settings.model, progress=True)  # services get the folder
+    _check_checkpoint(settings, path)
+    settings = dataclasses.replace(settings, model=str(path))
+    return asyncio.run(_serve(settings, options, embedded))
+
+
+def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    if num_blocks * block_size < max_model_len:
+        raise ConfigError(
+            f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one request "
+            f"of max_model_len {max_model_len} tokens; raise --num-blocks or "
+            f"--kv-cache-memory, or lower --max-model-len"
+        )
+
+
+def _check_checkpoint(settings: Settings, path: Path) -> None:
+    """Fail before starting anything: unreadable config, no weights, too few blocks."""
+    from engine.config import ModelConfig
+    from engine.model.loader import safetensors_files
+
+    model_config = ModelConfig.from_path(path)
+    safetensors_files(path)
+    if settings.num_blocks is not None:
+        max_len = settings.resolve_max_model_len(model_config)
+        check_capacity(settings.num_blocks, settings.block_size, max_len)
+
+
+class _Signals:
+    """SIGINT and SIGTERM set `event`; `count` tells a second Ctrl-C from the first."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.count = 0
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        self.count += 1
+        self.event.set()
+
+    async def sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.event.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _serve(settings: Settings, options: ServeSettings, embedded: bool) -> int:
+    signals = _Signals()
+    server = EmbeddedNats(settings, options) if embedded else None
+    children: dict[str, subprocess.Popen] = {}
+    client = None
+    try:
+        if server is not None:
+            server.start()
+            settings = dataclasses.replace(settings, nats_url=server.url)
+        client = Client(await open_connection(settings, "kvpager-serve"), settings.prefix)
+        _say(*starting_lines(settings, server.process.pid if server else None))
+        children = _start_services(settings)
+        if await _wait_ready(client, children, signals, options.ready_timeout):
+            _say(*ready_banner(settings, await client.stats(), await _max_model_len(client)))
+            await _supervise(children, signals)
+        return 0
+    finally:
+        if client is not None:
+            await _close(client)
+        await _stop_services(children, signals, settings)
+        if server is not None:
+            server.stop()
+
+
+def _start_services(settings: Settings) -> dict[str, subprocess.Popen]:
+    env = {**os.environ, **environment(settings)}
+    return {
+        name: processes.spawn([sys.executable, "-m", "services.cli", name], env=env)
+        for name in SERVICE_NAMES
+    }
+
+
+async def _wait_ready(client: Client, children, signals: _Signals, timeout_s: float) -> bool:
+    """True once llm.health says ok; False if stopped first; ServeError if a child exits."""
+    deadline = time.monotonic() + timeout_s
+    while not signals.event.is_set():
+        _check_alive(children, " during start-up")
+        if await _healthy(client):
+            return True
+        if time.monotonic() > deadline:
+            raise ServeError(f"the services did not become healthy within {timeout_s:g} s")
+        await signals.sleep(POLL_S)
+    return False
+
+
+async def _healthy(client: Client) -> bool:
+    try:
+        return (await client.health(timeout=1.0)).status == "ok"
+    except (ClientError, nats.errors.Error, asyncio.TimeoutError):
+        return False  # no tokenizer subscribed yet, or it is busy loading
+
+
+async def _max_model_len(client: Client) -> int:
+    """The served limit; fail if the cache the executor allocated cannot hold it."""
+    try:
+        stats, models = await client.stats(), await client.models()
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        raise ServeError(f"the services answer llm.health but not llm.stats: {exc!r}") from exc
+    max_model_len = models.models[0].max_model_len
+    check_capacity(stats.num_blocks, stats.block_size, max_model_len)
+    return max_model_len
+
+
+async def _supervise(children: dict[str, subprocess.Popen], signals: _Signals) -> None:
+    while not signals.event.is_set():
+        _check_alive(children, "")
+        await signals.sleep(POLL_S)
+
+
+def _check_alive(children: dict[str, subprocess.Popen], when: str) -> None:
+    for name, process in children.items():
+        code = process.poll()
+        if code is not None:
+            raise ServeError(f"the {name} exited with code {code}{when}; see its messages above")
+
+
+async def _stop_services(children, signals: _Signals, settings: Settings) -> None:
+    """SIGTERM all three at once (they drain together); another Ctrl-C kills them."""
+    if not children:
+        return
+    _say("kvpager: stopping the services (Ctrl-C again to kill them)")
+    processes.terminate(list(children.values()))
+    count = signals.count
+    deadline = time.monotonic() + settings.drain_timeout + settings.finish_timeout + STOP_MARGIN_S
+    while any(p.poll() is None for p in children.values()) and time.monotonic() < deadline:
+        if signals.count > count:  # a signal during shutdown: stop waiting
+            break
+        await asyncio.sleep(0.1)
+    processes.kill(list(children.values()))
+
+
+async def _close(client: Client) -> None:
+    try:
+        await asyncio.wait_for(client.nc.close(), 5.0)
+    except (nats.errors.Error, asyncio.TimeoutError):
+        pass
+
+
+def _say(*lines: str) -> None:
+    print("\n".join(lines), flush=True)

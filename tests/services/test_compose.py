@@ -1,0 +1,199 @@
+"""compose.yaml without Docker: every service's own command and environment, run here.
+
+Hostnames map to loopback and NATS gets free ports; the tiny test model replaces the volume's
+model through the environment. A streamed request then goes through both tokenizer replicas'
+queue group, the scheduler and the executor, and each health check must pass, so the compose
+file cannot drift from the real commands.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.client import Client
+from tests.nats_server import free_port, nats_server_binary
+from tests.services.kvpager_cli import KVPAGER
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+CUDA = yaml.safe_load((ROOT / "compose.cuda.yaml").read_text())
+SERVICES = COMPOSE["services"]
+LONG_RUNNING = ("tokenizer", "scheduler", "executor")
+
+
+@dataclass
+class Local:
+    """The compose project mapped onto this machine."""
+
+    model: Path
+    cache_dir: Path
+    log_dir: Path
+    nats_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    def localize(self, text: str) -> str:
+        text = text.replace("nats:4222", f"127.0.0.1:{self.nats_port}")
+        return text.replace("127.0.0.1:8222", f"127.0.0.1:{self.http_port}")
+
+    def argv(self, command: list[str]) -> list[str]:
+        assert command[0] == "kvpager", command
+        return [*KVPAGER, *(self.localize(arg) for arg in command[1:])]
+
+    def env(self, service: str) -> dict[str, str]:
+        compose_env = SERVICES[service].get("environment", {})
+        local = {name: self.localize(str(value)) for name, value in compose_env.items()}
+        # the volume's model and cache, overridden as a user would with an env file
+        local |= {"KVPAGER_MODEL": str(self.model), "KVPAGER_CACHE_DIR": str(self.cache_dir)}
+        return {**os.environ, **local}
+
+    def start(self, name: str, service: str) -> None:
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            self.processes[name] = subprocess.Popen(
+                self.argv(SERVICES[service]["command"]),
+                env=self.env(service),
+                stdout=log,
+                stderr=log,
+            )
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+
+def _start_nats(local: Local) -> subprocess.Popen:
+    """The nats service's own command, on free ports (the last --port/--http_port wins)."""
+    argv = [str(nats_server_binary()), *SERVICES["nats"]["command"]]
+    argv += ["--addr", "127.0.0.1", "--port", str(local.nats_port)]
+    argv += ["--http_port", str(local.http_port)]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(500):
+        assert server.poll() is None, "nats-server exited at start-up"
+        try:
+            socket.create_connection(("127.0.0.1", local.nats_port), timeout=0.2).close()
+            return server
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError("nats-server did not listen")
+
+
+@pytest.fixture(scope="module")
+def local(tiny_llama, tmp_path_factory) -> Iterator[Local]:
+    local = Local(tiny_llama, tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("logs"))
+    server = _start_nats(local)
+    try:
+        local.start("model", "model")  # the one-shot download: first, as depends_on says
+        assert local.processes.pop("model").wait(timeout=60) == 0, local.log("model")
+        for service in LONG_RUNNING:
+            replicas = SERVICES[service].get("deploy", {}).get("replicas", 1)
+            for index in range(replicas):
+                local.start(f"{service}-{index + 1}", service)
+        asyncio.run(_wait_healthy(local))
+        yield local
+    finally:
+        for process in local.processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        server.terminate()
+        server.wait()
+
+
+async def _wait_healthy(local: Local, timeout_s: float = 120.0) -> None:
+    client = await Client.connect(local.url)
+    try:
+        for _ in range(int(timeout_s / 0.2)):
+            for name, process in local.processes.items():
+                assert process.poll() is None, f"{name} exited:\n{local.log(name)[-2000:]}"
+            try:
+                if (await client.health(timeout=1.0)).status == "ok":
+                    return
+            except Exception:  # not up yet
+                pass
+            await asyncio.sleep(0.2)
+        raise TimeoutError("the compose services did not become healthy")
+    finally:
+        await client.close()
+
+
+def test_every_service_has_a_restart_policy_and_a_health_check():
+    for name in ("nats", *LONG_RUNNING):
+        assert SERVICES[name]["restart"] == "unless-stopped", name
+        assert SERVICES[name]["healthcheck"]["test"][0] == "CMD", name
+    assert SERVICES["tokenizer"]["deploy"]["replicas"] == 2
+    for name in ("model", "tokenizer", "executor"):  # the services that read the model
+        assert (
+            f"models:{SERVICES[name]['environment']['KVPAGER_CACHE_DIR']}"
+            in (SERVICES[name]["volumes"])
+        )
+    for name, spec in SERVICES.items():
+        assert set(spec.get("depends_on", {})) <= set(SERVICES), name
+
+
+def test_build_arguments_exist_and_the_gpu_goes_to_the_executor():
+    dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
+    declared = {line.split()[1].split("=")[0] for line in dockerfile if line.startswith("ARG ")}
+    for spec in [*SERVICES.values(), *CUDA["services"].values()]:
+        assert set(spec.get("build", {}).get("args", {})) <= declared
+    assert set(CUDA["services"]) == {"executor"}
+    executor = CUDA["services"]["executor"]
+    assert executor["build"]["args"]["DEVICE"] == "cuda"
+    (device,) = executor["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert all("deploy" not in SERVICES[name] for name in ("scheduler", "executor"))
+
+
+def test_the_image_gets_every_package():
+    """What the Dockerfile copies exists, is not .dockerignored, and covers the packages."""
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    copied = [src for line in lines if line.startswith("COPY ") for src in line.split()[1:-1]]
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    for source in copied:
+        assert (ROOT / source).exists() and source not in ignored, source
+    packages = {"engine", "kernels", "schemas", "services"}  # pyproject's packages.find
+    assert packages <= set(copied) and {"pyproject.toml", "README.md"} <= set(copied)
+
+
+def test_health_checks_pass(local):
+    url = local.localize(SERVICES["nats"]["healthcheck"]["test"][-1])
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        assert reply.status == 200
+    for service in LONG_RUNNING:
+        command = SERVICES[service]["healthcheck"]["test"][1:]
+        done = subprocess.run(
+            local.argv(command), env=local.env(service), capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_a_streamed_request(local):
+    client = await Client.connect(local.url)
+    try:
+        stream = client.generate(prompt="Once upon a time", max_tokens=8, temperature=0)
+        events = [event async for event in stream]
+    finally:
+        await client.close()
+    assert len(events) > 1 and [e.seq for e in events] == list(range(len(events)))
+    assert events[-1].finish_reason == "length"
+    assert events[-1].usage.num_completion_tokens == 8
+
+
+def test_stop_drains_and_exits_zero(local):
+    """`docker compose stop` sends SIGTERM (init: true forwards it)."""
+    for process in local.processes.values():
+        process.send_signal(signal.SIGTERM)
+    for name, process in local.processes.items():
+        assert process.wait(timeout=60) == 0, local.log(name)[-2000:]

@@ -1,0 +1,94 @@
+"""`kvpager serve` as a new user runs it: a ready line, `kvpager generate` streaming what the
+offline engine generates, `stats` and `health`, and SIGTERM leaving no process behind."""
+
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from subprocess import Popen
+
+import psutil
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.nats_server import free_port
+from tests.services.kvpager_cli import kvpager, processes_on, start, wait_for_line
+
+
+@dataclass
+class Served:
+    process: Popen
+    url: str
+    log_dir: Path
+
+    def output(self) -> str:
+        return (self.log_dir / "out.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("serve")
+    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
+    process = start(*args, log_dir=log_dir)
+    try:
+        wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
+        yield Served(process, f"nats://127.0.0.1:{port}", log_dir)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), seed=0)
+
+
+def test_ready_banner_names_the_api(served):
+    lines = served.output().splitlines()
+    assert lines[0] == f"kvpager: NATS {served.url} (embedded nats-server, pid {_pid(served)})"
+    assert "llm.generate" in served.output() and "llm.stats" in served.output()
+    assert f'kvpager generate "Hello" --nats-url {served.url}' in served.output()
+    assert "nats req llm.generate '{" in served.output()
+    assert lines[-1].startswith(f"kvpager: ready on {served.url}: 64 KV blocks of 16 tokens")
+
+
+def _pid(served: Served) -> int:
+    servers = [p for p in psutil.Process(served.process.pid).children() if "nats" in p.name()]
+    return servers[0].pid
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_streams_the_offline_result(served, offline, chat):
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    if chat:
+        want = offline.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)
+    else:
+        want = offline.generate("Hello", params, use_tqdm=False)
+    args = ["generate", "Hello", "--max-tokens", "24", "--nats-url", served.url]
+    done = kvpager(*args, *(["--chat"] if chat else []))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want[0].outputs[0].text + "\n"
+
+
+def test_stats_and_health(served):
+    done = kvpager("stats", "--nats-url", served.url)
+    assert done.returncode == 0, done.stderr
+    assert "KV cache:     0 of 64 blocks in use (16 tokens each)" in done.stdout
+    figures = json.loads(kvpager("stats", "--json", "--nats-url", served.url).stdout)
+    assert figures["num_blocks"] == 64 and figures["num_waiting"] == 0
+    health = kvpager("health", "--nats-url", served.url)
+    assert health.returncode == 0 and health.stdout.startswith("ok (instance default")
+
+
+def test_sigterm_stops_every_process(served):
+    children = psutil.Process(served.process.pid).children(recursive=True)
+    assert len(children) == 4, children  # nats-server, executor, scheduler, tokenizer
+    assert len(processes_on(served.url)) == 4
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(timeout=60) == 0
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive and not processes_on(served.url)
+    assert "kvpager: stopping the services" in served.output()
+    assert "Traceback" not in (served.log_dir / "err.txt").read_text()
