@@ -1,5 +1,6 @@
 """The JSON Schema of the public API: `kvpager schema`, checked in as schemas/public.schema.json."""
 
+import inspect
 import json
 from typing import Any
 
@@ -35,8 +36,22 @@ def public_schema() -> dict[str, Any]:
             f"<prefix>.{name}": {"request": _ref(sent), "reply": _ref(back)}
             for name, (sent, back) in SUBJECTS.items()
         },
-        "$defs": components,
+        "$defs": _clean_descriptions(components),
     }
+
+
+def _clean_descriptions(node: Any) -> Any:
+    """Docstring descriptions dedented the same way whatever msgspec version made them."""
+    if isinstance(node, dict):
+        return {
+            key: inspect.cleandoc(value)
+            if key == "description" and isinstance(value, str)
+            else _clean_descriptions(value)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_clean_descriptions(item) for item in node]
+    return node
 
 
 def render() -> str:
