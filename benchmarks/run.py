@@ -97,7 +97,7 @@ def make_workloads(args, source) -> list:
     else:
         made = {
             "uniform": lambda: wl.uniform(source, n, (32, 256), (32, 256), s),
-            "sharegpt-like": lambda: wl.sharegpt_like(source, n, 96, 96, 1024, s + 1),
+            "sharegpt-like": lambda: wl.sharegpt_like(source, n, 96, 96, 512, s + 1),
             "shared-prefix": lambda: wl.shared_prefix(source, n, 256, (16, 64), (32, 192), s + 2),
             "parallel-n4": lambda: wl.parallel_sampling(
                 source, max(2, n // 4), 4, (32, 256), (32, 192), s + 3

@@ -1,7 +1,8 @@
 """vLLM's CPU build as a peer: benchmarks/vllm_worker.py in vLLM's own virtualenv, one process
 per dtype that loads the model once and answers one workload at a time (so runs of every
-engine can interleave). Build that virtualenv with benchmarks/setup_vllm.sh; without it the
-peer is skipped and the report says so.
+engine can interleave). Between its runs the worker and vLLM's engine processes are stopped
+(SIGSTOP): idle, they poll and would take CPU from the other engines. Build that virtualenv
+with benchmarks/setup_vllm.sh; without it the peer is skipped and the report says so.
 """
 
 import json
@@ -10,6 +11,8 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+import psutil
 
 from benchmarks.config import BenchConfig
 from benchmarks.metrics import EngineResult, SequenceTimes, skipped
@@ -84,6 +87,7 @@ class VllmPeer:
         if ready is not None:
             self.info = json.loads(ready)
             print(f"[{ENGINE}] ready: {self.info}", flush=True)
+            self._signal_all(resume=False)  # stopped until its turn
 
     def _read(self, marker: str) -> str | None:
         """The payload of the next `marker` line; other stdout lines go to the log."""
@@ -101,9 +105,33 @@ class VllmPeer:
                 return line[len(marker) :]
             self._log.write(line)
 
+    def _signal_all(self, resume: bool) -> None:
+        """Stop or continue the worker and vLLM's own processes: idle, they still poll."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in processes:
+            try:
+                if resume:
+                    proc.resume()
+                else:
+                    proc.suspend()
+            except psutil.NoSuchProcess:
+                pass
+
     def run(self, workload: Workload) -> list[EngineResult]:
         if self.failure is not None:
             return [skipped(ENGINE, workload.name, self.cfg.dtype, self.failure)]
+        self._signal_all(resume=True)
+        try:
+            return self._run(workload)
+        finally:
+            if self.failure is None:
+                self._signal_all(resume=False)
+
+    def _run(self, workload: Workload) -> list[EngineResult]:
         try:
             self.proc.stdin.write(workload.to_json() + "\n")
             self.proc.stdin.flush()
@@ -117,6 +145,7 @@ class VllmPeer:
     def close(self) -> None:
         if self.proc is None:
             return
+        self._signal_all(resume=True)
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=120)

@@ -207,7 +207,8 @@ class Scheduler:
         """The parent's prompt completes this step: its other samples share its blocks."""
         params = parent.sampling_params
         for index in range(1, parent.num_pending_forks + 1):
-            seed = None if params.seed is None else params.seed + index
+            # wraps, so a seed near the top of its range still gives each sample a valid one
+            seed = None if params.seed is None else (params.seed + index) % 2**63
             child = parent.fork(
                 f"{parent.request_id}#{index}",
                 sampling_params=msgspec.structs.replace(params, seed=seed),

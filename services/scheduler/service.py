@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.errors import KvpagerError
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.scheduler import Scheduler
 from schemas.executor import Attached, ScheduledStep
 from schemas.public import ErrorInfo
@@ -37,6 +37,7 @@ from schemas.scheduler import (
 from schemas.tokenizer import AddResult
 from services.liveness import repeat
 from services.scheduler.attach import build_core, scheduler_info
+from services.scheduler.finishing import fail_all, fail_routes, finish_early
 from services.scheduler.link import ExecutorLink
 from services.scheduler.metrics import ServiceMetrics
 from services.scheduler.outbox import Outbox, Route
@@ -159,34 +160,10 @@ class SchedulerService:
         return None
 
     def _finish(self, finish: FinishRequest) -> None:
-        """Abort every sample, or stop the one a stop string ended; blocks freed now.
-
-        Unknown ids are ignored: the request has finished and its last delta is on its way.
-        """
-        group = list(self.core.groups.get(finish.request_id, ()))
-        if finish.finish_reason == "stop":
-            for request in group:
-                if request.sample_index == finish.index and not request.is_finished:
-                    request.stop_reason = finish.stop_reason
-                    self.core.finish(request, RequestStatus.FINISHED_STOPPED)
-                    self._answer_finish(request.group_id, request.sample_index, "stop", request)
-        elif group:
-            self.core.abort(finish.request_id)
-            route = self.outbox.routes.get(finish.request_id)
-            for index in sorted(route.open_indices) if route else ():
-                self._answer_finish(finish.request_id, index, "abort", group[0])  # unforked too
-        if group:
-            log.info(
-                "request finished early",
-                request_id=finish.request_id,
-                finish_reason=finish.finish_reason,
-            )
+        if finish_early(self.core, self.outbox, finish):
+            reason = finish.finish_reason
+            log.info("request finished early", request_id=finish.request_id, finish_reason=reason)
             self._work.set()  # the executor must drop them, and the answer must go out
-
-    def _answer_finish(self, request_id: str, index: int, reason: str, request: Request) -> None:
-        self.outbox.add_final(
-            request_id, index, reason, num_cached_tokens=request.num_cached_tokens
-        )
 
     def _drop_tokenizer(self, reply_to: str) -> None:
         """Abort the requests of a tokenizer replica that is gone: no one reads their tokens."""
@@ -195,18 +172,30 @@ class SchedulerService:
                 self._finish(FinishRequest(request_id, "abort"))
 
     def _fail_all(self, error: ErrorInfo) -> None:
-        for request_id in list(self.outbox.routes):
-            for request in list(self.core.groups.get(request_id, ())):
-                self.core.finish(request, RequestStatus.FINISHED_ABORTED)
-            route = self.outbox.routes.get(request_id)
-            for index in sorted(route.open_indices) if route else ():
-                self.outbox.add_final(request_id, index, "error", error)
+        fail_all(self.core, self.outbox, error)
         log.error("failed every request", error=error.type, message=error.message)
         self._work.set()
 
     # --- the loop ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """The loop, restarted after a bug: requests fail, nothing hangs."""
+        while not self._stopped:
+            try:
+                await self._steps()
+            except Exception:
+                log.exception("scheduler loop failed: failing every request")
+                self._start_afresh()
+
+    def _start_afresh(self) -> None:
+        """Fail every request without trusting the core; the executor attaches again."""
+        fail_routes(self.outbox, ErrorInfo("internal_error", "the scheduler failed; see its log"))
+        ready, self.executor = self.executor, None  # a fresh core needs a fresh executor
+        if ready is not None:
+            self.core = build_core(self.settings, ready)
+        self.link.cancel()
+
+    async def _steps(self) -> None:
         back_to_back = False  # this step was planned right after the previous output
         while not self._stopped:
             core = self.core

@@ -50,8 +50,13 @@ def decode_request(body: bytes, msgpack: bool) -> GenerateRequest:
         raise InvalidRequestError(f"malformed {kind}: {exc}", param=None) from exc
 
 
-def request_id_of(body: bytes, msgpack: bool) -> str:
-    """The request id a client sent, even in a request that fails validation; else a new one."""
+def request_id_of(body: bytes, msgpack: bool, max_bytes: int) -> str:
+    """The request id a client sent, even in a request that fails validation; else a new one.
+
+    A body over `max_bytes` is not parsed.
+    """
+    if len(body) > max_bytes:
+        return uuid.uuid4().hex
     try:
         raw = (msgspec.msgpack if msgpack else msgspec.json).decode(body)
     except (msgspec.DecodeError, ValueError):
@@ -60,6 +65,20 @@ def request_id_of(body: bytes, msgpack: bool) -> str:
     if isinstance(request_id, str) and 0 < len(request_id) <= 256:
         return request_id
     return uuid.uuid4().hex
+
+
+def prepare_body(
+    body: bytes,
+    msgpack: bool,
+    tokenizer: PreTrainedTokenizerBase,
+    vocab_size: int,
+    limits: RequestLimits,
+) -> Prepared:
+    """A request's bytes to a Prepared request: size first, then decoding, then the rest."""
+    limits.check_body(body)  # before any parsing
+    request = decode_request(body, msgpack)
+    request_id = request.request_id or uuid.uuid4().hex
+    return prepare(request, request_id, tokenizer, vocab_size, limits)
 
 
 def prepare(

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.errors import KvpagerError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
-from schemas.tokenizer import AddResult, TokenBatch
+from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
 from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
@@ -28,9 +28,8 @@ from services.tokenizer.limits import RequestLimits
 from services.tokenizer.requests import (
     Prepared,
     admission_error,
-    decode_request,
     is_msgpack,
-    prepare,
+    prepare_body,
     request_id_of,
 )
 from services.tokenizer.streams import Stream, error_event
@@ -42,8 +41,12 @@ log = structlog.get_logger(__name__)
 ADD_TIMEOUT_S = 10.0
 
 
-def _error(exc: KvpagerError) -> ErrorInfo:
-    return ErrorInfo(type=exc.type, message=str(exc), param=getattr(exc, "param", None))
+def _error(exc: Exception) -> ErrorInfo:
+    """A typed error for the client; anything but a KvpagerError is a bug, logged as such."""
+    if isinstance(exc, KvpagerError):
+        return ErrorInfo(type=exc.type, message=str(exc), param=getattr(exc, "param", None))
+    log.error("request preparation failed", exc_info=exc)
+    return ErrorInfo("internal_error", f"the request could not be prepared: {exc!r}")
 
 
 class TokenizerService:
@@ -86,14 +89,10 @@ class TokenizerService:
             return
         msgpack = is_msgpack(msg.headers)
         try:
-            prepared = self._prepare(msg.data, msgpack)
-        except KvpagerError as exc:
-            await self._refuse(msg.reply, msgpack, self._id_of(msg.data, msgpack), _error(exc))
-            return
-        except Exception as exc:  # a bug must not leave the client waiting
-            log.exception("request preparation failed")
-            error = ErrorInfo("internal_error", f"the request could not be prepared: {exc!r}")
-            await self._refuse(msg.reply, msgpack, self._id_of(msg.data, msgpack), error)
+            prepared = prepare_body(msg.data, msgpack, self.tokenizer, self.vocab_size, self.limits)
+        except Exception as exc:  # a bug too gets an error event, never silence
+            request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
+            await self._refuse(msg.reply, msgpack, request_id, _error(exc))
             return
         refusal = admission_error(prepared, in_flight=prepared.request_id in self.streams)
         if refusal is not None:
@@ -104,18 +103,6 @@ class TokenizerService:
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
         self._spawn(self._submit(stream, prepared))
-
-    def _prepare(self, body: bytes, msgpack: bool) -> Prepared:
-        self.limits.check_body(body)  # before any parsing
-        request = decode_request(body, msgpack)
-        request_id = request.request_id or uuid.uuid4().hex
-        return prepare(request, request_id, self.tokenizer, self.vocab_size, self.limits)
-
-    def _id_of(self, body: bytes, msgpack: bool) -> str:
-        """The client's request id for an error event; an oversized body is not parsed."""
-        if len(body) > self.limits.max_request_bytes:
-            return uuid.uuid4().hex
-        return request_id_of(body, msgpack)
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
@@ -224,12 +211,19 @@ class TokenizerService:
             stream = self.streams.get(delta.request_id)
             if stream is None:
                 continue  # ended here already (stop string, timeout): late tokens
-            events, finish = stream.on_delta(delta)
-            await self._send(stream, events)
-            if finish is not None:
-                await self._send_finish(stream, finish)
-            if stream.done:
-                self._close(stream)
+            try:
+                await self._on_delta(stream, delta)
+            except Exception as exc:  # a bug in one stream must not hang it, nor the others
+                log.exception("stream failed", request_id=stream.request_id)
+                await self._lose(stream, ErrorInfo("internal_error", f"the stream failed: {exc!r}"))
+
+    async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
+        events, finish = stream.on_delta(delta)
+        await self._send(stream, events)
+        if finish is not None:
+            await self._send_finish(stream, finish)
+        if stream.done:
+            self._close(stream)
 
     async def _end(self, stream: Stream, error: ErrorInfo) -> None:
         """End a stream without the scheduler (refused, unreachable)."""

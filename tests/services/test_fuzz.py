@@ -350,6 +350,17 @@ async def test_request_caps(fuzz_services, fields, error_type, param):
         await client.close()
 
 
+async def test_parallel_samples_with_the_largest_seed(fuzz_services):
+    """Found by the fuzz test: sample seeds past 2**63 once crashed the scheduler's loop."""
+    client = await Client.connect(fuzz_services.url, "fuzz")
+    try:
+        fields = dict(prompt="x", n=3, seed=2**63 - 1, max_tokens=2, ignore_eos=True)
+        events = [e async for e in client.generate(**fields)]
+        assert events[-1].error is None and events[-1].usage.num_completion_tokens == 6
+    finally:
+        await client.close()
+
+
 # --- nothing is unpickled -----------------------------------------------------------------------
 
 SOURCE_DIRS = ("engine", "kernels", "schemas", "services")
