@@ -1,42 +1,136 @@
-"""kvpager through NATS (tokenizer, scheduler and executor services): the hook, not wired yet.
+"""kvpager through NATS: `kvpager serve` (an embedded nats-server and the tokenizer, scheduler and
+executor processes) with the run's limits, and one client streaming every request at t = 0.
 
-The services are being written (services/). To wire this peer, fill in `NatsPeer`:
-`__init__` starts a nats-server and the three services with the BenchConfig's limits (block
-size, KV budget, max_num_seqs, max_num_batched_tokens, prefix caching, dtype, threads),
-connects a `services.client` client and warms up; `run(workload)` sends every request at t = 0
-as token ids with `ignore_eos` and its `max_tokens` / `n` / `temperature` / `seed`, stamps each
-streamed token with `time.perf_counter() - start`, and returns `[EngineResult]` built like
-`kvpager_offline.drive` builds it (sequences, finish_times, latency_source "per streamed
-token"); `close()` stops the services. Until then the peer is skipped with a note.
+Each `run()` starts a fresh server and stops it afterwards, so every round starts with an empty
+prefix cache, as the offline peer's does (it resets its cache between runs). Token-id prompts
+with `ignore_eos`; each streamed event's tokens are stamped with the time the client received
+them, so TTFT and ITL include tokenizer, scheduler, executor and two NATS hops.
 """
 
-import importlib.util
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
 
 from benchmarks.config import BenchConfig
-from benchmarks.metrics import EngineResult
-from benchmarks.workloads import Workload
+from benchmarks.metrics import EngineResult, SequenceTimes
+from benchmarks.workloads import BenchRequest, Workload
 
 ENGINE = "kvpager NATS"
 
 
-def client_available() -> bool:
-    try:
-        return importlib.util.find_spec("services.client") is not None
-    except ImportError:  # `services` itself missing
-        return False
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class NatsPeer:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
-        if not client_available():
-            self.why = "services.client is not importable (the NATS services are not there yet)"
-        else:
-            self.why = "services.client imports, but benchmarks/nats_peer.py is not wired yet"
-        print(f"[{ENGINE}] skipped: {self.why}", flush=True)
+        self.loop = asyncio.new_event_loop()
+
+    def _serve(self, port: int) -> subprocess.Popen:
+        cfg = self.cfg
+        env = {
+            **os.environ,
+            "KVPAGER_MODEL": str(cfg.model_path),
+            "KVPAGER_DTYPE": cfg.dtype,
+            "KVPAGER_BLOCK_SIZE": str(cfg.block_size),
+            "KVPAGER_KV_CACHE_MEMORY": str(cfg.kv_cache_bytes),
+            "KVPAGER_MAX_NUM_SEQS": str(cfg.max_num_seqs),
+            "KVPAGER_MAX_NUM_BATCHED_TOKENS": str(cfg.max_num_batched_tokens),
+            "KVPAGER_MAX_MODEL_LEN": str(cfg.max_model_len),
+            "KVPAGER_ENABLE_PREFIX_CACHING": str(cfg.enable_prefix_caching).lower(),
+            "KVPAGER_MAX_WAITING": "100000",
+            "KVPAGER_SEED": str(cfg.seed),
+            "KVPAGER_LOG_LEVEL": "warning",
+            "OMP_NUM_THREADS": str(cfg.num_threads),
+        }
+        command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
     def run(self, workload: Workload) -> list[EngineResult]:
-        return [EngineResult(ENGINE, workload.name, self.cfg.dtype, skipped=self.why)]
+        port = _free_port()
+        server = self._serve(port)
+        try:
+            return [self.loop.run_until_complete(self._run(workload, port))]
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+    async def _run(self, workload: Workload, port: int) -> EngineResult:
+        from benchmarks.load import _ready  # the load benchmark's wait for a healthy server
+
+        client = await _ready(f"nats://127.0.0.1:{port}", "llm")
+        try:
+            await self._warm_up(client)
+            stats_before = await client.stats()
+            sequences = {
+                i: [SequenceTimes() for _ in range(r.n)] for i, r in enumerate(workload.requests)
+            }
+            start = time.perf_counter()
+            finish_times = await asyncio.gather(
+                *(
+                    self._stream(client, f"{workload.name}-{i}", r, sequences[i], start)
+                    for i, r in enumerate(workload.requests)
+                )
+            )
+            elapsed = time.perf_counter() - start
+            stats = await client.stats()
+        finally:
+            await client.close()
+        produced = sum(len(s.token_times) for seqs in sequences.values() for s in seqs)
+        assert produced == workload.num_output_tokens, f"{produced} != {workload.num_output_tokens}"
+        return EngineResult(
+            ENGINE,
+            workload.name,
+            self.cfg.dtype,
+            elapsed_s=elapsed,
+            num_requests=len(workload.requests),
+            num_prompt_tokens=workload.num_prompt_tokens,
+            num_output_tokens=workload.num_output_tokens,
+            sequences=sequences,
+            finish_times=list(finish_times),
+            latency_source="per streamed event, at the client",
+            extra={
+                "num_blocks": stats.num_blocks,
+                "num_preemptions": stats.num_preemptions - stats_before.num_preemptions,
+            },
+        )
+
+    async def _warm_up(self, client) -> None:
+        """Short requests so first-call costs (allocator, kernel build check) stay off the clock."""
+        await asyncio.gather(
+            *(
+                self._stream(client, f"warm-{i}", BenchRequest([100 + i] * (8 + 8 * i), 8), None, 0)
+                for i in range(4)
+            )
+        )
+
+    async def _stream(self, client, request_id: str, request: BenchRequest, seqs, start) -> float:
+        events = client.generate(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            n=request.n,
+            temperature=request.temperature,
+            seed=request.seed,
+            ignore_eos=True,
+        )
+        async for event in events:
+            now = time.perf_counter() - start
+            if event.error is not None:
+                raise RuntimeError(f"{request_id}: {event.error.type}: {event.error.message}")
+            if seqs is not None:
+                seqs[event.index].token_times.extend([now] * len(event.token_ids))
+        return time.perf_counter() - start
 
     def close(self) -> None:
-        pass
+        self.loop.close()

@@ -1,9 +1,11 @@
-"""Choice of kernel implementation: Triton kernels or their pure-torch twins (CPU serving).
+"""Choice of kernel implementation: Triton kernels (CUDA), the CPU set (torch twins plus a C
+decode-attention kernel), or the pure-torch twins alone.
 
 Both sets share signatures (see `kernels.reference`), so the engine holds one `KernelOps` and
 never branches on the backend. Triton is imported only when the "triton" set is asked for.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +34,13 @@ def _torch_ops() -> KernelOps:
     )
 
 
+def _cpu_ops() -> KernelOps:
+    """The torch twins, with decode attention on the C kernel (kernels/cpu_decode.py)."""
+    from kernels.cpu_decode import paged_attention_cpu
+
+    return dataclasses.replace(_torch_ops(), paged_attention=paged_attention_cpu)
+
+
 def _triton_ops() -> KernelOps:
     try:
         from kernels.block_ops import copy_blocks, swap_blocks
@@ -48,16 +57,20 @@ def _triton_ops() -> KernelOps:
     )
 
 
-_BACKENDS = {"torch": _torch_ops, "triton": _triton_ops}
+_BACKENDS = {"torch": _torch_ops, "cpu": _cpu_ops, "triton": _triton_ops}
 
 
 def get_kernel_ops(name: str) -> KernelOps:
-    """The kernel set called `name` ("torch" or "triton"); ConfigError for anything else."""
+    """The kernel set called `name` ("torch", "cpu" or "triton"); ConfigError otherwise."""
     if name not in _BACKENDS:
         raise ConfigError(f"unknown kernel backend {name!r}; expected one of {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
 
 
 def default_backend_name() -> str:
-    """Return "triton" when a CUDA device is present, else "torch" (interpreter is for tests)."""
-    return "triton" if torch.cuda.is_available() else "torch"
+    """ "triton" with a CUDA device; else "cpu" when its C kernel builds here, else "torch"."""
+    if torch.cuda.is_available():
+        return "triton"
+    from kernels import cpu_decode
+
+    return "cpu" if cpu_decode.load() is not None else "torch"

@@ -33,7 +33,7 @@ class Settings:
     model: str = _opt("checkpoint folder or known model name", default=DEFAULT_MODEL)
     dtype: str = _opt("float32 | bfloat16 | float16 | auto", default="auto")
     device: str = _opt("cpu | cuda | cuda:N | auto", default="auto")
-    attention_backend: str = _opt("torch | triton | auto", default="auto")
+    attention_backend: str = _opt("torch | cpu | triton | auto", default="auto")
     block_size: int = _opt("tokens per KV block", default=16)
     num_blocks: int | None = _opt("KV blocks (default: what fits)", default=None)
     kv_cache_memory: int | None = _opt("bytes for the KV cache", default=None)

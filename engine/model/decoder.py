@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
+from engine.model.linear import make_linear
 from engine.model.rope import apply_rope, cos_sin_table
 
 
@@ -17,6 +18,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def _release(weight: nn.Parameter) -> None:
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
+def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
+    matmul, packed = make_linear(weight, bias, pack)
+    if packed:
+        _release(weight)
+    return matmul
 
 
 class DecoderLayer(nn.Module):
@@ -42,6 +54,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = param(hidden)
         self.gate_up_weight = param(2 * config.intermediate_size, hidden)
         self.down_weight = param(hidden, config.intermediate_size)
+        self.build_matmuls(pack=False)
+
+    def build_matmuls(self, pack: bool) -> None:
+        """The four matmuls; once packed, the plain weights are released (they are copies)."""
+        self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
+        self.o_proj = _matmul(self.o_weight, None, pack)
+        self.gate_up = _matmul(self.gate_up_weight, None, pack)
+        self.down = _matmul(self.down_weight, None, pack)
 
     def forward(
         self,
@@ -54,16 +74,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attention(q, k, v, layer_cache, meta).reshape(num_tokens, self.q_size)
-        x = x + F.linear(attn, self.o_weight)
+        x = x + self.o_proj(attn)
         h = rms_norm(x, self.post_attention_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
 
 class Decoder(nn.Module):
@@ -82,9 +102,19 @@ class Decoder(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
         )
+        self.lm_head_matmul, _ = make_linear(self.lm_head, None, pack=False)
         cos, sin = cos_sin_table(config, max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def build_matmuls(self, pack: bool = True) -> None:
+        """Call once the weights are loaded and on their device: packs them where that is faster."""
+        for layer in self.layers:
+            layer.build_matmuls(pack)
+        # a tied lm_head is also the embedding table, so its plain weight stays
+        self.lm_head_matmul, packed = make_linear(self.lm_head, None, pack)
+        if packed and not self.config.tie_word_embeddings:
+            _release(self.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -106,4 +136,4 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> fp32 [num_sampled, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head_matmul(hidden).float()

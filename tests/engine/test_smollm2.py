@@ -36,7 +36,8 @@ def test_greedy_text_equals_transformers(smollm2_path):
             do_sample=False,
         )
         expected.append(out[0, len(ids) :].tolist())
-    llm = make_llm(smollm2_path, block_size=16, num_blocks=64)
+    # the CPU backend: oneDNN-packed matmuls and the C decode kernel's literal-size path
+    llm = make_llm(smollm2_path, block_size=16, num_blocks=64, attention_backend="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     chat_outs = llm.chat(CHATS, params)
     text_outs = llm.generate(PROMPTS, params)

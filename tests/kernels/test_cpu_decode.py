@@ -1,0 +1,88 @@
+"""The C decode-attention kernel (CPU backend) against its torch twin and dense attention."""
+
+import pytest
+import torch
+
+from kernels import cpu_decode
+from kernels.backend import default_backend_name, get_kernel_ops
+from kernels.cpu_decode import paged_attention_cpu, paged_decode
+from kernels.reference import decode_attention_ref, paged_attention_ref
+from tests.kernels.test_paged_attention import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    assert_close,
+    dense_attention,
+    make_batch,
+)
+
+pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
+
+# (head_dim, num_heads, num_kv_heads, block_size, dtype): the literal-size paths (head_dim 64
+# and 128, groups 1-8, SmolLM2's 64/9/3) and the runtime-size path (head_dim 8 and 80, group 9)
+CONFIGS = [
+    (64, 9, 3, 16, torch.float32),
+    (128, 8, 1, 16, torch.float32),
+    (64, 4, 4, 8, torch.bfloat16),
+    (8, 4, 2, 8, torch.float32),
+    (80, 18, 2, 16, torch.bfloat16),
+    (64, 2, 2, 1, torch.float32),  # one token per block
+]
+
+
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "block_size", "dtype"), CONFIGS)
+def test_decode_matches_twin_and_dense(head_dim, num_heads, num_kv_heads, block_size, dtype):
+    batch = make_batch(*DECODE, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu")
+    scale = head_dim**-0.5
+    query = batch.query.float()
+    out = paged_decode(
+        query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, scale
+    )
+    assert out is not None and out.dtype == torch.float32 and out.shape == query.shape
+    twin = decode_attention_ref(
+        query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, scale
+    )
+    assert_close("vs twin", out, twin, torch.float32)
+    # the dense reference reads the same (bf16-rounded) K/V in fp64, so fp32 tolerances hold
+    assert_close("vs dense", out, dense_attention(batch, scale), torch.float32)
+
+
+@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL])
+def test_mixed_batches_equal_the_reference(case):
+    batch = make_batch(*case, 9, 3, 64, 16, torch.float32, "cpu")
+    args = batch.args(0.125)
+    assert_close("out", paged_attention_cpu(*args), paged_attention_ref(*args), torch.float32)
+
+
+def test_unsupported_shapes_fall_back_to_the_twin():
+    """head_dim not a multiple of 8: the kernel declines and the torch twin answers."""
+    batch = make_batch(*DECODE, 2, 1, 12, 8, torch.float32, "cpu")
+    args = batch.args(12**-0.5)
+    assert paged_decode(*args[:4], batch.seq_lens, args[6]) is None
+    assert_close("out", paged_attention_cpu(*args), paged_attention_ref(*args), torch.float32)
+
+
+def test_table_padding_is_never_read():
+    """Entries past each sequence's blocks hold ids far outside the cache."""
+    batch = make_batch(*DECODE, 4, 2, 64, 8, torch.float32, "cpu")
+    wide = torch.full((batch.block_tables.shape[0], 40), 10**6, dtype=torch.int32)
+    wide[:, : batch.block_tables.shape[1]] = batch.block_tables
+    scale = 0.125
+    out = paged_decode(
+        batch.query, batch.key_cache, batch.value_cache, wide[:, :-3], batch.seq_lens, scale
+    )
+    assert_close("out", out, dense_attention(batch, scale), torch.float32)
+
+
+def test_cpu_is_the_default_backend_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: triton is the default")
+    assert default_backend_name() == "cpu"
+    assert get_kernel_ops("cpu").paged_attention is paged_attention_cpu
+
+
+def test_loading_the_library_keeps_subnormal_floats():
+    """Built with -ffast-math it would switch on flush-to-zero for the whole process."""
+    assert cpu_decode.load() is not None
+    tiny = torch.tensor(1e-40, dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
