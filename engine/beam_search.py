@@ -28,6 +28,7 @@ class Continuation:
 class FinishedBeam:
     score: np.float32  # length-penalised
     token_ids: list[int]
+    finish_reason: str = "length"  # "stop" when it ended on an EOS or stop token
 
 
 @dataclass
@@ -85,7 +86,11 @@ class BeamSearchGroup:
             return
         penalty = np.float32(length**self.params.length_penalty)
         new = [
-            FinishedBeam(np.float32(c.score / penalty), c.source.output_token_ids + [c.token_id])
+            FinishedBeam(
+                np.float32(c.score / penalty),
+                c.source.output_token_ids + [c.token_id],
+                "stop" if c.token_id in self.stop_token_ids else "length",
+            )
             for c, end in zip(top, ends)
             if end
         ]

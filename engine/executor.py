@@ -59,9 +59,14 @@ class ExecutorConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is CUDA when there is a device, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def host_memory_bytes() -> int:

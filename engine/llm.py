@@ -236,12 +236,11 @@ class LLM:
                 self.executor.execute(self.scheduler.schedule())
 
     def _absorb_beams(self, item: _Tracked, beams) -> None:
-        stops = set(item.request.eos_token_ids) | set(item.request.sampling_params.stop_token_ids)
         skip = item.request.sampling_params.skip_special_tokens
         for completion, beam in zip(item.output.outputs, beams):
             completion.token_ids = beam.token_ids
             completion.text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=skip)
-            completion.finish_reason = "stop" if beam.token_ids[-1] in stops else "length"
+            completion.finish_reason = beam.finish_reason
             completion.cumulative_score = float(beam.score)
 
     def _absorb(self, item: _Tracked, request: Request, logprobs) -> bool:

@@ -86,6 +86,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ):
             _check(getattr(self, name) == neutral, name, "is not supported with beam search")
         _check(self.top_k in (0, -1), "top_k", "is not supported with beam search")
+        _check(not self.stop, "stop", "stop strings are not supported with beam search")
 
     @property
     def is_greedy(self) -> bool:

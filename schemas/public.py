@@ -91,7 +91,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         | None
     ) = None
     skip_special_tokens: bool = True
-    beam_width: Annotated[Count, Meta(description="beam search (not served yet)")] = 1
+    beam_width: Annotated[
+        Count,
+        Meta(description="beam search when > 1: the n best beams come whole, one final event each"),
+    ] = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
 
@@ -151,6 +154,10 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] | None = None
+    cumulative_score: Annotated[
+        float | None,
+        Meta(description="beam search: the beam's length-penalised log-probability"),
+    ] = None
 
     @property
     def is_final(self) -> bool:

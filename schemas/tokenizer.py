@@ -34,6 +34,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (last delta)
     logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids when asked for
     error: ErrorInfo | None = None  # with finish_reason "error"
+    cumulative_score: float | None = None  # beam search: the beam's length-penalised score
 
 
 class TokenBatch(msgspec.Struct, array_like=True):

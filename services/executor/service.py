@@ -68,7 +68,13 @@ def step_thread(device: torch.device) -> ThreadPoolExecutor:
 
 
 class ExecutorService:
-    def __init__(self, nc: NATS, settings: Settings, executor: Executor) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        settings: Settings,
+        executor: Executor,
+        worker: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.nc = nc
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
@@ -81,7 +87,7 @@ class ExecutorService:
         self._last_output_at: float | None = None
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
-        self._worker = step_thread(executor.device)
+        self._worker = worker or step_thread(executor.device)  # best: the one that loaded it
         self._reconnects = Reconnects(nc)
         self._ping_sub = None
         self._watch_task: asyncio.Task | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 
+from engine.beam_search import FinishedBeam
 from engine.request import Request
 from schemas.public import ErrorInfo
 from schemas.scheduler import TokenLogprobs
@@ -50,6 +51,22 @@ class Outbox:
             delta.num_cached_tokens = request.num_cached_tokens
         self._push(route, delta)
         return route
+
+    def add_beams(self, request_id: str, beams: list[FinishedBeam], num_cached_tokens: int) -> None:
+        """A beam search's result, whole: the best `n` beams as final deltas, best first."""
+        route = self.routes.get(request_id)
+        if route is None:
+            return
+        for index, beam in zip(sorted(route.open_indices), beams):
+            delta = SampleDelta(
+                request_id,
+                index,
+                beam.token_ids,
+                finish_reason=beam.finish_reason,
+                num_cached_tokens=num_cached_tokens,
+                cumulative_score=float(beam.score),
+            )
+            self._push(route, delta)
 
     def add_final(
         self,

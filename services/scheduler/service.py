@@ -253,6 +253,8 @@ class SchedulerService:
             route = self.outbox.add_token(request, logprobs.get(request.request_id))
             if route is not None:
                 metrics.time_token(route, now)
+        for group_id, beams in self.core.take_beam_results().items():
+            self.outbox.add_beams(group_id, beams, num_cached_tokens=0)
         metrics.throughput.add(len(updated), now)
         if self.settings.check_invariants:
             self.core.check_invariants()

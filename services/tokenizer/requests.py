@@ -91,8 +91,6 @@ def prepare(
     """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
     limits.check_request(request)
     params = sampling_params(request)
-    if params.is_beam_search:  # its results come whole at the end, not as token streams
-        raise InvalidRequestError("beam_width: beam search is not served yet", "beam_width")
     token_ids = prompt_token_ids(request, tokenizer, vocab_size)
     limits.check_prompt(len(token_ids), _prompt_field(request))
     return Prepared(

@@ -29,6 +29,7 @@ class _Sample:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cumulative_score: float | None = None  # beam search
 
 
 class Stream:
@@ -79,6 +80,7 @@ class Stream:
     def _finish_sample(self, sample: _Sample, delta: SampleDelta) -> str:
         sample.finish_reason = "stop" if sample.stop_string else delta.finish_reason
         sample.stop_reason = sample.stop_string or delta.stop_reason
+        sample.cumulative_score = delta.cumulative_score
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:
             self.error = delta.error
@@ -104,6 +106,7 @@ class Stream:
             logprobs=logprobs,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
+            cumulative_score=sample.cumulative_score,
         )
 
     def _next_event(self, **fields) -> GenerateEvent:

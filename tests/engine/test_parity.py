@@ -68,6 +68,15 @@ def test_cpu_backend_matches_transformers(model_and_expected):
     assert_all_free(llm)
 
 
+def test_mlp_row_chunks_keep_tokens_exact(model_and_expected, monkeypatch):
+    """Long batches run the MLP in row chunks (engine/model/decoder.py); 4-row chunks here."""
+    monkeypatch.setattr("engine.model.decoder.MLP_CHUNK_TOKENS", 4)
+    path, prompts, expected = model_and_expected
+    llm, got = run_engine(path, prompts, num_blocks=128)
+    assert got == expected
+    assert_all_free(llm)
+
+
 def test_preemption_keeps_tokens_exact(model_and_expected):
     path, prompts, expected = model_and_expected
     # 10 blocks hold one request of 41 + 20 tokens but never all 16 at once

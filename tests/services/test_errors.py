@@ -23,7 +23,7 @@ INVALID = [  # (body, headers, error type, param)
     (b'{"prompt": "x", "max_tokens": 0}', None, "invalid_request", "max_tokens"),
     (b'{"prompt": "x", "min_tokens": 9, "max_tokens": 2}', None, "invalid_request", "min_tokens"),
     (b'{"prompt": "x", "n": 0}', None, "invalid_request", "n"),
-    (b'{"prompt": "x", "beam_width": 2, "temperature": 0}', None, "invalid_request", "beam_width"),
+    (b'{"prompt": "x", "beam_width": 2, "temperature": 1}', None, "invalid_request", "temperature"),
     (b'{"prompt": "x", "stop": [""]}', None, "invalid_request", "stop"),
     (b"{}", None, "invalid_request", "prompt"),
     (b'{"prompt": ""}', None, "invalid_request", "prompt"),

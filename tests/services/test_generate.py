@@ -174,3 +174,23 @@ async def test_parallel_samples_equal_offline(client: Client, offline: LLM):
         assert [e.finish_reason for e in finals] == [completion.finish_reason], index
     assert events[-1].usage.num_completion_tokens == sum(len(c.token_ids) for c in want)
     assert len({tuple(c.token_ids) for c in want}) > 1, "the samples differ"
+
+
+async def test_beam_search_equals_offline(client: Client, offline: LLM):
+    """Each of the n best beams comes whole as one final event, best first, as offline."""
+    prompts = [CORPUS[0][:30], CORPUS[3][:50]]
+    params = SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=12)
+    expected = offline.beam_search(prompts, params, use_tqdm=False)
+    streams = [
+        client.generate(prompt=p, beam_width=3, n=2, temperature=0.0, max_tokens=12)
+        for p in prompts
+    ]
+    results = await asyncio.gather(*(collect(stream) for stream in streams))
+    for events, want in zip(results, expected):
+        assert [e.index for e in events] == [0, 1]
+        for event, beam in zip(events, want.outputs):
+            assert event.token_ids == beam.token_ids and event.text == beam.text
+            assert event.finish_reason == beam.finish_reason
+            assert event.cumulative_score == pytest.approx(beam.cumulative_score)
+        assert events[-1].usage.num_completion_tokens == sum(len(b.token_ids) for b in want.outputs)
+    assert (await client.stats()).num_used_blocks == 0
