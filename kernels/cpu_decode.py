@@ -2,8 +2,9 @@
 
 Why C here: on CPU the torch twin gathers every sequence's K/V blocks into a padded copy and
 then runs SDPA, reading and writing the context three times; the kernel reads each K/V row once,
-in place, through the block table (4-7x faster per layer for SmolLM2 at 48 sequences). It is
-the CPU counterpart of the Triton kernel, tested against the same torch twin.
+in place, through the block table (SmolLM2, 48 sequences of ~250 tokens: attention per decode
+step 124 ms -> 41-55 ms). It is the CPU counterpart of the Triton kernel, tested against the
+same torch twin.
 
 The library is compiled with the system C compiler on first use (Triton needs one too) into
 `<cache_dir>/kernels/`, named by a hash of the source, flags and compiler, under a file lock so

@@ -41,6 +41,7 @@ from services.scheduler.finishing import fail_all, fail_routes, finish_early
 from services.scheduler.link import ExecutorLink
 from services.scheduler.metrics import ServiceMetrics
 from services.scheduler.outbox import Outbox, Route
+from services.scheduler.pieces import PromptPieces
 from services.scheduler.stats import build_stats
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
@@ -62,7 +63,8 @@ class SchedulerService:
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
         self.metrics = ServiceMetrics()
-        self._pieces: dict[str, list[int]] = {}
+        # a dead tokenizer's orphaned pieces go after a while
+        self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
         self._work = asyncio.Event()
         self.link = ExecutorLink(nc, self.subjects, settings.piece_tokens)
         self.watch = PeerWatch(
@@ -128,7 +130,7 @@ class SchedulerService:
         self.watch.check_reconnect()
         message = _tokenizer_decoder.decode(msg.data)
         if isinstance(message, PromptPiece):
-            self._pieces.setdefault(message.request_id, []).extend(message.token_ids)
+            self._pieces.add(message.request_id, message.token_ids)
         elif isinstance(message, AddRequest):
             error = self._add(message)
             if msg.reply:
@@ -137,7 +139,7 @@ class SchedulerService:
             self._finish(message)
 
     def _add(self, add: AddRequest) -> ErrorInfo | None:
-        token_ids = self._pieces.pop(add.request_id, []) + add.prompt_token_ids
+        token_ids = self._pieces.take(add.request_id) + add.prompt_token_ids
         if self._closing:
             return ErrorInfo("unavailable", "the scheduler is shutting down")
         if self.executor is None:
