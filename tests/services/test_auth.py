@@ -2,6 +2,7 @@
 services and clients present it, and a client without it is refused. The example
 deploy/nats.conf confines clients to the public subjects and their own inboxes."""
 
+import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,3 +157,32 @@ def test_serve_with_the_example_config(tiny_llama, tmp_path):
     finally:
         process.terminate()
         assert process.wait(timeout=60) == 0
+
+
+def _user_nkey(folder: Path) -> tuple[Path, str]:
+    """A fresh user nkey: its seed file (what a service reads) and its public key."""
+    import nkeys
+
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    path = folder / "user.nk"
+    path.touch(mode=0o600)
+    path.write_bytes(seed)
+    return path, nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+async def test_nkey_authentication(tmp_path):
+    """The server knows only a user's public key; whoever holds the seed signs its nonce."""
+    seed_file, public_key = _user_nkey(tmp_path / "user")
+    config = tmp_path / "nkey.conf"
+    config.write_text(f'authorization {{ users = [ {{ nkey: "{public_key}" }} ] }}\n')
+    nkey = {"nats_nkey": str(seed_file)}
+    with embedded(Settings(**nkey), nats_config=str(config)) as url:
+        await _connect(url, **nkey)
+        nc = await connect(Settings(nats_url=url, **nkey), "test")  # as services connect
+        await nc.close()
+        with pytest.raises(ConnectError, match="authorization violation"):
+            await _connect(url)
+        stranger, _ = _user_nkey(tmp_path / "stranger")
+        with pytest.raises(ConnectError, match="authorization violation"):
+            await _connect(url, nats_nkey=str(stranger))

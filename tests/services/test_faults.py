@@ -1,12 +1,13 @@
-"""Faults: a killed executor, scheduler or tokenizer replica, a restarted nats-server, a passed
-deadline. Every stream still ends with one final event, typed errors come fast, the services
-recover, and no KV block is leaked.
+"""Faults: a killed or hung executor, a killed scheduler or tokenizer replica, a restarted
+nats-server, a passed deadline. Every stream still ends with one final event, typed errors come
+fast, the services recover, and no KV block is leaked.
 
 The tests run in order on one set of services (two tokenizer replicas) and one nats-server of
 their own, each leaving everything healthy for the next.
 """
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -141,6 +142,32 @@ async def test_executor_killed_mid_stream(client: Client, faulty: Services):
     faulty.launch("executor")
     await _healthy(faulty)
     events = await _generate(client, prompt=PROMPTS[0])
+    assert [e.token_ids for e in events] == [e.token_ids for e in reference]
+    assert events[-1].finish_reason == "length"
+
+
+async def test_executor_hung_mid_stream(client: Client, faulty: Services):
+    """SIGSTOP: the process lives but answers nothing. Liveness pings catch it; after SIGCONT it
+    finds itself dropped, forgets every request and attaches afresh."""
+    reference = await _generate(client, prompt=PROMPTS[1])
+    streams = Streams(client, 16, max_tokens=400, tag="hung")
+    await streams.until_streaming(8)
+    executor = faulty.processes["executor"]
+    hung_at = time.monotonic()
+    executor.send_signal(signal.SIGSTOP)
+    try:
+        finals = await streams.finals(timeout_s=15.0)
+    finally:
+        executor.send_signal(signal.SIGCONT)
+    latencies = [at - hung_at for at, _ in finals]
+    assert {event.error.type for _, event in finals} == {"executor_unavailable"}, finals
+    liveness_timeout = float(FAULT_ENV["KVPAGER_LIVENESS_TIMEOUT"])
+    assert max(latencies) < liveness_timeout + 3.0, latencies
+    print(f"executor hung: final events after {min(latencies):.3f}-{max(latencies):.3f} s")
+    stats = await wait_all_blocks_free(client)
+    assert stats.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0, stats
+    await _healthy(faulty)  # the woken executor attached again
+    events = await _generate(client, prompt=PROMPTS[1])
     assert [e.token_ids for e in events] == [e.token_ids for e in reference]
     assert events[-1].finish_reason == "length"
 
