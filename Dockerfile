@@ -2,8 +2,9 @@
 #   CPU (default):  docker build -t kvpager:cpu .
 #   CUDA:           docker build -t kvpager:cuda --build-arg DEVICE=cuda .
 # The CUDA variant installs PyPI's CUDA build of torch (it bundles the CUDA libraries: the host
-# needs only the NVIDIA driver and container toolkit) and a C compiler, which Triton needs at run
-# time to build its kernel launchers.
+# needs only the NVIDIA driver and container toolkit). Both install a C compiler: Triton builds
+# its kernel launchers with it, and the CPU executor its decode-attention kernel
+# (kernels/cpu_decode.py; without one it falls back to the slower torch path).
 ARG PYTHON_VERSION=3.11
 FROM python:${PYTHON_VERSION}-slim
 
@@ -16,12 +17,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 # torch first, in its own layer: the largest download, and the only one that depends on DEVICE
 RUN set -eux; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends gcc libc6-dev; \
+    rm -rf /var/lib/apt/lists/*; \
     case "$DEVICE" in \
       cpu) pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu ;; \
-      cuda) apt-get update; \
-            apt-get install -y --no-install-recommends gcc libc6-dev; \
-            rm -rf /var/lib/apt/lists/*; \
-            pip install "torch==${TORCH_VERSION}" ;; \
+      cuda) pip install "torch==${TORCH_VERSION}" ;; \
       *) echo "DEVICE must be cpu or cuda, not $DEVICE" >&2; exit 1 ;; \
     esac
 
