@@ -14,6 +14,7 @@ returns None and the engine keeps the torch path.
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -25,7 +26,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from kernels.reference import decode_attention_ref, mixed_attention
+from kernels.reference import decode_attention_ref, paged_attention_ref
 
 log = structlog.get_logger(__name__)
 
@@ -142,32 +143,12 @@ def paged_decode(
     return out if status == 0 else None
 
 
-def paged_attention_cpu(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int,
-) -> torch.Tensor:
-    """`paged_attention_ref` with its decode rows on the C kernel (prefill chunks stay on SDPA)."""
-    return mixed_attention(
-        _decode_rows,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        cu_seqlens_q,
-        seq_lens,
-        scale,
-        max_seqlen_q,
-    )
-
-
 def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor:
     out = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     if out is None:
         return decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
     return out
+
+
+# `paged_attention_ref` with its decode rows on the C kernel (prefill chunks stay on SDPA)
+paged_attention_cpu = functools.partial(paged_attention_ref, decode=_decode_rows)

@@ -93,6 +93,7 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    decode: DecodeFn = decode_attention_ref,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -101,33 +102,9 @@ def paged_attention_ref(
     [num_seqs, max_blocks_per_seq]; cu_seqlens_q: int32 [num_seqs + 1] query offsets;
     seq_lens: int32 [num_seqs] context length of each sequence *including* its new tokens,
     whose K/V must already be in the cache. num_heads is a multiple of num_kv_heads (GQA).
-    Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    Returns [num_tokens, num_heads, head_dim] in query's dtype. The one-token rows go to
+    `decode` in one batch (the CPU backend passes its C kernel there).
     """
-    return mixed_attention(
-        decode_attention_ref,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        cu_seqlens_q,
-        seq_lens,
-        scale,
-        max_seqlen_q,
-    )
-
-
-def mixed_attention(
-    decode: DecodeFn,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int,
-) -> torch.Tensor:
-    """`paged_attention_ref` with the one-token rows handed to `decode` in one batch."""
     if max_seqlen_q == 1:
         out = decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
         return out.to(query.dtype)
