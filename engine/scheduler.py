@@ -209,10 +209,14 @@ class Scheduler:
         for index in range(1, parent.num_pending_forks + 1):
             # wraps, so a seed near the top of its range still gives each sample a valid one
             seed = None if params.seed is None else (params.seed + index) % 2**63
+            # the prompt counts as computed already: the executor makes the child from this
+            # step's output, so the child must not be scheduled in this step itself (it would
+            # be, when the parent's last prompt chunk leaves budget and the loop reaches it)
             child = parent.fork(
                 f"{parent.request_id}#{index}",
                 sampling_params=msgspec.structs.replace(params, seed=seed),
                 sample_index=index,
+                num_computed_tokens=parent.num_tokens,
             )
             self.add_forked(parent, child)
             plan.forks.append(ForkRequest(parent.request_id, child.request_id, seed))

@@ -58,6 +58,17 @@ def test_greedy_samples_all_equal_transformers(tiny_qwen2):
     assert_all_free(llm)
 
 
+def test_samples_fork_after_a_chunked_prompt_with_budget_left(tiny_qwen2):
+    """The last prompt chunk (8 of 40 tokens, budget 16) leaves budget in the forking step:
+    the new samples must not be scheduled in it (the executor has not made them yet)."""
+    prompt = random_prompts([40], seed=5)[0]
+    llm = make_llm(tiny_qwen2, max_num_batched_tokens=16)
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=6))[0]
+    expected = hf_generate(tiny_qwen2, [prompt], max_new_tokens=6, do_sample=False)[0]
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize(
     "width,length_penalty,early_stopping", [(4, 1.0, False), (3, 0.5, True), (2, 2.0, False)]
 )
