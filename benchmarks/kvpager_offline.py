@@ -73,9 +73,7 @@ class KvUsage:
             return
         filled: dict[int, int] = {}  # block id -> slots holding K/V after this step
         for request in scheduler.running:
-            num_tokens = request.num_computed_tokens + step.num_scheduled_tokens.get(
-                request.request_id, 0
-            )
+            num_tokens = request.num_computed_tokens  # schedule() counted this step's already
             for block_idx, block_id in enumerate(manager.get_block_table(request.request_id)):
                 num_slots = min(block_size, num_tokens - block_idx * block_size)
                 if num_slots <= 0:

@@ -106,6 +106,10 @@ class NatsPeer:
                 "num_blocks": stats.num_blocks,
                 "num_preemptions": stats.num_preemptions - stats_before.num_preemptions,
                 "other_cores": round(other_cores, 2),
+                # the executor's idle time between back-to-back steps (scheduler + NATS)
+                "executor_wait_ms_mean": stats.executor_wait_ms.mean,
+                "executor_wait_ms_p90": stats.executor_wait_ms.p90,
+                "step_ms_mean": stats.step_ms.mean,
             },
         )
 

@@ -19,11 +19,10 @@ from schemas.scheduler import StepOutput
 
 
 def _step_output(scheduler: Scheduler, step, rng: random.Random) -> StepOutput:
-    req_ids = [
+    req_ids = [  # a placeholder marks the requests that sample in the step
         req_id
-        for req_id, num in step.num_scheduled_tokens.items()
-        if scheduler.requests[req_id].num_computed_tokens + num
-        == scheduler.requests[req_id].num_tokens
+        for req_id in step.num_scheduled_tokens
+        if scheduler.requests[req_id].num_output_placeholders
     ]
     sampled = [rng.randrange(100, 49_000) for _ in req_ids]
     return StepOutput(step_id=step.step_id, req_ids=req_ids, sampled_token_ids=sampled)

@@ -39,6 +39,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # tokens being sampled by steps already planned but not yet answered (the scheduler plans
+    # a step ahead of the executor): they count as tokens to schedule, not yet as known ones
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
@@ -104,5 +107,6 @@ class Request:
             status=RequestStatus.RUNNING,
             num_pending_forks=0,
             num_preemptions=0,
+            num_output_placeholders=0,
             **changes,
         )

@@ -1,14 +1,20 @@
 """Scheduler: continuous batching under one rule, with the block manager's accounting.
 
-Every request has `num_computed_tokens` and a target, `num_tokens` (prompt + outputs so far).
-Each step hands out a token budget, running requests first, until computed catches up; a
-request whose computed tokens reach its target this step gets a sampled token. Prefill,
-chunked prefill, prefix hits and decode all fall out of that rule. When blocks run out, the
-newest running request is preempted: swapped to the CPU pool or freed and recomputed later.
+Every request has `num_computed_tokens` and a target, `num_tokens` (prompt + outputs so far)
+plus the tokens still being sampled by steps in flight. Each step hands out a token budget,
+running requests first, until computed catches up; a request whose computed tokens reach its
+target this step gets a sampled token. Prefill, chunked prefill, prefix hits and decode all
+fall out of that rule. When blocks run out, the newest running request is preempted: swapped to
+the CPU pool or freed and recomputed later.
+
+`schedule()` counts the tokens it schedules as computed at once, and a sampling request gets a
+placeholder for its coming token, so the next step can be planned before this one's output
+arrives (the services keep one step in flight ahead of the executor, as vLLM's async
+scheduling does). `update_from_output()` then only appends tokens; a request that stops has at
+most one extra step computed for it, whose token is dropped.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -17,36 +23,14 @@ from engine.beam_scheduler import BeamScheduler
 from engine.beam_search import FinishedBeam
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.errors import InvalidRequestError, OverloadedError, RequestTooLongError
+from engine.errors import InvalidRequestError, OverloadedError
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_request_fits
+from engine.step_plan import SchedulerStats, StepPlan
 from schemas.executor import CachedRequest, ForkRequest, NewRequest, ScheduledStep
 from schemas.scheduler import StepOutput
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_swap_preemptions: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    peak_used_blocks: int = 0
-    peak_running: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _StepPlan:
-    """What one schedule() call decided, before it is turned into a ScheduledStep."""
-
-    budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_requests: list[NewRequest] = field(default_factory=list)
-    cached_requests: list[CachedRequest] = field(default_factory=list)
-    forks: list[ForkRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -67,6 +51,7 @@ class Scheduler:
         self.beams = BeamScheduler(self)
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
+        self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
         self.stats = SchedulerStats()
         self.step_id = 0
 
@@ -89,29 +74,13 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request_id: {request.request_id!r} is already in flight", param="request_id"
             )
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("prompt: must not be empty", param="prompt")
-        params = request.sampling_params
-        for name in ("n", "beam_width"):
-            if getattr(params, name) > self.config.max_num_seqs:
-                raise InvalidRequestError(
-                    f"{name}: {getattr(params, name)} sequences exceed max_num_seqs "
-                    f"({self.config.max_num_seqs})",
-                    param=name,
-                )
-        max_len, block_size = self.config.max_model_len, self.cache_config.block_size
-        if request.max_num_tokens > max_len:
-            raise RequestTooLongError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling_params.max_tokens}) exceeds max_model_len ({max_len})",
-                param="max_tokens" if request.num_prompt_tokens < max_len else "prompt",
-            )
-        if -(-request.max_num_tokens // block_size) > self.cache_config.num_blocks:
-            raise RequestTooLongError(
-                f"prompt + max_tokens ({request.max_num_tokens} tokens) exceeds the whole KV "
-                f"cache ({self.cache_config.num_slots} token slots)",
-                param="max_tokens",
-            )
+        check_request_fits(request, self.config, self.cache_config)
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """Whether the next step may be planned before this one's output arrives. Not during a
+        beam search: its beams advance only when the search has chosen their tokens."""
+        return not self.beams.groups
 
     @property
     def has_unfinished(self) -> bool:
@@ -128,11 +97,12 @@ class Scheduler:
         return len(self.running) + self.num_swapped + pending
 
     def schedule(self) -> ScheduledStep:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         self.step_id += 1
+        self._sampling[self.step_id] = plan.sampling
         self._record_usage()
         ops = self.block_manager.take_ops()
         step = ScheduledStep(
@@ -150,12 +120,15 @@ class Scheduler:
         self.finished_req_ids = []
         return step
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         idx = 0
         while idx < len(self.running) and plan.budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            if num_new == 0:  # a beam waiting for its siblings' candidates
+            if request.request_id in plan.forked:
+                idx += 1  # made from its parent's logits in this step: nothing to compute
+                continue
+            num_new = min(self._num_unscheduled(request), plan.budget)
+            if num_new == 0:  # a beam waiting for its siblings, or the last token in flight
                 idx += 1
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
@@ -164,13 +137,22 @@ class Scheduler:
             self._note_running(request, num_new, new_block_ids, plan)
             idx += 1
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan):
+    @staticmethod
+    def _num_unscheduled(request: Request) -> int:
+        """Tokens neither computed nor scheduled: the known ones plus those being sampled."""
+        in_flight = request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        if in_flight and request.num_output_tokens + in_flight >= max_tokens:
+            return 0  # it finishes by length once the tokens in flight arrive
+        return request.num_tokens + in_flight - request.num_computed_tokens
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan):
         while True:
             new_block_ids = self.block_manager.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, plan)
             plan.preempted.append(victim)
             if victim is request:
                 return None
@@ -195,31 +177,38 @@ class Scheduler:
                     replace_from=len(table) - len(new_block_ids),
                 )
             )
-        completes_prompt = request.num_computed_tokens + num_new == request.num_tokens
-        if request.num_pending_forks and completes_prompt and not self._is_beam(request):
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens < request.num_tokens + request.num_output_placeholders:
+            return  # a prefill chunk short of the prompt's end: nothing is sampled
+        plan.sampling.append(request)
+        if self._is_beam(request):
+            return  # beams get their tokens from the beam search, after the step
+        request.num_output_placeholders += 1
+        if request.num_pending_forks:
             self._fork_samples(request, plan)
 
     @staticmethod
     def _is_beam(request: Request) -> bool:
         return request.sampling_params.is_beam_search
 
-    def _fork_samples(self, parent: Request, plan: _StepPlan) -> None:
+    def _fork_samples(self, parent: Request, plan: StepPlan) -> None:
         """The parent's prompt completes this step: its other samples share its blocks."""
         params = parent.sampling_params
         for index in range(1, parent.num_pending_forks + 1):
             # wraps, so a seed near the top of its range still gives each sample a valid one
             seed = None if params.seed is None else (params.seed + index) % 2**63
-            # the prompt counts as computed already: the executor makes the child from this
-            # step's output, so the child must not be scheduled in this step itself (it would
-            # be, when the parent's last prompt chunk leaves budget and the loop reaches it)
+            # the child copies the parent's computed prompt and its token in flight, so it is
+            # not scheduled again in this step when the loop reaches it
             child = parent.fork(
                 f"{parent.request_id}#{index}",
                 sampling_params=msgspec.structs.replace(params, seed=seed),
                 sample_index=index,
-                num_computed_tokens=parent.num_tokens,
             )
+            child.num_output_placeholders = 1  # its first token: from the parent's logits
             self.add_forked(parent, child)
             plan.forks.append(ForkRequest(parent.request_id, child.request_id, seed))
+            plan.sampling.append(child)
+            plan.forked.add(child.request_id)
         parent.num_pending_forks = 0
 
     def add_forked(self, parent: Request, child: Request) -> None:
@@ -230,7 +219,7 @@ class Scheduler:
         self.running.append(child)
         self.at_executor.add(child.request_id)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         while self.waiting and plan.budget > 0:
             if self._resume_or_admit(self.waiting[0], plan):
                 continue
@@ -241,7 +230,9 @@ class Scheduler:
             for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
                 self._drop_swapped(request)
 
-    def _resume_or_admit(self, request: Request, plan: _StepPlan) -> bool:
+    def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
+        if request.num_output_placeholders:
+            return False  # preempted with a token in flight: resume once it has arrived
         if request.status is RequestStatus.SWAPPED:
             return self._swap_in(request, plan)
         room = self.config.max_num_seqs - self._num_seqs_in_use
@@ -254,7 +245,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         self._forget_at_executor(request.request_id)
 
-    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
         hits = self.block_manager.find_cached_prefix(request)
         num_hit_tokens = len(hits) * self.cache_config.block_size
         num_new = request.num_tokens - num_hit_tokens
@@ -271,8 +262,8 @@ class Scheduler:
         self._note_running(request, num_new, [], plan)
         return True
 
-    def _swap_in(self, request: Request, plan: _StepPlan) -> bool:
-        num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
+        num_new = min(self._num_unscheduled(request), plan.budget)
         if self.block_manager.num_blocks_to_resume(request, num_new) > (
             self.block_manager.num_free_blocks
         ):
@@ -316,8 +307,12 @@ class Scheduler:
             mode = "recompute"
         return mode
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Swap the request's blocks out, or free them to recompute its tokens later."""
+        # Victims come from the end of `running`. Samples forked in this step sit behind
+        # their parent, and every request behind the parent was admitted after its last
+        # prompt chunk, which takes the whole budget unless it completes: none can need blocks.
+        assert request.request_id not in plan.forked, f"{request.request_id}: forked this step"
         mode = self._preemption_mode(request)
         if mode == "swap":
             self.block_manager.swap_out(request)
@@ -341,40 +336,28 @@ class Scheduler:
             self.finished_req_ids.append(request_id)
 
     def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that stop.
+        """Append sampled tokens and finish requests that stop (computed counts moved already).
 
-        Returns the requests that got a new token this step (finished ones included).
+        Returns the requests that got a new token this step (finished ones included). A token
+        for a request preempted since the step was planned is kept: it was computed from the
+        right context. One for a finished request is dropped.
         """
         assert output.step_id == step.step_id, f"step {output.step_id} != {step.step_id}"
         sampled = dict(zip(output.req_ids, output.sampled_token_ids))
         updated = []
-        for req_id, num_tokens in step.num_scheduled_tokens.items():
-            request = self._live(req_id)
-            if request is None:
-                continue
-            request.num_computed_tokens += num_tokens
+        for request in self._sampling.pop(step.step_id, []):
             if self._is_beam(request):
-                self.beams.report(request, output.beam_candidates.get(req_id))
-            else:
-                updated += self._append_sampled(request, sampled)
-        for fork in step.forks:
-            request = self._live(fork.child_id)
-            if request is not None:
-                request.num_computed_tokens = request.num_prompt_tokens
+                if request.status is RequestStatus.RUNNING:
+                    self.beams.report(request, output.beam_candidates.get(request.request_id))
+                continue
+            request.num_output_placeholders -= 1
+            if not request.is_finished:
                 updated += self._append_sampled(request, sampled)
         return updated
 
-    def _live(self, req_id: str) -> Request | None:
-        """The request if it still runs (it may have been aborted since the step was planned)."""
-        request = self.requests.get(req_id)
-        if request is None or request.status is not RequestStatus.RUNNING:
-            return None
-        return request
-
     def _append_sampled(self, request: Request, sampled: dict[str, int]) -> list[Request]:
         token_id = sampled.get(request.request_id)
-        if token_id is None:
-            return []  # a prefill chunk that has not reached the end of the prompt
+        assert token_id is not None, f"step output lacks {request.request_id}'s token"
         request.output_token_ids.append(token_id)
         status = request.check_stop()
         if status is not None:
@@ -425,6 +408,7 @@ class Scheduler:
         manager.check_invariants()
         for request in self.running:
             assert request.request_id in manager.block_tables, request.request_id
+            assert request.num_output_placeholders >= 0, request.request_id
         for request in self.waiting:
             assert request.request_id not in manager.block_tables, request.request_id
             swapped = request.status is RequestStatus.SWAPPED

@@ -1,4 +1,4 @@
-"""The scheduler's end of the step exchange: a step out, exactly one answer back."""
+"""The scheduler's end of the step exchange: steps out, exactly one answer back for each."""
 
 import asyncio
 
@@ -20,16 +20,17 @@ _decoder = msgspec.msgpack.Decoder(ExecutorMessage)
 class ExecutorLink:
     """Sends ScheduledSteps (long token lists ahead as StepPieces) and awaits each answer.
 
-    An answer whose `step_id` is not the awaited one is dropped: a late answer to a step the
-    scheduler gave up on, or a duplicate.
+    Several steps may be on their way at once (the scheduler plans ahead); each has its own
+    future from the moment it is sent, so an answer that comes before anyone awaits it is kept.
+    An answer to no pending step is dropped: a late one to a step the scheduler gave up on, or
+    a duplicate.
     """
 
     def __init__(self, nc: NATS, subjects: Subjects, piece_tokens: int) -> None:
         self.nc = nc
         self.subjects = subjects
         self.piece_tokens = piece_tokens
-        self._pending: asyncio.Future | None = None
-        self._pending_step_id = 0
+        self._pending: dict[int, asyncio.Future] = {}  # by step id
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.scheduler_outputs, cb=self._on_output)
@@ -44,32 +45,31 @@ class ExecutorLink:
                     await self.nc.publish(subject, pack(piece))
                 new_requests.append(msgspec.structs.replace(new, token_ids=[]))
             step = msgspec.structs.replace(step, new_requests=new_requests)
+        self._pending[step.step_id] = asyncio.get_running_loop().create_future()
         await self.nc.publish(subject, pack(RunStep(step)))
 
     async def answer(self, step_id: int, timeout_s: float) -> StepDone | StepFailed | None:
-        """The executor's answer to `step_id`; None on a timeout or after `cancel()`."""
-        self._pending = asyncio.get_running_loop().create_future()
-        self._pending_step_id = step_id
+        """The executor's answer to a sent step; None on a timeout or after `cancel()`."""
+        pending = self._pending[step_id]
         try:
-            return await asyncio.wait_for(self._pending, timeout_s)
+            return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
         except asyncio.TimeoutError:
             return None
         finally:
-            self._pending = None
+            self._pending.pop(step_id, None)
 
     def cancel(self) -> None:
-        if self._pending is not None and not self._pending.done():
-            self._pending.set_result(None)
+        """Every awaited or not yet awaited answer is None: the steps are abandoned."""
+        for pending in self._pending.values():
+            if not pending.done():
+                pending.set_result(None)
+        self._pending.clear()
 
     async def _on_output(self, msg: Msg) -> None:
         message = _decoder.decode(msg.data)
         step_id = message.output.step_id if isinstance(message, StepDone) else message.step_id
-        pending = self._pending
-        if pending is None or pending.done() or step_id != self._pending_step_id:
-            log.error(
-                "step answer out of order: dropped",
-                step_id=step_id,
-                expected=self._pending_step_id if pending else None,
-            )
+        pending = self._pending.get(step_id)
+        if pending is None or pending.done():
+            log.error("answer to no pending step: dropped", step_id=step_id)
             return
         pending.set_result(message)

@@ -1,9 +1,14 @@
-"""Scheduler service: engine.scheduler.Scheduler driven over NATS, one step at a time.
+"""Scheduler service: engine.scheduler.Scheduler driven over NATS, one step ahead.
 
     executor attaches (capacity) -> Scheduler built -> loop:
-        schedule() -> ScheduledStep to the executor
-        publish the previous step's tokens to the tokenizers (while the executor runs)
-        StepOutput back -> update_from_output() -> deltas into the outbox
+        schedule() -> ScheduledStep to the executor (step N+1 while step N runs)
+        publish the tokens of step N-1 to the tokenizers (while the executor runs)
+        StepOutput of step N back -> update_from_output() -> deltas into the outbox
+
+Planning ahead keeps the executor busy: step N+1 waits in its subscription when step N ends,
+so the executor never waits for the scheduler's bookkeeping or a NATS round trip. Requests
+that stop in step N have step N+1 computed for nothing (its token is dropped); beam searches
+run one step at a time (their tokens are chosen from the step's output).
 
 Tokenizer messages (adds, aborts, stop-string finishes) are handled between awaits, so they
 never interleave with a schedule() or an update. `step_id` must come back as sent. When the
@@ -14,6 +19,7 @@ to attach; a new Scheduler is built for it.
 import asyncio
 import time
 import uuid
+from collections import deque
 
 import msgspec
 import structlog
@@ -51,6 +57,7 @@ from services.wire import encode_public, pack
 log = structlog.get_logger(__name__)
 
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
+PLAN_AHEAD = 1  # steps planned beyond the one the executor runs
 
 
 class SchedulerService:
@@ -198,22 +205,39 @@ class SchedulerService:
         self.link.cancel()
 
     async def _steps(self) -> None:
-        back_to_back = False  # this step was planned right after the previous output
+        in_flight: deque[tuple[ScheduledStep, bool]] = deque()  # with: planned back to back
+        busy = False  # the last answered step computed something
         while not self._stopped:
             core = self.core
-            if self.executor is None or not (core.has_unfinished or core.finished_req_ids):
+            if self.executor is not None and self._may_plan(core, in_flight):
+                step = core.schedule()
+                await self.link.send(step)
+                in_flight.append((step, busy or len(in_flight) > 0))
+                await self.outbox.flush(step.step_id)  # overlaps the executor's work
+                if step.num_scheduled_tokens and self._may_plan(core, in_flight):
+                    continue  # plan the next step while this one runs
+            if self.executor is None or not in_flight:
+                in_flight.clear()
                 await self._wait_for_work(core)
-                back_to_back = False
+                busy = False
                 continue
-            step = core.schedule()
-            done = await self._exchange(core, step)
-            if done is None:
-                back_to_back = False
+            step, back_to_back = in_flight.popleft()
+            done = await self._answer(core, step)
+            if done is None:  # abandoned: every request failed, or the executor re-attached
+                in_flight.clear()
+                self.link.cancel()
+                busy = False
                 continue
             self._absorb(step, done, back_to_back)
-            back_to_back = bool(step.num_scheduled_tokens)
-            if not step.num_scheduled_tokens and not core.finished_req_ids:
+            busy = bool(step.num_scheduled_tokens)
+            if not (busy or in_flight or core.finished_req_ids):
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
+
+    @staticmethod
+    def _may_plan(core: Scheduler, in_flight: deque) -> bool:
+        if not (core.has_unfinished or core.finished_req_ids):
+            return False
+        return not in_flight or (len(in_flight) < PLAN_AHEAD + 1 and core.can_plan_ahead)
 
     async def _wait_for_work(self, core: Scheduler | None) -> None:
         self._work.clear()  # before the flush: work that comes during it is not missed
@@ -228,10 +252,8 @@ class SchedulerService:
         except asyncio.TimeoutError:
             pass
 
-    async def _exchange(self, core: Scheduler, step: ScheduledStep) -> StepDone | None:
-        """Send the step, flush the previous step's tokens meanwhile, await the answer."""
-        await self.link.send(step)
-        await self.outbox.flush(step.step_id)  # overlaps the executor's work
+    async def _answer(self, core: Scheduler, step: ScheduledStep) -> StepDone | None:
+        """The executor's answer to a sent step; None if the step is abandoned."""
         answer = await self.link.answer(step.step_id, self.settings.step_timeout)
         if self.core is not core or self.executor is None or self._stopped:
             return None  # re-attached, executor lost or stopping: step abandoned

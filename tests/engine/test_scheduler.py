@@ -29,11 +29,10 @@ def add(scheduler, request_id, num_prompt, max_tokens=4, **params) -> Request:
 def run_step(scheduler, token=7):
     """Schedule a step and answer it as an executor would: a token for each caught-up row."""
     step = scheduler.schedule()
-    sampled = [
+    sampled = [  # caught up: schedule() gave them a placeholder for the coming token
         req_id
-        for req_id, n in step.num_scheduled_tokens.items()
-        if scheduler.requests[req_id].num_computed_tokens + n
-        == scheduler.requests[req_id].num_tokens
+        for req_id in step.num_scheduled_tokens
+        if scheduler.requests[req_id].num_output_placeholders
     ] + [fork.child_id for fork in step.forks]
     output = StepOutput(step.step_id, sampled, [token] * len(sampled))
     scheduler.update_from_output(step, output)

@@ -1,0 +1,34 @@
+"""Whether a request can ever run under the engine's limits (raised as typed errors)."""
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.errors import InvalidRequestError, RequestTooLongError
+from engine.request import Request
+
+
+def check_request_fits(
+    request: Request, config: SchedulerConfig, cache_config: CacheConfig
+) -> None:
+    """Raise a typed error if the request can never run: empty, too many sequences, too long."""
+    if not request.prompt_token_ids:
+        raise InvalidRequestError("prompt: must not be empty", param="prompt")
+    params = request.sampling_params
+    for name in ("n", "beam_width"):
+        if getattr(params, name) > config.max_num_seqs:
+            raise InvalidRequestError(
+                f"{name}: {getattr(params, name)} sequences exceed max_num_seqs "
+                f"({config.max_num_seqs})",
+                param=name,
+            )
+    max_len, block_size = config.max_model_len, cache_config.block_size
+    if request.max_num_tokens > max_len:
+        raise RequestTooLongError(
+            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+            f"({request.sampling_params.max_tokens}) exceeds max_model_len ({max_len})",
+            param="max_tokens" if request.num_prompt_tokens < max_len else "prompt",
+        )
+    if -(-request.max_num_tokens // block_size) > cache_config.num_blocks:
+        raise RequestTooLongError(
+            f"prompt + max_tokens ({request.max_num_tokens} tokens) exceeds the whole KV "
+            f"cache ({cache_config.num_slots} token slots)",
+            param="max_tokens",
+        )
