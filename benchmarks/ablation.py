@@ -11,7 +11,10 @@ engine, so the difference in concurrency and throughput comes from the reservati
 Honesty notes: blocks of one reservation need not be adjacent in memory here; contiguity
 itself costs nothing on top (a real contiguous allocator would add external fragmentation, so
 this baseline flatters contiguous reservation). Prefix caching is off in every arm, and only
-n = 1 workloads run (a fork would share the reserved, still empty blocks).
+n = 1 workloads run (a fork would share the reserved, still empty blocks). Paging runs twice:
+preempted requests recompute, or park in a CPU block pool (the engine's default on a CPU
+device: a quarter of the KV budget, extra host memory the contiguous arms never need since they
+never preempt).
 """
 
 import gc
@@ -64,21 +67,23 @@ def run_ablation(
     workload: Workload, cfg: BenchConfig, num_blocks: int, quiet_wait_s: float = 0.0
 ) -> list[EngineResult]:
     assert all(r.n == 1 for r in workload.requests), "the ablation runs n = 1 workloads only"
-    arms: dict[str, Callable[[Request], int] | None] = {
-        "paged (on demand)": None,
+    llm = build_llm(cfg, num_blocks=num_blocks, enable_prefix_caching=False)
+    num_cpu_blocks = llm.executor.num_cpu_blocks
+    arms: dict[str, Callable[[Request], int] | int] = {  # a reservation, or CPU pool blocks
+        "paged, recompute preemption": 0,
+        f"paged, swap preemption ({num_cpu_blocks} CPU blocks)": num_cpu_blocks,
         "contiguous, prompt + max_tokens (oracle)": lambda r: r.max_num_tokens,
         f"contiguous, max_model_len {cfg.max_model_len}": lambda r: cfg.max_model_len,
     }
-    llm = build_llm(cfg, num_blocks=num_blocks, enable_prefix_caching=False)
     warm_up(llm)
     results = []
-    for name, reserve in arms.items():
+    for name, arm in arms.items():
         scheduler = llm.scheduler
         assert not scheduler.has_unfinished and not scheduler.block_manager.num_used_blocks
-        if reserve is not None:
-            scheduler.block_manager = ContiguousBlockManager(num_blocks, cfg.block_size, reserve)
-        else:
-            scheduler.block_manager = BlockManager(num_blocks, cfg.block_size, False)
+        if callable(arm):
+            scheduler.block_manager = ContiguousBlockManager(num_blocks, cfg.block_size, arm)
+        else:  # without a CPU pool, every preemption recomputes
+            scheduler.block_manager = BlockManager(num_blocks, cfg.block_size, False, arm)
         print(f"[ablation] {name}: {num_blocks} blocks of {cfg.block_size}", flush=True)
         if quiet_wait_s:
             wait_for_quiet(quiet_wait_s)

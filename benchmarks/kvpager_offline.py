@@ -162,6 +162,7 @@ def drive(llm: LLM, workload: Workload, engine: str, dtype: str) -> EngineResult
         num_blocks=stats["num_blocks"],
         num_steps=num_steps,
         num_preemptions=stats["num_preemptions"] - stats_before["num_preemptions"],
+        num_swap_preemptions=stats["num_swap_preemptions"] - stats_before["num_swap_preemptions"],
         prefix_hit_tokens=stats["prefix_cache_hit_tokens"]
         - stats_before["prefix_cache_hit_tokens"],
         sampling_overhead_s=round(overhead, 3),

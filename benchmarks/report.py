@@ -201,6 +201,7 @@ def markdown(report: dict) -> str:
                 ("mean running", "mean_running"),
                 ("KV util at peak", "kv_util_at_peak"),
                 ("preemptions", "num_preemptions"),
+                ("of them swaps", "num_swap_preemptions"),
                 ("other cores", "other_cores"),
                 ("blocks", "num_blocks"),
             ],
@@ -311,7 +312,8 @@ def _ablation_plot(plt, rows, path):
     )
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (key, label) in zip(axes, keys):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=["C0", "C1", "C3"][: len(rows)])
+        colors = ["C0", "C2", "C1", "C3"][: len(rows)]
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), [r["arm"].replace(", ", "\n") for r in rows], fontsize=7)
         ax.set_title(label, fontsize=9)
     fig.tight_layout()

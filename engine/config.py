@@ -132,6 +132,9 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool = True
     num_cpu_blocks: int = 0
+    # the device cache lives in host memory (a CPU executor): swapping a block out is a
+    # memcpy, far cheaper than recomputing its tokens, so "auto" preemption swaps
+    swap_is_cheap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

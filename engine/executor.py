@@ -27,6 +27,7 @@ from schemas.scheduler import StepOutput, TokenLogprobs
 log = structlog.get_logger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+CPU_SWAP_FRACTION = 4  # default CPU swap pool on a CPU device: a quarter of the KV cache
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class ExecutorConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
     gpu_memory_utilization: float = 0.9
-    swap_space: int = 0  # bytes of host memory for swapped-out and evicted blocks
+    # bytes of host memory for swapped-out and evicted blocks; None: a quarter of the KV
+    # cache's size on CPU (swapping there is a memcpy), none on CUDA
+    swap_space: int | None = None
     max_num_seqs: int = 256
     max_model_len: int = 4096
     attention_backend: str = "auto"
@@ -49,7 +52,7 @@ class ExecutorConfig:
             raise ConfigError("num_blocks: must be at least 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory: must be positive")
-        if not 0 <= self.swap_space <= host_memory_bytes():
+        if self.swap_space is not None and not 0 <= self.swap_space <= host_memory_bytes():
             raise ConfigError(
                 f"swap_space: {self.swap_space} bytes is not in [0, host memory "
                 f"{host_memory_bytes()}]"
@@ -147,6 +150,8 @@ class Executor:
 
     def _cpu_blocks_that_fit(self) -> int:
         per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
+        if self.config.swap_space is None:
+            return self.num_blocks // CPU_SWAP_FRACTION if self.device.type == "cpu" else 0
         return self.config.swap_space // per_block
 
     def reset(self) -> None:

@@ -56,7 +56,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         attention_backend: str = "auto",
         seed: int = 0,
-        swap_space: int = 0,
+        swap_space: int | None = None,
         preemption_mode: str = "auto",
     ) -> None:
         ensure_logging()
@@ -95,6 +95,7 @@ class LLM:
                 self.executor.num_blocks,
                 enable_prefix_caching,
                 self.executor.num_cpu_blocks,
+                swap_is_cheap=self.executor.device.type == "cpu",
             ),
         )
         self._ids = itertools.count()

@@ -299,8 +299,10 @@ class Scheduler:
     def _preemption_mode(self, request: Request) -> str:
         mode = self.config.preemption_mode
         if mode == "auto":
-            # Recomputing a forked sample loses the prompt blocks it shared: swap those.
-            mode = "swap" if len(self.groups.get(request.group_id, ())) > 1 else "recompute"
+            # Recomputing a forked sample loses the prompt blocks it shared: swap those. On a
+            # device cache, recomputing a lone request beats the copies (vLLM's choice too).
+            forked = len(self.groups.get(request.group_id, ())) > 1
+            mode = "swap" if forked or self.cache_config.swap_is_cheap else "recompute"
         if mode == "swap" and not (
             self.block_manager.cpu.enabled and self.block_manager.can_swap_out(request)
         ):

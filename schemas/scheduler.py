@@ -80,6 +80,7 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     vocab_size: int
     model: str
+    kv_on_host: bool = False  # a CPU executor: swapping blocks is a memcpy
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):

@@ -37,7 +37,11 @@ class Settings:
     block_size: int = _opt("tokens per KV block", default=16)
     num_blocks: int | None = _opt("KV blocks (default: what fits)", default=None)
     kv_cache_memory: int | None = _opt("bytes for the KV cache", default=None)
-    swap_space: int = _opt("bytes of host memory for swapped-out blocks", default=0)
+    swap_space: int | None = _opt(
+        "bytes of host memory for swapped-out blocks (default: a quarter of the KV cache on "
+        "CPU, none on CUDA)",
+        default=None,
+    )
     max_num_seqs: int = _opt("most requests running at once", default=256)
     max_num_batched_tokens: int = _opt("token budget of one step", default=2048)
     max_model_len: int | None = _opt("prompt + output limit (default: the model's)", default=None)

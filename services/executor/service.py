@@ -118,6 +118,7 @@ class ExecutorService:
             eos_token_ids=list(executor.model_config.eos_token_ids),
             vocab_size=executor.model_config.vocab_size,
             model=self.settings.model,
+            kv_on_host=executor.device.type == "cpu",
         )
 
     # --- attaching, and watching the scheduler ---------------------------------------------

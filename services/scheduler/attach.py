@@ -17,7 +17,11 @@ def build_core(settings: Settings, ready: ExecutorReady) -> Scheduler:
         max_waiting=settings.max_waiting,
     )
     cache_config = CacheConfig(
-        ready.block_size, ready.num_blocks, settings.enable_prefix_caching, ready.num_cpu_blocks
+        ready.block_size,
+        ready.num_blocks,
+        settings.enable_prefix_caching,
+        ready.num_cpu_blocks,
+        swap_is_cheap=ready.kv_on_host,
     )
     return Scheduler(scheduler_config, cache_config)
 

@@ -125,7 +125,7 @@ def test_greedy_identical_under_swap_and_recompute(tiny_llama, mode):
     assert got == expected
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
-    if mode == "swap":
+    if mode in ("swap", "auto"):  # on a CPU device auto swaps single sequences too
         assert stats["num_swap_preemptions"] > 0
         assert stats["num_swapped_out_blocks"] == stats["num_swapped_in_blocks"] > 0
     if mode == "recompute":

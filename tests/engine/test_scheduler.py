@@ -122,3 +122,14 @@ def test_eos_and_stop_token_finish():
     assert b.status is RequestStatus.RUNNING
     run_step(scheduler, token=9)
     assert b.status is RequestStatus.FINISHED_STOPPED and b.stop_reason == 9
+
+
+def test_auto_preemption_swaps_lone_requests_only_where_swapping_is_cheap():
+    for cheap, expected in ((False, RequestStatus.PREEMPTED), (True, RequestStatus.SWAPPED)):
+        scheduler = make_scheduler(num_blocks=4, num_cpu_blocks=8, swap_is_cheap=cheap)
+        add(scheduler, "a", 8, max_tokens=8)
+        b = add(scheduler, "b", 8, max_tokens=8)
+        run_step(scheduler)
+        run_step(scheduler)  # a needs a third block: b is preempted
+        assert b.status is expected
+        assert scheduler.stats.num_swap_preemptions == int(cheap)
