@@ -63,8 +63,16 @@ def test_quick_run_writes_report(tiny_llama, tmp_path):
     kvpager = next(r for r in report["results"] if r["engine"] == "kvpager offline")
     assert kvpager["output_tokens_per_s"] > 0 and 0 < kvpager["kv_util_at_peak"] <= 1
     assert {r["peer"] for r in report["ratios"]} >= {"transformers continuous batching"}
-    arms = {a["arm"].split(",")[0]: a for a in report["ablation"]}
-    assert arms["paged (on demand)"]["kv_util_at_peak"] > arms["contiguous"]["kv_util_at_peak"]
+    arms = [a["arm"].split(" ")[:3] for a in report["ablation"]]
+    assert arms == [
+        ["paged,", "recompute", "preemption"],
+        ["paged,", "swap", "preemption"],
+        ["contiguous,", "prompt", "+"],
+        ["contiguous,", "max_model_len", "256"],
+    ]
+    recompute, swap, _, max_len = report["ablation"]
+    assert min(recompute["kv_util_at_peak"], swap["kv_util_at_peak"]) > max_len["kv_util_at_peak"]
+    assert recompute["num_swap_preemptions"] == 0
     assert report["scheduler_cost"][0]["num_running"] == 16
     assert (tmp_path / "out" / "results.md").read_text().startswith("# kvpager serving")
     if importlib.util.find_spec("matplotlib") is not None:
