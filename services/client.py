@@ -12,6 +12,7 @@ client aborts the request and ends the stream with a final event of its own, err
 raises StreamGapError.
 """
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -141,6 +142,7 @@ class Client:
                 continue
             except nats.errors.ConnectionClosedError:
                 return None
+            _raise_if_cancelled()
             headers = msg.headers or {}
             if headers.get("Status") == "503":
                 raise NoKvpagerError(f"no kvpager listens on {self.subjects.generate!r}")
@@ -170,6 +172,16 @@ class Client:
         except nats.errors.NoRespondersError as exc:
             raise NoKvpagerError(f"no kvpager listens on {subject!r}") from exc
         return msgspec.json.decode(msg.data, type=kind)
+
+
+def _raise_if_cancelled() -> None:
+    """Python < 3.12's `asyncio.wait_for` (inside nats-py's `next_msg`) returns a message that
+    arrived as the task was cancelled and drops the cancellation: the stream would run on, and
+    never send its abort. A task being cancelled has `cancelling()` > 0 until it handles it."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
 
 
 def _lost_event(request_id: str, seq: int, num_tokens: int, idle_timeout: float) -> GenerateEvent:
