@@ -24,6 +24,7 @@ from engine.beam_search import FinishedBeam
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.errors import InvalidRequestError, OverloadedError
+from engine.preemption import Preemption
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request_fits
 from engine.step_plan import SchedulerStats, StepPlan
@@ -49,6 +50,7 @@ class Scheduler:
         self.groups: dict[str, list[Request]] = {}  # group id -> its parallel samples
         self.num_swapped = 0
         self.beams = BeamScheduler(self)
+        self.preemption = Preemption(self)
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
         self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
@@ -152,7 +154,7 @@ class Scheduler:
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop()
-            self._preempt(victim, plan)
+            self.preemption.preempt(victim, plan)
             plan.preempted.append(victim)
             if victim is request:
                 return None
@@ -228,7 +230,7 @@ class Scheduler:
             # Nothing runs, yet the head cannot start: swapped requests hold shared device
             # blocks. Let them recompute instead, so the head always fits.
             for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
-                self._drop_swapped(request)
+                self.preemption.drop_swapped(request)
 
     def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
         if request.num_output_placeholders:
@@ -237,13 +239,6 @@ class Scheduler:
             return self._swap_in(request, plan)
         room = self.config.max_num_seqs - self._num_seqs_in_use
         return room >= 1 + request.num_pending_forks and self._admit(request, plan)
-
-    def _drop_swapped(self, request: Request) -> None:
-        self.block_manager.free(request)
-        self.num_swapped -= 1
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        self._forget_at_executor(request.request_id)
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         hits = self.block_manager.find_cached_prefix(request)
@@ -296,42 +291,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _preemption_mode(self, request: Request) -> str:
-        mode = self.config.preemption_mode
-        if mode == "auto":
-            # Recomputing a forked sample loses the prompt blocks it shared: swap those. On a
-            # device cache, recomputing a lone request beats the copies (vLLM's choice too).
-            forked = len(self.groups.get(request.group_id, ())) > 1
-            mode = "swap" if forked or self.cache_config.swap_is_cheap else "recompute"
-        if mode == "swap" and not (
-            self.block_manager.cpu.enabled and self.block_manager.can_swap_out(request)
-        ):
-            mode = "recompute"
-        return mode
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Swap the request's blocks out, or free them to recompute its tokens later."""
-        # Victims come from the end of `running`. Samples forked in this step sit behind
-        # their parent, and every request behind the parent was admitted after its last
-        # prompt chunk, which takes the whole budget unless it completes: none can need blocks.
-        assert request.request_id not in plan.forked, f"{request.request_id}: forked this step"
-        mode = self._preemption_mode(request)
-        if mode == "swap":
-            self.block_manager.swap_out(request)
-            request.status = RequestStatus.SWAPPED
-            self.num_swapped += 1
-            self.stats.num_swap_preemptions += 1
-        else:
-            self.block_manager.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self._forget_at_executor(request.request_id)
-        request.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
-        log.debug("preempted", request_id=request.request_id, mode=mode)
-
-    def _forget_at_executor(self, request_id: str) -> None:
+    def forget_at_executor(self, request_id: str) -> None:
         self.beams.pop_token(request_id)  # a resumed request sends all its tokens
         if request_id in self.at_executor:
             self.at_executor.discard(request_id)
@@ -378,7 +338,7 @@ class Scheduler:
         request.status = status
         request.num_pending_forks = 0
         self.block_manager.free(request)
-        self._forget_at_executor(request.request_id)
+        self.forget_at_executor(request.request_id)
         self.requests.pop(request.request_id, None)
         group = self.groups.get(request.group_id, [])
         if all(r.is_finished for r in group):
