@@ -77,11 +77,25 @@ def host_memory_bytes() -> int:
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """'auto' keeps the checkpoint's dtype, except half types on CPU run in float32."""
+    """'auto' keeps the checkpoint's dtype, except that on a CPU float16 runs in float32, and so
+    does bfloat16 without native bf16 matmuls (AVX-512-BF16 / AMX): on an AVX2 machine the
+    benchmark measured bf16 at 31.9 output tok/s against 145 for float32."""
     if name != "auto":
         return parse_dtype(name)
     dtype = parse_dtype(model_config.checkpoint_dtype)
-    return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.float32
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return torch.float32
+    return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
 
 
 class Executor:

@@ -50,7 +50,9 @@ class ExecutorLink:
 
     async def answer(self, step_id: int, timeout_s: float) -> StepDone | StepFailed | None:
         """The executor's answer to a sent step; None on a timeout or after `cancel()`."""
-        pending = self._pending[step_id]
+        pending = self._pending.get(step_id)
+        if pending is None:  # cancelled while it was being sent
+            return None
         try:
             return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
         except asyncio.TimeoutError:
