@@ -27,4 +27,3 @@ def test_auto_dtype(monkeypatch, checkpoint, device, native_bf16, expected):
     model_config = SimpleNamespace(checkpoint_dtype=checkpoint)
     assert resolve_dtype("auto", model_config, device) == expected
     assert resolve_dtype("bfloat16", model_config, device) == torch.bfloat16  # asked for
-
