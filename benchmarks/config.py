@@ -13,6 +13,7 @@ class BenchConfig:
     num_threads: int = 2
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV budget of every paged engine (kvpager, vLLM, transformers CB)
+    kv_cache_dtype: str = "auto"  # kvpager's only: "bfloat16" halves a float32 model's K/V
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048

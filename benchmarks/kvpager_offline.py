@@ -25,6 +25,7 @@ def build_llm(cfg: BenchConfig, **overrides) -> LLM:
         dtype=cfg.dtype,
         block_size=cfg.block_size,
         kv_cache_memory=cfg.kv_cache_bytes,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,

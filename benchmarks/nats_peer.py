@@ -41,6 +41,7 @@ class NatsPeer:
             "KVPAGER_DTYPE": cfg.dtype,
             "KVPAGER_BLOCK_SIZE": str(cfg.block_size),
             "KVPAGER_KV_CACHE_MEMORY": str(cfg.kv_cache_bytes),
+            "KVPAGER_KV_CACHE_DTYPE": cfg.kv_cache_dtype,
             "KVPAGER_MAX_NUM_SEQS": str(cfg.max_num_seqs),
             "KVPAGER_MAX_NUM_BATCHED_TOKENS": str(cfg.max_num_batched_tokens),
             "KVPAGER_MAX_MODEL_LEN": str(cfg.max_model_len),

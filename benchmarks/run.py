@@ -40,6 +40,12 @@ def parse_args(argv):
     parser.add_argument(
         "--kv-cache-gib", type=float, default=2.0, help="KV budget, all paged engines"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16", "float16"],
+        default="auto",
+        help="kvpager's KV cache dtype (peers keep the model's)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -197,6 +203,7 @@ def main(argv=None) -> None:
             num_threads=args.threads,
             block_size=args.block_size,
             kv_cache_gib=args.kv_cache_gib,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,

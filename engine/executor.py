@@ -46,6 +46,9 @@ class ExecutorConfig:
     max_model_len: int = 4096
     attention_backend: str = "auto"
     seed: int = 0
+    # "auto": the model's dtype. "bfloat16" / "float16" halve a float32 model's K/V memory and
+    # the bytes decode attention reads; compute stays in the model's dtype (cpu/torch backends)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -108,6 +111,7 @@ class Executor:
         if self.backend == "auto":
             self.backend = default_backend_name()
         self.ops = get_kernel_ops(self.backend)
+        self.kv_dtype = self._kv_dtype()
         started = time.perf_counter()
         self.model = load_model(
             config.model_path, model_config, self.dtype, self.device, config.max_model_len
@@ -123,7 +127,7 @@ class Executor:
                 model_config.num_kv_heads,
                 model_config.head_dim,
             ),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.num_cpu_blocks = self._cpu_blocks_that_fit()
@@ -131,7 +135,7 @@ class Executor:
         cpu_shape = list(self.kv_cache.shape)
         cpu_shape[2] = self.num_cpu_blocks
         # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
-        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin)
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
         self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
         self.batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
@@ -142,13 +146,28 @@ class Executor:
             "executor ready",
             device=str(self.device),
             dtype=str(self.dtype),
+            kv_cache_dtype=str(self.kv_dtype),
             num_blocks=self.num_blocks,
             backend=self.backend,
             load_s=round(time.perf_counter() - started, 2),
         )
 
+    def _kv_dtype(self) -> torch.dtype:
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        try:
+            kv_dtype = parse_dtype(self.config.kv_cache_dtype)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_cache_{exc}") from None  # "kv_cache_dtype: unknown ..."
+        if kv_dtype != self.dtype and self.backend == "triton":
+            raise ConfigError(
+                "kv_cache_dtype: a cache dtype other than the model's runs on the cpu and torch "
+                "attention backends only"
+            )
+        return kv_dtype
+
     def _blocks_that_fit(self) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
+        per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.config.block_size
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -163,7 +182,7 @@ class Executor:
         return budget // per_block
 
     def _cpu_blocks_that_fit(self) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.config.block_size
+        per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.config.block_size
         if self.config.swap_space is None:
             return self.num_blocks // CPU_SWAP_FRACTION if self.device.type == "cpu" else 0
         return self.config.swap_space // per_block

@@ -58,6 +58,7 @@ class LLM:
         seed: int = 0,
         swap_space: int | None = None,
         preemption_mode: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         ensure_logging()
         path = resolve_model(model, progress=sys.stderr.isatty())
@@ -79,6 +80,7 @@ class LLM:
                 attention_backend=attention_backend,
                 seed=seed,
                 swap_space=swap_space,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             self.model_config,
         )

@@ -32,6 +32,9 @@ class Settings:
     instance: str = _opt("name of this scheduler/executor pair", default="default")
     model: str = _opt("checkpoint folder or known model name", default=DEFAULT_MODEL)
     dtype: str = _opt("float32 | bfloat16 | float16 | auto", default="auto")
+    kv_cache_dtype: str = _opt(
+        "KV cache dtype: auto (the model's) | bfloat16 | float16", default="auto"
+    )
     device: str = _opt("cpu | cuda | cuda:N | auto", default="auto")
     attention_backend: str = _opt("torch | cpu | triton | auto", default="auto")
     block_size: int = _opt("tokens per KV block", default=16)

@@ -53,6 +53,7 @@ def load_executor(settings: Settings) -> Executor:
         max_model_len=settings.resolve_max_model_len(model_config),
         attention_backend=settings.attention_backend,
         seed=settings.seed,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     return Executor(config, model_config)
 
