@@ -30,12 +30,16 @@ static inline vec load_f32(const float *p) {
     return v;
 }
 
+typedef uint16_t u16vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t u32vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+// bf16 is the top half of a float32: widen, shift, reinterpret (one vpmovzxwd + vpslld)
 static inline vec load_bf16(const uint16_t *p) {
+    u16vec half;
+    memcpy(&half, p, sizeof(half));
+    u32vec bits = __builtin_convertvector(half, u32vec) << 16;
     vec v;
-    for (int i = 0; i < LANES; i++) {
-        union { uint32_t u; float f; } x = {.u = (uint32_t)p[i] << 16};
-        v[i] = x.f;
-    }
+    memcpy(&v, &bits, sizeof(v));
     return v;
 }
 
