@@ -50,10 +50,7 @@ class Preemption:
             scheduler.num_swapped += 1
             scheduler.stats.num_swap_preemptions += 1
         else:
-            scheduler.block_manager.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            scheduler.forget_at_executor(request.request_id)
+            self._free_to_recompute(request)
         request.num_preemptions += 1
         scheduler.stats.num_preemptions += 1
         scheduler.waiting.appendleft(request)
@@ -61,9 +58,11 @@ class Preemption:
 
     def drop_swapped(self, request: Request) -> None:
         """A swapped request gives its CPU and shared device blocks back; it will recompute."""
-        scheduler = self.scheduler
-        scheduler.block_manager.free(request)
-        scheduler.num_swapped -= 1
+        self.scheduler.num_swapped -= 1
+        self._free_to_recompute(request)
+
+    def _free_to_recompute(self, request: Request) -> None:
+        self.scheduler.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        scheduler.forget_at_executor(request.request_id)
+        self.scheduler.forget_at_executor(request.request_id)

@@ -306,6 +306,8 @@ class Scheduler:
         """
         assert output.step_id == step.step_id, f"step {output.step_id} != {step.step_id}"
         sampled = dict(zip(output.req_ids, output.sampled_token_ids))
+        for abandoned in [s for s in self._sampling if s < step.step_id]:
+            del self._sampling[abandoned]  # outputs come in order: theirs never will
         updated = []
         for request in self._sampling.pop(step.step_id, []):
             if self._is_beam(request):

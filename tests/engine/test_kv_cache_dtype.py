@@ -30,6 +30,7 @@ def test_bf16_cache_follows_the_fp32_cache(tiny_llama, backend):
             if ref_token != got_token:
                 break  # a near tie decided the other way: the contexts differ from here
     assert compared >= 2 * len(prompts)
+    assert_all_free(full)
     assert_all_free(half)
 
 

@@ -161,6 +161,8 @@ def test_the_next_step_is_planned_before_the_output():
     assert a.status is RequestStatus.FINISHED_LENGTH and a.num_output_placeholders == 0
     assert a.output_token_ids == book.tokens["a"][5:]
     assert scheduler.schedule().finished_req_ids == ["a"]
+    scheduler.check_invariants()
+    assert scheduler.block_manager.num_free_blocks == 8
 
 
 def test_a_stop_token_costs_one_step_whose_token_is_dropped():
@@ -197,3 +199,19 @@ def test_a_request_preempted_with_a_token_in_flight_keeps_it():
         scheduler.update_from_output(step, book.answer(step))
     drive(scheduler, book, ahead=1)
     assert a.num_output_tokens == b.num_output_tokens == 8
+
+
+def test_an_abandoned_step_is_forgotten_when_a_later_one_is_answered():
+    """The services give up on a step whose executor failed, after failing its requests."""
+    scheduler = make_scheduler(num_blocks=8)
+    a = add(scheduler, "a", [10, 11, 12, 13, 14], max_tokens=8)
+    book = RowBook()
+    abandoned = scheduler.schedule()
+    book.answer(abandoned)  # the executor ran it; its answer is lost
+    scheduler.abort("a")
+    b = add(scheduler, "b", [20, 21, 22], max_tokens=8)
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, book.answer(step))
+    assert a.output_token_ids == [] and b.num_output_tokens == 1
+    assert scheduler._sampling == {}  # no step's requests are held any longer
+    scheduler.check_invariants()
