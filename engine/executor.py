@@ -17,6 +17,7 @@ import torch
 from engine.attention import PagedAttention
 from engine.config import ModelConfig, parse_dtype
 from engine.errors import ConfigError
+from engine.host_malloc import retain_freed_memory
 from engine.input_batch import InputBatch
 from engine.model.loader import load_model
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -112,6 +113,8 @@ class Executor:
             self.backend = default_backend_name()
         self.ops = get_kernel_ops(self.backend)
         self.kv_dtype = self._kv_dtype()
+        if self.device.type == "cpu":
+            retain_freed_memory()
         started = time.perf_counter()
         self.model = load_model(
             config.model_path, model_config, self.dtype, self.device, config.max_model_len

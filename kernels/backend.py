@@ -1,5 +1,7 @@
-"""Choice of kernel implementation: Triton kernels (CUDA), the CPU set (torch twins plus a C
-decode-attention kernel), or the pure-torch twins alone.
+"""Choice of kernel implementation: Triton kernels (CUDA), the CPU set (C kernels for decode
+attention, the cache write, rotary embedding, RMSNorm and the MLP activation, torch twins
+for the rest), or the
+pure-torch twins alone.
 
 Both sets share signatures (see `kernels.reference`), so the engine holds one `KernelOps` and
 never branches on the backend. Triton is imported only when the "triton" set is asked for.
@@ -17,12 +19,16 @@ from kernels import reference
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The four cache kernels of one backend, called with the reference signatures."""
+    """The cache kernels and per-layer ops of one backend, called with the reference
+    signatures (the ops may work in place: callers use what they return)."""
 
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
     swap_blocks: Callable[..., None]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.rotary_ref
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.add_rms_norm_ref
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul_ref
 
 
 def _torch_ops() -> KernelOps:
@@ -35,10 +41,19 @@ def _torch_ops() -> KernelOps:
 
 
 def _cpu_ops() -> KernelOps:
-    """The torch twins, with decode attention on the C kernel (kernels/cpu_decode.py)."""
+    """The torch twins, with decode attention (kernels/cpu_decode.py) and the per-layer ops
+    (kernels/cpu_layer_ops.py) on C kernels."""
+    from kernels import cpu_layer_ops
     from kernels.cpu_decode import paged_attention_cpu
 
-    return dataclasses.replace(_torch_ops(), paged_attention=paged_attention_cpu)
+    return dataclasses.replace(
+        _torch_ops(),
+        paged_attention=paged_attention_cpu,
+        reshape_and_cache=cpu_layer_ops.reshape_and_cache,
+        rotary=cpu_layer_ops.rotary,
+        add_rms_norm=cpu_layer_ops.add_rms_norm,
+        silu_and_mul=cpu_layer_ops.silu_and_mul,
+    )
 
 
 def _triton_ops() -> KernelOps:

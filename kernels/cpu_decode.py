@@ -6,98 +6,23 @@ in place, through the block table (SmolLM2, 48 sequences of ~250 tokens: attenti
 step 124 ms -> 41-55 ms). It is the CPU counterpart of the Triton kernel, tested against the
 same torch twin.
 
-The library is compiled with the system C compiler on first use (Triton needs one too) into
-`<cache_dir>/kernels/`, named by a hash of the source, flags and compiler, under a file lock so
-concurrent processes build it once. Without a compiler, or when the build fails, `load()`
-returns None and the engine keeps the torch path.
+Built and loaded by kernels/cpu_build.py.
 """
 
-import ctypes
-import fcntl
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from functools import cache
-from pathlib import Path
 
-import structlog
 import torch
 
+from kernels.cpu_build import FLOAT, I64, PTR, load_library
 from kernels.reference import decode_attention_ref, paged_attention_ref
 
-log = structlog.get_logger(__name__)
-
-SOURCE = Path(__file__).parent / "cpu" / "paged_decode.c"
-# no -ffast-math: it links crtfastmath.o, whose constructor turns on flush-to-zero for the
-# whole process (every torch op, and hypothesis refuses to run)
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fno-math-errno",
-    "-ffp-contract=fast",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-]
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR] + [_I64] * 6 + [ctypes.c_float]
+_ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT,)
+_SIGNATURES = (("paged_decode_f32", _ARGTYPES), ("paged_decode_bf16", _ARGTYPES))
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _library_path(compiler: str) -> Path:
-    from engine.download import cache_dir
-
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
-        digest.update(part)
-    return cache_dir() / "kernels" / f"paged_decode-{digest.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():  # another process built it while this one waited
-            return
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run(
-                [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            os.replace(built, target)
-
-
-@cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None when it cannot be built here (logged once)."""
-    compiler = _compiler()
-    if compiler is None:
-        log.warning("no C compiler: CPU decode attention stays on the torch path")
-        return None
-    try:
-        target = _library_path(compiler)
-        if not target.exists():
-            log.info("building the CPU decode-attention kernel", path=str(target))
-            _build(compiler, target)
-        library = ctypes.CDLL(str(target))  # after torch: shares its libgomp.so.1
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        log.warning("CPU decode-attention kernel unavailable", error=detail[-2000:])
-        return None
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        function = getattr(library, name)
-        function.restype, function.argtypes = ctypes.c_int, _ARGTYPES
-    return library
+def load():
+    """The compiled library (kernels/cpu/paged_decode.c), or None when it cannot be built."""
+    return load_library("paged_decode", _SIGNATURES)
 
 
 def paged_decode(
@@ -113,12 +38,14 @@ def paged_decode(
     library = load()
     if library is None or key_cache.dtype not in (torch.float32, torch.bfloat16):
         return None
-    query = query.float().contiguous()
+    query = query.float()
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be apart (qkv view)
+        query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=torch.float32)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     function = (
@@ -126,6 +53,7 @@ def paged_decode(
     )
     status = function(
         query.data_ptr(),
+        query.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         block_tables.data_ptr(),

@@ -17,6 +17,44 @@ import torch.nn.functional as F
 DecodeFn = Callable[..., torch.Tensor]
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face computes it: normalise in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + delta), residual + delta); delta None adds nothing. Kernels may
+    update `residual` in place: callers use the returned one."""
+    if delta is not None:
+        residual = residual + delta
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of q [T, heads, d] and k [T, kv_heads, d]; cos/sin [T, d]
+    are the tokens' rows of the tables (half-dim angles repeated). Kernels may rotate q and k
+    in place: callers use the returned pair."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] -> silu(gate) * up, the gated MLP's activation (gate half first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def reshape_and_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -10,14 +10,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
 from engine.model.linear import make_linear
-from engine.model.rope import apply_rope, cos_sin_table
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As Hugging Face computes it: normalise in fp32, cast back, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+from engine.model.rope import cos_sin_table
+from kernels.backend import KernelOps
 
 
 def _release(weight: nn.Parameter) -> None:
@@ -72,29 +66,35 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: PagedAttention,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + delta (delta None at the first layer); returns the next
+        layer's (x, delta), so each residual add is fused into the norm that follows it."""
+        ops = attention.ops
         num_tokens = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
+        h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
         qkv = self.qkv(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            cos,
+            sin,
+        )
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attention(q, k, v, layer_cache, meta).reshape(num_tokens, self.q_size)
-        x = x + self.o_proj(attn)
-        h = rms_norm(x, self.post_attention_norm, self.eps)
+        h, x = ops.add_rms_norm(x, self.o_proj(attn), self.post_attention_norm, self.eps)
         if num_tokens <= MLP_CHUNK_TOKENS:
-            return x + self._mlp(h)
-        return x + torch.cat([self._mlp(part) for part in h.split(MLP_CHUNK_TOKENS)])
+            return x, self._mlp(h, ops)
+        return x, torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def _mlp(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self.down(ops.silu_and_mul(self.gate_up(h)))
 
 
 class Decoder(nn.Module):
@@ -140,9 +140,10 @@ class Decoder(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         dtype = self.embed_tokens.dtype
         cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        delta = None
         for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attention, kv_cache[layer_idx], meta)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, delta = layer(x, delta, cos, sin, attention, kv_cache[layer_idx], meta)
+        return attention.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

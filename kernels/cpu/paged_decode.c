@@ -2,7 +2,7 @@
 // paged cache through the block table (no gathered copy), online softmax per block, GQA.
 //
 // Layouts (the engine's, see kernels/reference.py):
-//   query  [num_seqs, num_heads, head_dim]                   float32
+//   query  [num_seqs, num_heads, head_dim]                   float32, rows query_stride apart
 //   cache  [num_blocks, block_size, num_kv_heads, head_dim]  float32 or bfloat16 (K and V)
 //   block_tables int32 [num_seqs, table_stride], seq_lens int32 [num_seqs]
 //   out    [num_seqs, num_heads, head_dim]                   float32
@@ -11,6 +11,8 @@
 // loaded once for all the query heads of its group: their dot products are independent FMA
 // chains, which is what keeps the core busy (one chain per token stalls on FMA latency, 3x
 // slower).
+// While it works through a block it prefetches the next one, a row per token (SmolLM2, 64
+// sequences of ~180 tokens, 30 layers: bf16 cache 45 -> 31 ms, fp32 ~10% less).
 // Returns 0, or -1 for shapes it does not handle (head_dim not a multiple of 8, big groups).
 
 #include <math.h>
@@ -74,8 +76,20 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t base = (int64_t)table[start / block_size] * block_stride                 \
                              + kv_head * chunks * LANES;                                       \
         for (int64_t g = 0; g < group; g++) block_max[g] = running_max[g];                     \
+        const int64_t next = start + block_size < seq_len                                      \
+            ? (int64_t)table[start / block_size + 1] * block_stride + kv_head * chunks * LANES \
+            : -1;                                                                              \
         for (int64_t t = 0; t < n; t++) {                                                      \
             const CACHE_T *k = key_cache + base + t * token_stride;                            \
+            if (next >= 0) { /* the next block's row t: blocks sit anywhere, so the */         \
+                             /* hardware prefetcher never sees them coming */                  \
+                const char *kn = (const char *)(key_cache + next + t * token_stride);          \
+                const char *vn = (const char *)(value_cache + next + t * token_stride);        \
+                for (int64_t b = 0; b < chunks * LANES * (int64_t)sizeof(CACHE_T); b += 64) {  \
+                    __builtin_prefetch(kn + b, 0, 3);                                          \
+                    __builtin_prefetch(vn + b, 0, 3);                                          \
+                }                                                                              \
+            }                                                                                  \
             vec dot[MAX_GROUP];                                                                \
             for (int64_t g = 0; g < group; g++) dot[g] = (vec){0};                             \
             for (int64_t c = 0; c < chunks; c++) {                                             \
@@ -140,10 +154,11 @@ static void NAME(const int64_t group, const int64_t chunks, const float *query, 
 
 // The exported entry point: an OpenMP loop over (sequence, kv head) pairs.
 #define DEFINE_DECODE(NAME, DISPATCH, CACHE_T)                                                 \
-int NAME(const float *query, const CACHE_T *key_cache, const CACHE_T *value_cache,            \
-         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,           \
-         float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,                \
-         int64_t head_dim, int64_t block_size, int64_t num_threads, float scale) {             \
+int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,                   \
+         const CACHE_T *value_cache, const int32_t *block_tables, int64_t table_stride,        \
+         const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,             \
+         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_threads,      \
+         float scale) {                                                                        \
     if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES) return -1;           \
     const int64_t group = num_heads / num_kv_heads, chunks = head_dim / LANES;                 \
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size > MAX_BLOCK_SIZE) return -1;    \
@@ -153,10 +168,10 @@ int NAME(const float *query, const CACHE_T *key_cache, const CACHE_T *value_cach
     for (int64_t seq = 0; seq < num_seqs; seq++) {                                             \
         for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {                         \
             const int64_t first_head = seq * num_heads + kv_head * group;                      \
-            DISPATCH(group, chunks, query + first_head * head_dim, key_cache, value_cache,     \
-                     block_tables + seq * table_stride, seq_lens[seq],                         \
-                     out + first_head * head_dim, token_stride, block_stride, block_size,      \
-                     kv_head, scale);                                                          \
+            DISPATCH(group, chunks, query + seq * query_stride + kv_head * group * head_dim,   \
+                     key_cache, value_cache, block_tables + seq * table_stride,                \
+                     seq_lens[seq], out + first_head * head_dim, token_stride, block_stride,   \
+                     block_size, kv_head, scale);                                              \
         }                                                                                      \
     }                                                                                          \
     return 0;                                                                                  \

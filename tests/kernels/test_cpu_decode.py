@@ -86,3 +86,14 @@ def test_loading_the_library_keeps_subnormal_floats():
     assert cpu_decode.load() is not None
     tiny = torch.tensor(1e-40, dtype=torch.float32)
     assert (tiny * 1.0).item() != 0.0
+
+
+def test_query_rows_may_be_apart():
+    """q as a view into a wider qkv row (the decoder's layout) reads the same as a copy."""
+    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.float32, "cpu")
+    wide = torch.randn(batch.query.shape[0], 15 * 64)
+    wide[:, : 9 * 64] = batch.query.reshape(batch.query.shape[0], -1)
+    view = wide[:, : 9 * 64].view(batch.query.shape)
+    assert not view.is_contiguous()
+    args = (batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, 0.125)
+    assert torch.equal(paged_decode(view, *args), paged_decode(batch.query.contiguous(), *args))

@@ -1,0 +1,92 @@
+"""Builds the C kernels of the CPU backend (kernels/cpu/*.c) once and loads them with ctypes.
+
+A library is compiled with the system C compiler on first use (Triton needs one too) into
+`<cache_dir>/kernels/`, named by a hash of the source, flags and compiler, under a file lock so
+concurrent processes build it once. Without a compiler, or when the build fails, `load_library`
+returns None and the engine keeps the torch twins.
+"""
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SOURCES = Path(__file__).parent / "cpu"
+# no -ffast-math: it links crtfastmath.o, whose constructor turns on flush-to-zero for the
+# whole process (every torch op, and hypothesis refuses to run)
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-ffp-contract=fast",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
+I64, PTR, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _library_path(compiler: str, source: Path) -> Path:
+    from engine.download import cache_dir
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+        digest.update(part)
+    return cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # another process built it while this one waited
+            return
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run(
+                [compiler, *FLAGS, "-o", str(built), str(source)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            os.replace(built, target)
+
+
+@functools.cache
+def load_library(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
+    """kernels/cpu/<name>.c compiled and loaded, its functions typed by `signatures`
+    ((function, argtypes) pairs, all returning int), or None when it cannot be built here
+    (logged once)."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler: the CPU backend keeps its torch twins", kernel=name)
+        return None
+    source = SOURCES / f"{name}.c"
+    try:
+        target = _library_path(compiler, source)
+        if not target.exists():
+            log.info("building a CPU kernel", kernel=name, path=str(target))
+            _build(compiler, source, target)
+        library = ctypes.CDLL(str(target))  # after torch: shares its libgomp.so.1
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        log.warning("CPU kernel unavailable", kernel=name, error=detail[-2000:])
+        return None
+    for function_name, argtypes in signatures:
+        function = getattr(library, function_name)
+        function.restype, function.argtypes = ctypes.c_int, list(argtypes)
+    return library

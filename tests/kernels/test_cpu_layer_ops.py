@@ -1,0 +1,110 @@
+"""The CPU backend's per-layer C ops (kernels/cpu/layer_ops.c) against their torch twins."""
+
+import platform
+
+import pytest
+import torch
+
+from engine.host_malloc import retain_freed_memory
+from kernels import cpu_layer_ops
+from kernels.reference import (
+    add_rms_norm_ref,
+    reshape_and_cache_ref,
+    rotary_ref,
+    silu_and_mul_ref,
+)
+
+pytestmark = pytest.mark.skipif(cpu_layer_ops.load() is None, reason="no C compiler here")
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def _qkv(num_tokens: int, head_dim: int = HEAD_DIM):
+    """q, k, v as the decoder has them: views into one qkv matmul output."""
+    sizes = [HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim]
+    qkv = torch.randn(num_tokens, sum(sizes))
+    q, k, v = qkv.split(sizes, dim=-1)
+    shape = (num_tokens, -1, head_dim)
+    return qkv, q.view(shape), k.view(shape), v.view(shape)
+
+
+def _cos_sin(num_tokens: int, head_dim: int = HEAD_DIM):
+    angles = torch.rand(num_tokens, head_dim // 2) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rotary_matches_twin_in_place_on_qkv_views(num_tokens):
+    torch.manual_seed(num_tokens)
+    qkv, q, k, v = _qkv(num_tokens)
+    cos, sin = _cos_sin(num_tokens)
+    want_q, want_k = rotary_ref(q.clone(), k.clone(), cos, sin)
+    v_before = v.clone()
+    got_q, got_k = cpu_layer_ops.rotary(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place, no copy
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, v_before), "rotary wrote outside q and k"
+
+
+def test_rotary_falls_back_to_the_twin_for_other_dtypes():
+    _, q, k, _ = _qkv(5)
+    q, k = q.double(), k.double()
+    cos, sin = (t.double() for t in _cos_sin(5))
+    want = rotary_ref(q, k, cos, sin)
+    got = cpu_layer_ops.rotary(q.clone(), k.clone(), cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("hidden", [576, 13])
+def test_add_rms_norm_matches_twin(with_delta, hidden):
+    torch.manual_seed(hidden)
+    residual = torch.randn(33, hidden) * 3
+    delta = torch.randn(33, hidden) if with_delta else None
+    weight = torch.randn(hidden)
+    want_out, want_residual = add_rms_norm_ref(residual.clone(), delta, weight, 1e-5)
+    got_out, got_residual = cpu_layer_ops.add_rms_norm(residual.clone(), delta, weight, 1e-5)
+    torch.testing.assert_close(got_residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+
+
+def test_add_rms_norm_leaves_other_layouts_to_the_twin():
+    """A transposed (non-contiguous) input goes to the twin and gives the twin's answer."""
+    residual, weight = torch.randn(16, 8).t(), torch.randn(16)
+    want = add_rms_norm_ref(residual, None, weight, 1e-6)
+    got = cpu_layer_ops.add_rms_norm(residual, None, weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_twin_exactly(cache_dtype):
+    """Strided K/V views, padding slots skipped, caches compared whole (no stray writes);
+    a bfloat16 cache takes the twin's path."""
+    torch.manual_seed(0)
+    num_blocks, block_size, num_tokens = 6, 4, 11
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = (torch.randn(shape).to(cache_dtype) for _ in range(2))
+    _, _, key, value = _qkv(num_tokens)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[1::3] = -1
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reshape_and_cache_ref(key, value, want_k, want_v, slots)
+    cpu_layer_ops.reshape_and_cache(key, value, key_cache, value_cache, slots.int())
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_malloc_settings_apply_on_glibc():
+    assert retain_freed_memory() is True
+
+
+@pytest.mark.parametrize("inter", [1536, 13])
+def test_silu_and_mul_matches_twin(inter):
+    """Lanes of eight and the scalar tail; gates out to where exp over- and underflows."""
+    torch.manual_seed(inter)
+    gate_up = torch.randn(9, 2 * inter) * 4
+    gate_up[0, :inter] = torch.linspace(-200, 200, inter)
+    want = silu_and_mul_ref(gate_up)
+    torch.testing.assert_close(cpu_layer_ops.silu_and_mul(gate_up), want, rtol=2e-6, atol=1e-6)
