@@ -12,6 +12,9 @@
 #include <string.h>
 
 #define LANES 8
+// Rows are split over OpenMP threads (torch's team: torch.set_num_threads sets it) from this
+// many elements up; below, a fork costs more than it saves.
+#define PARALLEL_ELEMENTS 16384
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
@@ -84,6 +87,7 @@ int rope_neox(float *x, int64_t row_stride, int64_t num_tokens, int64_t num_head
 // sums, as torch's vectorised mean does (not bit-equal to it: ~1e-7 relative).
 int add_rms_norm(float *residual, const float *delta, const float *weight, float *out,
                   int64_t num_tokens, int64_t hidden, float eps) {
+#pragma omp parallel for if (num_tokens * hidden >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < num_tokens; t++) {
         float *x = residual + t * hidden;
         float sums[8] = {0};
@@ -106,6 +110,7 @@ int add_rms_norm(float *residual, const float *delta, const float *weight, float
 
 // gate_up [num_tokens, 2 * inter] (gate half first) -> out [num_tokens, inter]
 int silu_and_mul(const float *gate_up, float *out, int64_t num_tokens, int64_t inter) {
+#pragma omp parallel for if (num_tokens * inter >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
         float *y = out + t * inter;
