@@ -27,7 +27,12 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 30, 9, 3, 64, 576, 153
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--context", type=int, default=230, help="longest context; U[-100, 0]")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=230,
+        help="longest context; lengths drawn from [context - 100, context]",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", help="write the results here as JSON")

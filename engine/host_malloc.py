@@ -9,7 +9,7 @@ suggests, does the same job for a whole process.
 """
 
 import ctypes
-import ctypes.util
+import functools
 
 import structlog
 
@@ -20,12 +20,12 @@ MMAP_THRESHOLD = 32 * 1024**2  # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD = 1024**3
 
 
+@functools.cache  # process-wide settings: once is enough, whatever builds executors
 def retain_freed_memory() -> bool:
     """Apply the settings; False where the C library is not glibc (nothing changes)."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+    try:  # the symbols already loaded in this process, libc's among them
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(

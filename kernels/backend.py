@@ -1,7 +1,6 @@
 """Choice of kernel implementation: Triton kernels (CUDA), the CPU set (C kernels for decode
-attention, the cache write, rotary embedding, RMSNorm and the MLP activation, torch twins
-for the rest), or the
-pure-torch twins alone.
+attention, the cache write, rotary embedding, RMSNorm and the MLP activation, torch twins for
+the rest), or the pure-torch twins alone.
 
 Both sets share signatures (see `kernels.reference`), so the engine holds one `KernelOps` and
 never branches on the backend. Triton is imported only when the "triton" set is asked for.
