@@ -13,8 +13,8 @@ import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from schemas.sampling import SamplingParams
 from schemas.scheduler import StepOutput
 
 

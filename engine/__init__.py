@@ -1,13 +1,13 @@
 """kvpager's engine: paged KV cache, scheduler, model and the offline `LLM` API (no NATS)."""
 
-from engine.errors import (
+from schemas.errors import (
     CheckpointError,
     ConfigError,
     InvalidRequestError,
     KvpagerError,
     RequestTooLongError,
 )
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 __all__ = [
     "LLM",
@@ -21,7 +21,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Importing LLM pulls in torch and transformers; keep `import engine` light for schemas.
+    # Importing LLM pulls in torch and transformers; keep `import engine` light.
     if name == "LLM":
         from engine.llm import LLM
 

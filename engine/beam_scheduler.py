@@ -1,23 +1,27 @@
-"""Beam search inside the scheduler: turn each selection into forks, frees and new tokens.
+"""Beam search for the scheduler: turn each selection into forks, ends and new tokens.
 
 The scheduler reports each beam's candidates here; once a group's live beams have all
-reported, the selection is applied: a beam chosen twice forks (the child shares its blocks),
-a beam not chosen finishes and frees its blocks, and every new beam's token is queued for the
-executor, which does not sample beams itself.
+reported, the selection comes back for the scheduler to apply with its generic operations: a
+beam chosen twice forks (the child shares its blocks), a beam not chosen ends and frees its
+blocks. Every new beam's token is queued for the executor, which does not sample beams itself.
 """
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearchGroup, Continuation, FinishedBeam
-from engine.request import Request, RequestStatus
+from engine.request import Request
 
-if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+
+@dataclass
+class BeamSelection:
+    """What the scheduler does after a group's step: fork (source, child), end these beams."""
+
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    ended: list[Request] = field(default_factory=list)
 
 
 class BeamScheduler:
-    def __init__(self, scheduler: "Scheduler") -> None:
-        self.scheduler = scheduler
+    def __init__(self) -> None:
         self.groups: dict[str, BeamSearchGroup] = {}
         self.results: dict[str, list[FinishedBeam]] = {}  # finished searches, to collect
         self.forks: list[tuple[str, str]] = []  # (source, child) for the next step
@@ -30,33 +34,36 @@ class BeamScheduler:
         group.start(root)
         self.groups[root.group_id] = group
 
-    def report(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
+    def report(
+        self, beam: Request, candidates: list[tuple[int, float]] | None, members: list[Request]
+    ) -> BeamSelection | None:
+        """One beam's candidates; the group's selection once every live beam has reported."""
         if candidates is None:
-            return  # a prefill chunk that has not reached the end of the prompt
+            return None  # a prefill chunk that has not reached the end of the prompt
         group = self.groups[beam.group_id]
-        if group.report(beam, candidates):
-            members = self.scheduler.groups[beam.group_id]
-            self._advance(group, [r for r in members if r.request_id in group.scores])
+        if not group.report(beam, candidates):
+            return None
+        return self._advance(group, [r for r in members if r.request_id in group.scores])
 
-    def _advance(self, group: BeamSearchGroup, beams: list[Request]) -> None:
+    def _advance(self, group: BeamSearchGroup, beams: list[Request]) -> BeamSelection:
         running, done = group.select(beams)
         beams[0].num_pending_forks = 0  # the root's reserved seats are now beams
         if done:
             self.results[beams[0].group_id] = group.finished
-            for beam in beams:
-                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
-            return
-        assigned = self._assign(running)
+            return BeamSelection(ended=beams)
+        selection = BeamSelection()
+        assigned = self._assign(running, selection)
         for beam, cont in assigned:
             beam.output_token_ids.append(cont.token_id)
             self.tokens[beam.request_id] = cont.token_id
             group.scores[beam.request_id] = cont.score
         chosen = {cont.source.request_id for _, cont in assigned}
-        for beam in beams:
-            if beam.request_id not in chosen:
-                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        selection.ended = [beam for beam in beams if beam.request_id not in chosen]
+        return selection
 
-    def _assign(self, running: list[Continuation]) -> list[tuple[Request, Continuation]]:
+    def _assign(
+        self, running: list[Continuation], selection: BeamSelection
+    ) -> list[tuple[Request, Continuation]]:
         """A beam per continuation: its source the first time, a fork of it after that.
 
         Forks copy their source before any new token is appended.
@@ -68,7 +75,7 @@ class BeamScheduler:
             if source.request_id in seen:
                 self._num_children += 1
                 child = source.fork(f"{source.group_id}~{self._num_children}")
-                self.scheduler.add_forked(source, child)
+                selection.forks.append((source, child))
                 self.forks.append((source.request_id, child.request_id))
                 assigned.append((child, cont))
             else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 
 @dataclass

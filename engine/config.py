@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import CheckpointError, ConfigError
+from schemas.errors import CheckpointError, ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = {

@@ -15,7 +15,7 @@ cut between tokens, so nothing is emitted and the window grows until the charact
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 # Prompt ids decoded as context for the first output token (as vLLM).
 _PROMPT_CONTEXT_TOKENS = 5

@@ -32,7 +32,7 @@ import structlog
 import torch
 from tqdm import tqdm
 
-from engine.errors import CheckpointError
+from schemas.errors import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -16,12 +16,12 @@ import torch
 
 from engine.attention import PagedAttention
 from engine.config import ModelConfig, parse_dtype
-from engine.errors import ConfigError
 from engine.host_malloc import retain_freed_memory
 from engine.input_batch import InputBatch
 from engine.model.loader import load_model
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from kernels.backend import default_backend_name, get_kernel_ops
+from schemas.errors import ConfigError
 from schemas.executor import ScheduledStep
 from schemas.scheduler import StepOutput, TokenLogprobs
 
@@ -117,7 +117,12 @@ class Executor:
             retain_freed_memory()
         started = time.perf_counter()
         self.model = load_model(
-            config.model_path, model_config, self.dtype, self.device, config.max_model_len
+            config.model_path,
+            model_config,
+            self.dtype,
+            self.device,
+            config.max_model_len,
+            self.ops,
         )
         self.num_blocks = config.num_blocks or self._blocks_that_fit()
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.sampling_params import SamplingParams
 from schemas.executor import CachedRequest, NewRequest
+from schemas.sampling import SamplingParams
 
 
 @dataclass

@@ -12,13 +12,13 @@ from transformers import AutoTokenizer
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.download import resolve_model
-from engine.errors import InvalidRequestError
 from engine.executor import Executor, ExecutorConfig
 from engine.logs import ensure_logging
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from schemas.errors import InvalidRequestError
+from schemas.sampling import SamplingParams
 
 Prompt = str | list[int]
 

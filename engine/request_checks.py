@@ -1,8 +1,8 @@
 """Whether a request can ever run under the engine's limits (raised as typed errors)."""
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.errors import InvalidRequestError, RequestTooLongError
 from engine.request import Request
+from schemas.errors import InvalidRequestError, RequestTooLongError
 
 
 def check_request_fits(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5

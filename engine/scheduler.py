@@ -23,11 +23,10 @@ from engine.beam_scheduler import BeamScheduler
 from engine.beam_search import FinishedBeam
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.errors import InvalidRequestError, OverloadedError
-from engine.preemption import Preemption
 from engine.request import Request, RequestStatus
 from engine.request_checks import check_request_fits
 from engine.step_plan import SchedulerStats, StepPlan
+from schemas.errors import InvalidRequestError, OverloadedError
 from schemas.executor import CachedRequest, ForkRequest, NewRequest, ScheduledStep
 from schemas.scheduler import StepOutput
 
@@ -48,9 +47,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # group id -> its parallel samples
-        self.num_swapped = 0
-        self.beams = BeamScheduler(self)
-        self.preemption = Preemption(self)
+        self.beams = BeamScheduler()
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
         self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
@@ -91,6 +88,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose blocks wait in the CPU pool (the block manager keeps their tables)."""
+        return len(self.block_manager.swapped_tables)
 
     @property
     def _num_seqs_in_use(self) -> int:
@@ -154,10 +156,48 @@ class Scheduler:
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop()
-            self.preemption.preempt(victim, plan)
+            self._preempt(victim, plan)
             plan.preempted.append(victim)
             if victim is request:
                 return None
+
+    def _preemption_mode(self, request: Request) -> str:
+        """ "swap" or "recompute" for this request, by the configured mode and the CPU pool."""
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            # Recomputing a forked sample loses the prompt blocks it shared: swap those. On a
+            # device cache, recomputing a lone request beats the copies (vLLM's choice too).
+            forked = len(self.groups.get(request.group_id, ())) > 1
+            mode = "swap" if forked or self.cache_config.swap_is_cheap else "recompute"
+        manager = self.block_manager
+        if mode == "swap" and not (manager.cpu.enabled and manager.can_swap_out(request)):
+            mode = "recompute"
+        return mode
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Swap the request's blocks out, or free them to recompute its tokens later; either way
+        it goes back to the head of the waiting queue."""
+        # Victims come from the end of `running`. Samples forked in this step sit behind
+        # their parent, and every request behind the parent was admitted after its last
+        # prompt chunk, which takes the whole budget unless it completes: none can need blocks.
+        assert request.request_id not in plan.forked, f"{request.request_id}: forked this step"
+        mode = self._preemption_mode(request)
+        if mode == "swap":
+            self.block_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.stats.num_swap_preemptions += 1
+        else:
+            self._free_to_recompute(request)
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted", request_id=request.request_id, mode=mode)
+
+    def _free_to_recompute(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.forget_at_executor(request.request_id)
 
     def _note_running(self, request: Request, num_new: int, new_block_ids, plan) -> None:
         plan.budget -= num_new
@@ -230,7 +270,7 @@ class Scheduler:
             # Nothing runs, yet the head cannot start: swapped requests hold shared device
             # blocks. Let them recompute instead, so the head always fits.
             for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
-                self.preemption.drop_swapped(request)
+                self._free_to_recompute(request)  # its CPU and shared device blocks
 
     def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
         if request.num_output_placeholders:
@@ -264,7 +304,6 @@ class Scheduler:
         ):
             return False
         self.waiting.popleft()
-        self.num_swapped -= 1
         self.block_manager.swap_in(request)
         grown = self.block_manager.allocate_slots(request, num_new)
         assert grown is not None, "swap-in reserved too little"
@@ -312,12 +351,22 @@ class Scheduler:
         for request in self._sampling.pop(step.step_id, []):
             if self._is_beam(request):
                 if request.status is RequestStatus.RUNNING:
-                    self.beams.report(request, output.beam_candidates.get(request.request_id))
+                    self._report_beam(request, output.beam_candidates.get(request.request_id))
                 continue
             request.num_output_placeholders -= 1
             if not request.is_finished:
                 updated += self._append_sampled(request, sampled)
         return updated
+
+    def _report_beam(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
+        """Apply a beam group's selection once all its live beams have reported."""
+        selection = self.beams.report(beam, candidates, self.groups[beam.group_id])
+        if selection is None:
+            return
+        for source, child in selection.forks:
+            self.add_forked(source, child)
+        for ended in selection.ended:
+            self.finish(ended, RequestStatus.FINISHED_STOPPED)
 
     def _append_sampled(self, request: Request, sampled: dict[str, int]) -> list[Request]:
         token_id = sampled.get(request.request_id)
@@ -336,7 +385,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            self.num_swapped -= request.status is RequestStatus.SWAPPED
         request.status = status
         request.num_pending_forks = 0
         self.block_manager.free(request)
@@ -377,4 +425,3 @@ class Scheduler:
             assert request.request_id not in manager.block_tables, request.request_id
             swapped = request.status is RequestStatus.SWAPPED
             assert swapped == (request.request_id in manager.swapped_tables), request.request_id
-        assert self.num_swapped == len(manager.swapped_tables)

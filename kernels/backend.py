@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ConfigError
 from kernels import reference
+from schemas.errors import ConfigError
 
 
 @dataclass(frozen=True)

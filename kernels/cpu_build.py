@@ -39,14 +39,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _library_path(compiler: str, source: Path) -> Path:
-    from engine.download import cache_dir
+def _build_dir() -> Path:
+    """Where built libraries live: kvpager's cache folder (the engine's convention, restated
+    because kernels imports nothing of the engine)."""
+    if explicit := os.environ.get("KVPAGER_CACHE_DIR"):
+        return Path(explicit).expanduser() / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvpager" / "kernels"
 
+
+def _library_path(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
         digest.update(part)
-    return cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    return _build_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, source: Path, target: Path) -> None:

@@ -7,7 +7,7 @@ tensor (input ids, positions, slot mapping, block tables) itself.
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -2,7 +2,7 @@
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -5,7 +5,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 
-from engine.errors import KvpagerError
+from schemas.errors import KvpagerError
 from services.client import ClientError
 from services.settings import (
     CONNECTION_FIELDS,
@@ -26,7 +26,7 @@ def _cmd_download(args: argparse.Namespace) -> int:
 
 def _cmd_offline(args: argparse.Namespace) -> int:
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from schemas.sampling import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
     params = SamplingParams(

@@ -15,7 +15,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from engine.errors import ConfigError, KvpagerError
+from schemas.errors import ConfigError, KvpagerError
 from services.settings import Settings
 
 CONNECT_TIMEOUT_S = 2.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
-from engine.errors import ConfigError
+from schemas.errors import ConfigError
 
 if TYPE_CHECKING:  # engine.config imports torch: keep client commands fast to start
     from engine.config import ModelConfig

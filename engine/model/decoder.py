@@ -32,8 +32,9 @@ MLP_CHUNK_TOKENS = 512
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops  # norm, rotary and activation kernels of the executor's backend
         hidden, head_dim = config.hidden_size, config.head_dim
         self.q_size = config.num_heads * head_dim
         self.kv_size = config.num_kv_heads * head_dim
@@ -75,7 +76,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is x + delta (delta None at the first layer); returns the next
         layer's (x, delta), so each residual add is fused into the norm that follows it."""
-        ops = attention.ops
+        ops = self.ops
         num_tokens = x.shape[0]
         h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
         qkv = self.qkv(h)
@@ -100,13 +101,18 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Token ids and positions of a flat batch in, final hidden states out."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, max_positions: int, ops: KernelOps
+    ) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, ops) for _ in range(config.num_layers)
+        )
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             self.embed_tokens
@@ -143,7 +149,7 @@ class Decoder(nn.Module):
         delta = None
         for layer_idx, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, attention, kv_cache[layer_idx], meta)
-        return attention.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
+        return self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.errors import CheckpointError
 from engine.model.decoder import Decoder
+from kernels.backend import KernelOps
+from schemas.errors import CheckpointError
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -89,9 +90,14 @@ def load_weights(model: Decoder, path: Path) -> None:
 
 
 def load_model(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    ops: KernelOps,
 ) -> Decoder:
-    model = Decoder(config, dtype, max_positions)
+    model = Decoder(config, dtype, max_positions, ops)
     load_weights(model, path)
     model = model.to(device).eval()
     model.build_matmuls()

@@ -5,7 +5,7 @@ import math
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from schemas.errors import CheckpointError
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

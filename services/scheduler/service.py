@@ -26,9 +26,9 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from engine.errors import KvpagerError
 from engine.request import Request
 from engine.scheduler import Scheduler
+from schemas.errors import KvpagerError
 from schemas.executor import Attached, ScheduledStep
 from schemas.public import ErrorInfo
 from schemas.scheduler import (

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.errors import ConfigError
+from schemas.errors import ConfigError
 from services.serve import processes
 from services.settings import ServeSettings, Settings
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import nats.errors
 
-from engine.errors import ConfigError, KvpagerError
 from engine.logs import configure_logging
+from schemas.errors import ConfigError, KvpagerError
 from services.client import Client, ClientError
 from services.connection import open_connection
 from services.serve import processes

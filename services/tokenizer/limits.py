@@ -7,7 +7,7 @@ prompt's length once it is tokenized. Each violation is an InvalidRequestError n
 
 from dataclasses import dataclass, fields
 
-from engine.errors import ConfigError, InvalidRequestError, RequestTooLongError
+from schemas.errors import ConfigError, InvalidRequestError, RequestTooLongError
 from schemas.public import GenerateRequest
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from schemas.errors import InvalidRequestError
 from schemas.public import ErrorInfo, GenerateRequest
+from schemas.sampling import SamplingParams
 from services.tokenizer.limits import RequestLimits
 
 MSGPACK = "application/msgpack"

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import KvpagerError
+from schemas.errors import KvpagerError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from schemas.tokenizer import AddResult, SampleDelta, TokenBatch

@@ -10,7 +10,7 @@ from benchmarks import run
 from benchmarks.ablation import ContiguousBlockManager
 from benchmarks.workloads import TokenSource, Workload, parallel_sampling, uniform
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 
 def test_workloads_are_seeded_and_avoid_special_ids():

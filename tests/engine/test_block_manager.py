@@ -2,7 +2,7 @@
 
 from engine.block_manager import BlockManager, CachedBlock
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int], max_tokens: int = 8) -> Request:

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 SENTENCES = [
     "Hello world, hello tokenizer. The world says hello.",

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import download
 from engine.download import KNOWN_MODELS, cache_dir, resolve_model
-from engine.errors import CheckpointError
+from schemas.errors import CheckpointError
 
 # Provides `smollm2_path` until tests/conftest.py registers it for every module.
 

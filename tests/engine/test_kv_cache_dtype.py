@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.errors import ConfigError
+from schemas.errors import ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
-from engine.sampling_params import SamplingParams
+from schemas.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 3

@@ -2,8 +2,8 @@
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from schemas.sampling import SamplingParams
 from schemas.scheduler import StepOutput
 
 

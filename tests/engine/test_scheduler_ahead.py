@@ -14,9 +14,9 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from schemas.executor import ScheduledStep
+from schemas.sampling import SamplingParams
 from schemas.scheduler import StepOutput
 
 EOS = 2

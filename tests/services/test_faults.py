@@ -14,8 +14,8 @@ import pytest
 
 from engine.config import ModelConfig
 from engine.executor import Executor, ExecutorConfig
-from engine.sampling_params import SamplingParams
 from schemas.executor import NewRequest, ScheduledStep
+from schemas.sampling import SamplingParams
 from services.client import Client
 from tests.nats_server import NatsServer
 from tests.services.conftest import Services, start_services, wait_all_blocks_free

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
 from schemas.public import GenerateEvent, GenerateRequest
+from schemas.sampling import SamplingParams
 from services.schema import render
 
 SCHEMA_FILE = Path(__file__).parents[2] / "schemas" / "public.schema.json"

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from engine.errors import ConfigError
+from schemas.errors import ConfigError
 from services.settings import Settings, add_arguments, environment
 
 

@@ -3,8 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from engine.sampling_params import SamplingParams
 from schemas.public import ErrorInfo
+from schemas.sampling import SamplingParams
 from schemas.tokenizer import SampleDelta
 from services.tokenizer.requests import Prepared
 from services.tokenizer.streams import Stream

@@ -1,4 +1,7 @@
-"""Typed errors raised at the engine's edges (requests, configuration, checkpoints)."""
+"""Typed errors raised at kvpager's edges (requests, configuration, checkpoints).
+
+A leaf module: it imports nothing of ours, so every package may raise these.
+"""
 
 
 class KvpagerError(Exception):

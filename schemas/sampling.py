@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from engine.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError
 
 
 def _check(ok: bool, param: str, message: str) -> None:
