@@ -1,10 +1,11 @@
 """kvpager's offline engine, driven one step at a time so every token gets a timestamp.
 
-`drive()` is `LLM._run` with a clock: schedule, execute, update, then stamp the tokens that came
-back and detokenize them as `generate()` does, so it does the same work. After each
-`schedule()` it samples KV usage: the token slots the step's K/V fill (each request's computed
-plus scheduled tokens, counted once per physical block, so shared prefix blocks count once)
-against the slots held by allocated blocks. Sampling time is measured and taken off the clock.
+`drive()` runs the LLM's own engine core (same step pipeline and plan-ahead depth as
+`generate()`) with a publish hook that stamps the tokens as they come out and detokenizes them
+as `generate()` does, so it does the same work. As each step is submitted it samples KV usage:
+the token slots the step's K/V fill (each request's computed plus scheduled tokens, counted
+once per physical block, so shared prefix blocks count once) against the slots held by
+allocated blocks. Sampling time is measured and taken off the clock.
 """
 
 import time
@@ -14,10 +15,12 @@ from benchmarks.config import BenchConfig
 from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core import EngineCore
+from engine.output_processor import SampleOutput
 from engine.request import Request
 from engine.scheduler import Scheduler
 from schemas.executor import ScheduledStep
+from schemas.tokenizer import SampleDelta
 
 
 def build_llm(cfg: BenchConfig, **overrides) -> LLM:
@@ -103,58 +106,92 @@ class KvUsage:
         }
 
 
-def drive(llm: LLM, workload: Workload, engine: str, dtype: str) -> EngineResult:
-    """Run the workload to completion through llm's scheduler and executor, stamping tokens."""
-    scheduler, executor = llm.scheduler, llm.executor
-    stats_before = llm.stats()
-    usage = KvUsage()
-    requests, detokenizers = [], {}
-    for idx, bench in enumerate(workload.requests):
-        params = sampling_params(bench)
-        request = Request(
+class _SampledRunner:
+    """The LLM's in-process executor, with KV usage sampled as each step is submitted."""
+
+    def __init__(self, llm: LLM, usage: KvUsage) -> None:
+        self.runner, self.scheduler, self.usage = llm.runner, llm.scheduler, usage
+        self.overhead = 0.0
+
+    async def submit(self, step: ScheduledStep) -> None:
+        tic = time.perf_counter()
+        self.usage.sample(self.scheduler, step)
+        self.overhead += time.perf_counter() - tic
+        await self.runner.submit(step)
+
+    async def result(self, step_id: int):
+        return await self.runner.result(step_id)
+
+    def cancel(self) -> None:
+        self.runner.cancel()
+
+
+class _Stamps:
+    """Token times per sample, and each request's finish time, from the core's deltas."""
+
+    def __init__(self, llm: LLM, workload: Workload, requests: list[Request]) -> None:
+        self.index_of = {r.group_id: i for i, r in enumerate(requests)}
+        self.sequences = {
+            i: [SequenceTimes() for _ in range(b.n)] for i, b in enumerate(workload.requests)
+        }
+        self.samples = {
+            (r.group_id, k): SampleOutput(llm.tokenizer, r.prompt_token_ids, r.sampling_params)
+            for r in requests
+            for k in range(r.sampling_params.n)
+        }
+        self.num_open = [b.n for b in workload.requests]
+        self.finish_times = [0.0] * len(requests)
+
+    def add(self, deltas: list[SampleDelta], now: float) -> None:
+        for delta in deltas:
+            idx, sample = self.index_of[delta.request_id], delta.index
+            self.sequences[idx][sample].token_times += [now] * len(delta.token_ids)
+            self.samples[delta.request_id, sample].add(delta)  # detokenized, as generate()
+            if delta.finish_reason is not None:
+                self.num_open[idx] -= 1
+                if not self.num_open[idx]:
+                    self.finish_times[idx] = now
+
+
+def _requests(llm: LLM, workload: Workload, engine: str) -> list[Request]:
+    return [
+        Request(
             request_id=f"{engine}-{workload.name}-{idx}",
             prompt_token_ids=list(bench.prompt_token_ids),
-            sampling_params=params,
+            sampling_params=sampling_params(bench),
             eos_token_ids=llm.model_config.eos_token_ids,
         )
-        requests.append(request)
-        for k in range(bench.n):
-            detokenizers[request.group_id, k] = IncrementalDetokenizer(
-                llm.tokenizer, request.prompt_token_ids, params
-            )
-    index_of = {r.group_id: i for i, r in enumerate(requests)}
-    sequences = {i: [SequenceTimes() for _ in range(b.n)] for i, b in enumerate(workload.requests)}
-    num_open = [b.n for b in workload.requests]
-    finish_times = [0.0] * len(requests)
-    num_steps, overhead = 0, 0.0
+        for idx, bench in enumerate(workload.requests)
+    ]
+
+
+def drive(llm: LLM, workload: Workload, engine: str, dtype: str) -> EngineResult:
+    """Run the workload to completion through llm's engine core, stamping tokens."""
+    stats_before = llm.stats()
+    usage = KvUsage()
+    requests = _requests(llm, workload, engine)
+    stamps = _Stamps(llm, workload, requests)
+    runner = _SampledRunner(llm, usage)
     start = time.perf_counter()
+
+    async def publish(deltas: list[SampleDelta], step_id: int) -> None:
+        stamps.add(deltas, time.perf_counter() - start - runner.overhead)
+
+    core = EngineCore(llm.scheduler, runner, publish, llm.config.plan_ahead)
     for request in requests:
-        scheduler.add_request(request)
-    while scheduler.has_unfinished:
-        step = scheduler.schedule()
-        if not step.num_scheduled_tokens and not scheduler.running:
-            raise RuntimeError("scheduler stalled: nothing runs and nothing is admitted")
-        tic = time.perf_counter()
-        usage.sample(scheduler, step)
-        overhead += time.perf_counter() - tic
-        output = executor.execute(step)
-        updated = scheduler.update_from_output(step, output)
-        now = time.perf_counter() - start - overhead
-        num_steps += 1
-        for request in updated:
-            idx, sample = index_of[request.group_id], request.sample_index
-            sequences[idx][sample].token_times.append(now)
-            detokenizer = detokenizers[request.group_id, sample]
-            detokenizer.add_tokens(request.output_token_ids[-1:])
-            if request.is_finished:
-                detokenizer.flush()
-                num_open[idx] -= 1
-                if not num_open[idx]:
-                    finish_times[idx] = now
-    if scheduler.finished_req_ids:  # let the executor drop finished rows, as generate() does
-        executor.execute(scheduler.schedule())
-    elapsed = time.perf_counter() - start - overhead
-    scheduler.block_manager.reset_prefix_cache()  # the next run starts cold
+        core.add(request)
+
+    async def run() -> int:
+        num_steps = 0
+        while core.has_work:
+            num_steps += await core.run_step()
+        await core.publish()
+        return num_steps
+
+    num_steps = llm.run_async(run())
+    elapsed = time.perf_counter() - start - runner.overhead
+    llm.scheduler.block_manager.reset_prefix_cache()  # the next run starts cold
+    sequences = stamps.sequences
     produced = sum(len(s.token_times) for seqs in sequences.values() for s in seqs)
     assert produced == workload.num_output_tokens, f"{produced} != {workload.num_output_tokens}"
     stats = llm.stats()
@@ -166,7 +203,7 @@ def drive(llm: LLM, workload: Workload, engine: str, dtype: str) -> EngineResult
         num_swap_preemptions=stats["num_swap_preemptions"] - stats_before["num_swap_preemptions"],
         prefix_hit_tokens=stats["prefix_cache_hit_tokens"]
         - stats_before["prefix_cache_hit_tokens"],
-        sampling_overhead_s=round(overhead, 3),
+        sampling_overhead_s=round(runner.overhead, 3),
     )
     return EngineResult(
         engine,
@@ -177,8 +214,8 @@ def drive(llm: LLM, workload: Workload, engine: str, dtype: str) -> EngineResult
         num_prompt_tokens=workload.num_prompt_tokens,
         num_output_tokens=workload.num_output_tokens,
         sequences=sequences,
-        finish_times=finish_times,
-        latency_source="per token (end of the engine step that sampled it)",
+        finish_times=stamps.finish_times,
+        latency_source="per token (when the engine core published it)",
         extra=extra,
     )
 

@@ -1,7 +1,8 @@
 """Frozen configuration of the engine's parts, each checked once at construction."""
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +174,103 @@ class SchedulerConfig:
             )
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError("preemption_mode: must be 'auto', 'recompute' or 'swap'")
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model_path: Path
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
+    gpu_memory_utilization: float = 0.9
+    # bytes of host memory for swapped-out and evicted blocks; None: a quarter of the KV
+    # cache's size on CPU (swapping there is a memcpy), none on CUDA
+    swap_space: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    attention_backend: str = "auto"
+    seed: int = 0
+    # "auto": the model's dtype. "bfloat16" / "float16" halve a float32 model's K/V memory and
+    # the bytes decode attention reads; compute stays in the model's dtype (cpu/torch backends)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError("num_blocks: must be at least 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory: must be positive")
+        if self.swap_space is not None and not 0 <= self.swap_space <= host_memory_bytes():
+            raise ConfigError(
+                f"swap_space: {self.swap_space} bytes is not in [0, host memory "
+                f"{host_memory_bytes()}]"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of one engine, built once: from the offline `LLM`'s arguments, or from the
+    services' Settings (same names). The executor's part is fixed when the model is known; the
+    scheduler's when the executor has said what it holds (`ExecutorReady`)."""
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's, at most 8192 and its window
+    max_waiting: int = 100_000
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    seed: int = 0
+    plan_ahead: int = 1  # steps planned beyond the one the executor runs (0: lockstep)
+
+    def __post_init__(self) -> None:
+        if self.plan_ahead < 0:
+            raise ConfigError("plan_ahead: must be >= 0")
+
+    @classmethod
+    def pick(cls, source: Any) -> "EngineConfig":
+        """The fields `source` (e.g. the services' Settings) has under the same names."""
+        names = [spec.name for spec in fields(cls) if hasattr(source, spec.name)]
+        return cls(**{name: getattr(source, name) for name in names})
+
+    def model_len(self, model_config: ModelConfig) -> int:
+        """The configured limit, or the model's (at most 8192, and at most its window)."""
+        max_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
+        if model_config.sliding_window:  # full attention is exact up to the window
+            max_len = min(max_len, model_config.sliding_window)
+        return max_len
+
+    def executor_config(self, model_path: Path, model_config: ModelConfig) -> ExecutorConfig:
+        names = {spec.name for spec in fields(ExecutorConfig)} & {
+            spec.name for spec in fields(self)
+        }
+        values = {name: getattr(self, name) for name in names}
+        values["max_model_len"] = self.model_len(model_config)
+        return ExecutorConfig(model_path=model_path, **values)
+
+    def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
+        """Limits for an executor that holds `max_num_seqs` rows of `max_model_len` tokens."""
+        return SchedulerConfig(
+            max_num_seqs=min(self.max_num_seqs, max_num_seqs),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+            max_waiting=self.max_waiting,
+        )

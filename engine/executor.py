@@ -5,108 +5,32 @@ deltas to the persistent request table, carries out block copies and swaps, runs
 over the flat batch and samples the sequences whose computed tokens caught up.
 """
 
-import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import structlog
 import torch
 
 from engine.attention import PagedAttention
-from engine.config import ModelConfig, parse_dtype
+from engine.config import ExecutorConfig, ModelConfig, parse_dtype
 from engine.host_malloc import retain_freed_memory
 from engine.input_batch import InputBatch
+from engine.memory import blocks_that_fit, cpu_blocks_that_fit, resolve_device, resolve_dtype
 from engine.model.loader import load_model
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from kernels.backend import default_backend_name, get_kernel_ops
 from schemas.errors import ConfigError
 from schemas.executor import ScheduledStep
-from schemas.scheduler import StepOutput, TokenLogprobs
+from schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
-CPU_SWAP_FRACTION = 4  # default CPU swap pool on a CPU device: a quarter of the KV cache
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    model_path: Path
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
-    gpu_memory_utilization: float = 0.9
-    # bytes of host memory for swapped-out and evicted blocks; None: a quarter of the KV
-    # cache's size on CPU (swapping there is a memcpy), none on CUDA
-    swap_space: int | None = None
-    max_num_seqs: int = 256
-    max_model_len: int = 4096
-    attention_backend: str = "auto"
-    seed: int = 0
-    # "auto": the model's dtype. "bfloat16" / "float16" halve a float32 model's K/V memory and
-    # the bytes decode attention reads; compute stays in the model's dtype (cpu/torch backends)
-    kv_cache_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError("num_blocks: must be at least 1")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ConfigError("kv_cache_memory: must be positive")
-        if self.swap_space is not None and not 0 <= self.swap_space <= host_memory_bytes():
-            raise ConfigError(
-                f"swap_space: {self.swap_space} bytes is not in [0, host memory "
-                f"{host_memory_bytes()}]"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
-
-    @property
-    def torch_device(self) -> torch.device:
-        return resolve_device(self.device)
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is CUDA when there is a device, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """'auto' keeps the checkpoint's dtype, except that on a CPU float16 runs in float32, and so
-    does bfloat16 without native bf16 matmuls (AVX-512-BF16 / AMX): on an AVX2 machine the
-    benchmark measured bf16 at 31.9 output tok/s against 145 for float32."""
-    if name != "auto":
-        return parse_dtype(name)
-    dtype = parse_dtype(model_config.checkpoint_dtype)
-    if device.type == "cpu" and dtype == torch.float16:
-        return torch.float32
-    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        return torch.float32
-    return dtype
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively on this CPU."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch build without oneDNN
-        return False
 
 
 class Executor:
     def __init__(self, config: ExecutorConfig, model_config: ModelConfig) -> None:
         self.config = config
         self.model_config = model_config
-        self.device = config.torch_device
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.backend = config.attention_backend
         if self.backend == "auto":
@@ -124,26 +48,7 @@ class Executor:
             config.max_model_len,
             self.ops,
         )
-        self.num_blocks = config.num_blocks or self._blocks_that_fit()
-        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            (
-                model_config.num_layers,
-                2,
-                self.num_blocks,
-                config.block_size,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-            ),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
-        self.num_cpu_blocks = self._cpu_blocks_that_fit()
-        pin = self.device.type == "cuda"
-        cpu_shape = list(self.kv_cache.shape)
-        cpu_shape[2] = self.num_cpu_blocks
-        # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
-        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
+        self._allocate_caches()
         self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
         self.batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
@@ -160,6 +65,48 @@ class Executor:
             load_s=round(time.perf_counter() - started, 2),
         )
 
+    def _allocate_caches(self) -> None:
+        """The device KV cache, sized to what fits, and the CPU pool for swapped blocks."""
+        config, model_config = self.config, self.model_config
+        self.num_blocks = blocks_that_fit(config, model_config, self.kv_dtype, self.device)
+        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            (
+                model_config.num_layers,
+                2,
+                self.num_blocks,
+                config.block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+            ),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        self.num_cpu_blocks = cpu_blocks_that_fit(
+            config, model_config, self.kv_dtype, self.device, self.num_blocks
+        )
+        pin = self.device.type == "cuda"
+        cpu_shape = list(self.kv_cache.shape)
+        cpu_shape[2] = self.num_cpu_blocks
+        # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
+
+    def ready(self, executor_id: str, model: str) -> ExecutorReady:
+        """What this executor holds, for the scheduler to be built with."""
+        config = self.config
+        return ExecutorReady(
+            executor_id=executor_id,
+            num_blocks=self.num_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            vocab_size=self.model_config.vocab_size,
+            model=model,
+            kv_on_host=self.device.type == "cpu",
+        )
+
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
             return self.dtype
@@ -173,27 +120,6 @@ class Executor:
                 "attention backends only"
             )
         return kv_dtype
-
-    def _blocks_that_fit(self) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.config.block_size
-        budget = self.config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - self.config.gpu_memory_utilization) * total)
-        if budget is None:  # CPU default: never more than every sequence at full length needs
-            max_useful = self.config.max_num_seqs * -(
-                -self.config.max_model_len // self.config.block_size
-            )
-            return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
-        if budget < per_block:
-            raise ConfigError(f"kv_cache_memory: {budget} bytes hold no {per_block}-byte block")
-        return budget // per_block
-
-    def _cpu_blocks_that_fit(self) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.config.block_size
-        if self.config.swap_space is None:
-            return self.num_blocks // CPU_SWAP_FRACTION if self.device.type == "cpu" else 0
-        return self.config.swap_space // per_block
 
     def reset(self) -> None:
         """Forget every request (a new scheduler took over); weights and caches stay as they are.

@@ -1,26 +1,37 @@
-"""LLM: the offline API. One process, no NATS: schedule, execute, update, in a loop."""
+"""LLM: the offline API. One process, no NATS, the same engine core the services drive.
+
+prompts -> InputProcessor (token ids, chat template, checks) -> EngineCore.add
+-> EngineCore.run_step() until done (executor in-process, on its own thread, `plan_ahead`
+   steps ahead as served) -> SampleDeltas -> SampleOutput per sample -> RequestOutputs
+"""
 
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.config import EngineConfig, ModelConfig
+from engine.core import EngineCore, build_scheduler
 from engine.download import resolve_model
-from engine.executor import Executor, ExecutorConfig
+from engine.event_loop import LoopThread
+from engine.executor import Executor
+from engine.inputs import InputProcessor
 from engine.logs import ensure_logging
+from engine.output_processor import SampleOutput
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.request import Request
+from engine.step_runner import InProcessExecutor
 from schemas.errors import InvalidRequestError
 from schemas.sampling import SamplingParams
+from schemas.tokenizer import SampleDelta
 
 Prompt = str | list[int]
+T = TypeVar("T")
+MAX_IDLE_STEPS = 3  # steps in a row that compute nothing while nothing runs: a stall
 
 
 @dataclass
@@ -29,7 +40,7 @@ class _Tracked:
 
     request: Request
     output: RequestOutput
-    detokenizers: list[IncrementalDetokenizer]
+    samples: list[SampleOutput]
     num_finished: int = 0
 
 
@@ -38,68 +49,25 @@ class LLM:
 
     llm = LLM("smollm2-135m-instruct", dtype="float32")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
+
+    Keyword arguments are EngineConfig's fields (`plan_ahead=0` runs in lockstep).
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        attention_backend: str = "auto",
-        seed: int = 0,
-        swap_space: int | None = None,
-        preemption_mode: str = "auto",
-        kv_cache_dtype: str = "auto",
-    ) -> None:
+    def __init__(self, model: str, **engine_args: Any) -> None:
         ensure_logging()
         path = resolve_model(model, progress=sys.stderr.isatty())
+        self.config = EngineConfig(**engine_args)
         self.model_config = ModelConfig.from_path(path)
-        max_model_len = max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        if self.model_config.sliding_window:  # full attention is exact up to the window
-            max_model_len = min(max_model_len, self.model_config.sliding_window)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.executor = Executor(
-            ExecutorConfig(
-                model_path=path,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                attention_backend=attention_backend,
-                seed=seed,
-                swap_space=swap_space,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            self.model_config,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=preemption_mode,
-            ),
-            CacheConfig(
-                block_size,
-                self.executor.num_blocks,
-                enable_prefix_caching,
-                self.executor.num_cpu_blocks,
-                swap_is_cheap=self.executor.device.type == "cpu",
-            ),
-        )
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size)
+        executor_config = self.config.executor_config(path, self.model_config)
+        self.runner = InProcessExecutor(lambda: Executor(executor_config, self.model_config))
+        self.executor = self.runner.executor
+        self.scheduler = build_scheduler(self.config, self.executor.ready("in-process", str(path)))
+        self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)
+        self._loop = LoopThread()
+        self._tracked: dict[str, _Tracked] = {}
+        self._bar: tqdm | None = None
         self._ids = itertools.count()
 
     def generate(
@@ -112,13 +80,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        tracked = [self._track(p, sp) for p, sp in zip(prompts, params)]
-        for item in tracked:  # everything is validated before anything is queued
-            self.scheduler.check_request(item.request)
-        for item in tracked:
-            self.scheduler.add_request(item.request)
-        self._run(tracked, use_tqdm and sys.stderr.isatty())
-        return [item.output for item in tracked]
+        tracked = [self._track(self.inputs.prompt_ids(p), p, sp) for p, sp in zip(prompts, params)]
+        return self._run(tracked, use_tqdm)
 
     def chat(
         self,
@@ -128,15 +91,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        prompts = [self.inputs.chat_ids(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError("messages: this model has no chat template", "messages")
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        return self.inputs.chat_ids(messages)
 
     def stats(self) -> dict[str, Any]:
         manager, stats = self.scheduler.block_manager, self.scheduler.stats
@@ -162,6 +121,10 @@ class LLM:
             "num_waiting": len(self.scheduler.waiting),
         }
 
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine's loop thread (where the core runs) and wait."""
+        return self._loop.run(coro)
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
@@ -176,18 +139,6 @@ class LLM:
             raise InvalidRequestError("sampling_params: one per prompt", "sampling_params")
         return list(sampling_params)
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt: must not be empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})", "prompt")
-        return token_ids
-
     def beam_search(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -200,8 +151,7 @@ class LLM:
             raise InvalidRequestError("beam_width: must be > 1 for beam search", "beam_width")
         return self.generate(prompts, params, use_tqdm)
 
-    def _track(self, prompt: Prompt, params: SamplingParams) -> _Tracked:
-        token_ids = self._token_ids(prompt)
+    def _track(self, token_ids: list[int], prompt: Prompt, params: SamplingParams) -> _Tracked:
         request = Request(
             request_id=str(next(self._ids)),
             prompt_token_ids=token_ids,
@@ -214,54 +164,55 @@ class LLM:
             prompt_token_ids=token_ids,
             outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)],
         )
-        detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in range(params.n)
-        ]
-        return _Tracked(request, output, detokenizers)
+        samples = [SampleOutput(self.tokenizer, token_ids, params) for _ in range(params.n)]
+        return _Tracked(request, output, samples)
 
-    def _run(self, tracked: list[_Tracked], show_progress: bool) -> None:
-        by_group = {item.request.group_id: item for item in tracked}
-        with tqdm(total=len(tracked), disable=not show_progress, desc="generate") as bar:
-            while self.scheduler.has_unfinished:
-                step = self.scheduler.schedule()
-                if not step.num_scheduled_tokens and not self.scheduler.running:
-                    raise RuntimeError("scheduler stalled: nothing runs and nothing is admitted")
-                output = self.executor.execute(step)
-                logprobs = dict(zip(output.req_ids, output.logprobs or ()))
-                for request in self.scheduler.update_from_output(step, output):
-                    item = by_group[request.group_id]
-                    if self._absorb(item, request, logprobs.get(request.request_id)):
-                        bar.update(1)
-                for group_id, beams in self.scheduler.take_beam_results().items():
-                    self._absorb_beams(by_group[group_id], beams)
-                    bar.update(1)
-            if self.scheduler.finished_req_ids:  # let the executor drop finished rows now
-                self.executor.execute(self.scheduler.schedule())
+    def _run(self, tracked: list[_Tracked], use_tqdm: bool) -> list[RequestOutput]:
+        for item in tracked:  # everything is validated before anything is queued
+            self.scheduler.check_request(item.request)
+        for item in tracked:
+            self.core.add(item.request)
+            self._tracked[item.request.group_id] = item
+        show = use_tqdm and sys.stderr.isatty()
+        with tqdm(total=len(tracked), disable=not show, desc="generate") as self._bar:
+            self.run_async(self._drive())
+        return [item.output for item in tracked]
 
-    def _absorb_beams(self, item: _Tracked, beams) -> None:
-        skip = item.request.sampling_params.skip_special_tokens
-        for completion, beam in zip(item.output.outputs, beams):
-            completion.token_ids = beam.token_ids
-            completion.text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=skip)
-            completion.finish_reason = beam.finish_reason
-            completion.cumulative_score = float(beam.score)
+    async def _drive(self) -> None:
+        """Steps until every request has finished and the executor has dropped its rows."""
+        core, idle_steps = self.core, 0
+        while core.has_work:
+            await core.run_step()
+            stalled = core.is_spinning and not self.scheduler.running
+            idle_steps = idle_steps + 1 if stalled else 0
+            if idle_steps > MAX_IDLE_STEPS:
+                raise RuntimeError("scheduler stalled: nothing runs and nothing is admitted")
+        await core.publish()
 
-    def _absorb(self, item: _Tracked, request: Request, logprobs) -> bool:
-        """Append a sample's newest token to its output; True once every sample finished."""
-        completion = item.output.outputs[request.sample_index]
-        detokenizer = item.detokenizers[request.sample_index]
-        completion.token_ids.append(request.output_token_ids[-1])
-        if logprobs is not None:
-            completion.logprobs = (completion.logprobs or []) + [logprobs]
-        completion.text += detokenizer.add_tokens(request.output_token_ids[-1:])
-        if detokenizer.stopped is not None and not request.is_finished:
-            request.stop_reason = detokenizer.stopped
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        if not request.is_finished:
-            return False
-        completion.text += detokenizer.flush()
-        completion.finish_reason = request.status.value
-        completion.stop_reason = request.stop_reason
-        item.output.num_cached_tokens = item.request.num_cached_tokens
+    async def _on_deltas(self, deltas: list[SampleDelta], step_id: int) -> None:
+        """The output path: each sample's text, stop strings ended through the core."""
+        for delta in deltas:
+            item = self._tracked[delta.request_id]
+            sample = item.samples[delta.index]
+            update = sample.add(delta)
+            if update is None:
+                continue
+            completion = item.output.outputs[delta.index]
+            completion.text += update.text
+            completion.token_ids += update.token_ids
+            if update.logprobs is not None:
+                completion.logprobs = (completion.logprobs or []) + update.logprobs
+            if update.stop_matched:
+                self.core.finish_early(delta.request_id, "stop", delta.index, sample.stop_string)
+            if sample.finished:
+                self._finish(item, completion, sample)
+
+    def _finish(self, item: _Tracked, completion: CompletionOutput, sample: SampleOutput) -> None:
+        completion.finish_reason = sample.finish_reason
+        completion.stop_reason = sample.stop_reason
+        completion.cumulative_score = sample.cumulative_score
+        item.output.num_cached_tokens = max(item.output.num_cached_tokens, sample.num_cached_tokens)
         item.num_finished += 1
-        return item.num_finished == len(item.output.outputs)
+        if item.num_finished == len(item.samples):
+            del self._tracked[item.request.group_id]
+            self._bar.update(1)

@@ -10,12 +10,9 @@ import os
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from schemas.errors import ConfigError
-
-if TYPE_CHECKING:  # engine.config imports torch: keep client commands fast to start
-    from engine.config import ModelConfig
 
 ENV_PREFIX = "KVPAGER_"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -52,6 +49,7 @@ class Settings:
     enable_prefix_caching: bool = _opt("share full prompt blocks", default=True)
     enable_chunked_prefill: bool = _opt("split long prompts across steps", default=True)
     preemption_mode: str = _opt("auto | recompute | swap", default="auto")
+    plan_ahead: int = _opt("steps planned ahead of the executor (0: lockstep)", default=1)
     seed: int = _opt("seed of unseeded sampling", default=0)
     piece_tokens: int = _opt("most token ids in one internal message", default=65536)
     step_timeout: float = _opt("seconds the scheduler waits for one step", default=300.0)
@@ -120,13 +118,6 @@ class Settings:
         from engine.download import resolve_model  # network and conversion: only by name
 
         return resolve_model(self.model, progress=False)
-
-    def resolve_max_model_len(self, model_config: "ModelConfig") -> int:
-        """The configured limit, or the model's (at most 8192, and at most its window)."""
-        max_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
-        if model_config.sliding_window:  # full attention is exact up to the window
-            max_len = min(max_len, model_config.sliding_window)
-        return max_len
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":

@@ -2,7 +2,7 @@
 
 import contextvars
 
-from engine.executor import resolve_device
+from engine.memory import resolve_device
 from services.executor.service import ExecutorService, load_executor, step_thread
 from services.runtime import run_service, setup_logging
 from services.settings import Settings

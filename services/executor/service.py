@@ -22,8 +22,8 @@ import torch
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from engine.config import ModelConfig
-from engine.executor import Executor, ExecutorConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.executor import Executor
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
 from services.liveness import PeerGone, Reconnects, ping, repeat
@@ -41,21 +41,7 @@ _decoder = msgspec.msgpack.Decoder(SchedulerMessage)
 def load_executor(settings: Settings) -> Executor:
     path = settings.model_path()
     model_config = ModelConfig.from_path(path)
-    config = ExecutorConfig(
-        model_path=path,
-        dtype=settings.dtype,
-        device=settings.device,
-        block_size=settings.block_size,
-        num_blocks=settings.num_blocks,
-        kv_cache_memory=settings.kv_cache_memory,
-        swap_space=settings.swap_space,
-        max_num_seqs=settings.max_num_seqs,
-        max_model_len=settings.resolve_max_model_len(model_config),
-        attention_backend=settings.attention_backend,
-        seed=settings.seed,
-        kv_cache_dtype=settings.kv_cache_dtype,
-    )
-    return Executor(config, model_config)
+    return Executor(EngineConfig.pick(settings).executor_config(path, model_config), model_config)
 
 
 def step_thread(device: torch.device) -> ThreadPoolExecutor:
@@ -108,19 +94,7 @@ class ExecutorService:
         self._ping_sub = await self.nc.subscribe(subject, cb=pong)
 
     def ready_message(self) -> ExecutorReady:
-        executor, config = self.executor, self.executor.config
-        return ExecutorReady(
-            executor_id=self.executor_id,
-            num_blocks=executor.num_blocks,
-            num_cpu_blocks=executor.num_cpu_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            eos_token_ids=list(executor.model_config.eos_token_ids),
-            vocab_size=executor.model_config.vocab_size,
-            model=self.settings.model,
-            kv_on_host=executor.device.type == "cpu",
-        )
+        return self.executor.ready(self.executor_id, self.settings.model)
 
     # --- attaching, and watching the scheduler ---------------------------------------------
 

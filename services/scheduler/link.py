@@ -1,6 +1,10 @@
-"""The scheduler's end of the step exchange: steps out, exactly one answer back for each."""
+"""The scheduler's end of the step exchange: steps out, exactly one answer back for each.
+
+The engine core's StepRunner over NATS (engine/step_runner.py has the in-process one).
+"""
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -8,6 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from schemas.executor import RunStep, ScheduledStep, StepPiece
+from schemas.public import ErrorInfo
 from schemas.scheduler import ExecutorMessage, StepDone, StepFailed
 from services.subjects import Subjects
 from services.wire import pack
@@ -26,16 +31,25 @@ class ExecutorLink:
     a duplicate.
     """
 
-    def __init__(self, nc: NATS, subjects: Subjects, piece_tokens: int) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        piece_tokens: int,
+        step_timeout_s: float,
+        lose_executor: Callable[[ErrorInfo], None],
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.piece_tokens = piece_tokens
+        self.step_timeout_s = step_timeout_s
+        self._lose_executor = lose_executor  # a step not answered in time
         self._pending: dict[int, asyncio.Future] = {}  # by step id
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.scheduler_outputs, cb=self._on_output)
 
-    async def send(self, step: ScheduledStep) -> None:
+    async def submit(self, step: ScheduledStep) -> None:
         size, subject = self.piece_tokens, self.subjects.executor_steps
         if sum(len(new.token_ids) for new in step.new_requests) > size:
             new_requests = []
@@ -48,14 +62,24 @@ class ExecutorLink:
         self._pending[step.step_id] = asyncio.get_running_loop().create_future()
         await self.nc.publish(subject, pack(RunStep(step)))
 
-    async def answer(self, step_id: int, timeout_s: float) -> StepDone | StepFailed | None:
-        """The executor's answer to a sent step; None on a timeout or after `cancel()`."""
+    async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
+        """The executor's answer to a sent step: its output, an ErrorInfo if it failed, None
+        after `cancel()` or when it timed out (the executor is then lost)."""
+        answer = await self._answer(step_id)
+        if isinstance(answer, StepFailed):
+            message = f"the executor failed step {answer.step_id}: {answer.message}"
+            return ErrorInfo("internal_error", message)
+        return answer
+
+    async def _answer(self, step_id: int) -> StepDone | StepFailed | None:
         pending = self._pending.get(step_id)
         if pending is None:  # cancelled while it was being sent
             return None
         try:
-            return await asyncio.wait_for(asyncio.shield(pending), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(pending), self.step_timeout_s)
         except asyncio.TimeoutError:
+            message = f"the executor did not answer step {step_id} in {self.step_timeout_s} s"
+            self._lose_executor(ErrorInfo("executor_unavailable", message))
             return None
         finally:
             self._pending.pop(step_id, None)

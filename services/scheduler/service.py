@@ -1,49 +1,40 @@
-"""Scheduler service: engine.scheduler.Scheduler driven over NATS, one step ahead.
+"""Scheduler service: the engine core (engine/core.py) driven over NATS.
 
-    executor attaches (capacity) -> Scheduler built -> loop:
-        schedule() -> ScheduledStep to the executor (step N+1 while step N runs)
-        publish the tokens of step N-1 to the tokenizers (while the executor runs)
-        StepOutput of step N back -> update_from_output() -> deltas into the outbox
+    executor attaches (capacity) -> EngineCore built for it -> loop: core.run_step()
+        (steps planned ahead to the executor, its deltas routed to tokenizers meanwhile)
 
-Planning ahead keeps the executor busy: step N+1 waits in its subscription when step N ends,
-so the executor never waits for the scheduler's bookkeeping or a NATS round trip. Requests
-that stop in step N have step N+1 computed for nothing (its token is dropped); beam searches
-run one step at a time (their tokens are chosen from the step's output).
-
-Tokenizer messages (adds, aborts, stop-string finishes) are handled between awaits, so they
-never interleave with a schedule() or an update. `step_id` must come back as sent. When the
-executor is lost (PeerWatch), every request fails at once and the loop waits for an executor
-to attach; a new Scheduler is built for it.
+Everything but transport and liveness is the engine's: the step pipeline, its plan-ahead
+depth, finishing and failing requests. Tokenizer messages (adds, aborts, stop-string
+finishes) are handled between awaits, so they never interleave with a schedule() or an
+update. When the executor is lost (PeerWatch, or a step not answered in time), every request
+fails at once and the loop waits for an executor to attach; a new core is built for it.
 """
 
 import asyncio
 import time
 import uuid
-from collections import deque
 
 import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from engine.config import EngineConfig
+from engine.core import EngineCore, build_scheduler
 from engine.request import Request
-from engine.scheduler import Scheduler
 from schemas.errors import KvpagerError
-from schemas.executor import Attached, ScheduledStep
+from schemas.executor import Attached
 from schemas.public import ErrorInfo
 from schemas.scheduler import (
     AddRequest,
     ExecutorReady,
     FinishRequest,
     PromptPiece,
-    StepDone,
-    StepFailed,
     TokenizerMessage,
 )
-from schemas.tokenizer import AddResult
+from schemas.tokenizer import AddResult, SampleDelta
 from services.liveness import repeat
-from services.scheduler.attach import build_core, scheduler_info
-from services.scheduler.finishing import fail_all, fail_routes, finish_early
+from services.scheduler.attach import scheduler_info
 from services.scheduler.link import ExecutorLink
 from services.scheduler.metrics import ServiceMetrics
 from services.scheduler.outbox import Outbox, Route
@@ -57,7 +48,6 @@ from services.wire import encode_public, pack
 log = structlog.get_logger(__name__)
 
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
-PLAN_AHEAD = 1  # steps planned beyond the one the executor runs
 
 
 class SchedulerService:
@@ -66,14 +56,17 @@ class SchedulerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.scheduler_id = uuid.uuid4().hex[:12]
-        self.core: Scheduler | None = None
+        self.config = EngineConfig.pick(settings)
+        self.core: EngineCore | None = None
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
         self.metrics = ServiceMetrics()
         # a dead tokenizer's orphaned pieces go after a while
         self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
         self._work = asyncio.Event()
-        self.link = ExecutorLink(nc, self.subjects, settings.piece_tokens)
+        self.link = ExecutorLink(
+            nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor
+        )
         self.watch = PeerWatch(
             nc,
             self.subjects,
@@ -83,6 +76,7 @@ class SchedulerService:
             lose_executor=self._lose_executor,
             drop_tokenizer=self._drop_tokenizer,
         )
+        self._recorded = None  # the last step timing taken into the metrics
         self._closing = False  # refuse new requests
         self._stopped = False  # no more steps
         self._requests_sub = None
@@ -106,8 +100,8 @@ class SchedulerService:
         ready = msgspec.msgpack.decode(msg.data, type=ExecutorReady)
         if self.core is not None:  # a restarted executor has lost every request's state
             self._fail_all(ErrorInfo("unavailable", "the executor restarted"))
-            self.link.cancel()
-        self.executor, self.core = ready, build_core(self.settings, ready)
+            await self.core.publish()
+        self.executor, self.core = ready, self._build_core(ready)
         await msg.respond(pack(Attached(self.scheduler_id)))
         if self._requests_sub is None:  # "no responders" for tokenizers until now
             self._requests_sub = await self.nc.subscribe(
@@ -122,6 +116,16 @@ class SchedulerService:
         )
         self._work.set()
 
+    def _build_core(self, ready: ExecutorReady) -> EngineCore:
+        """A fresh core for the executor's capacity (its cache starts empty)."""
+        return EngineCore(
+            build_scheduler(self.config, ready),
+            self.link,
+            self._publish,
+            self.config.plan_ahead,
+            check_invariants=self.settings.check_invariants,
+        )
+
     def _lose_executor(self, error: ErrorInfo) -> None:
         """Fail every request now; the core stays (all blocks free) until an executor attaches."""
         if self.executor is None:
@@ -129,7 +133,6 @@ class SchedulerService:
         log.error("executor lost", executor=self.executor.executor_id, reason=error.message)
         self.executor = None
         self._fail_all(error)
-        self.link.cancel()
 
     # --- requests from tokenizers ----------------------------------------------------------
 
@@ -159,17 +162,20 @@ class SchedulerService:
             eos_token_ids=tuple(self.executor.eos_token_ids),
         )
         try:
-            self.core.add_request(request)
+            self.core.add(request)
         except KvpagerError as exc:
             log.info("request refused", request_id=add.request_id, error=exc.type)
             return ErrorInfo(exc.type, str(exc), getattr(exc, "param", None))
-        self.outbox.routes[add.request_id] = Route(add.reply_to, set(range(add.sampling_params.n)))
+        self.outbox.routes[add.request_id] = Route(add.reply_to, add.sampling_params.n)
         log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
         self._work.set()
         return None
 
     def _finish(self, finish: FinishRequest) -> None:
-        if finish_early(self.core, self.outbox, finish):
+        if self.core is None:
+            return
+        core, reason = self.core, finish.finish_reason
+        if core.finish_early(finish.request_id, reason, finish.index, finish.stop_reason):
             reason = finish.finish_reason
             log.info("request finished early", request_id=finish.request_id, finish_reason=reason)
             self._work.set()  # the executor must drop them, and the answer must go out
@@ -181,7 +187,8 @@ class SchedulerService:
                 self._finish(FinishRequest(request_id, "abort"))
 
     def _fail_all(self, error: ErrorInfo) -> None:
-        fail_all(self.core, self.outbox, error)
+        """Every request fails with `error`; the steps in flight are abandoned."""
+        self.core.abandon(error)
         log.error("failed every request", error=error.type, message=error.message)
         self._work.set()
 
@@ -194,55 +201,53 @@ class SchedulerService:
                 await self._steps()
             except Exception:
                 log.exception("scheduler loop failed: failing every request")
-                self._start_afresh()
+                await self._start_afresh()
 
-    def _start_afresh(self) -> None:
-        """Fail every request without trusting the core; the executor attaches again."""
-        fail_routes(self.outbox, ErrorInfo("internal_error", "the scheduler failed; see its log"))
-        ready, self.executor = self.executor, None  # a fresh core needs a fresh executor
-        if ready is not None:
-            self.core = build_core(self.settings, ready)
-        self.link.cancel()
+    async def _start_afresh(self) -> None:
+        """Fail every request without trusting the scheduler; the executor attaches again."""
+        core, ready, self.executor = self.core, self.executor, None
+        if core is None:
+            return
+        core.fail_open(ErrorInfo("internal_error", "the scheduler failed; see its log"))
+        core.abandon()
+        await core.publish()
+        if ready is not None:  # a fresh core needs a fresh executor
+            self.core = self._build_core(ready)
 
     async def _steps(self) -> None:
-        in_flight: deque[tuple[ScheduledStep, bool]] = deque()  # with: planned back to back
-        busy = False  # the last answered step computed something
         while not self._stopped:
             core = self.core
-            if self.executor is not None and self._may_plan(core, in_flight):
-                step = core.schedule()
-                await self.link.send(step)
-                in_flight.append((step, busy or len(in_flight) > 0))
-                await self.outbox.flush(step.step_id)  # overlaps the executor's work
-                if step.num_scheduled_tokens and self._may_plan(core, in_flight):
-                    continue  # plan the next step while this one runs
-            if self.executor is None or not in_flight:
-                in_flight.clear()
+            if self.executor is None or not await core.run_step():
                 await self._wait_for_work(core)
-                busy = False
                 continue
-            step, back_to_back = in_flight.popleft()
-            done = await self._answer(core, step)
-            if done is None:  # abandoned: every request failed, or the executor re-attached
-                in_flight.clear()
-                self.link.cancel()
-                busy = False
-                continue
-            self._absorb(step, done, back_to_back)
-            busy = bool(step.num_scheduled_tokens)
-            if not (busy or in_flight or core.finished_req_ids):
+            self._record(core)
+            if core.is_spinning:
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
 
-    @staticmethod
-    def _may_plan(core: Scheduler, in_flight: deque) -> bool:
-        if not (core.has_unfinished or core.finished_req_ids):
-            return False
-        return not in_flight or (len(in_flight) < PLAN_AHEAD + 1 and core.can_plan_ahead)
+    async def _publish(self, deltas: list[SampleDelta], step_id: int) -> None:
+        """The core's deltas to their tokenizers, with each request's token timings."""
+        step = self.core.last_step if self.core is not None else None
+        now = step.at if step is not None else time.monotonic()
+        for delta in deltas:
+            route = self.outbox.routes.get(delta.request_id)
+            if route is not None and delta.token_ids and delta.cumulative_score is None:
+                self.metrics.time_token(route, now)
+        await self.outbox.publish(self.outbox.route(deltas), step_id)
 
-    async def _wait_for_work(self, core: Scheduler | None) -> None:
-        self._work.clear()  # before the flush: work that comes during it is not missed
+    def _record(self, core: EngineCore) -> None:
+        step = core.last_step
+        if step is None or step is self._recorded:
+            return  # abandoned
+        self._recorded = step
+        self.metrics.step.add(step.execute_s)
+        if step.wait_s is not None:
+            self.metrics.executor_wait.add(step.wait_s)
+        self.metrics.throughput.add(step.num_tokens, step.at)
+
+    async def _wait_for_work(self, core: EngineCore | None) -> None:
+        self._work.clear()  # before the publish: work that comes during it is not missed
         if core is not None:
-            await self.outbox.flush(core.step_id)  # final deltas, e.g. of a lost executor
+            await core.publish()  # final deltas, e.g. of a lost executor
         await self._work.wait()
 
     async def _idle_briefly(self) -> None:
@@ -251,37 +256,6 @@ class SchedulerService:
             await asyncio.wait_for(self._work.wait(), timeout=0.01)
         except asyncio.TimeoutError:
             pass
-
-    async def _answer(self, core: Scheduler, step: ScheduledStep) -> StepDone | None:
-        """The executor's answer to a sent step; None if the step is abandoned."""
-        answer = await self.link.answer(step.step_id, self.settings.step_timeout)
-        if self.core is not core or self.executor is None or self._stopped:
-            return None  # re-attached, executor lost or stopping: step abandoned
-        if answer is None:
-            timeout = self.settings.step_timeout
-            message = f"the executor did not answer step {step.step_id} in {timeout} s"
-            self._lose_executor(ErrorInfo("executor_unavailable", message))
-        elif isinstance(answer, StepFailed):
-            message = f"the executor failed step {answer.step_id}: {answer.message}"
-            self._fail_all(ErrorInfo("internal_error", message))
-        return answer if isinstance(answer, StepDone) else None
-
-    def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
-        now, output, metrics = time.monotonic(), done.output, self.metrics
-        metrics.step.add(done.execute_s)
-        if back_to_back:
-            metrics.executor_wait.add(done.wait_s)
-        updated = self.core.update_from_output(step, output)
-        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
-        for request in updated:
-            route = self.outbox.add_token(request, logprobs.get(request.request_id))
-            if route is not None:
-                metrics.time_token(route, now)
-        for group_id, beams in self.core.take_beam_results().items():
-            self.outbox.add_beams(group_id, beams, num_cached_tokens=0)
-        metrics.throughput.add(len(updated), now)
-        if self.settings.check_invariants:
-            self.core.check_invariants()
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -292,7 +266,7 @@ class SchedulerService:
     async def _on_stats(self, msg: Msg) -> None:
         if self.core is None:
             return  # no answer until the executor attaches: the client times out
-        stats = build_stats(self.settings.instance, self.core, self.metrics)
+        stats = build_stats(self.settings.instance, self.core.scheduler, self.metrics)
         await msg.respond(encode_public(stats, msgpack=False)[0])
 
     async def stop(self) -> None:
@@ -312,4 +286,4 @@ class SchedulerService:
             await asyncio.wait({self._loop_task}, timeout=5.0)
             self._loop_task.cancel()
         if self.core is not None:
-            await self.outbox.flush(self.core.step_id)  # the final deltas
+            await self.core.publish()  # the final deltas

@@ -62,13 +62,13 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 
 def _check_checkpoint(settings: Settings, path: Path) -> None:
     """Fail before starting anything: unreadable config, no weights, too few blocks."""
-    from engine.config import ModelConfig
+    from engine.config import EngineConfig, ModelConfig
     from engine.model.loader import safetensors_files
 
     model_config = ModelConfig.from_path(path)
     safetensors_files(path)
     if settings.num_blocks is not None:
-        max_len = settings.resolve_max_model_len(model_config)
+        max_len = EngineConfig.pick(settings).model_len(model_config)
         check_capacity(settings.num_blocks, settings.block_size, max_len)
 
 

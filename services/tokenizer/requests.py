@@ -7,12 +7,11 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
-from transformers import PreTrainedTokenizerBase
 
+from engine.inputs import InputProcessor
 from schemas.errors import InvalidRequestError
 from schemas.public import ErrorInfo, GenerateRequest
 from schemas.sampling import SamplingParams
-from services.tokenizer.limits import RequestLimits
 
 MSGPACK = "application/msgpack"
 _PARAM_AT = re.compile(r"`\$\.([A-Za-z_]+)")
@@ -67,32 +66,19 @@ def request_id_of(body: bytes, msgpack: bool, max_bytes: int) -> str:
     return uuid.uuid4().hex
 
 
-def prepare_body(
-    body: bytes,
-    msgpack: bool,
-    tokenizer: PreTrainedTokenizerBase,
-    vocab_size: int,
-    limits: RequestLimits,
-) -> Prepared:
+def prepare_body(body: bytes, msgpack: bool, inputs: InputProcessor) -> Prepared:
     """A request's bytes to a Prepared request: size first, then decoding, then the rest."""
-    limits.check_body(body)  # before any parsing
+    inputs.limits.check_body(body)  # before any parsing
     request = decode_request(body, msgpack)
     request_id = request.request_id or uuid.uuid4().hex
-    return prepare(request, request_id, tokenizer, vocab_size, limits)
+    return prepare(request, request_id, inputs)
 
 
-def prepare(
-    request: GenerateRequest,
-    request_id: str,
-    tokenizer: PreTrainedTokenizerBase,
-    vocab_size: int,
-    limits: RequestLimits,
-) -> Prepared:
+def prepare(request: GenerateRequest, request_id: str, inputs: InputProcessor) -> Prepared:
     """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
-    limits.check_request(request)
+    inputs.limits.check_request(request)
     params = sampling_params(request)
-    token_ids = prompt_token_ids(request, tokenizer, vocab_size)
-    limits.check_prompt(len(token_ids), _prompt_field(request))
+    token_ids = prompt_token_ids(request, inputs)
     return Prepared(
         request_id=request_id,
         prompt_token_ids=token_ids,
@@ -119,9 +105,7 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
     return SamplingParams(**fields)  # raises InvalidRequestError naming the field
 
 
-def prompt_token_ids(
-    request: GenerateRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int
-) -> list[int]:
+def prompt_token_ids(request: GenerateRequest, inputs: InputProcessor) -> list[int]:
     given = [
         name
         for name in ("prompt", "messages", "prompt_token_ids")
@@ -132,36 +116,11 @@ def prompt_token_ids(
             f"exactly one of prompt, messages or prompt_token_ids is required, got {len(given)}",
             param=given[-1] if given else "prompt",
         )
+    if request.messages is not None:
+        return inputs.chat_ids([msgspec.structs.asdict(m) for m in request.messages])
     if request.prompt is not None:
-        token_ids = tokenizer.encode(request.prompt)  # as engine.LLM does
-    elif request.messages is not None:
-        token_ids = _apply_chat_template(request, tokenizer)
-    else:
-        token_ids = request.prompt_token_ids
-    if not token_ids:
-        raise InvalidRequestError(f"{given[0]}: must not be empty", param=given[0])
-    if max(token_ids) >= vocab_size:
-        raise InvalidRequestError(
-            f"prompt_token_ids: must be in [0, {vocab_size})", param="prompt_token_ids"
-        )
-    return token_ids
-
-
-def _apply_chat_template(request: GenerateRequest, tokenizer) -> list[int]:
-    if not tokenizer.chat_template:
-        raise InvalidRequestError("messages: this model has no chat template", "messages")
-    messages = [msgspec.structs.asdict(m) for m in request.messages]
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    except Exception as exc:  # a template may raise on roles it does not know
-        raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
-
-
-def _prompt_field(request: GenerateRequest) -> str:
-    given = [name for name in ("messages", "prompt_token_ids") if getattr(request, name)]
-    return given[0] if given else "prompt"
+        return inputs.prompt_ids(request.prompt)
+    return inputs.prompt_ids(request.prompt_token_ids, "prompt_token_ids")
 
 
 def _timeout_s(request: GenerateRequest) -> float | None:

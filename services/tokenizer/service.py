@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
+from engine.inputs import InputProcessor, RequestLimits
 from schemas.errors import KvpagerError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
@@ -24,7 +25,6 @@ from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
 from services.tokenizer import info
-from services.tokenizer.limits import RequestLimits
 from services.tokenizer.requests import (
     Prepared,
     admission_error,
@@ -57,8 +57,8 @@ class TokenizerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.limits = RequestLimits.from_settings(settings)
+        self.inputs = InputProcessor(tokenizer, vocab_size, RequestLimits.from_settings(settings))
+        self.limits = self.inputs.limits
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
         self.watch = StreamWatch(
@@ -89,7 +89,7 @@ class TokenizerService:
             return
         msgpack = is_msgpack(msg.headers)
         try:
-            prepared = prepare_body(msg.data, msgpack, self.tokenizer, self.vocab_size, self.limits)
+            prepared = prepare_body(msg.data, msgpack, self.inputs)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, _error(exc))

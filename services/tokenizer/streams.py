@@ -1,9 +1,9 @@
 """One client stream: the scheduler's SampleDeltas in, numbered GenerateEvents out.
 
-No NATS here. Each sample has an IncrementalDetokenizer (multi-byte characters, stop strings
-with held-back partial matches). A stop string ends a sample at once on the text side; the
-stream asks the scheduler to finish it (`FinishRequest`) and ends the sample when the
-scheduler answers, so the final event always follows the freeing of the request's blocks.
+No NATS here. Each sample's text comes from the engine's output processor (detokenizing, stop
+strings); a stop string makes the stream ask the scheduler to finish the sample
+(`FinishRequest`), and the sample ends when the scheduler answers, so the final event always
+follows the freeing of the request's blocks.
 """
 
 import time
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor import SampleOutput, SampleUpdate
 from schemas.public import ErrorInfo, GenerateEvent, TokenLogprob, Usage
 from schemas.scheduler import FinishRequest
 from schemas.tokenizer import SampleDelta
@@ -20,16 +20,12 @@ from services.tokenizer.requests import Prepared
 
 @dataclass
 class _Sample:
-    detokenizer: IncrementalDetokenizer
-    num_tokens: int = 0
-    stop_string: str | None = None  # matched; the scheduler is finishing the sample
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    output: SampleOutput
+    finish_reason: str | None = None  # as the client sees it (set when the stream ends it too)
     # with stream: false, everything is kept for the one final event
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    cumulative_score: float | None = None  # beam search
 
 
 class Stream:
@@ -50,7 +46,7 @@ class Stream:
         self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
         self._samples = [
-            _Sample(IncrementalDetokenizer(tokenizer, prepared.prompt_token_ids, prepared.params))
+            _Sample(SampleOutput(tokenizer, prepared.prompt_token_ids, prepared.params))
             for _ in range(prepared.params.n)
         ]
 
@@ -61,34 +57,30 @@ class Stream:
     def on_delta(self, delta: SampleDelta) -> tuple[list[GenerateEvent], FinishRequest | None]:
         """Events to publish, and a FinishRequest for the scheduler if a stop string matched."""
         sample = self._samples[delta.index]
-        if sample.finish_reason is not None:
+        update = None if sample.finish_reason is not None else sample.output.add(delta)
+        if update is None:
             return [], None
-        text, token_ids, logprobs = "", [], None
-        if sample.stop_string is None:  # tokens after a stop string are not output
-            text, token_ids = sample.detokenizer.add_tokens(delta.token_ids), delta.token_ids
-            logprobs = _public_logprobs(delta)
-            sample.num_tokens += len(token_ids)
-            sample.stop_string = sample.detokenizer.stopped
         finish = None
-        if delta.finish_reason is not None:
-            text += self._finish_sample(sample, delta)
-        elif sample.stop_string is not None and token_ids:
-            finish = FinishRequest(self.request_id, "stop", delta.index, sample.stop_string)
-        event = self._event(delta.index, sample, text, token_ids, logprobs)
+        if sample.output.finished:
+            self._finish_sample(sample)
+        elif update.stop_matched:
+            stop = sample.output.stop_string
+            finish = FinishRequest(self.request_id, "stop", delta.index, stop)
+        event = self._event(delta.index, sample, update)
         return ([event] if event is not None else []), finish
 
-    def _finish_sample(self, sample: _Sample, delta: SampleDelta) -> str:
-        sample.finish_reason = "stop" if sample.stop_string else delta.finish_reason
-        sample.stop_reason = sample.stop_string or delta.stop_reason
-        sample.cumulative_score = delta.cumulative_score
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        if delta.error is not None:
-            self.error = delta.error
-        elif delta.finish_reason == "abort":
+    def _finish_sample(self, sample: _Sample) -> None:
+        output = sample.output
+        sample.finish_reason = output.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.error is not None:
+            self.error = output.error
+        elif output.finish_reason == "abort":
             self.error = self.abort_error
-        return sample.detokenizer.flush()  # "" after a stop string
 
-    def _event(self, index, sample, text, token_ids, logprobs) -> GenerateEvent | None:
+    def _event(self, index: int, sample: _Sample, update: SampleUpdate) -> GenerateEvent | None:
+        text, token_ids = update.text, update.token_ids
+        logprobs = _public_logprobs(token_ids, update.logprobs)
         if not self.streaming:
             sample.texts.append(text)
             sample.token_ids += token_ids
@@ -105,8 +97,8 @@ class Stream:
             token_ids=list(token_ids),
             logprobs=logprobs,
             finish_reason=sample.finish_reason,
-            stop_reason=sample.stop_reason,
-            cumulative_score=sample.cumulative_score,
+            stop_reason=sample.output.stop_reason,
+            cumulative_score=sample.output.cumulative_score,
         )
 
     def _next_event(self, **fields) -> GenerateEvent:
@@ -135,7 +127,7 @@ class Stream:
     def usage(self) -> Usage:
         return Usage(
             num_prompt_tokens=self.num_prompt_tokens,
-            num_completion_tokens=sum(sample.num_tokens for sample in self._samples),
+            num_completion_tokens=sum(sample.output.num_tokens for sample in self._samples),
             num_cached_prompt_tokens=self.num_cached_tokens,
         )
 
@@ -153,10 +145,10 @@ def error_event(request_id: str, error: ErrorInfo, num_prompt_tokens: int = 0) -
     )
 
 
-def _public_logprobs(delta: SampleDelta) -> list[TokenLogprob] | None:
-    if delta.logprobs is None:
+def _public_logprobs(token_ids: list[int], logprobs) -> list[TokenLogprob] | None:
+    if logprobs is None:
         return None
     return [
         TokenLogprob(token_id, lp.logprob, lp.top_token_ids, lp.top_logprobs)
-        for token_id, lp in zip(delta.token_ids, delta.logprobs)
+        for token_id, lp in zip(token_ids, logprobs)
     ]

@@ -3,7 +3,7 @@
 import pytest
 
 from engine import ConfigError, InvalidRequestError, RequestTooLongError, SamplingParams
-from engine.executor import host_memory_bytes
+from engine.config import host_memory_bytes
 from tests.engine.helpers import assert_all_free, make_llm
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import executor
-from engine.executor import resolve_dtype
+from engine import memory
+from engine.memory import resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -23,7 +23,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
     ],
 )
 def test_auto_dtype(monkeypatch, checkpoint, device, native_bf16, expected):
-    monkeypatch.setattr(executor, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(memory, "cpu_has_native_bf16", lambda: native_bf16)
     model_config = SimpleNamespace(checkpoint_dtype=checkpoint)
     assert resolve_dtype("auto", model_config, device) == expected
     assert resolve_dtype("bfloat16", model_config, device) == torch.bfloat16  # asked for

@@ -1,4 +1,5 @@
-"""Planning a step before the previous one's output arrives (the services' overlap).
+"""Planning a step before the previous one's output arrives, through the engine core's own
+step pipeline (the one the offline LLM and the scheduler service run).
 
 `RowBook` keeps the executor's side of the books as engine.executor does: each request's token
 list and computed count, built only from the ScheduledSteps. A row that catches up samples a
@@ -6,18 +7,19 @@ token that depends on its whole token list, so any disagreement between the sche
 executor about what a request holds shows up in the outputs, and in the computed-count check.
 """
 
+import asyncio
 import random
 import zlib
-from collections import deque
 
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core import EngineCore
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from schemas.executor import ScheduledStep
 from schemas.sampling import SamplingParams
-from schemas.scheduler import StepOutput
+from schemas.scheduler import StepDone, StepOutput
 
 EOS = 2
 
@@ -75,28 +77,42 @@ def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: in
     return request
 
 
-def drive(scheduler: Scheduler, book: RowBook, ahead: int, max_steps: int = 2000) -> list[int]:
-    """Keep up to `ahead` + 1 steps planned but unanswered; answer them in order.
+class BookRunner:
+    """The core's StepRunner over a RowBook: answers each step in order when awaited, and
+    checks the scheduler's accounting as each step is handed over."""
 
-    Returns the tokens scheduled per step.
-    """
-    in_flight: deque[ScheduledStep] = deque()
-    scheduled = []
-    for _ in range(max_steps):
-        has_work = scheduler.has_unfinished or scheduler.finished_req_ids
-        if has_work and len(in_flight) <= ahead:
-            step = scheduler.schedule()
-            scheduled.append(step.total_num_scheduled_tokens)
-            in_flight.append(step)
-            scheduler.check_invariants()
-            if len(in_flight) <= ahead and step.total_num_scheduled_tokens:
-                continue
-        if not in_flight:
-            return scheduled
-        step = in_flight.popleft()
-        scheduler.update_from_output(step, book.answer(step))
-        scheduler.check_invariants()
-    raise AssertionError("did not finish")
+    def __init__(self, scheduler: Scheduler, book: RowBook) -> None:
+        self.scheduler = scheduler
+        self.book = book
+        self.pending: dict[int, ScheduledStep] = {}
+
+    async def submit(self, step: ScheduledStep) -> None:
+        self.scheduler.check_invariants()
+        self.pending[step.step_id] = step
+
+    async def result(self, step_id: int) -> StepDone | None:
+        step = self.pending.pop(step_id, None)
+        return None if step is None else StepDone(self.book.answer(step), 0.0, 0.0)
+
+    def cancel(self) -> None:
+        self.pending.clear()
+
+
+def drive(scheduler: Scheduler, book: RowBook, ahead: int, max_steps: int = 2000) -> None:
+    """Run the engine core with up to `ahead` steps planned beyond the one being answered."""
+
+    async def publish(deltas, step_id) -> None:
+        pass  # the tokens are read off the requests
+
+    async def run() -> None:
+        core = EngineCore(scheduler, BookRunner(scheduler, book), publish, ahead, True)
+        for _ in range(max_steps):
+            if not core.has_work:
+                return
+            await core.run_step()
+        raise AssertionError("did not finish")
+
+    asyncio.run(run())
 
 
 def workload(scheduler: Scheduler, seed: int) -> dict[str, Request]:

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.executor import Executor, ExecutorConfig
+from engine.config import ExecutorConfig, ModelConfig
+from engine.executor import Executor
 from schemas.executor import NewRequest, ScheduledStep
 from schemas.sampling import SamplingParams
 from services.client import Client

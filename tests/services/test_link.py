@@ -26,18 +26,20 @@ async def test_answers_that_come_before_they_are_awaited_are_kept(nats_server):
 
     await executor_nc.subscribe(subjects.executor_steps, cb=execute)
     await executor_nc.flush()
-    link = ExecutorLink(scheduler_nc, subjects, piece_tokens=64)
+    lost = []
+    link = ExecutorLink(scheduler_nc, subjects, 64, step_timeout_s=5.0, lose_executor=lost.append)
     await link.start()
     try:
         for step_id in (1, 2):
-            await link.send(ScheduledStep(step_id=step_id))
+            await link.submit(ScheduledStep(step_id=step_id))
         await asyncio.sleep(0.2)  # both answers are in before the first is awaited
-        first, second = await link.answer(1, 5.0), await link.answer(2, 5.0)
+        first, second = await link.result(1), await link.result(2)
         assert first.output.sampled_token_ids == [10] and second.output.sampled_token_ids == [20]
-        await link.send(ScheduledStep(step_id=3))
+        await link.submit(ScheduledStep(step_id=3))
         link.cancel()  # e.g. the executor was lost: an abandoned step answers None
-        assert await link.answer(3, 5.0) is None
-        assert await link.answer(4, 0.1) is None  # never sent
+        assert await link.result(3) is None
+        assert await link.result(4) is None  # never sent
+        assert lost == []  # nothing timed out
     finally:
         await scheduler_nc.close()
         await executor_nc.close()

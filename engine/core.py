@@ -1,0 +1,182 @@
+"""EngineCore: the scheduler and its step pipeline, driven the same way by both front doors.
+
+    add(request)  ->  run_step():  schedule -> submit to the executor  (up to 1 + plan_ahead
+                                   steps in flight, so step N+1 is planned while N runs)
+                                   publish the deltas so far            (overlaps the executor)
+                                   output of the oldest step -> update_from_output -> deltas
+
+The executor sits behind `StepRunner` (engine/step_runner.py): in-process for the offline
+`LLM`, over NATS for the scheduler service. Outputs leave as SampleDeltas through `publish`;
+stop strings (found by whoever detokenizes) and aborts come back through `finish_early`.
+"""
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from engine.config import CacheConfig, EngineConfig
+from engine.request import Request, RequestStatus
+from engine.sample_deltas import SampleDeltas
+from engine.scheduler import Scheduler
+from engine.step_runner import StepRunner
+from schemas.executor import ScheduledStep
+from schemas.public import ErrorInfo
+from schemas.scheduler import ExecutorReady, StepDone
+from schemas.tokenizer import SampleDelta
+
+Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
+
+
+@dataclass
+class StepTiming:
+    """One answered step as the executor timed it (seconds)."""
+
+    execute_s: float
+    wait_s: float | None  # idle since its previous step; None unless planned back to back
+    num_tokens: int  # sampled tokens delivered
+    at: float  # monotonic time the output was absorbed
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        publish: Publish,
+        plan_ahead: int = 1,
+        check_invariants: bool = False,
+    ) -> None:
+        assert plan_ahead >= 0, "plan_ahead: steps planned beyond the one the executor runs"
+        self.scheduler = scheduler
+        self.runner = runner
+        self.deltas = SampleDeltas()
+        self.plan_ahead = plan_ahead
+        self.last_step: StepTiming | None = None
+        self._publish = publish
+        self._check = check_invariants
+        self._in_flight: deque[tuple[ScheduledStep, bool]] = deque()  # with: back to back
+        self._busy = False  # the last answered step computed something
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request, or raise a typed error (nothing is queued then)."""
+        self.scheduler.add_request(request)
+        self.deltas.track(request.group_id, request.sampling_params.n)
+
+    def finish_early(
+        self, group_id: str, reason: str, index: int | None = None, stop_string: str | None = None
+    ) -> bool:
+        """Abort every sample ("abort"), or stop the one a stop string ended ("stop").
+
+        Frees the blocks at once, then queues a final delta per ended sample, so a final event
+        always follows the freeing. False for an unknown id: it has finished, and its last
+        delta is on its way.
+        """
+        group = list(self.scheduler.groups.get(group_id, ()))
+        if reason == "stop":
+            for request in group:
+                if request.sample_index == index and not request.is_finished:
+                    request.stop_reason = stop_string
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                    self.deltas.add_finals(group_id, "stop", [index], None, _cached(request))
+        elif group:
+            self.scheduler.abort(group_id)
+            self.deltas.add_finals(group_id, "abort", num_cached_tokens=_cached(group[0]))
+        return bool(group)
+
+    def fail_all(self, error: ErrorInfo) -> None:
+        """Every open request ends with `error`; its blocks are freed."""
+        for group_id in list(self.deltas.open):
+            self.scheduler.abort(group_id)
+        self.fail_open(error)
+
+    def fail_open(self, error: ErrorInfo) -> None:
+        """Final error deltas for every open request, without touching the scheduler (after a
+        bug in it, it cannot be trusted)."""
+        for group_id in list(self.deltas.open):
+            self.deltas.add_finals(group_id, "error", error=error)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, finished rows to drop at the executor, or steps in flight."""
+        scheduler = self.scheduler
+        return scheduler.has_unfinished or bool(scheduler.finished_req_ids or self._in_flight)
+
+    @property
+    def is_spinning(self) -> bool:
+        """The last step computed nothing and nothing is in flight: wait before trying again."""
+        return not (self._busy or self._in_flight or self.scheduler.finished_req_ids)
+
+    # --- the step pipeline -------------------------------------------------------------------
+
+    async def run_step(self) -> bool:
+        """Fill the pipeline, then absorb the oldest step's output. False: nothing in flight."""
+        while self._may_plan():
+            step = self.scheduler.schedule()
+            await self.runner.submit(step)
+            self._in_flight.append((step, self._busy or len(self._in_flight) > 0))
+            await self.publish(step.step_id)  # while the executor works
+            if not step.num_scheduled_tokens:
+                break
+        if not self._in_flight:
+            return False
+        step, back_to_back = self._in_flight.popleft()
+        result = await self.runner.result(step.step_id)
+        if isinstance(result, StepDone):
+            self._absorb(step, result, back_to_back)
+        else:
+            self.abandon(result)
+        return True
+
+    async def publish(self, step_id: int | None = None) -> None:
+        """Hand the deltas collected so far to the front door."""
+        step_id = self.scheduler.step_id if step_id is None else step_id
+        await self._publish(self.deltas.take(), step_id)
+
+    def abandon(self, error: ErrorInfo | None = None) -> None:
+        """Give up on every step in flight; with `error`, fail every request too."""
+        self._in_flight.clear()
+        self._busy = False
+        self.runner.cancel()
+        if error is not None:
+            self.fail_all(error)
+
+    def _may_plan(self) -> bool:
+        scheduler, in_flight = self.scheduler, self._in_flight
+        if not (scheduler.has_unfinished or scheduler.finished_req_ids):
+            return False
+        if not in_flight:
+            return True
+        return len(in_flight) < self.plan_ahead + 1 and scheduler.can_plan_ahead
+
+    def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
+        output = done.output
+        updated = self.scheduler.update_from_output(step, output)
+        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+        for request in updated:
+            self.deltas.add_token(request, logprobs.get(request.request_id))
+        for group_id, beams in self.scheduler.take_beam_results().items():
+            self.deltas.add_beams(group_id, beams)
+        self._busy = bool(step.num_scheduled_tokens)
+        wait_s = done.wait_s if back_to_back else None
+        self.last_step = StepTiming(done.execute_s, wait_s, len(updated), time.monotonic())
+        if self._check:
+            self.scheduler.check_invariants()
+
+
+def _cached(request: Request) -> int:
+    return request.num_cached_tokens
+
+
+def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
+    """A fresh scheduler for what the executor holds (its cache starts empty)."""
+    cache_config = CacheConfig(
+        ready.block_size,
+        ready.num_blocks,
+        config.enable_prefix_caching,
+        ready.num_cpu_blocks,
+        swap_is_cheap=ready.kv_on_host,
+    )
+    return Scheduler(config.scheduler_config(ready.max_num_seqs, ready.max_model_len), cache_config)

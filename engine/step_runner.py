@@ -1,0 +1,68 @@
+"""How the engine core reaches its executor: submit a step, later await its answer.
+
+Two implementations: `InProcessExecutor` here (the offline `LLM`: the Executor on a worker
+thread of this process) and the scheduler service's link over NATS
+(services/scheduler/link.py). Several steps may be submitted before the first answer is
+awaited; answers come in submission order.
+"""
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from engine.executor import Executor
+from schemas.executor import ScheduledStep
+from schemas.public import ErrorInfo
+from schemas.scheduler import StepDone
+
+
+class StepRunner(Protocol):
+    async def submit(self, step: ScheduledStep) -> None:
+        """Send a step on its way; returns before it has run."""
+
+    async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
+        """The step's output; an ErrorInfo if it failed (every request fails with it); None
+        if it was abandoned (`cancel()`, or the executor was lost meanwhile)."""
+
+    def cancel(self) -> None:
+        """Abandon every step submitted and not yet answered."""
+
+
+class InProcessExecutor:
+    """An Executor built and run on one worker thread, so steps overlap the caller's work.
+
+    The thread that loads the model also runs every step (on CPU, first-touch memory and
+    oneDNN's packed weights then stay local to it; measured 20-30% faster steps).
+    """
+
+    def __init__(self, build: Callable[[], Executor]) -> None:
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpager-step")
+        self.executor: Executor = self._worker.submit(build).result()
+        self._pending: dict[int, Future] = {}
+        self._last_output_at: float | None = None
+
+    async def submit(self, step: ScheduledStep) -> None:
+        self._pending[step.step_id] = self._worker.submit(self._timed, step)
+
+    async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
+        pending = self._pending.pop(step_id, None)
+        if pending is None:
+            return None
+        return await asyncio.wrap_future(pending)
+
+    def cancel(self) -> None:
+        for pending in self._pending.values():
+            pending.cancel()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _timed(self, step: ScheduledStep) -> StepDone:
+        started = time.monotonic()
+        wait_s = started - self._last_output_at if self._last_output_at else 0.0
+        output = self.executor.execute(step)
+        self._last_output_at = time.monotonic()
+        return StepDone(output, self._last_output_at - started, wait_s)
