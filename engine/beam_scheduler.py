@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearchGroup, Continuation, FinishedBeam
 from engine.request import Request
+from schemas.executor import ForkRequest
 
 
 @dataclass
@@ -24,7 +25,7 @@ class BeamScheduler:
     def __init__(self) -> None:
         self.groups: dict[str, BeamSearchGroup] = {}
         self.results: dict[str, list[FinishedBeam]] = {}  # finished searches, to collect
-        self.forks: list[tuple[str, str]] = []  # (source, child) for the next step
+        self.forks: list[ForkRequest] = []  # row copies for the next step
         self.tokens: dict[str, int] = {}  # chosen tokens the executor has not seen yet
         self._num_children = 0
 
@@ -76,7 +77,7 @@ class BeamScheduler:
                 self._num_children += 1
                 child = source.fork(f"{source.group_id}~{self._num_children}")
                 selection.forks.append((source, child))
-                self.forks.append((source.request_id, child.request_id))
+                self.forks.append(ForkRequest(source.request_id, child.request_id, sample=False))
                 assigned.append((child, cont))
             else:
                 seen.add(source.request_id)
@@ -87,7 +88,7 @@ class BeamScheduler:
         token_id = self.tokens.pop(request_id, None)
         return [] if token_id is None else [token_id]
 
-    def take_forks(self) -> list[tuple[str, str]]:
+    def take_forks(self) -> list[ForkRequest]:
         forks, self.forks = self.forks, []
         return forks
 

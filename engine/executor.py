@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from engine.attention import PagedAttention
+from engine.beam_search import top_continuations
 from engine.config import ExecutorConfig, ModelConfig, parse_dtype
 from engine.host_malloc import retain_freed_memory
 from engine.input_batch import InputBatch
@@ -146,7 +147,7 @@ class Executor:
             return StepOutput(step_id=step.step_id)
         logits = self.model.compute_logits(hidden[logits_indices])
         beam_rows = [i for i, s in enumerate(states) if s.params.is_beam_search]
-        beam_candidates = _beam_candidates(
+        beam_candidates = top_continuations(
             logits, states, beam_rows, self.model_config.eos_token_ids
         )
         if beam_rows:
@@ -168,11 +169,12 @@ class Executor:
     def _with_forks(self, step: ScheduledStep, inputs) -> tuple[list, torch.Tensor]:
         """Sampled rows plus forked samples, which sample from their parent's logits row."""
         states, indices = list(inputs.sampled_states), inputs.logits_indices
-        if not step.forks:
+        forks = [fork for fork in step.forks if fork.sample]
+        if not forks:
             return states, indices
         row_of = {state.req_id: i for i, state in enumerate(states)}
         extra = []
-        for fork in step.forks:
+        for fork in forks:
             parent = self.batch.states[fork.parent_id]
             params = msgspec.structs.replace(parent.params, seed=fork.seed)
             states.append(
@@ -185,9 +187,10 @@ class Executor:
         return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _apply_deltas(self, step: ScheduledStep) -> None:
-        for parent_id, child_id in step.beam_forks:  # before removals: parents may go too
-            parent = self.batch.states[parent_id]
-            self.batch.fork(parent_id, child_id, parent.params, None)
+        for fork in step.forks:  # before removals: parents may go too
+            if not fork.sample:
+                parent = self.batch.states[fork.parent_id]
+                self.batch.fork(fork.parent_id, fork.child_id, parent.params, None)
         for req_id in step.finished_req_ids:
             self.batch.remove(req_id)
         for new in step.new_requests:
@@ -223,23 +226,6 @@ class Executor:
             sampled_token_ids=token_ids,
             logprobs=_logprobs(sampled, states),
         )
-
-
-def _beam_candidates(logits: torch.Tensor, states, rows: list[int], eos_ids) -> dict:
-    """Each beam's best next tokens: enough for transformers' 2 x beam_width continuations."""
-    if not rows:
-        return {}
-    logprobs = logits[rows].log_softmax(dim=-1)
-    # per beam at most the group's continuations: (2 + stop tokens) x width bounds them
-    needed = max(
-        (2 + len(eos_ids) + len(states[i].params.stop_token_ids)) * states[i].params.beam_width
-        for i in rows
-    )
-    values, token_ids = logprobs.topk(min(needed, logprobs.shape[-1]), dim=-1)
-    return {
-        states[i].req_id: list(zip(ids, vals))
-        for i, ids, vals in zip(rows, token_ids.tolist(), values.tolist())
-    }
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:

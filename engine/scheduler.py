@@ -118,8 +118,7 @@ class Scheduler:
             blocks_to_copy=ops.copy,
             blocks_to_swap_out=ops.swap_out,
             blocks_to_swap_in=ops.swap_in,
-            forks=plan.forks,
-            beam_forks=self.beams.take_forks(),
+            forks=self.beams.take_forks() + plan.forks,
         )
         self.finished_req_ids = []
         return step

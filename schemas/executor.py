@@ -34,15 +34,19 @@ class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class ForkRequest(msgspec.Struct, array_like=True):
-    """A parallel sample forked from `parent_id` as its prompt completes this step.
+    """A copy of `parent_id`'s row as `child_id`, sharing its blocks (the scheduler counted
+    them), for parallel samples and beams alike.
 
-    The executor copies the parent's row after the forward pass and samples the child's first
-    token from the parent's logits with the child's own seed.
+    `sample`: the child samples its first token from the parent's logits in this step, with
+    its own seed (a parallel sample forked as its parent's prompt completes; the copy is made
+    after the forward pass). Otherwise the copy is made before the forward pass (a beam chosen
+    twice: each copy then gets its own token from the beam search).
     """
 
     parent_id: str
     child_id: str
-    seed: int | None
+    seed: int | None = None
+    sample: bool = True
 
 
 class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -55,8 +59,6 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
     forks: list[ForkRequest] = []
-    # (parent, child) beams: before the forward pass the child copies the parent's row
-    beam_forks: list[tuple[str, str]] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
