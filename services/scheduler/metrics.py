@@ -1,23 +1,62 @@
-"""Serving metrics the scheduler measures: latencies, throughput, executor idle time."""
+"""Serving metrics the scheduler measures: latencies, throughput, executor idle time.
 
+Latencies come two ways: percentiles of the most recent samples (`kvpager stats`), and
+cumulative histograms of every sample since start (Prometheus, through the HTTP gateway).
+"""
+
+import bisect
 import time
 from collections import deque
 
-from schemas.public import Percentiles
+from schemas.executor import ScheduledStep
+from schemas.public import Histogram, Percentiles
 from services.scheduler.outbox import Route
 
 WINDOW_SAMPLES = 4096
 THROUGHPUT_WINDOW_S = 10.0
+# vLLM's bucket bounds (seconds), so that its dashboards read ours
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
+TTFT_BUCKETS += (5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+ITL_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
+REQUEST_BUCKETS += (60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Buckets:
+    """Counts of every sample (seconds) per bucket, since start."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self._counts = [0] * len(bounds)  # per bucket, not yet cumulative
+        self._count = 0
+        self._sum = 0.0
+
+    def add(self, seconds: float) -> None:
+        index = bisect.bisect_left(self.bounds, seconds)  # bucket i holds (b[i-1], b[i]]
+        if index < len(self.bounds):
+            self._counts[index] += 1
+        self._count += 1
+        self._sum += seconds
+
+    def histogram(self) -> Histogram:
+        cumulative, total = [], 0
+        for count in self._counts:
+            total += count
+            cumulative.append(total)
+        return Histogram(list(self.bounds), cumulative, self._count, round(self._sum, 6))
 
 
 class Samples:
     """The most recent values of one latency (seconds in, milliseconds out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: tuple[float, ...] = ()) -> None:
         self._values: deque[float] = deque(maxlen=WINDOW_SAMPLES)
+        self.buckets = Buckets(buckets)
 
     def add(self, seconds: float) -> None:
         self._values.append(seconds * 1000.0)
+        self.buckets.add(seconds)
 
     def percentiles(self) -> Percentiles:
         if not self._values:
@@ -54,11 +93,27 @@ class Throughput:
 
 class ServiceMetrics:
     def __init__(self) -> None:
-        self.ttft = Samples()
-        self.itl = Samples()
+        self.ttft = Samples(TTFT_BUCKETS)
+        self.itl = Samples(ITL_BUCKETS)
         self.step = Samples()
         self.executor_wait = Samples()
         self.throughput = Throughput()
+        self.e2e = Buckets(REQUEST_BUCKETS)
+        self.queue = Buckets(REQUEST_BUCKETS)
+        self.num_prompt_tokens = 0
+
+    def time_scheduled(self, step: ScheduledStep, routes: dict[str, Route], now: float) -> None:
+        """Requests scheduled for the first time: their queue time and prompt tokens."""
+        for new in step.new_requests:
+            route = routes.get(new.req_id)  # None for resumed samples ("id#1"): not new
+            if route is not None and route.scheduled_at is None:
+                route.scheduled_at = now
+                self.queue.add(now - route.arrival)
+                self.num_prompt_tokens += new.num_prompt_tokens
+
+    def time_done(self, route: Route) -> None:
+        """A request whose every sample has ended, for whatever reason."""
+        self.e2e.add(time.monotonic() - route.arrival)
 
     def time_token(self, route: Route, now: float) -> None:
         """A request's new token: time to the first one, or between two."""

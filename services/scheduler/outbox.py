@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -23,6 +24,11 @@ class Route:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    scheduled_at: float | None = None  # first scheduled
+
+
+def _ignore(route: Route) -> None:
+    pass
 
 
 class Outbox:
@@ -33,6 +39,7 @@ class Outbox:
         self.routes: dict[str, Route] = {}  # by request (group) id
         self._deltas: dict[str, list[SampleDelta]] = {}
         self._lock = asyncio.Lock()
+        self.on_done: Callable[[Route], None] = _ignore  # a route's every sample has ended
 
     def add_token(self, request: Request, logprobs: TokenLogprobs | None) -> Route | None:
         """The request's newest token; a final delta too if it has finished."""
@@ -93,8 +100,8 @@ class Outbox:
         self._deltas.setdefault(route.reply_to, []).append(delta)
         if delta.finish_reason is not None:
             route.open_indices.discard(delta.index)
-            if not route.open_indices:
-                self.routes.pop(delta.request_id, None)
+            if not route.open_indices and self.routes.pop(delta.request_id, None) is not None:
+                self.on_done(route)
 
     async def flush(self, step_id: int) -> None:
         async with self._lock:  # two flushes must not interleave one subject's batches

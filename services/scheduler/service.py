@@ -41,6 +41,7 @@ from schemas.scheduler import (
     TokenizerMessage,
 )
 from schemas.tokenizer import AddResult
+from services.discovery import Discovery
 from services.liveness import repeat
 from services.scheduler.attach import build_core, scheduler_info
 from services.scheduler.finishing import fail_all, fail_routes, finish_early
@@ -70,6 +71,7 @@ class SchedulerService:
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
         self.metrics = ServiceMetrics()
+        self.outbox.on_done = self.metrics.time_done
         # a dead tokenizer's orphaned pieces go after a while
         self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
         self._work = asyncio.Event()
@@ -91,10 +93,11 @@ class SchedulerService:
 
     async def start(self) -> None:
         nc, subjects = self.nc, self.subjects
-        await nc.subscribe(subjects.scheduler_attach, cb=self._on_attach)
+        discovery = await Discovery.register(nc, "scheduler", self.settings, "plans steps, owns KV")
+        await discovery.subscribe("attach", subjects.scheduler_attach, self._on_attach)
         await self.link.start()
-        await nc.subscribe(subjects.scheduler_info, cb=self._on_info)
-        await nc.subscribe(subjects.stats, cb=self._on_stats)
+        await discovery.subscribe("info", subjects.scheduler_info, self._on_info)
+        await discovery.subscribe("stats", subjects.stats, self._on_stats)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
@@ -211,6 +214,7 @@ class SchedulerService:
             core = self.core
             if self.executor is not None and self._may_plan(core, in_flight):
                 step = core.schedule()
+                self.metrics.time_scheduled(step, self.outbox.routes, time.monotonic())
                 await self.link.send(step)
                 in_flight.append((step, busy or len(in_flight) > 0))
                 await self.outbox.flush(step.step_id)  # overlaps the executor's work

@@ -30,4 +30,9 @@ def build_stats(instance: str, core: Scheduler, metrics: ServiceMetrics) -> Stat
         itl_ms=metrics.itl.percentiles(),
         step_ms=metrics.step.percentiles(),
         executor_wait_ms=metrics.executor_wait.percentiles(),
+        num_prompt_tokens=metrics.num_prompt_tokens,
+        ttft_s=metrics.ttft.buckets.histogram(),
+        itl_s=metrics.itl.buckets.histogram(),
+        e2e_s=metrics.e2e.histogram(),
+        queue_s=metrics.queue.histogram(),
     )
