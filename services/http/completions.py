@@ -124,6 +124,7 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
         for index in range(len(job.requests) * job.n):
             yield _data(responses.role_chunk(job, index))
     usages: list[Usage] = []
+    offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
     async for item in _items(streams, first):
         if item is None:
             yield b": keepalive\n\n"
@@ -132,7 +133,9 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             return
         else:
             index, event = item
-            chunk = _event_chunk(job, index, event, texts)
+            choice = job.choice_index(index, event.index)
+            chunk = _event_chunk(job, choice, event, texts, offsets.get(choice, 0))
+            offsets[choice] = offsets.get(choice, 0) + responses.num_chars(event, texts)
             if chunk is not None:
                 yield chunk
             if event.error is not None:
@@ -162,10 +165,9 @@ async def _items(streams: Streams, first) -> AsyncIterator:
         yield item
 
 
-def _event_chunk(job: Job, index: int, event: GenerateEvent, texts: TokenTexts) -> bytes | None:
+def _event_chunk(job: Job, choice: int, event: GenerateEvent, texts, offset: int) -> bytes | None:
     if event.error is not None:
         return _data(HttpError.from_info(event.error).body())
     if not (event.text or event.finish_reason or event.logprobs):
         return None
-    choice = job.choice_index(index, event.index)
-    return _data(responses.chunk(job, choice, event, texts))
+    return _data(responses.chunk(job, choice, event, texts, offset))

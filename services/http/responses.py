@@ -48,14 +48,16 @@ def _choice(job: Job, index: int, event: GenerateEvent, texts: TokenTexts) -> di
     return choice
 
 
-def chunk(job: Job, index: int, event: GenerateEvent, texts: TokenTexts) -> dict[str, Any]:
-    """One stream event as a chunk of one choice."""
+def chunk(
+    job: Job, index: int, event: GenerateEvent, texts: TokenTexts, text_offset: int = 0
+) -> dict[str, Any]:
+    """One stream event as a chunk of one choice; `text_offset`: the choice's text so far."""
     choice: dict[str, Any] = {"index": index}
     if job.kind == "chat":
         choice["delta"] = {"content": event.text} if event.text else {}
     else:
         choice["text"] = event.text
-    choice["logprobs"] = logprobs(job, event, texts)
+    choice["logprobs"] = logprobs(job, event, texts, text_offset)
     choice["finish_reason"] = event.finish_reason
     if event.finish_reason is not None:
         choice["stop_reason"] = event.stop_reason
@@ -79,12 +81,14 @@ def _chunk(job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return body
 
 
-def logprobs(job: Job, event: GenerateEvent, texts: TokenTexts) -> dict[str, Any] | None:
+def logprobs(
+    job: Job, event: GenerateEvent, texts: TokenTexts, text_offset: int = 0
+) -> dict[str, Any] | None:
     if job.top_logprobs is None or event.logprobs is None:
         return None
     if job.kind == "chat":
         return {"content": [_chat_logprob(lp, texts) for lp in event.logprobs]}
-    return _completion_logprobs(event.logprobs, texts)
+    return _completion_logprobs(event.logprobs, texts, text_offset)
 
 
 def _chat_logprob(lp: TokenLogprob, texts: TokenTexts) -> dict[str, Any]:
@@ -97,9 +101,16 @@ def _token(token_id: int, logprob: float, texts: TokenTexts) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def _completion_logprobs(lps: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+def num_chars(event: GenerateEvent, texts: TokenTexts) -> int:
+    """How far the event moves `text_offset`: its tokens' texts, as the offsets count them."""
+    if event.logprobs is None:
+        return len(event.text)
+    return sum(len(texts.text(lp.token_id)) for lp in event.logprobs)
+
+
+def _completion_logprobs(lps: list[TokenLogprob], texts: TokenTexts, offset: int):
     tokens = [texts.text(lp.token_id) for lp in lps]
-    offsets, offset = [], 0
+    offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)

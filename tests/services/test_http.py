@@ -144,6 +144,13 @@ async def test_logprobs(api, model):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     assert all(len(top) <= 2 for top in logprobs.top_logprobs)
     assert logprobs.text_offset[0] == 0
+    stream = await api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, stream=True
+    )
+    offsets = [
+        o async for c in stream if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == logprobs.text_offset  # offsets into the whole text, chunk after chunk
 
 
 async def test_errors_are_openai_error_objects(api, model):
