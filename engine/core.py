@@ -13,29 +13,20 @@ stop strings (found by whoever detokenizes) and aborts come back through `finish
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from engine.config import CacheConfig, EngineConfig
+from engine.metrics import EngineMetrics
 from engine.request import Request, RequestStatus
 from engine.sample_deltas import SampleDeltas
 from engine.scheduler import Scheduler
+from engine.stats import build_stats
 from engine.step_runner import StepRunner
 from schemas.executor import ScheduledStep
-from schemas.public import ErrorInfo
+from schemas.public import ErrorInfo, Stats
 from schemas.scheduler import ExecutorReady, StepDone
 from schemas.tokenizer import SampleDelta
 
 Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
-
-
-@dataclass
-class StepTiming:
-    """One answered step as the executor timed it (seconds)."""
-
-    execute_s: float
-    wait_s: float | None  # idle since its previous step; None unless planned back to back
-    num_tokens: int  # sampled tokens delivered
-    at: float  # monotonic time the output was absorbed
 
 
 class EngineCore:
@@ -50,9 +41,9 @@ class EngineCore:
         assert plan_ahead >= 0, "plan_ahead: steps planned beyond the one the executor runs"
         self.scheduler = scheduler
         self.runner = runner
-        self.deltas = SampleDeltas()
+        self.metrics = EngineMetrics()
+        self.deltas = SampleDeltas(on_close=self.metrics.done)
         self.plan_ahead = plan_ahead
-        self.last_step: StepTiming | None = None
         self._publish = publish
         self._check = check_invariants
         self._in_flight: deque[tuple[ScheduledStep, bool]] = deque()  # with: back to back
@@ -64,6 +55,7 @@ class EngineCore:
         """Queue a request, or raise a typed error (nothing is queued then)."""
         self.scheduler.add_request(request)
         self.deltas.track(request.group_id, request.sampling_params.n)
+        self.metrics.added(request.group_id, request.arrival_time)
 
     def finish_early(
         self, group_id: str, reason: str, index: int | None = None, stop_string: str | None = None
@@ -98,6 +90,9 @@ class EngineCore:
         for group_id in list(self.deltas.open):
             self.deltas.add_finals(group_id, "error", error=error)
 
+    def stats(self, instance: str) -> Stats:
+        return build_stats(instance, self.scheduler, self.metrics)
+
     @property
     def has_work(self) -> bool:
         """Requests to run, finished rows to drop at the executor, or steps in flight."""
@@ -115,6 +110,7 @@ class EngineCore:
         """Fill the pipeline, then absorb the oldest step's output. False: nothing in flight."""
         while self._may_plan():
             step = self.scheduler.schedule()
+            self.metrics.scheduled(step, time.monotonic())
             await self.runner.submit(step)
             self._in_flight.append((step, self._busy or len(self._in_flight) > 0))
             await self.publish(step.step_id)  # while the executor works
@@ -152,16 +148,17 @@ class EngineCore:
         return len(in_flight) < self.plan_ahead + 1 and scheduler.can_plan_ahead
 
     def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
-        output = done.output
+        output, now = done.output, time.monotonic()
         updated = self.scheduler.update_from_output(step, output)
         logprobs = dict(zip(output.req_ids, output.logprobs or ()))
         for request in updated:
+            self.metrics.token(request.group_id, now)
             self.deltas.add_token(request, logprobs.get(request.request_id))
         for group_id, beams in self.scheduler.take_beam_results().items():
             self.deltas.add_beams(group_id, beams)
         self._busy = bool(step.num_scheduled_tokens)
         wait_s = done.wait_s if back_to_back else None
-        self.last_step = StepTiming(done.execute_s, wait_s, len(updated), time.monotonic())
+        self.metrics.stepped(done.execute_s, wait_s, len(updated), now)
         if self._check:
             self.scheduler.check_invariants()
 

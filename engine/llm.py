@@ -11,6 +11,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -98,28 +99,8 @@ class LLM:
         return self.inputs.chat_ids(messages)
 
     def stats(self) -> dict[str, Any]:
-        manager, stats = self.scheduler.block_manager, self.scheduler.stats
-        return {
-            "num_blocks": manager.num_blocks,
-            "block_size": manager.block_size,
-            "num_free_blocks": manager.num_free_blocks,
-            "num_used_blocks": manager.num_used_blocks,
-            "num_cached_blocks": manager.num_cached_blocks,
-            "peak_used_blocks": stats.peak_used_blocks,
-            "peak_running": stats.peak_running,
-            "num_preemptions": stats.num_preemptions,
-            "num_swap_preemptions": stats.num_swap_preemptions,
-            "num_cpu_blocks": manager.cpu.num_blocks,
-            "num_swapped_out_blocks": manager.num_swapped_out_blocks,
-            "num_swapped_in_blocks": manager.num_swapped_in_blocks,
-            "num_evictions": manager.num_evictions,
-            "num_block_copies": manager.num_copies,
-            "num_steps": stats.num_steps,
-            "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
-            "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-        }
+        """The engine's Stats (the same as `llm.stats` over NATS) as a dict."""
+        return msgspec.structs.asdict(self.core.stats("offline"))
 
     def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine's loop thread (where the core runs) and wait."""

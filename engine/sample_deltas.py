@@ -5,6 +5,8 @@ its output processor in-process, the scheduler service routes them to tokenizer 
 request's samples stay open until their final delta (the one with a `finish_reason`).
 """
 
+from collections.abc import Callable
+
 from engine.beam_search import FinishedBeam
 from engine.request import Request
 from schemas.public import ErrorInfo
@@ -15,9 +17,10 @@ from schemas.tokenizer import SampleDelta
 class SampleDeltas:
     """Deltas collected since the last `take()`, and the samples still open per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_close: Callable[[str], None]) -> None:
         self.open: dict[str, set[int]] = {}  # group id -> samples without a final delta
         self._deltas: list[SampleDelta] = []
+        self._on_close = on_close  # called with a request's id after its last final delta
 
     def track(self, group_id: str, num_samples: int) -> None:
         self.open[group_id] = set(range(num_samples))
@@ -82,3 +85,4 @@ class SampleDeltas:
             open_indices.discard(delta.index)
             if not open_indices:
                 del self.open[delta.request_id]
+                self._on_close(delta.request_id)

@@ -194,6 +194,16 @@ class Percentiles(msgspec.Struct):
     p99: float = 0.0
 
 
+class Histogram(msgspec.Struct):
+    """Every sample of one latency since start (seconds), in Prometheus's cumulative form:
+    `counts[i]` samples were at most `bounds[i]`; `count` is all of them (the +Inf bucket)."""
+
+    bounds: list[float] = []
+    counts: list[int] = []
+    count: int = 0
+    sum: Annotated[float, Meta(description="of every sample, seconds")] = 0.0
+
+
 class Stats(msgspec.Struct, kw_only=True):
     """One scheduler/executor pair: KV blocks, queues, throughput and latencies."""
 
@@ -209,12 +219,20 @@ class Stats(msgspec.Struct, kw_only=True):
     num_swap_preemptions: Annotated[
         int, Meta(description="preemptions that moved blocks to host memory")
     ] = 0
+    peak_used_blocks: int = 0
+    peak_running: int = 0
+    num_cpu_blocks: Annotated[int, Meta(description="host-memory pool for swapped blocks")] = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_evictions: Annotated[int, Meta(description="cached blocks moved to the CPU pool")] = 0
+    num_block_copies: Annotated[int, Meta(description="copy-on-write copies")] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     prefix_cache_hit_rate: float
     num_generated_tokens: int
+    num_prompt_tokens: Annotated[int, Meta(description="of requests once first scheduled")] = 0
     tokens_per_s: Annotated[float, Meta(description="generated, over the last 10 s")]
     ttft_ms: Annotated[Percentiles, Meta(description="arrival at the scheduler to 1st token")]
     itl_ms: Annotated[Percentiles, Meta(description="between tokens of one request")]
@@ -222,3 +240,15 @@ class Stats(msgspec.Struct, kw_only=True):
     executor_wait_ms: Annotated[
         Percentiles, Meta(description="executor idle between back-to-back steps")
     ]
+    ttft_s: Annotated[Histogram, Meta(description="as ttft_ms")] = msgspec.field(
+        default_factory=Histogram
+    )
+    itl_s: Annotated[Histogram, Meta(description="as itl_ms")] = msgspec.field(
+        default_factory=Histogram
+    )
+    e2e_s: Annotated[
+        Histogram, Meta(description="arrival at the scheduler to the last sample's end")
+    ] = msgspec.field(default_factory=Histogram)
+    queue_s: Annotated[
+        Histogram, Meta(description="arrival at the scheduler to first scheduled")
+    ] = msgspec.field(default_factory=Histogram)

@@ -10,6 +10,7 @@ from services.client import ClientError
 from services.settings import (
     CONNECTION_FIELDS,
     DEFAULT_MODEL,
+    HttpSettings,
     ServeSettings,
     Settings,
     add_arguments,
@@ -51,13 +52,20 @@ def _cmd_service(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+def _cmd_http(args: argparse.Namespace) -> int:
+    from services.http.main import run
+
+    return run(Settings.from_args(args), HttpSettings.from_args(args), args.command == "metrics")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from services.serve.launcher import serve
 
     embedded = args.nats_url is None
     if embedded:  # a placeholder until the embedded server knows its URL
         args.nats_url = Settings.nats_url
-    return serve(Settings.from_args(args), ServeSettings.from_args(args), embedded)
+    settings, options = Settings.from_args(args), ServeSettings.from_args(args)
+    return serve(settings, options, embedded, HttpSettings.from_args(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -97,6 +105,10 @@ SERVICES = {
     "scheduler": "plan steps and own the KV block accounting",
     "executor": "run the model on the paged KV cache",
 }
+HTTP_SERVICES = {
+    "http": "OpenAI-compatible HTTP gateway onto a running kvpager, with /metrics (port 8000)",
+    "metrics": "Prometheus /metrics of every instance, without the gateway (port 9090)",
+}
 
 
 def _add_service_parsers(sub) -> dict[str, Callable]:
@@ -110,8 +122,14 @@ def _add_service_parsers(sub) -> dict[str, Callable]:
     add_arguments(serve)
     serve.set_defaults(nats_url=configured("nats_url"))  # unset: start an embedded server
     add_arguments(serve, ServeSettings)
+    add_arguments(serve, HttpSettings)
+    for name, help_text in HTTP_SERVICES.items():
+        parser = sub.add_parser(name, help=help_text)
+        add_arguments(parser)
+        add_arguments(parser, HttpSettings)
     sub.add_parser("schema", help="print the JSON Schema of the public NATS API")
-    return {**dict.fromkeys(SERVICES, _cmd_service), "serve": _cmd_serve, "schema": _cmd_schema}
+    commands = {**dict.fromkeys(SERVICES, _cmd_service), **dict.fromkeys(HTTP_SERVICES, _cmd_http)}
+    return {**commands, "serve": _cmd_serve, "schema": _cmd_schema}
 
 
 def _add_client_parsers(sub) -> dict[str, Callable]:

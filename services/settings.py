@@ -147,10 +147,11 @@ def add_arguments(
             parser.add_argument(flag, type=kind, default=default, help=help_text)
 
 
-def environment(settings: Settings) -> dict[str, str]:
-    """The `KVPAGER_*` variables that reproduce `settings` in a child process (launchers)."""
+def environment(settings: Any) -> dict[str, str]:
+    """The `KVPAGER_*` variables that reproduce `settings` (a Settings, ServeSettings or
+    HttpSettings) in a child process (launchers)."""
     env = {}
-    for spec in dataclasses.fields(Settings):
+    for spec in dataclasses.fields(settings):
         value = getattr(settings, spec.name)
         if value is not None:
             env[ENV_PREFIX + spec.name.upper()] = (
@@ -223,3 +224,40 @@ def configured(name: str) -> Any:
     """`KVPAGER_<NAME>` as the type of the `Settings` field `name`, or None when unset."""
     kind = _base_type(get_type_hints(Settings)[name])
     return _from_env(ENV_PREFIX + name.upper(), kind, None)
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP side: the OpenAI-compatible gateway (`kvpager http`) and Prometheus metrics."""
+
+    http_host: str = _opt("address the HTTP gateway and metrics listen on", default="127.0.0.1")
+    http_port: int | None = _opt(
+        "port of the OpenAI-compatible gateway (kvpager http: 8000 if unset; kvpager serve: "
+        "no gateway if unset)",
+        default=None,
+    )
+    metrics_port: int | None = _opt(
+        "port of a Prometheus /metrics server without the gateway (kvpager serve)", default=None
+    )
+    served_model_name: str | None = _opt(
+        "model name of the OpenAI API (default: the model folder's name)", default=None
+    )
+    default_max_tokens: int = _opt(
+        "max_tokens of a chat completion that gives none (completions: 16)", default=1024
+    )
+    stats_timeout: float = _opt("seconds a scrape waits for every instance's stats", default=1.0)
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ConfigError(f"{name}: {port} is not a TCP port")
+        if self.default_max_tokens < 1:
+            raise ConfigError("default_max_tokens: must be at least 1")
+        if self.stats_timeout <= 0:
+            raise ConfigError("stats_timeout: must be positive")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "HttpSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

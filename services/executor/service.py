@@ -26,6 +26,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.executor import Executor
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
+from services.discovery import Discovery
 from services.liveness import PeerGone, Reconnects, ping, repeat
 from services.settings import Settings
 from services.subjects import Subjects
@@ -80,7 +81,10 @@ class ExecutorService:
         self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.nc.subscribe(self.subjects.executor_steps, cb=self._on_message)
+        discovery = await Discovery.register(
+            self.nc, "executor", self.settings, "runs the model on the paged KV cache"
+        )
+        await discovery.subscribe("steps", self.subjects.executor_steps, self._on_message)
         await self._answer_pings()
         self._watch_task = repeat(self.settings.heartbeat_interval, self._tick)
 

@@ -2,8 +2,7 @@
 per subject and step, in order."""
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
@@ -13,13 +12,10 @@ from services.wire import pack
 
 @dataclass
 class Route:
-    """A request's way back to its tokenizer, and its timings."""
+    """A request's way back to its tokenizer."""
 
     reply_to: str
     num_open: int  # samples that have not had their final delta
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
 
 
 class Outbox:

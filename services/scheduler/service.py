@@ -33,13 +33,12 @@ from schemas.scheduler import (
     TokenizerMessage,
 )
 from schemas.tokenizer import AddResult, SampleDelta
+from services.discovery import Discovery
 from services.liveness import repeat
 from services.scheduler.attach import scheduler_info
 from services.scheduler.link import ExecutorLink
-from services.scheduler.metrics import ServiceMetrics
 from services.scheduler.outbox import Outbox, Route
 from services.scheduler.pieces import PromptPieces
-from services.scheduler.stats import build_stats
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
 from services.subjects import Subjects
@@ -60,7 +59,6 @@ class SchedulerService:
         self.core: EngineCore | None = None
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
-        self.metrics = ServiceMetrics()
         # a dead tokenizer's orphaned pieces go after a while
         self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
         self._work = asyncio.Event()
@@ -76,7 +74,6 @@ class SchedulerService:
             lose_executor=self._lose_executor,
             drop_tokenizer=self._drop_tokenizer,
         )
-        self._recorded = None  # the last step timing taken into the metrics
         self._closing = False  # refuse new requests
         self._stopped = False  # no more steps
         self._requests_sub = None
@@ -85,10 +82,11 @@ class SchedulerService:
 
     async def start(self) -> None:
         nc, subjects = self.nc, self.subjects
-        await nc.subscribe(subjects.scheduler_attach, cb=self._on_attach)
+        discovery = await Discovery.register(nc, "scheduler", self.settings, "plans steps, owns KV")
+        await discovery.subscribe("attach", subjects.scheduler_attach, self._on_attach)
         await self.link.start()
-        await nc.subscribe(subjects.scheduler_info, cb=self._on_info)
-        await nc.subscribe(subjects.stats, cb=self._on_stats)
+        await discovery.subscribe("info", subjects.scheduler_info, self._on_info)
+        await discovery.subscribe("stats", subjects.stats, self._on_stats)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
@@ -220,29 +218,12 @@ class SchedulerService:
             if self.executor is None or not await core.run_step():
                 await self._wait_for_work(core)
                 continue
-            self._record(core)
             if core.is_spinning:
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
 
     async def _publish(self, deltas: list[SampleDelta], step_id: int) -> None:
-        """The core's deltas to their tokenizers, with each request's token timings."""
-        step = self.core.last_step if self.core is not None else None
-        now = step.at if step is not None else time.monotonic()
-        for delta in deltas:
-            route = self.outbox.routes.get(delta.request_id)
-            if route is not None and delta.token_ids and delta.cumulative_score is None:
-                self.metrics.time_token(route, now)
+        """The core's deltas to their tokenizers."""
         await self.outbox.publish(self.outbox.route(deltas), step_id)
-
-    def _record(self, core: EngineCore) -> None:
-        step = core.last_step
-        if step is None or step is self._recorded:
-            return  # abandoned
-        self._recorded = step
-        self.metrics.step.add(step.execute_s)
-        if step.wait_s is not None:
-            self.metrics.executor_wait.add(step.wait_s)
-        self.metrics.throughput.add(step.num_tokens, step.at)
 
     async def _wait_for_work(self, core: EngineCore | None) -> None:
         self._work.clear()  # before the publish: work that comes during it is not missed
@@ -266,7 +247,7 @@ class SchedulerService:
     async def _on_stats(self, msg: Msg) -> None:
         if self.core is None:
             return  # no answer until the executor attaches: the client times out
-        stats = build_stats(self.settings.instance, self.core.scheduler, self.metrics)
+        stats = self.core.stats(self.settings.instance)
         await msg.respond(encode_public(stats, msgpack=False)[0])
 
     async def stop(self) -> None:

@@ -3,7 +3,7 @@
 import json
 
 from schemas.public import Stats
-from services.settings import Settings
+from services.settings import HttpSettings, Settings
 from services.subjects import Subjects
 
 EXAMPLE_REQUEST = {"prompt": "Hello", "max_tokens": 32, "stream": False}
@@ -17,7 +17,9 @@ def starting_lines(settings: Settings, server_pid: int | None) -> list[str]:
     ]
 
 
-def ready_banner(settings: Settings, stats: Stats, max_model_len: int) -> list[str]:
+def ready_banner(
+    settings: Settings, stats: Stats, max_model_len: int, http: HttpSettings | None = None
+) -> list[str]:
     subjects, url = Subjects(settings.prefix), settings.nats_url
     request = json.dumps(EXAMPLE_REQUEST)
     lines = [
@@ -29,10 +31,27 @@ def ready_banner(settings: Settings, stats: Stats, max_model_len: int) -> list[s
     ]
     if _has_auth(settings):
         lines.append("  clients need the same NATS credentials (KVPAGER_NATS_* or --nats-* flags)")
-    return lines + [
-        f"kvpager: ready on {url}: {stats.num_blocks} KV blocks of {stats.block_size} tokens, "
-        f"max_model_len {max_model_len} (Ctrl-C to stop)"
-    ]
+    return (
+        lines
+        + http_lines(http or HttpSettings())
+        + [
+            f"kvpager: ready on {url}: {stats.num_blocks} KV blocks of {stats.block_size} tokens, "
+            f"max_model_len {max_model_len} (Ctrl-C to stop)"
+        ]
+    )
+
+
+def http_lines(http: HttpSettings) -> list[str]:
+    lines = []
+    if http.http_port is not None:
+        url = f"http://{http.http_host}:{http.http_port}"
+        lines.append(
+            f"  http:     {url}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, "
+            f"/v1/models), {url}/metrics, {url}/health"
+        )
+    if http.metrics_port is not None:
+        lines.append(f"  metrics:  http://{http.http_host}:{http.metrics_port}/metrics")
+    return lines
 
 
 def _has_auth(settings: Settings) -> bool:

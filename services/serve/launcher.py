@@ -3,7 +3,9 @@
     resolve the model (download and convert on first use)  ->  check the checkpoint and that
     the KV cache holds one request  ->  start the embedded nats-server (or probe --nats-url)
     ->  executor, scheduler and tokenizer as `kvpager <name>` children, talking only via NATS
-    ->  poll llm.health until the executor has attached  ->  "ready"  ->  Ctrl-C or SIGTERM
+    ->  with --http-port / --metrics-port, `kvpager http` / `kvpager metrics` children too
+    ->  poll llm.health until the executor has attached, and the HTTP ports until they accept
+    ->  "ready"  ->  Ctrl-C or SIGTERM
     ->  SIGTERM the services (they drain their streams)  ->  stop the nats-server.
 
 A child that exits on its own stops everything, with a non-zero exit status.
@@ -13,6 +15,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +30,7 @@ from services.connection import open_connection
 from services.serve import processes
 from services.serve.banner import ready_banner, starting_lines
 from services.serve.embedded import EmbeddedNats
-from services.settings import ServeSettings, Settings, environment
+from services.settings import HttpSettings, ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
 POLL_S = 0.25
@@ -40,15 +43,32 @@ class ServeError(KvpagerError):
     type = "unavailable"
 
 
-def serve(settings: Settings, options: ServeSettings, embedded: bool) -> int:
+def serve(
+    settings: Settings, options: ServeSettings, embedded: bool, http: HttpSettings | None = None
+) -> int:
     """Run until Ctrl-C or SIGTERM; `embedded`: start our own nats-server on loopback."""
     from engine.download import resolve_model
 
+    http = http or HttpSettings()
     configure_logging(settings.log_level, settings.log_json)
+    _check_ports(http)
     path = resolve_model(settings.model, progress=True)  # services get the folder
     _check_checkpoint(settings, path)
     settings = dataclasses.replace(settings, model=str(path))
-    return asyncio.run(_serve(settings, options, embedded))
+    return asyncio.run(_serve(settings, options, embedded, http))
+
+
+def _http_ports(http: HttpSettings) -> dict[str, int]:
+    """The HTTP children to start, and their ports."""
+    ports = {"http": http.http_port, "metrics": http.metrics_port}
+    return {name: port for name, port in ports.items() if port is not None}
+
+
+def _check_ports(http: HttpSettings) -> None:
+    from services.http.main import listen
+
+    for port in _http_ports(http).values():
+        listen(http.http_host, port).close()  # ConfigError if in use
 
 
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -93,7 +113,9 @@ class _Signals:
             pass
 
 
-async def _serve(settings: Settings, options: ServeSettings, embedded: bool) -> int:
+async def _serve(
+    settings: Settings, options: ServeSettings, embedded: bool, http: HttpSettings
+) -> int:
     signals = _Signals()
     server = EmbeddedNats(settings, options) if embedded else None
     children: dict[str, subprocess.Popen] = {}
@@ -104,9 +126,11 @@ async def _serve(settings: Settings, options: ServeSettings, embedded: bool) -> 
             settings = dataclasses.replace(settings, nats_url=server.url)
         client = Client(await open_connection(settings, "kvpager-serve"), settings.prefix)
         _say(*starting_lines(settings, server.process.pid if server else None))
-        children = _start_services(settings)
-        if await _wait_ready(client, children, signals, options.ready_timeout):
-            _say(*ready_banner(settings, await client.stats(), await _max_model_len(client)))
+        children = _start_services(settings, http)
+        ready = await _wait_ready(client, children, signals, options.ready_timeout)
+        if ready and await _wait_listening(http, children, signals, options.ready_timeout):
+            stats, max_model_len = await client.stats(), await _max_model_len(client)
+            _say(*ready_banner(settings, stats, max_model_len, http))
             await _supervise(children, signals)
         return 0
     finally:
@@ -117,12 +141,36 @@ async def _serve(settings: Settings, options: ServeSettings, embedded: bool) -> 
             server.stop()
 
 
-def _start_services(settings: Settings) -> dict[str, subprocess.Popen]:
-    env = {**os.environ, **environment(settings)}
+def _start_services(settings: Settings, http: HttpSettings) -> dict[str, subprocess.Popen]:
+    env = {**os.environ, **environment(settings), **environment(http)}
     return {
         name: processes.spawn([sys.executable, "-m", "services.cli", name], env=env)
-        for name in SERVICE_NAMES
+        for name in (*SERVICE_NAMES, *_http_ports(http))
     }
+
+
+async def _wait_listening(http: HttpSettings, children, signals: _Signals, timeout_s: float):
+    """True once every HTTP child accepts connections; False if stopped first."""
+    deadline = time.monotonic() + timeout_s
+    for port in _http_ports(http).values():
+        while not _accepts(http.http_host, port):
+            _check_alive(children, " during start-up")
+            if signals.event.is_set():
+                return False
+            if time.monotonic() > deadline:
+                raise ServeError(
+                    f"nothing listens on {http.http_host}:{port} after {timeout_s:g} s"
+                )
+            await signals.sleep(POLL_S)
+    return not signals.event.is_set()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 async def _wait_ready(client: Client, children, signals: _Signals, timeout_s: float) -> bool:

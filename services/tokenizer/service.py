@@ -21,6 +21,7 @@ from schemas.errors import KvpagerError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
+from services.discovery import Discovery
 from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
@@ -66,18 +67,19 @@ class TokenizerService:
         )
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._public_subs: list = []
+        self._discovery: Discovery | None = None
         self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         subjects, nc = self.subjects, self.nc
         await nc.subscribe(subjects.tokens(self.replica_id), cb=self._on_tokens)
         await nc.subscribe(subjects.abort, cb=self._on_abort)
-        self._public_subs = [
-            await nc.subscribe(subjects.generate, queue=TOKENIZER_QUEUE, cb=self._on_generate),
-            await nc.subscribe(subjects.health, queue=TOKENIZER_QUEUE, cb=self._on_health),
-            await nc.subscribe(subjects.models, queue=TOKENIZER_QUEUE, cb=self._on_models),
-        ]
+        self._discovery = discovery = await Discovery.register(
+            nc, "tokenizer", self.settings, "validates, tokenizes, streams text back"
+        )
+        await discovery.subscribe("generate", subjects.generate, self._on_generate, TOKENIZER_QUEUE)
+        await discovery.subscribe("health", subjects.health, self._on_health, TOKENIZER_QUEUE)
+        await discovery.subscribe("models", subjects.models, self._on_models, TOKENIZER_QUEUE)
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         log.info("tokenizer ready", replica=self.replica_id, generate=subjects.generate)
 
@@ -293,8 +295,8 @@ class TokenizerService:
 
     async def stop(self) -> None:
         """Take no new requests, let streams finish for a while, then abort the rest."""
-        for sub in self._public_subs:
-            await sub.unsubscribe()
+        if self._discovery is not None:  # its endpoints are the public subscriptions
+            await self._discovery.stop()
         await self._wait_for_streams(self.settings.drain_timeout)
         if self._watch_task is not None:
             self._watch_task.cancel()

@@ -1,15 +1,23 @@
-"""The public Stats of one scheduler/executor pair, read off the engine and the metrics."""
+"""The Stats of one engine (a scheduler and its executor), read off the scheduler, its block
+manager and the core's metrics: `llm.stats` over NATS and `LLM.stats()` offline alike."""
 
+from engine.metrics import EngineMetrics
 from engine.scheduler import Scheduler
 from schemas.public import Stats
-from services.scheduler.metrics import ServiceMetrics
 
 
-def build_stats(instance: str, core: Scheduler, metrics: ServiceMetrics) -> Stats:
+def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats:
     manager, stats = core.block_manager, core.stats
     queried = stats.prefix_queried_tokens
     return Stats(
         instance=instance,
+        peak_used_blocks=stats.peak_used_blocks,
+        peak_running=stats.peak_running,
+        num_cpu_blocks=manager.cpu.num_blocks,
+        num_swapped_out_blocks=manager.num_swapped_out_blocks,
+        num_swapped_in_blocks=manager.num_swapped_in_blocks,
+        num_evictions=manager.num_evictions,
+        num_block_copies=manager.num_copies,
         num_blocks=manager.num_blocks,
         block_size=manager.block_size,
         num_used_blocks=manager.num_used_blocks,
@@ -30,4 +38,9 @@ def build_stats(instance: str, core: Scheduler, metrics: ServiceMetrics) -> Stat
         itl_ms=metrics.itl.percentiles(),
         step_ms=metrics.step.percentiles(),
         executor_wait_ms=metrics.executor_wait.percentiles(),
+        num_prompt_tokens=metrics.num_prompt_tokens,
+        ttft_s=metrics.ttft.buckets.histogram(),
+        itl_s=metrics.itl.buckets.histogram(),
+        e2e_s=metrics.e2e.histogram(),
+        queue_s=metrics.queue.histogram(),
     )

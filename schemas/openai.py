@@ -1,0 +1,75 @@
+"""What the HTTP gateway receives: OpenAI's completion and chat completion requests.
+
+The fields of OpenAI's API that kvpager serves, and vLLM's extras (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, ...), with OpenAI's names. Types are checked
+here; ranges are checked once the request is mapped onto a `GenerateRequest` (the same checks
+as over NATS). Unknown fields are an error, as at OpenAI.
+"""
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: Annotated[bool, Meta(description="a last chunk with the usage")] = False
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """One part of a message's content; only text parts are served."""
+
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The fields both requests share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: Annotated[str, Meta(description="accepted, unused")] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # kvpager's own
+    timeout: Annotated[float, Meta(description="seconds, then 504 (or an error event)")] | None = (
+        None
+    )
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """`POST /v1/completions`: a prompt, or a list of prompts (text or token ids)."""
+
+    prompt: str | list[str | int | list[int]]
+    logprobs: Annotated[int, Meta(description="top alternatives per token")] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None

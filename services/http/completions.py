@@ -1,0 +1,173 @@
+"""One completion request over NATS: a whole JSON response, or server-sent events.
+
+A stream's status is decided by its first event: a request the tokenizer or the scheduler
+refuses (bad input, overloaded, no executor) gets its 4xx/5xx error object, as a whole
+response would. If nothing comes within ADMISSION_S the 200 goes out, and a later failure is
+an SSE error event followed by `data: [DONE]`, as in vLLM. A client that disconnects has its
+requests aborted (`Streams.close`).
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from schemas.public import GenerateEvent, Usage
+from services.client import NoKvpagerError, StreamGapError
+from services.http import responses
+from services.http.errors import HttpError
+from services.http.requests import Job
+from services.http.streams import Streams
+from services.http.tokens import TokenTexts
+
+ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
+KEEPALIVE_S = 15.0  # an SSE comment when a stream is silent this long (proxies, load balancers)
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
+
+
+def as_http_error(exc: Exception) -> HttpError:
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, NoKvpagerError):
+        return HttpError(503, f"no kvpager tokenizer is running: {exc}", "unavailable")
+    if isinstance(exc, StreamGapError):
+        return HttpError(502, f"an event of the stream was lost: {exc}", "connection_lost")
+    return HttpError(502, f"the NATS stream failed: {exc!r}", "connection_lost")
+
+
+async def respond(client, job: Job, texts: TokenTexts, request: Request) -> Response:
+    if job.top_logprobs is not None:
+        await texts.load()
+    streams = Streams(client, job.requests)
+    try:
+        if not job.stream:
+            return await _whole(job, streams, texts, request)
+        first = await _first(streams)
+    except BaseException:
+        streams.close()
+        raise
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    events = _sse(job, streams, first, texts)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _first(streams: Streams) -> tuple[int, GenerateEvent] | None:
+    """The first event, unless it is a refusal (raised); None if it has not come yet."""
+    try:
+        item = await streams.next(ADMISSION_S)
+    except asyncio.TimeoutError:
+        return None
+    except Exception as exc:
+        raise as_http_error(exc) from exc
+    if item is None:
+        raise HttpError(502, "the stream ended without an event", "connection_lost")
+    if item[1].error is not None:
+        raise HttpError.from_info(item[1].error)
+    return item
+
+
+async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request) -> Response:
+    collect = asyncio.ensure_future(_collect(job, streams))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()  # the client went away: abort
+    if collect.cancelled():
+        return Response(status_code=CLIENT_CLOSED)
+    if collect.exception() is not None:
+        raise as_http_error(collect.exception())
+    finals, usages = collect.result()
+    return JSONResponse(responses.whole(job, finals, usages, texts))
+
+
+async def _collect(job: Job, streams: Streams) -> tuple[dict[int, GenerateEvent], list[Usage]]:
+    finals: dict[int, GenerateEvent] = {}
+    usages: list[Usage] = []
+    while (item := await streams.next()) is not None:
+        index, event = item
+        if event.error is not None:
+            raise HttpError.from_info(event.error)
+        if event.finish_reason is not None:
+            finals[job.choice_index(index, event.index)] = event
+        if event.usage is not None:
+            usages.append(event.usage)
+    return finals, usages
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _data(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+async def _sse(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIterator[bytes]:
+    try:
+        async for piece in _pieces(job, streams, first, texts):
+            yield piece
+        yield b"data: [DONE]\n\n"
+    finally:
+        streams.close()
+
+
+async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIterator[bytes]:
+    """Role chunks (chat), a chunk per event, the usage chunk; an error event ends it."""
+    if job.kind == "chat":
+        for index in range(len(job.requests) * job.n):
+            yield _data(responses.role_chunk(job, index))
+    usages: list[Usage] = []
+    offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
+    async for item in _items(streams, first):
+        if item is None:
+            yield b": keepalive\n\n"
+        elif isinstance(item, HttpError):
+            yield _data(item.body())
+            return
+        else:
+            index, event = item
+            choice = job.choice_index(index, event.index)
+            chunk = _event_chunk(job, choice, event, texts, offsets.get(choice, 0))
+            offsets[choice] = offsets.get(choice, 0) + responses.num_chars(event, texts)
+            if chunk is not None:
+                yield chunk
+            if event.error is not None:
+                return
+            if event.usage is not None:
+                usages.append(event.usage)
+    if job.include_usage:
+        yield _data(responses.usage_chunk(job, usages))
+
+
+async def _items(streams: Streams, first) -> AsyncIterator:
+    """(request index, event)s; None after KEEPALIVE_S of silence; an HttpError last if the
+    stream failed."""
+    if first is not None:
+        yield first
+    while True:
+        try:
+            item = await streams.next(KEEPALIVE_S)
+        except asyncio.TimeoutError:
+            yield None
+            continue
+        except Exception as exc:
+            yield as_http_error(exc)
+            return
+        if item is None:
+            return
+        yield item
+
+
+def _event_chunk(job: Job, choice: int, event: GenerateEvent, texts, offset: int) -> bytes | None:
+    if event.error is not None:
+        return _data(HttpError.from_info(event.error).body())
+    if not (event.text or event.finish_reason or event.logprobs):
+        return None
+    return _data(responses.chunk(job, choice, event, texts, offset))

@@ -1,0 +1,74 @@
+"""Entry points of `kvpager http` (the OpenAI-compatible gateway, with /metrics) and `kvpager
+metrics` (/metrics alone): uvicorn serving a Starlette app over one NATS connection."""
+
+import socket
+
+import nats.errors
+import structlog
+import uvicorn
+import uvloop
+from schemas.errors import ConfigError
+
+from services.client import Client
+from services.discovery import Discovery
+from services.http.app import Gateway, build_app
+from services.runtime import connect, setup_logging
+from services.settings import HttpSettings, Settings
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_METRICS_PORT = 9090
+
+
+def run(settings: Settings, http: HttpSettings, metrics_only: bool = False) -> int:
+    """Serve until SIGINT or SIGTERM; in-flight requests get `drain_timeout` to finish."""
+    name = "metrics" if metrics_only else "http"
+    setup_logging(settings, name)
+    if metrics_only:
+        port = http.metrics_port or DEFAULT_METRICS_PORT
+    else:
+        port = http.http_port or DEFAULT_HTTP_PORT
+    sock = listen(http.http_host, port)
+    return uvloop.run(_serve(settings, http, sock, metrics_only))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind before anything else starts, so a port in use is one clear error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, metrics_only: bool):
+    name = "metrics" if metrics_only else "http"
+    nc = await connect(settings, name)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    what = "Prometheus metrics" if metrics_only else "OpenAI-compatible HTTP gateway"
+    discovery = await Discovery.register(nc, name, settings, what, url=url)
+    app = build_app(Gateway.create(Client(nc, settings.prefix), settings, http), metrics_only)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=int(settings.drain_timeout),
+    )
+    log.info("listening", url=url, nats_url=settings.nats_url)
+    try:
+        await uvicorn.Server(config).serve(sockets=[sock])  # SIGINT / SIGTERM end it
+    finally:
+        await discovery.stop()
+        try:
+            await nc.drain()
+        except nats.errors.Error as exc:
+            log.warning("drain failed", error=repr(exc))
+    log.info("stopped")
+    return 0

@@ -1,0 +1,185 @@
+"""OpenAI requests onto kvpager's `GenerateRequest`s: one per prompt, each with `n` samples.
+
+Everything is checked here that can be without the model: types, ranges (by msgspec, against
+GenerateRequest's own constraints) and OpenAI's rules; what needs the tokenizer (prompt length,
+the service's caps) comes back as an error event from the tokenizer.
+"""
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from schemas.public import GenerateRequest
+from services.http.errors import HttpError
+
+Kind = Literal["chat", "completion"]
+MAX_PROMPTS = 256  # prompts in one completion request
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
+PASSED = (  # same name and meaning in both APIs; None: the engine's default
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "timeout",
+)
+_AT = re.compile(r" - at `\$\.?([^`]*)`")
+_NAMED = re.compile(r"field `([^`]+)`")
+_decoders = {
+    "chat": msgspec.json.Decoder(ChatCompletionRequest),
+    "completion": msgspec.json.Decoder(CompletionRequest),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request: what goes over NATS, and how the answer is to be shaped."""
+
+    kind: Kind
+    response_id: str
+    created: int
+    model: str  # as the client named it
+    requests: list[GenerateRequest]  # one per prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.n + sample_index
+
+
+def decode(body: bytes, kind: Kind) -> ChatCompletionRequest | CompletionRequest:
+    if not body.strip():
+        raise HttpError.invalid("empty request body: expected a JSON object", None)
+    try:
+        return _decoders[kind].decode(body)
+    except msgspec.ValidationError as exc:
+        raise HttpError.invalid(str(exc), param_of(str(exc))) from exc
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise HttpError.invalid(f"malformed JSON: {exc}", None) from exc
+
+
+def param_of(message: str) -> str | None:
+    """The field a msgspec error names: its path, or the missing or unknown field."""
+    match = _AT.search(message)
+    if match and match.group(1):
+        return match.group(1)
+    match = _NAMED.search(message)
+    return match.group(1) if match else None
+
+
+def build_job(request: Any, kind: Kind, request_id: str | None, max_tokens: int) -> Job:
+    """`max_tokens`: the default when the request gives none."""
+    base_id = request_id or uuid.uuid4().hex
+    fields = _sampling(request, kind, max_tokens)
+    prompts = _chat_prompt(request) if kind == "chat" else _completion_prompts(request)
+    requests = [
+        _generate_request({**fields, **prompt, "request_id": f"{base_id}-{i}"}, request, kind)
+        for i, prompt in enumerate(prompts)
+    ]
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    options = request.stream_options
+    if options is not None and not request.stream:
+        raise HttpError.invalid("stream_options: only with stream: true", "stream_options")
+    return Job(
+        kind=kind,
+        response_id=f"{prefix}-{base_id}",
+        created=int(time.time()),
+        model=request.model,
+        requests=requests,
+        n=request.n,
+        stream=request.stream,
+        include_usage=options is not None and options.include_usage,
+        top_logprobs=_top_logprobs(request, kind),
+    )
+
+
+def _sampling(request: SamplingFields, kind: Kind, default_max_tokens: int) -> dict[str, Any]:
+    fields = {name: getattr(request, name) for name in PASSED}
+    fields = {name: value for name, value in fields.items() if value is not None}
+    max_tokens = request.max_tokens
+    if kind == "chat" and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    fields["stream"] = request.stream
+    top = _top_logprobs(request, kind)
+    if top is not None:
+        fields["logprobs"] = top
+    return fields
+
+
+def _top_logprobs(request: Any, kind: Kind) -> int | None:
+    if kind == "completion":
+        return request.logprobs
+    if request.top_logprobs is not None and not request.logprobs:
+        raise HttpError.invalid("top_logprobs: needs logprobs: true", "top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None
+
+
+def _generate_request(fields: dict[str, Any], request: Any, kind: Kind) -> GenerateRequest:
+    """Checked against GenerateRequest's constraints; errors name the OpenAI field."""
+    try:
+        return msgspec.convert(fields, GenerateRequest)
+    except msgspec.ValidationError as exc:
+        param = param_of(str(exc))
+        message = str(exc)
+        if kind == "chat" and param == "logprobs":
+            param, message = "top_logprobs", message.replace("`$.logprobs`", "`$.top_logprobs`")
+        if kind == "chat" and param == "max_tokens" and request.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+        raise HttpError.invalid(message, param) from exc
+
+
+def _chat_prompt(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not request.messages:
+        raise HttpError.invalid("messages: must not be empty", "messages")
+    messages = [
+        {"role": message.role, "content": _text(message.content, f"messages[{i}].content")}
+        for i, message in enumerate(request.messages)
+    ]
+    return [{"messages": messages}]
+
+
+def _text(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise HttpError.invalid(f"{param}: only text parts are served", param)
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _completion_prompts(request: CompletionRequest) -> list[dict[str, Any]]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not prompt:
+        raise HttpError.invalid("prompt: must not be empty", "prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if len(prompt) > MAX_PROMPTS:
+        raise HttpError.invalid(f"prompt: at most {MAX_PROMPTS} prompts a request", "prompt")
+    if all(isinstance(item, str) for item in prompt):
+        return [{"prompt": item} for item in prompt]
+    if all(isinstance(item, list) for item in prompt):
+        return [{"prompt_token_ids": item} for item in prompt]
+    message = "prompt: a string, a list of strings, of token ids, or of token id lists"
+    raise HttpError.invalid(message, "prompt")
