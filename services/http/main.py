@@ -1,14 +1,17 @@
 """Entry points of `kvpager http` (the OpenAI-compatible gateway, with /metrics) and `kvpager
 metrics` (/metrics alone): uvicorn serving a Starlette app over one NATS connection."""
 
+import contextlib
+import signal
 import socket
+from collections.abc import Iterator
 
 import nats.errors
 import structlog
 import uvicorn
 import uvloop
-from schemas.errors import ConfigError
 
+from schemas.errors import ConfigError
 from services.client import Client
 from services.discovery import Discovery
 from services.http.app import Gateway, build_app
@@ -31,6 +34,22 @@ def run(settings: Settings, http: HttpSettings, metrics_only: bool = False) -> i
         port = http.http_port or DEFAULT_HTTP_PORT
     sock = listen(http.http_host, port)
     return uvloop.run(_serve(settings, http, sock, metrics_only))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a SIGINT or SIGTERM only asks it to stop. uvicorn re-raises the signal
+    after its graceful shutdown, so the process would die by it (exit -15); a kvpager service
+    drains and exits 0, as `kvpager serve` and compose's restart policy expect."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        stop_signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in stop_signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -63,7 +82,7 @@ async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, me
     )
     log.info("listening", url=url, nats_url=settings.nats_url)
     try:
-        await uvicorn.Server(config).serve(sockets=[sock])  # SIGINT / SIGTERM end it
+        await _Server(config).serve(sockets=[sock])  # SIGINT / SIGTERM end it
     finally:
         await discovery.stop()
         try:

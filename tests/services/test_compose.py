@@ -1,16 +1,21 @@
 """compose.yaml without Docker: every service's own command and environment, run here.
 
-Hostnames map to loopback and NATS gets free ports; the tiny test model replaces the volume's
-model through the environment. A streamed request then goes through both tokenizer replicas'
-queue group, the scheduler and the executor, and each health check must pass, so the compose
-file cannot drift from the real commands.
+The containers use the host's network, so the file's commands already point at loopback; the
+test sets the port variables to free ports and interpolates them as compose does, and the tiny
+test model replaces the volume's model through the environment. A streamed request then goes
+through both tokenizer replicas' queue group, the scheduler and the executor, and each health
+check must pass, so the compose file cannot drift from the real commands.
 """
 
 import asyncio
+import fnmatch
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.cli import build_parser
 from services.client import Client
 from tests.nats_server import free_port, nats_server_binary
 from tests.services.kvpager_cli import KVPAGER
@@ -28,7 +34,20 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 CUDA = yaml.safe_load((ROOT / "compose.cuda.yaml").read_text())
 SERVICES = COMPOSE["services"]
-LONG_RUNNING = ("tokenizer", "scheduler", "executor")
+# `kvpager http` (the OpenAI gateway) is run once this tree has the command.
+HAS_GATEWAY = "http" in build_parser()[1]
+LONG_RUNNING = ("tokenizer", "scheduler", "executor", *(("http",) if HAS_GATEWAY else ()))
+# ${NAME} or ${NAME:-default}, as compose interpolates them
+VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+# What a container runs by name, and what runs it here.
+PROGRAMS = {"kvpager": KVPAGER, "python3": [sys.executable]}
+
+
+def interpolate(text: str, variables: dict[str, str]) -> str:
+    """`text` with compose's variables substituted (unset or empty: the default)."""
+    text = VARIABLE.sub(lambda m: variables.get(m[1]) or m[2] or "", text)
+    assert "$" not in text, f"unsupported interpolation in {text!r}"
+    return text
 
 
 @dataclass
@@ -39,6 +58,7 @@ class Local:
     cache_dir: Path
     log_dir: Path
     nats_port: int = field(default_factory=free_port)
+    monitor_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -47,12 +67,20 @@ class Local:
         return f"nats://127.0.0.1:{self.nats_port}"
 
     def localize(self, text: str) -> str:
-        text = text.replace("nats:4222", f"127.0.0.1:{self.nats_port}")
-        return text.replace("127.0.0.1:8222", f"127.0.0.1:{self.http_port}")
+        """Compose's interpolation with the port variables set, as a user moves the ports."""
+        return interpolate(
+            text,
+            {
+                "KVPAGER_NATS_PORT": str(self.nats_port),
+                "KVPAGER_NATS_MONITOR_PORT": str(self.monitor_port),
+                "KVPAGER_HTTP_PORT": str(self.http_port),
+            },
+        )
 
     def argv(self, command: list[str]) -> list[str]:
-        assert command[0] == "kvpager", command
-        return [*KVPAGER, *(self.localize(arg) for arg in command[1:])]
+        program, *args = command
+        local = [str(nats_server_binary())] if program == "nats-server" else PROGRAMS[program]
+        return [*local, *(self.localize(arg) for arg in args)]
 
     def env(self, service: str) -> dict[str, str]:
         compose_env = SERVICES[service].get("environment", {})
@@ -75,10 +103,8 @@ class Local:
 
 
 def _start_nats(local: Local) -> subprocess.Popen:
-    """The nats service's own command, on free ports (the last --port/--http_port wins)."""
-    argv = [str(nats_server_binary()), *SERVICES["nats"]["command"]]
-    argv += ["--addr", "127.0.0.1", "--port", str(local.nats_port)]
-    argv += ["--http_port", str(local.http_port)]
+    """The nats service's own command: its ports come from the variables."""
+    argv = local.argv(SERVICES["nats"]["command"])
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(500):
         assert server.poll() is None, "nats-server exited at start-up"
@@ -130,7 +156,7 @@ async def _wait_healthy(local: Local, timeout_s: float = 120.0) -> None:
 
 
 def test_every_service_has_a_restart_policy_and_a_health_check():
-    for name in ("nats", *LONG_RUNNING):
+    for name in ("nats", "tokenizer", "scheduler", "executor", "http"):
         assert SERVICES[name]["restart"] == "unless-stopped", name
         assert SERVICES[name]["healthcheck"]["test"][0] == "CMD", name
     assert SERVICES["tokenizer"]["deploy"]["replicas"] == 2
@@ -143,11 +169,36 @@ def test_every_service_has_a_restart_policy_and_a_health_check():
         assert set(spec.get("depends_on", {})) <= set(SERVICES), name
 
 
+def test_host_networking_on_loopback_with_one_set_of_ports():
+    """Every container on the host's network, nothing published, everything on 127.0.0.1."""
+    for name, spec in SERVICES.items():
+        assert spec["network_mode"] == "host" and "ports" not in spec, name
+        assert spec["build"]["network"] == "host", name
+        assert spec["image"] == "kvpager:cpu", name  # one image, the nats-server too
+    nats = [interpolate(arg, {}) for arg in SERVICES["nats"]["command"]]
+    assert nats[0] == "nats-server" and "--addr=127.0.0.1" in nats
+    # the defaults agree: clients' URL, the server's port, the health checks' hosts
+    for name in ("model", *LONG_RUNNING):
+        url = interpolate(SERVICES[name]["environment"]["KVPAGER_NATS_URL"], {})
+        assert url == "nats://127.0.0.1:4222" and "--port=4222" in nats, name
+    assert interpolate(SERVICES["nats"]["healthcheck"]["test"][-1], {}) == (
+        "http://127.0.0.1:8222/healthz"
+    )
+    http = [interpolate(arg, {}) for arg in SERVICES["http"]["command"]]
+    assert http[:2] == ["kvpager", "http"] and http[http.index("--http-port") + 1] == "8000"
+    assert interpolate(SERVICES["http"]["healthcheck"]["test"][-1], {}) == (
+        "http://127.0.0.1:8000/health"
+    )
+
+
 def test_build_arguments_exist_and_the_gpu_goes_to_the_executor():
     dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
     declared = {line.split()[1].split("=")[0] for line in dockerfile if line.startswith("ARG ")}
+    assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile  # users' default base
     for spec in [*SERVICES.values(), *CUDA["services"].values()]:
         assert set(spec.get("build", {}).get("args", {})) <= declared
+    base_image = interpolate(SERVICES["model"]["build"]["args"]["BASE_IMAGE"], {})
+    assert base_image == "python:3.11-slim"
     assert set(CUDA["services"]) == {"executor"}
     executor = CUDA["services"]["executor"]
     assert executor["build"]["args"]["DEVICE"] == "cuda"
@@ -156,22 +207,37 @@ def test_build_arguments_exist_and_the_gpu_goes_to_the_executor():
     assert all("deploy" not in SERVICES[name] for name in ("scheduler", "executor"))
 
 
+def _docker_ignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore's rule: the last pattern matching the path (or a folder above) wins."""
+    ignored = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").rstrip("/")
+        parts = path.rstrip("/").split("/")
+        prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+        if any(fnmatch.fnmatch(prefix, pattern) for prefix in prefixes):
+            ignored = not keep
+    return ignored
+
+
 def test_the_image_gets_every_package():
     """What the Dockerfile copies exists, is not .dockerignored, and covers the packages."""
     lines = (ROOT / "Dockerfile").read_text().splitlines()
-    copied = [src for line in lines if line.startswith("COPY ") for src in line.split()[1:-1]]
-    ignored = set((ROOT / ".dockerignore").read_text().split())
+    copies = [line.split()[1:-1] for line in lines if line.startswith("COPY ")]
+    # COPY --from=<stage> copies between build stages, not from the context
+    copied = [src for sources in copies if "--from" not in sources[0] for src in sources]
+    patterns = (ROOT / ".dockerignore").read_text().split()
     for source in copied:
-        assert (ROOT / source).exists() and source not in ignored, source
+        assert (ROOT / source).exists() and not _docker_ignored(source, patterns), source
     packages = {"engine", "kernels", "schemas", "services"}  # pyproject's packages.find
     assert packages <= set(copied) and {"pyproject.toml", "README.md"} <= set(copied)
+    assert "deploy/wheels/" in copied  # a local torch wheel (deploy/compose-check.sh)
+    # the check's venv and logs stay out of the build context
+    assert _docker_ignored("deploy/.check/venv", patterns)
 
 
 def test_health_checks_pass(local):
-    url = local.localize(SERVICES["nats"]["healthcheck"]["test"][-1])
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        assert reply.status == 200
-    for service in LONG_RUNNING:
+    for service in ("nats", *LONG_RUNNING):
         command = SERVICES[service]["healthcheck"]["test"][1:]
         done = subprocess.run(
             local.argv(command), env=local.env(service), capture_output=True, text=True
@@ -189,6 +255,22 @@ async def test_a_streamed_request(local):
     assert len(events) > 1 and [e.seq for e in events] == list(range(len(events)))
     assert events[-1].finish_reason == "length"
     assert events[-1].usage.num_completion_tokens == 8
+
+
+@pytest.mark.skipif(not HAS_GATEWAY, reason="no `kvpager http` in this tree yet")
+def test_a_completion_streamed_through_the_gateway(local):
+    base = f"http://127.0.0.1:{local.http_port}/v1"
+    with urllib.request.urlopen(f"{base}/models", timeout=10) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 8, "stream": True}
+    request = urllib.request.Request(
+        f"{base}/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        lines = [line.strip() for line in reply if line.strip()]
+    assert lines[-1] == b"data: [DONE]" and len(lines) > 2, lines
 
 
 def test_stop_drains_and_exits_zero(local):
