@@ -7,6 +7,7 @@ prompts -> InputProcessor (token ids, chat template, checks) -> EngineCore.add
 
 import itertools
 import sys
+import weakref
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -67,6 +68,7 @@ class LLM:
         self.scheduler = build_scheduler(self.config, self.executor.ready("in-process", str(path)))
         self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)
         self._loop = LoopThread()
+        weakref.finalize(self, self._loop.close)  # the loop thread ends with the LLM
         self._tracked: dict[str, _Tracked] = {}
         self._bar: tqdm | None = None
         self._ids = itertools.count()
