@@ -14,7 +14,7 @@ from benchmarks.nats_peer import NatsPeer
 from benchmarks.vllm_peer import VllmPeer
 from benchmarks.workloads import Workload
 
-ENGINES = ("kvpager", "nats", "hf-static", "hf-cb", "vllm")
+ENGINES = ("kvpager", "nats", "hf-static", "hf-cb", "vllm", "vllm-eager")
 
 
 class KvpagerPeer:
@@ -64,8 +64,11 @@ def build_peers(engines, cfg: BenchConfig, out_dir: Path, plain_generate: bool) 
             peers.append(HfStaticPeer(cfg, model))
         if "hf-cb" in engines:
             peers.append(HfContinuousPeer(cfg, model))
-    if "vllm" in engines:
+    if "vllm" in engines:  # the default, compiled mode
         peers.append(VllmPeer(cfg, out_dir / f"vllm-{cfg.dtype}.log", plain_generate))
+    if "vllm-eager" in engines:
+        log_path = out_dir / f"vllm-eager-{cfg.dtype}.log"
+        peers.append(VllmPeer(cfg, log_path, plain_generate, eager=True))
     return peers
 
 

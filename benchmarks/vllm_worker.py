@@ -46,7 +46,7 @@ def build_llm(config: dict):
         max_num_seqs=config["max_num_seqs"],
         max_num_batched_tokens=config["max_num_batched_tokens"],
         enable_prefix_caching=config["enable_prefix_caching"],
-        enforce_eager=True,
+        enforce_eager=config.get("enforce_eager", False),  # default: vLLM's compiled mode
         seed=config["seed"],
     )
 

@@ -62,6 +62,8 @@ def test_quick_run_writes_report(tiny_llama, tmp_path):
     assert ("kvpager NATS", "parallel-n4") in ran
     kvpager = next(r for r in report["results"] if r["engine"] == "kvpager offline")
     assert kvpager["output_tokens_per_s"] > 0 and 0 < kvpager["kv_util_at_peak"] <= 1
+    assert report["hardware"]["matmul_peak_gflops"]["float32"] > 0
+    assert 0 < kvpager["roofline_fraction"] < 1  # the linear layers' FLOPs alone bound it
     assert {r["peer"] for r in report["ratios"]} >= {"transformers continuous batching"}
     arms = [a["arm"].split(" ")[:3] for a in report["ablation"]]
     assert arms == [
