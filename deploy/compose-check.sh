@@ -75,7 +75,7 @@ require_tools() {
   else
     die "neither 'docker compose' nor docker-compose: apt-get install docker.io docker-compose"
   fi
-  log "compose: $("${COMPOSE[@]}" version 2>/dev/null | head -n 1)"
+  log "compose: $("${COMPOSE[@]}" version 2>/dev/null | sed -n 1p)"
   COMPOSE+=(--project-name "$PROJECT" --file "$ROOT/compose.yaml" --project-directory "$ROOT")
   # Compose 1.29 would build through a newer docker CLI whose BuildKit path needs buildx; its
   # own builder (docker-py) handles this Dockerfile (multi-stage, no RUN --mount) as well.
@@ -273,7 +273,7 @@ generate_over_http() {
     "$model" '"temperature": 0, "stream": true')
   out=$(curl -fsS -N --max-time 180 -H 'Content-Type: application/json' -d "$body" \
     "$base/v1/completions") || die "POST /v1/completions failed: $out"
-  grep -v '^$' <<<"$out" | head -n 3
+  grep -v '^$' <<<"$out" | sed -n '1,3p'  # not head: pipefail would take its SIGPIPE as a failure
   grep -q '^data: \[DONE\]' <<<"$out" || die "the stream did not end with data: [DONE]"
   (($(grep -c '^data: {' <<<"$out") >= 2)) || die "the stream had fewer than 2 chunks"
   log "model $model, $(grep -c '^data: {' <<<"$out") chunks ending in data: [DONE]," \
