@@ -48,15 +48,15 @@ static inline vec vector_exp(vec x) {
     return y * (vec)((n + 127) << 23);
 }
 
-// K and V rows [num_tokens, row] (token strides in floats) into caches viewed as
-// [num_slots, row]; slot < 0 is a padding token.
-int write_kv(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
-              float *key_cache, float *value_cache, const int64_t *slots, int64_t num_tokens,
-              int64_t row) {
+// K and V rows [num_tokens, row] into caches viewed as [num_slots, row], all in bytes (rows
+// and strides), so fp32 and bf16 caches take the same copy; slot < 0 is a padding token.
+int write_kv(const char *key, const char *value, int64_t key_stride, int64_t value_stride,
+             char *key_cache, char *value_cache, const int64_t *slots, int64_t num_tokens,
+             int64_t row) {
     for (int64_t t = 0; t < num_tokens; t++) {
         if (slots[t] < 0) continue;
-        memcpy(key_cache + slots[t] * row, key + t * key_stride, row * sizeof(float));
-        memcpy(value_cache + slots[t] * row, value + t * value_stride, row * sizeof(float));
+        memcpy(key_cache + slots[t] * row, key + t * key_stride, row);
+        memcpy(value_cache + slots[t] * row, value + t * value_stride, row);
     }
     return 0;
 }

@@ -108,3 +108,48 @@ def test_silu_and_mul_matches_twin(inter):
     gate_up[0, :inter] = torch.linspace(-200, 200, inter)
     want = silu_and_mul_ref(gate_up)
     torch.testing.assert_close(cpu_layer_ops.silu_and_mul(gate_up), want, rtol=2e-6, atol=1e-6)
+
+
+BF16_ULP = 2.0**-7  # relative spacing of bfloat16: one rounding apart at most
+
+
+def test_write_kv_copies_bf16_rows_into_a_bf16_cache_exactly():
+    """A bfloat16 model's K/V go to its cache as bytes: the whole cache equals the twin's."""
+    torch.manual_seed(1)
+    shape = (5, 4, KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = (torch.randn(shape).bfloat16() for _ in range(2))
+    _, _, key, value = _qkv(9)
+    key, value = key.bfloat16(), value.bfloat16()
+    slots = torch.randperm(20)[:9]
+    slots[::4] = -1
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reshape_and_cache_ref(key, value, want_k, want_v, slots)
+    cpu_layer_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+def test_bf16_ops_equal_the_float32_twins_rounded_once():
+    """bf16 tensors are widened, computed in fp32 and narrowed: the twins in fp32 on the same
+    (widened) inputs, rounded to bf16, within one rounding."""
+    torch.manual_seed(2)
+    qkv = _qkv(13)[0].bfloat16()
+    sizes = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    q, k = (x.view(13, -1, HEAD_DIM) for x in qkv.split(sizes, dim=-1)[:2])
+    cos, sin = (t.bfloat16() for t in _cos_sin(13))
+    want = rotary_ref(q.float(), k.float(), cos.float(), sin.float())
+    got = cpu_layer_ops.rotary(q, k, cos, sin)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and g.data_ptr() in (q.data_ptr(), k.data_ptr())
+        torch.testing.assert_close(g.float(), w, rtol=BF16_ULP, atol=1e-6)
+    residual, delta = (torch.randn(13, 576).bfloat16() for _ in range(2))
+    weight = torch.randn(576).bfloat16()
+    got = cpu_layer_ops.add_rms_norm(residual, delta, weight, 1e-6)
+    want = add_rms_norm_ref(residual.float(), delta.float(), weight.float(), 1e-6)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, rtol=BF16_ULP, atol=1e-6)
+    gate_up = (torch.randn(13, 2 * 96) * 4).bfloat16()
+    got = cpu_layer_ops.silu_and_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    want = silu_and_mul_ref(gate_up.float())
+    torch.testing.assert_close(got.float(), want, rtol=BF16_ULP, atol=1e-6)
