@@ -8,9 +8,10 @@ from schemas.errors import InvalidRequestError, RequestTooLongError
 def check_request_fits(
     request: Request, config: SchedulerConfig, cache_config: CacheConfig
 ) -> None:
-    """Raise a typed error if the request can never run: empty, too many sequences, too long."""
-    if not request.prompt_token_ids:
-        raise InvalidRequestError("prompt: must not be empty", param="prompt")
+    """Raise a typed error if the request can never run: too many sequences, too long.
+
+    Prompts were checked by the input path (engine/inputs.py) before they became Requests."""
+    assert request.prompt_token_ids, f"{request.request_id}: an empty prompt got past the inputs"
     params = request.sampling_params
     for name in ("n", "beam_width"):
         if getattr(params, name) > config.max_num_seqs:
