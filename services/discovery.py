@@ -8,6 +8,7 @@ instance must hear (llm.stats, the scheduler's internal subjects) gets a group o
 process; a group of one member receives every message, as a plain subscription does.
 """
 
+import os
 from collections.abc import Awaitable, Callable
 from importlib import metadata
 
@@ -40,7 +41,13 @@ class Discovery:
     async def register(
         cls, nc: NATS, kind: str, settings: Settings, description: str, **details: str
     ) -> "Discovery":
-        info = {"instance": settings.instance, "prefix": settings.prefix, **details}
+        # the pid lets `kvpager serve` tell which of its children stopped answering $SRV.PING
+        info = {
+            "instance": settings.instance,
+            "prefix": settings.prefix,
+            "pid": str(os.getpid()),
+            **details,
+        }
         service = await add_service(
             nc,
             name=f"kvpager-{kind}",

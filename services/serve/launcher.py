@@ -5,18 +5,20 @@
     ->  executor, scheduler and tokenizer as `kvpager <name>` children, talking only via NATS
     ->  with --http-port / --metrics-port, `kvpager http` / `kvpager metrics` children too
     ->  poll llm.health until the executor has attached, and the HTTP ports until they accept
-    ->  "ready"  ->  Ctrl-C or SIGTERM
+    ->  "ready"  ->  keep them running (services/serve/supervisor.py)  ->  Ctrl-C or SIGTERM
     ->  SIGTERM the services (they drain their streams)  ->  stop the nats-server.
 
-A child that exits on its own stops everything, with a non-zero exit status.
+A child that exits during start-up stops everything, with exit status 2 (a set-up problem a
+restart would not mend). Once ready, a child that exits or hangs is restarted with backoff;
+one that keeps crashing stops everything, with exit status 2.
 """
 
 import asyncio
 import dataclasses
+import functools
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from services.connection import open_connection
 from services.serve import processes
 from services.serve.banner import ready_banner, starting_lines
 from services.serve.embedded import EmbeddedNats
+from services.serve.supervisor import Child, Supervisor
 from services.settings import HttpSettings, ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
@@ -118,7 +121,7 @@ async def _serve(
 ) -> int:
     signals = _Signals()
     server = EmbeddedNats(settings, options) if embedded else None
-    children: dict[str, subprocess.Popen] = {}
+    children: dict[str, Child] = {}
     client = None
     try:
         if server is not None:
@@ -131,7 +134,8 @@ async def _serve(
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
             _say(*ready_banner(settings, stats, max_model_len, http))
-            await _supervise(children, signals)
+            supervisor = Supervisor(client.nc, children, settings.liveness_timeout)
+            await _supervise(supervisor, signals, settings.heartbeat_interval)
         return 0
     finally:
         if client is not None:
@@ -141,12 +145,15 @@ async def _serve(
             server.stop()
 
 
-def _start_services(settings: Settings, http: HttpSettings) -> dict[str, subprocess.Popen]:
+def _start_services(settings: Settings, http: HttpSettings) -> dict[str, Child]:
     env = {**os.environ, **environment(settings), **environment(http)}
-    return {
-        name: processes.spawn([sys.executable, "-m", "services.cli", name], env=env)
-        for name in (*SERVICE_NAMES, *_http_ports(http))
-    }
+    children = {}
+    for name in (*SERVICE_NAMES, *_http_ports(http)):
+        start = functools.partial(
+            processes.spawn, [sys.executable, "-m", "services.cli", name], env
+        )
+        children[name] = Child(name, start, start())
+    return children
 
 
 async def _wait_listening(http: HttpSettings, children, signals: _Signals, timeout_s: float):
@@ -204,15 +211,16 @@ async def _max_model_len(client: Client) -> int:
     return max_model_len
 
 
-async def _supervise(children: dict[str, subprocess.Popen], signals: _Signals) -> None:
+async def _supervise(supervisor: Supervisor, signals: _Signals, interval_s: float) -> None:
+    """Once ready: a service that exits or hangs is restarted (services/serve/supervisor.py)."""
     while not signals.event.is_set():
-        _check_alive(children, "")
-        await signals.sleep(POLL_S)
+        await supervisor.tick()
+        await signals.sleep(interval_s)
 
 
-def _check_alive(children: dict[str, subprocess.Popen], when: str) -> None:
-    for name, process in children.items():
-        code = process.poll()
+def _check_alive(children: dict[str, Child], when: str) -> None:
+    for name, child in children.items():
+        code = child.process.poll()
         if code is not None:
             raise ServeError(f"the {name} exited with code {code}{when}; see its messages above")
 
@@ -222,14 +230,15 @@ async def _stop_services(children, signals: _Signals, settings: Settings) -> Non
     if not children:
         return
     _say("kvpager: stopping the services (Ctrl-C again to kill them)")
-    processes.terminate(list(children.values()))
+    running = [child.process for child in children.values()]
+    processes.terminate(running)
     count = signals.count
     deadline = time.monotonic() + settings.drain_timeout + settings.finish_timeout + STOP_MARGIN_S
-    while any(p.poll() is None for p in children.values()) and time.monotonic() < deadline:
+    while any(p.poll() is None for p in running) and time.monotonic() < deadline:
         if signals.count > count:  # a signal during shutdown: stop waiting
             break
         await asyncio.sleep(0.1)
-    processes.kill(list(children.values()))
+    processes.kill(running)
 
 
 async def _close(client: Client) -> None:

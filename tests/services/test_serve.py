@@ -3,6 +3,7 @@ offline engine generates, `stats` and `health`, and SIGTERM leaving no process b
 
 import json
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
@@ -92,3 +93,67 @@ def test_sigterm_stops_every_process(served):
     assert not alive and not processes_on(served.url)
     assert "kvpager: stopping the services" in served.output()
     assert "Traceback" not in (served.log_dir / "err.txt").read_text()
+
+
+@pytest.fixture()
+def healing(tiny_llama, tmp_path):
+    """A serve of its own: these tests kill its children."""
+    port = free_port()
+    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
+    env = {"KVPAGER_LIVENESS_TIMEOUT": "3", "KVPAGER_HEARTBEAT_INTERVAL": "0.5"}
+    process = start(*args, log_dir=tmp_path, env=env)
+    try:
+        wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
+        yield Served(process, f"nats://127.0.0.1:{port}", tmp_path)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def _child(served: Served, service: str) -> psutil.Process | None:
+    """The running child that is `service` (None while it is being restarted)."""
+    for child in psutil.Process(served.process.pid).children():
+        try:
+            if child.cmdline()[-1] == service and child.status() != psutil.STATUS_ZOMBIE:
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _generate_after_heal(served: Served, old_pid: int, service: str) -> None:
+    """The service comes back as a new process, and serves: a completion goes through."""
+    deadline = time.monotonic() + 90
+    while kvpager("health", "--nats-url", served.url).returncode != 0:
+        assert time.monotonic() < deadline, "not healthy again within 90 s"
+        time.sleep(0.5)
+    assert _child(served, service).pid != old_pid
+    done = kvpager("generate", "Hi", "--max-tokens", "4", "--nats-url", served.url, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert served.process.poll() is None  # serve itself kept running
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_serve_restarts_a_lost_executor(healing, how):
+    """SIGKILL: it exited. SIGSTOP: it stopped answering $SRV.PING and is killed first."""
+    executor = _child(healing, "executor")
+    scheduler_pid = _child(healing, "scheduler").pid
+    executor.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    wait_for_line(healing.process, healing.log_dir / "out.txt", "kvpager: the executor", 60)
+    _generate_after_heal(healing, executor.pid, "executor")
+    assert _child(healing, "scheduler").pid == scheduler_pid  # the others kept running
+
+
+def test_serve_gives_up_on_a_service_that_keeps_crashing(healing):
+    for _ in range(5):
+        tokenizer = _child(healing, "tokenizer")
+        tokenizer.kill()
+        psutil.wait_procs([tokenizer], timeout=10)
+        deadline = time.monotonic() + 30  # wait for the restart before the next kill
+        while healing.process.poll() is None and time.monotonic() < deadline:
+            if _child(healing, "tokenizer") is not None:
+                break  # restarted
+            time.sleep(0.2)
+    assert healing.process.wait(timeout=60) == 2
+    assert "giving up" in (healing.log_dir / "err.txt").read_text()
