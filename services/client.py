@@ -66,13 +66,15 @@ class Client:
     @classmethod
     async def connect(
         cls,
-        url: str = "nats://127.0.0.1:4222",
+        url: str | list[str] = "nats://127.0.0.1:4222",
         prefix: str = "llm",
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         **connect_options: Any,
     ) -> "Client":
-        """Connect; `connect_options` go to `nats.connect` (auth, TLS, reconnect policy)."""
-        nc = await nats.connect(url, **{"name": "kvpager-client", **connect_options})
+        """Connect to `url` (comma-separated or a list: a cluster's nodes, failed over in turn);
+        `connect_options` go to `nats.connect` (auth, TLS, reconnect policy)."""
+        servers = [u.strip() for u in url.split(",")] if isinstance(url, str) else list(url)
+        nc = await nats.connect(servers, **{"name": "kvpager-client", **connect_options})
         return cls(nc, prefix, idle_timeout)
 
     async def close(self) -> None:

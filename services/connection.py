@@ -67,7 +67,7 @@ def _require_nkeys() -> None:
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """A client TLS context when a CA, a client certificate or a tls:// URL asks for one."""
     wants_tls = settings.nats_tls_ca or settings.nats_tls_cert
-    if not wants_tls and not settings.nats_url.startswith("tls://"):
+    if not wants_tls and not any(url.startswith("tls://") for url in settings.nats_servers):
         return None
     try:
         context = ssl.create_default_context(cafile=settings.nats_tls_ca)
@@ -89,7 +89,7 @@ async def open_connection(settings: Settings, name: str) -> NATS:
         errors.record(exc)
 
     connecting = nats.connect(
-        settings.nats_url,
+        settings.nats_servers,
         name=name,
         connect_timeout=CONNECT_TIMEOUT_S,
         allow_reconnect=False,  # an auth or TLS error is final; a refused connection...

@@ -53,7 +53,7 @@ async def connect(settings: Settings, name: str) -> NATS:
     for attempt in range(CONNECT_ATTEMPTS):
         try:
             return await nats.connect(
-                settings.nats_url,
+                settings.nats_servers,
                 name=f"kvpager-{name}",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,

@@ -24,7 +24,10 @@ def _opt(help_text: str, **extra: Any) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    nats_url: str = _opt("NATS server URL", default="nats://127.0.0.1:4222")
+    nats_url: str = _opt(
+        "NATS server URL; several, comma-separated, for the nodes of a cluster",
+        default="nats://127.0.0.1:4222",
+    )
     prefix: str = _opt("subject prefix of the public API", default="llm")
     instance: str = _opt("name of this scheduler/executor pair", default="default")
     model: str = _opt("checkpoint folder or known model name", default=DEFAULT_MODEL)
@@ -86,6 +89,8 @@ class Settings:
                 raise ConfigError(f"{name}: {value!r} is not a valid NATS subject token")
         if "." in self.instance:
             raise ConfigError("instance: must be a single subject token (no dots)")
+        if not self.nats_servers:
+            raise ConfigError("nats_url: give at least one NATS server URL")
         for name in (
             "block_size",
             "max_num_seqs",
@@ -109,6 +114,11 @@ class Settings:
             raise ConfigError("NATS auth: give one of token, user/password, creds or nkey")
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ConfigError("nats_tls_cert and nats_tls_key: give both or neither")
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """The URLs in `nats_url` (a cluster's nodes: clients fail over between them)."""
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
 
     def model_path(self) -> Path:
         """A checkpoint folder as given, or a known model name fetched and converted."""

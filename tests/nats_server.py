@@ -36,11 +36,12 @@ def _log_args() -> list[str]:
 
 
 class NatsServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
+        argv = [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(self.port), *extra_args]
         self.process = subprocess.Popen(
-            [str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(self.port), *_log_args()],
+            [*argv, *_log_args()],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -64,6 +65,17 @@ class NatsServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def nats_cluster(size: int = 3) -> list[NatsServer]:
+    """`size` nodes of one cluster on loopback, each routing to all the others."""
+    route_ports = [free_port() for _ in range(size)]
+    routes = ",".join(f"nats://127.0.0.1:{port}" for port in route_ports)
+    nodes = []
+    for port in route_ports:
+        cluster = ("--cluster_name", "kvpager", "--cluster", f"nats://127.0.0.1:{port}")
+        nodes.append(NatsServer(extra_args=(*cluster, "--routes", routes)))
+    return nodes
 
 
 @pytest.fixture(scope="session")
