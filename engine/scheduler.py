@@ -27,7 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.request_checks import check_request_fits
 from engine.step_plan import SchedulerStats, StepPlan
 from schemas.errors import InvalidRequestError, OverloadedError
-from schemas.executor import CachedRequest, ForkRequest, NewRequest, ScheduledStep
+from schemas.executor import ForkRequest, ScheduledStep
 from schemas.scheduler import StepOutput
 
 log = structlog.get_logger(__name__)
@@ -107,7 +107,7 @@ class Scheduler:
             self._schedule_waiting(plan)
         self.step_id += 1
         self._sampling[self.step_id] = plan.sampling
-        self._record_usage()
+        self.stats.record_step(self.block_manager.num_used_blocks, len(self.running))
         ops = self.block_manager.take_ops()
         step = ScheduledStep(
             step_id=self.step_id,
@@ -202,22 +202,12 @@ class Scheduler:
         plan.budget -= num_new
         plan.num_scheduled[request.request_id] = num_new
         new_token_ids = self.beams.pop_token(request.request_id)
+        table = self.block_manager.get_block_table(request.request_id)
         if request.request_id not in self.at_executor:
-            plan.new_requests.append(self._new_request_data(request))
+            plan.add_new(request, table)
             self.at_executor.add(request.request_id)
         else:
-            # Copy-on-write may replace the shared tail block and a swap-in the whole table,
-            # so new ids overwrite the table from this index rather than always appending.
-            table = self.block_manager.get_block_table(request.request_id)
-            plan.cached_requests.append(
-                CachedRequest(
-                    req_id=request.request_id,
-                    num_computed_tokens=request.num_computed_tokens,
-                    new_block_ids=new_block_ids,
-                    new_token_ids=new_token_ids,
-                    replace_from=len(table) - len(new_block_ids),
-                )
-            )
+            plan.add_cached(request, table, new_block_ids, new_token_ids)
         request.num_computed_tokens += num_new
         if request.num_computed_tokens < request.num_tokens + request.num_output_placeholders:
             return  # a prefill chunk short of the prompt's end: nothing is sampled
@@ -319,16 +309,6 @@ class Scheduler:
             self.stats.prefix_queried_tokens += request.num_tokens
             self.stats.prefix_hit_tokens += num_hit_tokens
 
-    def _new_request_data(self, request: Request) -> NewRequest:
-        return NewRequest(
-            req_id=request.request_id,
-            token_ids=request.all_token_ids,
-            num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=request.sampling_params,
-            block_ids=list(self.block_manager.get_block_table(request.request_id)),
-            num_computed_tokens=request.num_computed_tokens,
-        )
-
     def forget_at_executor(self, request_id: str) -> None:
         self.beams.pop_token(request_id)  # a resumed request sends all its tokens
         if request_id in self.at_executor:
@@ -407,12 +387,6 @@ class Scheduler:
         for request in list(group):
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
-
-    def _record_usage(self) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.peak_used_blocks = max(stats.peak_used_blocks, self.block_manager.num_used_blocks)
-        stats.peak_running = max(stats.peak_running, len(self.running))
 
     def check_invariants(self) -> None:
         manager = self.block_manager
