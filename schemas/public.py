@@ -75,6 +75,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX, description="0 or -1: disabled")] = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    seed_offset: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=2**31 - 1,
+            description="outputs an earlier run already sampled (the prompt ends with them): "
+            "seeded draws go on from this output position",
+        ),
+    ] = 0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
