@@ -124,14 +124,18 @@ class Router:
             (i for i in serving if i.name not in exclude and model in (None, i.load.model)),
             key=lambda i: i.name,
         )
+        if not candidates:  # none has an executor: one of them says so, with its own error
+            candidates = sorted(
+                (i for i in self.instances.values() if i.name not in exclude), key=lambda i: i.name
+            )
         if not candidates:
             raise NoInstanceError("no instance is up to take the request; retry soon")
         return candidates
 
     def costs(self, instances: list[Instance], token_ids: list[int]) -> dict[str, float]:
         """Dynamo's cost of running the request on each instance."""
-        costs = {}
-        for block_size in {i.load.block_size for i in instances}:
+        costs = {i.name: float("inf") for i in instances if not i.load.block_size}
+        for block_size in {i.load.block_size for i in instances} - {0}:
             hashes = prompt_block_hashes(token_ids, block_size)
             num_blocks = -(-len(token_ids) // block_size)
             overlaps = self.index.overlaps(hashes)
@@ -159,7 +163,8 @@ class Router:
         if instance is None:
             return
         self.release(request_id)
-        hashes = prompt_block_hashes(token_ids, instance.load.block_size)
+        block_size = instance.load.block_size
+        hashes = prompt_block_hashes(token_ids, block_size) if block_size else []
         instance.in_flight[request_id] = hashes
         expiry = time.monotonic() + self.config.predict_s
         instance.predicted.update(dict.fromkeys(hashes, expiry))

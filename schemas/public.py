@@ -48,6 +48,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ]
         | None
     ) = None
+    model: Annotated[str, Meta(description="served model name; none: any instance's")] | None = None
     prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
     messages: (
         Annotated[
@@ -120,6 +121,8 @@ class ErrorInfo(msgspec.Struct):
     `type`: invalid_request, request_too_long, overloaded (the waiting queue is full; retry
     later), unavailable (no scheduler answers, or a service lost its NATS connection),
     executor_unavailable (the executor stopped, hung or restarted; retry once it is back),
+    model_not_found (no instance serves the requested `model`), migration_failed (the
+    stream's instance failed more than `--migration-limit` times),
     deadline_exceeded, internal_error, and connection_lost: made by the Python client itself
     when its NATS connection dropped or the stream went silent (events may be lost; the client
     aborted the request).

@@ -1,8 +1,10 @@
 """Tokenizer service: validates and tokenizes client requests, streams their text back.
 
-Replicas share `llm.generate` through a queue group. Each owns the streams it accepted; the
-scheduler sends their tokens to the replica's own subject (the AddRequest's `reply_to`), and
-`llm.abort` reaches every replica, the owner acting on it.
+Replicas share `llm.generate` through a queue group. Each owns the streams it accepted and
+routes each to an instance (scheduler + executor pair) its router picks (services/tokenizer/
+instances.py, engine/routing.py); the scheduler sends their tokens to the replica's own
+subject under that instance (the AddRequest's `reply_to`), and `llm.abort` reaches every
+replica, the owner acting on it.
 """
 
 import asyncio
@@ -17,7 +19,7 @@ from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
 from engine.inputs import InputProcessor, RequestLimits
-from schemas.errors import KvpagerError
+from schemas.errors import KvpagerError, NoInstanceError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
@@ -26,6 +28,7 @@ from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
 from services.tokenizer import info
+from services.tokenizer.instances import Instances
 from services.tokenizer.requests import (
     Prepared,
     admission_error,
@@ -62,18 +65,19 @@ class TokenizerService:
         self.limits = self.inputs.limits
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
-        self.watch = StreamWatch(
-            nc, self.subjects.scheduler_info, settings, self.streams, self._lose
-        )
+        self.instances = Instances(nc, settings)
+        self.watch = StreamWatch(nc, self.subjects, settings, self.streams, self._lose)
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._discovery: Discovery | None = None
         self._watch_task: asyncio.Task | None = None
+        self._discover_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         subjects, nc = self.subjects, self.nc
-        await nc.subscribe(subjects.tokens(self.replica_id), cb=self._on_tokens)
+        await nc.subscribe(subjects.all_tokens(self.replica_id), cb=self._on_tokens)
         await nc.subscribe(subjects.abort, cb=self._on_abort)
+        await self.instances.start()
         self._discovery = discovery = await Discovery.register(
             nc, "tokenizer", self.settings, "validates, tokenizes, streams text back"
         )
@@ -81,6 +85,7 @@ class TokenizerService:
         await discovery.subscribe("health", subjects.health, self._on_health, TOKENIZER_QUEUE)
         await discovery.subscribe("models", subjects.models, self._on_models, TOKENIZER_QUEUE)
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
+        self._discover_task = repeat(self.settings.heartbeat_interval, self.instances.discover)
         log.info("tokenizer ready", replica=self.replica_id, generate=subjects.generate)
 
     # --- requests in ------------------------------------------------------------------
@@ -120,25 +125,56 @@ class TokenizerService:
             await self._lose(stream, error)
 
     async def _add(self, stream: Stream, prepared: Prepared) -> None:
-        """Pieces of a long prompt, then the AddRequest as a NATS request."""
-        ids, size = prepared.prompt_token_ids, self.settings.piece_tokens
+        """Route the request, then send it; an instance gone meanwhile makes it route again."""
+        ids, params = prepared.prompt_token_ids, prepared.params
+        tried: set[str] = set()
+        while True:
+            try:
+                stream.instance = await self._pick(ids, prepared.model, frozenset(tried))
+            except NoInstanceError as exc:
+                await self._end(stream, _error(exc))
+                return
+            self.instances.router.routed(stream.request_id, stream.instance, ids)
+            result = await self._send_add(stream, ids, params)
+            if result is not None:
+                break
+            tried.add(stream.instance)
+        await self._added(stream, result, prepared)
+
+    async def _pick(self, token_ids: list[int], model: str | None, exclude: frozenset) -> str:
+        try:
+            return self.instances.router.pick(token_ids, model, exclude)
+        except NoInstanceError:  # just started, or every instance moved: look again
+            await self.instances.discover()
+            return self.instances.router.pick(token_ids, model, exclude)
+
+    async def _send_add(self, stream: Stream, ids: list[int], params) -> AddResult | None:
+        """Pieces of a long prompt, then the AddRequest; None: nothing serves the instance."""
+        subjects = self.subjects.for_instance(stream.instance)
+        size = self.settings.piece_tokens
         num_head = (len(ids) - 1) // size * size  # the AddRequest keeps the last piece
         for start in range(0, num_head, size):
             piece = PromptPiece(stream.request_id, ids[start : start + size])
-            await self.nc.publish(self.subjects.scheduler_requests, pack(piece))
+            await self.nc.publish(subjects.scheduler_requests, pack(piece))
         add = AddRequest(
-            stream.request_id,
-            ids[num_head:],
-            prepared.params,
-            self.subjects.tokens(self.replica_id),
+            stream.request_id, ids[num_head:], params, subjects.tokens(self.replica_id)
         )
-        result = await self._request_add(add)
+        try:
+            return await self._request_add(subjects.scheduler_requests, add)
+        except nats.errors.NoRespondersError:
+            log.info("instance gone", instance=stream.instance, request_id=stream.request_id)
+            self.instances.router.drop(stream.instance)
+            return None
+
+    async def _added(self, stream: Stream, result: AddResult, prepared: Prepared) -> None:
+        ids = prepared.prompt_token_ids
         if result.error is not None:
             await self._end(stream, result.error)
             return
         log.info(
             "request queued",
             request_id=stream.request_id,
+            instance=stream.instance,
             num_prompt_tokens=len(ids),
             max_tokens=prepared.params.max_tokens,
         )
@@ -146,13 +182,10 @@ class TokenizerService:
         if stream.aborting:  # an abort or deadline that came while the add was on its way
             await self._send_finish(stream, FinishRequest(stream.request_id, "abort"))
 
-    async def _request_add(self, add: AddRequest) -> AddResult:
-        subject = self.subjects.scheduler_requests
+    async def _request_add(self, subject: str, add: AddRequest) -> AddResult:
+        """The scheduler's answer; raises NoRespondersError when no scheduler listens."""
         try:
             reply = await self.nc.request(subject, pack(add), timeout=ADD_TIMEOUT_S)
-        except nats.errors.NoRespondersError:
-            instance = self.settings.instance
-            return AddResult(ErrorInfo("unavailable", f"no scheduler on instance {instance!r}"))
         except nats.errors.TimeoutError:  # the add may have landed: take it back
             await self.nc.publish(subject, pack(FinishRequest(add.request_id, "abort")))
             return AddResult(ErrorInfo("unavailable", "the scheduler did not answer in time"))
@@ -192,7 +225,7 @@ class TokenizerService:
 
     async def _send_finish(self, stream: Stream, finish: FinishRequest) -> None:
         """Tell the scheduler; if it never answers, end the stream here after a while."""
-        await self.nc.publish(self.subjects.scheduler_requests, pack(finish))
+        await self.nc.publish(self._requests_subject(stream), pack(finish))
         self._arm(stream.request_id, self.settings.finish_timeout, self._on_finish_timeout)
 
     def _on_finish_timeout(self, request_id: str) -> None:
@@ -209,10 +242,11 @@ class TokenizerService:
             return
         await self.watch.check_reconnect()  # batches before this one may be lost
         batch = msgspec.msgpack.decode(msg.data, type=TokenBatch)
+        instance = msg.subject.rsplit(".", 3)[1]  # <prefix>.internal.<instance>.tokens.<id>
         for delta in batch.deltas:
             stream = self.streams.get(delta.request_id)
-            if stream is None:
-                continue  # ended here already (stop string, timeout): late tokens
+            if stream is None or stream.instance != instance:
+                continue  # ended here already (stop string, timeout), or moved: late tokens
             try:
                 await self._on_delta(stream, delta)
             except Exception as exc:  # a bug in one stream must not hang it, nor the others
@@ -240,11 +274,15 @@ class TokenizerService:
             return
         if stream.submitted:
             finish = FinishRequest(stream.request_id, "abort")
-            await self.nc.publish(self.subjects.scheduler_requests, pack(finish))
+            await self.nc.publish(self._requests_subject(stream), pack(finish))
         await self._end(stream, error)
+
+    def _requests_subject(self, stream: Stream) -> str:
+        return self.subjects.for_instance(stream.instance).scheduler_requests
 
     def _close(self, stream: Stream) -> None:
         self.streams.pop(stream.request_id, None)
+        self.instances.router.release(stream.request_id)
         timer = self._timers.pop(stream.request_id, None)
         if timer is not None:
             timer.cancel()
@@ -276,7 +314,11 @@ class TokenizerService:
         await self._answer(msg, info.models)
 
     async def _answer(self, msg: Msg, build) -> None:
-        state = await info.scheduler_info(self.nc, self.subjects.scheduler_info)
+        serving = [i.name for i in self.instances.router.instances.values() if i.load.model]
+        instance = min(serving, default=self.settings.instance)
+        state = await info.scheduler_info(
+            self.nc, self.subjects.for_instance(instance).scheduler_info
+        )
         await msg.respond(encode_public(build(state, self.settings), is_msgpack(msg.headers))[0])
 
     # --- plumbing --------------------------------------------------------------------------
@@ -298,8 +340,9 @@ class TokenizerService:
         if self._discovery is not None:  # its endpoints are the public subscriptions
             await self._discovery.stop()
         await self._wait_for_streams(self.settings.drain_timeout)
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        for task in (self._watch_task, self._discover_task):
+            if task is not None:
+                task.cancel()
         error = ErrorInfo("unavailable", "the tokenizer is shutting down")
         for stream in list(self.streams.values()):
             await self._abort(stream, error)

@@ -42,6 +42,7 @@ class Stream:
         self.abort_error: ErrorInfo | None = None  # why we aborted it (deadline, shutdown)
         self.submitted = False  # the scheduler accepted it
         self.scheduler_id = ""  # the scheduler that accepted it
+        self.instance = ""  # the instance it runs on
         self.aborting = False
         self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
