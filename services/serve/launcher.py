@@ -126,7 +126,7 @@ async def _serve(
             settings = dataclasses.replace(settings, nats_url=server.url)
         client = Client(await open_connection(settings, "kvpager-serve"), settings.prefix)
         _say(*starting_lines(settings, server.process.pid if server else None))
-        children = _start_services(settings, http)
+        children = _start_services(settings, http, options.replicas)
         ready = await _wait_ready(client, children, signals, options.ready_timeout)
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
@@ -141,12 +141,27 @@ async def _serve(
             server.stop()
 
 
-def _start_services(settings: Settings, http: HttpSettings) -> dict[str, subprocess.Popen]:
+def _start_services(
+    settings: Settings, http: HttpSettings, replicas: int = 1
+) -> dict[str, subprocess.Popen]:
+    """The services; with `replicas` > 1, that many executor + scheduler instances, named
+    `<instance>-0`, `<instance>-1`... (children `executor-<name>`, `scheduler-<name>`)."""
     env = {**os.environ, **environment(settings), **environment(http)}
-    return {
-        name: processes.spawn([sys.executable, "-m", "services.cli", name], env=env)
-        for name in (*SERVICE_NAMES, *_http_ports(http))
-    }
+    children = {}
+    for child, command, instance in _commands(settings, http, replicas):
+        child_env = env if instance is None else {**env, "KVPAGER_INSTANCE": instance}
+        argv = [sys.executable, "-m", "services.cli", command]
+        children[child] = processes.spawn(argv, env=child_env)
+    return children
+
+
+def _commands(settings: Settings, http: HttpSettings, replicas: int):
+    """(child name, kvpager command, instance or None) for every child, slowest first."""
+    if replicas == 1:
+        return [(name, name, None) for name in (*SERVICE_NAMES, *_http_ports(http))]
+    instances = [f"{settings.instance}-{i}" for i in range(replicas)]
+    pairs = [(f"{kind}-{i}", kind, i) for i in instances for kind in ("executor", "scheduler")]
+    return [*pairs, *((name, name, None) for name in ("tokenizer", *_http_ports(http)))]
 
 
 async def _wait_listening(http: HttpSettings, children, signals: _Signals, timeout_s: float):

@@ -30,7 +30,6 @@ from services.subjects import TOKENIZER_QUEUE, Subjects
 from services.tokenizer import info
 from services.tokenizer.instances import Instances
 from services.tokenizer.requests import (
-    Prepared,
     admission_error,
     is_msgpack,
     prepare_body,
@@ -43,6 +42,13 @@ from services.wire import encode_public, pack
 log = structlog.get_logger(__name__)
 
 ADD_TIMEOUT_S = 10.0
+# A final delta with these means the instance failed the request (its executor or scheduler
+# went): the stream moves to another instance.
+MOVABLE_ERRORS = ("executor_unavailable", "unavailable")
+
+
+def _movable(error: ErrorInfo) -> bool:
+    return error.type in MOVABLE_ERRORS
 
 
 def _error(exc: Exception) -> ErrorInfo:
@@ -66,7 +72,9 @@ class TokenizerService:
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
         self.instances = Instances(nc, settings)
-        self.watch = StreamWatch(nc, self.subjects, settings, self.streams, self._lose)
+        self.watch = StreamWatch(
+            nc, self.subjects, settings, self.streams, lose=self._lose, move=self._move
+        )
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._discovery: Discovery | None = None
@@ -109,37 +117,42 @@ class TokenizerService:
         self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
-        self._spawn(self._submit(stream, prepared))
+        self._spawn(self._submit(stream, prepared.prompt_token_ids, prepared.params))
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
         num_prompt = len(prepared.prompt_token_ids) if prepared else 0
         await self._publish_events(reply_to, msgpack, [error_event(request_id, error, num_prompt)])
 
-    async def _submit(self, stream: Stream, prepared: Prepared) -> None:
+    async def _submit(
+        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
+    ) -> None:
         try:
-            await self._add(stream, prepared)
+            await self._add(stream, ids, params, fallback)
         except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
             log.exception("request submission failed", request_id=stream.request_id)
             error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
             await self._lose(stream, error)
 
-    async def _add(self, stream: Stream, prepared: Prepared) -> None:
-        """Route the request, then send it; an instance gone meanwhile makes it route again."""
-        ids, params = prepared.prompt_token_ids, prepared.params
-        tried: set[str] = set()
+    async def _add(
+        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
+    ) -> None:
+        """Route the request, then send it; an instance gone meanwhile makes it route again.
+        With no instance left, the stream ends with `fallback` (why it moved), if given."""
+        tried = set(stream.failed_instances)
         while True:
             try:
-                stream.instance = await self._pick(ids, prepared.model, frozenset(tried))
+                stream.instance = await self._pick(ids, stream.model, frozenset(tried))
             except NoInstanceError as exc:
-                await self._end(stream, _error(exc))
+                await self._end(stream, fallback or _error(exc))
                 return
             self.instances.router.routed(stream.request_id, stream.instance, ids)
             result = await self._send_add(stream, ids, params)
-            if result is not None:
+            if result is not None and (result.error is None or not _movable(result.error)):
                 break
+            fallback = result.error if result is not None else fallback
             tried.add(stream.instance)
-        await self._added(stream, result, prepared)
+        await self._added(stream, result, len(ids), params.max_tokens)
 
     async def _pick(self, token_ids: list[int], model: str | None, exclude: frozenset) -> str:
         try:
@@ -166,8 +179,9 @@ class TokenizerService:
             self.instances.router.drop(stream.instance)
             return None
 
-    async def _added(self, stream: Stream, result: AddResult, prepared: Prepared) -> None:
-        ids = prepared.prompt_token_ids
+    async def _added(
+        self, stream: Stream, result: AddResult, num_prompt_tokens: int, max_tokens: int
+    ) -> None:
         if result.error is not None:
             await self._end(stream, result.error)
             return
@@ -175,8 +189,9 @@ class TokenizerService:
             "request queued",
             request_id=stream.request_id,
             instance=stream.instance,
-            num_prompt_tokens=len(ids),
-            max_tokens=prepared.params.max_tokens,
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens,
+            num_migrations=stream.num_migrations,
         )
         stream.submitted, stream.scheduler_id = True, result.scheduler_id
         if stream.aborting:  # an abort or deadline that came while the add was on its way
@@ -254,6 +269,9 @@ class TokenizerService:
                 await self._lose(stream, ErrorInfo("internal_error", f"the stream failed: {exc!r}"))
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
+        if delta.error is not None and _movable(delta.error):
+            await self._move(stream, delta.error)  # the instance failed, not the request
+            return
         events, finish = stream.on_delta(delta)
         await self._send(stream, events)
         if finish is not None:
@@ -276,6 +294,33 @@ class TokenizerService:
             finish = FinishRequest(stream.request_id, "abort")
             await self.nc.publish(self._requests_subject(stream), pack(finish))
         await self._end(stream, error)
+
+    async def _move(self, stream: Stream, error: ErrorInfo) -> None:
+        """The stream's instance failed: go on elsewhere with the tokens so far (migration),
+        or end with `error` when it cannot move; with a typed error past the limit."""
+        if self.streams.get(stream.request_id) is not stream or not stream.submitted:
+            return
+        moved = stream.continuation() if not stream.aborting else None
+        if moved is None:
+            await self._lose(stream, error)
+            return
+        if stream.num_migrations >= self.settings.migration_limit:
+            limit = self.settings.migration_limit
+            message = f"the stream's instance failed {limit + 1} times; last: {error.message}"
+            await self._lose(stream, ErrorInfo("migration_failed", message))
+            return
+        finish = FinishRequest(stream.request_id, "abort")  # in case it runs there still
+        await self.nc.publish(self._requests_subject(stream), pack(finish))
+        log.warning(
+            "stream moves",
+            request_id=stream.request_id,
+            instance=stream.instance,
+            reason=error.message,
+            num_tokens=len(stream.generated),
+        )
+        self.instances.router.drop(stream.instance)
+        stream.moving_from(stream.instance)
+        self._spawn(self._submit(stream, *moved, fallback=error))
 
     def _requests_subject(self, stream: Stream) -> str:
         return self.subjects.for_instance(stream.instance).scheduler_requests

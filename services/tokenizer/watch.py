@@ -36,13 +36,15 @@ class StreamWatch:
         settings: Settings,
         streams: dict[str, Stream],
         lose: LoseStream,
+        move: LoseStream,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.interval_s = settings.heartbeat_interval
         self.liveness_timeout = settings.liveness_timeout
         self.streams = streams  # the service's own table, read here
-        self.lose = lose
+        self.lose = lose  # end the stream (its tokens may be lost)
+        self.move = move  # its instance failed: on to another, if it can
         self.silences: dict[str, Silence] = {}  # by instance
         self.reconnects = Reconnects(nc)
 
@@ -79,16 +81,22 @@ class StreamWatch:
         try:
             reply = await ping(self.nc, subject, self.interval_s)
         except PeerGone:
-            await self._lose_all(submitted, ErrorInfo("unavailable", "the scheduler stopped"))
+            await self._move_all(submitted, ErrorInfo("unavailable", "the scheduler stopped"))
             return
         if silence.note(answered=reply is not None):
             limit = silence.limit_s
             error = ErrorInfo("unavailable", f"the scheduler did not answer for {limit} s")
-            await self._lose_all(submitted, error)
+            await self._move_all(submitted, error)
         elif reply is not None:
             scheduler_id = msgspec.msgpack.decode(reply.data, type=SchedulerInfo).scheduler_id
             lost = [s for s in submitted if s.scheduler_id not in ("", scheduler_id)]
-            await self._lose_all(lost, ErrorInfo("unavailable", "the scheduler restarted"))
+            await self._move_all(lost, ErrorInfo("unavailable", "the scheduler restarted"))
+
+    async def _move_all(self, streams: list[Stream], error: ErrorInfo) -> None:
+        if streams:
+            log.warning("instance failed", num_streams=len(streams), reason=error.message)
+        for stream in streams:
+            await self.move(stream, error)
 
     async def _lose_all(self, streams: list[Stream], error: ErrorInfo) -> None:
         if streams:

@@ -4,6 +4,7 @@ appended to the prompt (what a migrated stream does) goes on with the very same 
 import pytest
 
 from engine import SamplingParams
+from engine.migration import can_move, continuation
 from schemas.errors import InvalidRequestError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
@@ -39,3 +40,13 @@ def test_split_run_continues_identically(tiny_llama, split):
 def test_seed_offset_is_validated():
     with pytest.raises(InvalidRequestError, match="seed_offset"):
         SamplingParams(seed=1, seed_offset=-1)
+
+
+def test_continuation_lowers_the_limits_and_moves_the_seed():
+    params = SamplingParams(seed=3, max_tokens=10, min_tokens=4, seed_offset=2)
+    ids, moved = continuation([1, 2], [7, 8, 9], params)
+    assert ids == [1, 2, 7, 8, 9]
+    assert (moved.max_tokens, moved.min_tokens, moved.seed_offset) == (7, 1, 5)
+    assert continuation([1], [5] * 10, params) is None
+    assert can_move(params) and not can_move(SamplingParams(n=2))
+    assert not can_move(SamplingParams(frequency_penalty=0.5))

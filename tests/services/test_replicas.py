@@ -155,3 +155,107 @@ async def test_kv_routing_prefills_each_prefix_once(client: Client, replicas: Se
     _, rr_outputs = hits_and_outputs(await run_all(client, shared_prefix_prompts(1)))
     assert rr_outputs == kv_outputs
     print(f"prefix hit tokens: kv {kv_hits}, round-robin {rr_hits} (ideal {ideal})")
+
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "Paged attention", "A scheduler"]
+NUM_STREAMS, MAX_TOKENS = 64, 48
+
+
+def stream_fields(i: int) -> dict:
+    """Greedy streams, and seeded sampled ones (odd i), on a few prompts."""
+    sampled = dict(temperature=0.8, top_p=0.95, seed=1000 + i) if i % 2 else dict(temperature=0.0)
+    prompt = f"{PROMPTS[i % len(PROMPTS)]} {i}"
+    return dict(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **sampled)
+
+
+async def run_streams(client: Client, tag: str, started: asyncio.Event | None = None) -> list:
+    """NUM_STREAMS streams at once; `started` is set once a quarter of them have 3 events."""
+    counts = [0] * NUM_STREAMS
+
+    async def one(i: int) -> list:
+        events = []
+        async for event in client.generate(request_id=f"{tag}-{i}", **stream_fields(i)):
+            events.append(event)
+            counts[i] += 1
+            if started is not None and sum(c >= 3 for c in counts) >= NUM_STREAMS // 4:
+                started.set()
+        return events
+
+    return await asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
+
+
+def outputs(streams: list[list]) -> list[list[int]]:
+    for events in streams:
+        final = events[-1]
+        assert final.is_final and final.error is None, final
+        assert [e.seq for e in events] == list(range(len(events))), "a gap in seq"
+        assert final.usage.num_completion_tokens == MAX_TOKENS
+    return [[t for e in events for t in e.token_ids] for events in streams]
+
+
+def count_logged(services: Services, name: str, text: str) -> int:
+    return sum(text in line for line in services.log_lines(name))
+
+
+async def until_logged(services: Services, name: str, text: str, count: int) -> None:
+    for _ in range(600):
+        if count_logged(services, name, text) >= count:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{name} did not log {text!r} {count} times")
+
+
+async def kill_mid_stream(client: Client, replicas: Services, victim: str) -> None:
+    """SIGKILL `victim` with every stream in flight: each goes on elsewhere, unchanged."""
+    reference = outputs(await run_streams(client, f"{victim}-ref"))
+    moves = count_logged(replicas, "tokenizer", "stream moves")
+    started = asyncio.Event()
+    run = asyncio.create_task(run_streams(client, victim, started))
+    await asyncio.wait_for(started.wait(), 60.0)
+    replicas.processes[victim].kill()
+    replicas.processes[victim].wait()
+    streams = await asyncio.wait_for(run, 60.0)
+    assert outputs(streams) == reference  # greedy and seeded alike
+    assert count_logged(replicas, "tokenizer", "stream moves") > moves, "nothing migrated"
+
+
+async def test_executor_killed_streams_migrate(client: Client, replicas: Services):
+    attached = count_logged(replicas, "scheduler-a", "executor attached")
+    await kill_mid_stream(client, replicas, "executor-a")
+    replicas.launch("executor-a", "executor", KVPAGER_INSTANCE="a")
+    await until_logged(replicas, "scheduler-a", "executor attached", attached + 1)
+    await until_instances(replicas)
+
+
+async def test_scheduler_killed_streams_migrate(client: Client, replicas: Services):
+    await kill_mid_stream(client, replicas, "scheduler-b")
+    replicas.launch("scheduler-b", "scheduler", KVPAGER_INSTANCE="b")
+    await until_logged(replicas, "scheduler-b", "executor attached", 1)
+    await until_instances(replicas)
+
+
+async def test_past_the_migration_limit_streams_end_with_a_typed_error(
+    client: Client, replicas: Services
+):
+    """--migration-limit 0: a stream whose instance dies ends with migration_failed; the
+    streams on the other instance are untouched."""
+    replicas.processes["tokenizer"].terminate()
+    assert replicas.processes["tokenizer"].wait(timeout=30) == 0
+    replicas.launch("tokenizer", "tokenizer", KVPAGER_MIGRATION_LIMIT="0")
+    await asyncio.to_thread(replicas.wait_healthy)
+    await until_instances(replicas)
+    attached = count_logged(replicas, "scheduler-a", "executor attached")
+    started = asyncio.Event()
+    run = asyncio.create_task(run_streams(client, "limit", started))
+    await asyncio.wait_for(started.wait(), 60.0)
+    replicas.processes["executor-a"].kill()
+    replicas.processes["executor-a"].wait()
+    streams = await asyncio.wait_for(run, 60.0)
+    errors = [events[-1].error for events in streams]
+    assert {e.type for e in errors if e is not None} == {"migration_failed"}, errors
+    assert 0 < sum(e is not None for e in errors) < NUM_STREAMS, errors
+    for events in streams:
+        assert [e.seq for e in events] == list(range(len(events))), "a gap in seq"
+    replicas.launch("executor-a", "executor", KVPAGER_INSTANCE="a")
+    await until_logged(replicas, "scheduler-a", "executor attached", attached + 1)
+    await until_instances(replicas)
