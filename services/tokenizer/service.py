@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
 from engine.inputs import InputProcessor, RequestLimits
-from schemas.errors import KvpagerError, NoInstanceError
+from schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
@@ -143,6 +143,9 @@ class TokenizerService:
         while True:
             try:
                 stream.instance = await self._pick(ids, stream.model, frozenset(tried))
+            except ModelNotFoundError as exc:
+                await self._end(stream, _error(exc))
+                return
             except NoInstanceError as exc:
                 await self._end(stream, fallback or _error(exc))
                 return
