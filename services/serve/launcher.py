@@ -8,11 +8,13 @@
     ->  "ready"  ->  Ctrl-C or SIGTERM
     ->  SIGTERM the services (they drain their streams)  ->  stop the nats-server.
 
-A child that exits on its own stops everything, with a non-zero exit status.
+A child that exits during start-up stops everything, with a non-zero exit status; once
+ready, one that exits is restarted (services/serve/supervisor.py).
 """
 
 import asyncio
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -30,6 +32,7 @@ from services.connection import open_connection
 from services.serve import processes
 from services.serve.banner import ready_banner, starting_lines
 from services.serve.embedded import EmbeddedNats
+from services.serve.supervisor import Spawn, Supervisor
 from services.settings import HttpSettings, ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
@@ -131,7 +134,8 @@ async def _serve(
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
             _say(*ready_banner(settings, stats, max_model_len, http))
-            await _supervise(children, signals)
+            spawns = _spawns(settings, http, options.replicas)
+            await _supervise(Supervisor(children, spawns), signals)
         return 0
     finally:
         if client is not None:
@@ -146,13 +150,19 @@ def _start_services(
 ) -> dict[str, subprocess.Popen]:
     """The services; with `replicas` > 1, that many executor + scheduler instances, named
     `<instance>-0`, `<instance>-1`... (children `executor-<name>`, `scheduler-<name>`)."""
+    spawns = _spawns(settings, http, replicas)
+    return {name: spawn() for name, spawn in spawns.items()}
+
+
+def _spawns(settings: Settings, http: HttpSettings, replicas: int) -> dict[str, Spawn]:
+    """How to start (and restart) each child."""
     env = {**os.environ, **environment(settings), **environment(http)}
-    children = {}
+    spawns = {}
     for child, command, instance in _commands(settings, http, replicas):
         child_env = env if instance is None else {**env, "KVPAGER_INSTANCE": instance}
         argv = [sys.executable, "-m", "services.cli", command]
-        children[child] = processes.spawn(argv, env=child_env)
-    return children
+        spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
+    return spawns
 
 
 def _commands(settings: Settings, http: HttpSettings, replicas: int):
@@ -219,9 +229,10 @@ async def _max_model_len(client: Client) -> int:
     return max_model_len
 
 
-async def _supervise(children: dict[str, subprocess.Popen], signals: _Signals) -> None:
+async def _supervise(supervisor: Supervisor, signals: _Signals) -> None:
+    """Restart what exits (services/serve/supervisor.py) until Ctrl-C or SIGTERM."""
     while not signals.event.is_set():
-        _check_alive(children, "")
+        supervisor.check()
         await signals.sleep(POLL_S)
 
 

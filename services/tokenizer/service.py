@@ -12,22 +12,21 @@ import time
 import uuid
 
 import msgspec
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
 from engine.inputs import InputProcessor, RequestLimits
-from schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
-from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
-from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
+from schemas.scheduler import FinishRequest
+from schemas.tokenizer import SampleDelta, TokenBatch
 from services.discovery import Discovery
 from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
 from services.tokenizer import info
+from services.tokenizer.dispatch import Dispatch, movable, typed_error
 from services.tokenizer.instances import Instances
 from services.tokenizer.requests import (
     admission_error,
@@ -40,23 +39,6 @@ from services.tokenizer.watch import StreamWatch
 from services.wire import encode_public, pack
 
 log = structlog.get_logger(__name__)
-
-ADD_TIMEOUT_S = 10.0
-# A final delta with these means the instance failed the request (its executor or scheduler
-# went): the stream moves to another instance.
-MOVABLE_ERRORS = ("executor_unavailable", "unavailable")
-
-
-def _movable(error: ErrorInfo) -> bool:
-    return error.type in MOVABLE_ERRORS
-
-
-def _error(exc: Exception) -> ErrorInfo:
-    """A typed error for the client; anything but a KvpagerError is a bug, logged as such."""
-    if isinstance(exc, KvpagerError):
-        return ErrorInfo(type=exc.type, message=str(exc), param=getattr(exc, "param", None))
-    log.error("request preparation failed", exc_info=exc)
-    return ErrorInfo("internal_error", f"the request could not be prepared: {exc!r}")
 
 
 class TokenizerService:
@@ -72,8 +54,19 @@ class TokenizerService:
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
         self.instances = Instances(nc, settings)
+        self.dispatch = Dispatch(
+            nc,
+            settings,
+            self.instances,
+            self.replica_id,
+            self.streams,
+            end=self._end,
+            lose=self._lose,
+            send_finish=self._send_finish,
+            spawn=self._spawn,
+        )
         self.watch = StreamWatch(
-            nc, self.subjects, settings, self.streams, lose=self._lose, move=self._move
+            nc, self.subjects, settings, self.streams, lose=self._lose, move=self.dispatch.move
         )
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -107,7 +100,7 @@ class TokenizerService:
             prepared = prepare_body(msg.data, msgpack, self.inputs)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
-            await self._refuse(msg.reply, msgpack, request_id, _error(exc))
+            await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
             return
         refusal = admission_error(prepared, in_flight=prepared.request_id in self.streams)
         if refusal is not None:
@@ -117,97 +110,12 @@ class TokenizerService:
         self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
-        self._spawn(self._submit(stream, prepared.prompt_token_ids, prepared.params))
+        self._spawn(self.dispatch.submit(stream, prepared.prompt_token_ids, prepared.params))
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
         num_prompt = len(prepared.prompt_token_ids) if prepared else 0
         await self._publish_events(reply_to, msgpack, [error_event(request_id, error, num_prompt)])
-
-    async def _submit(
-        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
-    ) -> None:
-        try:
-            await self._add(stream, ids, params, fallback)
-        except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
-            log.exception("request submission failed", request_id=stream.request_id)
-            error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
-            await self._lose(stream, error)
-
-    async def _add(
-        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
-    ) -> None:
-        """Route the request, then send it; an instance gone meanwhile makes it route again.
-        With no instance left, the stream ends with `fallback` (why it moved), if given."""
-        tried = set(stream.failed_instances)
-        while True:
-            try:
-                stream.instance = await self._pick(ids, stream.model, frozenset(tried))
-            except ModelNotFoundError as exc:
-                await self._end(stream, _error(exc))
-                return
-            except NoInstanceError as exc:
-                await self._end(stream, fallback or _error(exc))
-                return
-            self.instances.router.routed(stream.request_id, stream.instance, ids)
-            result = await self._send_add(stream, ids, params)
-            if result is not None and (result.error is None or not _movable(result.error)):
-                break
-            fallback = result.error if result is not None else fallback
-            tried.add(stream.instance)
-        await self._added(stream, result, len(ids), params.max_tokens)
-
-    async def _pick(self, token_ids: list[int], model: str | None, exclude: frozenset) -> str:
-        try:
-            return self.instances.router.pick(token_ids, model, exclude)
-        except NoInstanceError:  # just started, or every instance moved: look again
-            await self.instances.discover()
-            return self.instances.router.pick(token_ids, model, exclude)
-
-    async def _send_add(self, stream: Stream, ids: list[int], params) -> AddResult | None:
-        """Pieces of a long prompt, then the AddRequest; None: nothing serves the instance."""
-        subjects = self.subjects.for_instance(stream.instance)
-        size = self.settings.piece_tokens
-        num_head = (len(ids) - 1) // size * size  # the AddRequest keeps the last piece
-        for start in range(0, num_head, size):
-            piece = PromptPiece(stream.request_id, ids[start : start + size])
-            await self.nc.publish(subjects.scheduler_requests, pack(piece))
-        add = AddRequest(
-            stream.request_id, ids[num_head:], params, subjects.tokens(self.replica_id)
-        )
-        try:
-            return await self._request_add(subjects.scheduler_requests, add)
-        except nats.errors.NoRespondersError:
-            log.info("instance gone", instance=stream.instance, request_id=stream.request_id)
-            self.instances.router.drop(stream.instance)
-            return None
-
-    async def _added(
-        self, stream: Stream, result: AddResult, num_prompt_tokens: int, max_tokens: int
-    ) -> None:
-        if result.error is not None:
-            await self._end(stream, result.error)
-            return
-        log.info(
-            "request queued",
-            request_id=stream.request_id,
-            instance=stream.instance,
-            num_prompt_tokens=num_prompt_tokens,
-            max_tokens=max_tokens,
-            num_migrations=stream.num_migrations,
-        )
-        stream.submitted, stream.scheduler_id = True, result.scheduler_id
-        if stream.aborting:  # an abort or deadline that came while the add was on its way
-            await self._send_finish(stream, FinishRequest(stream.request_id, "abort"))
-
-    async def _request_add(self, subject: str, add: AddRequest) -> AddResult:
-        """The scheduler's answer; raises NoRespondersError when no scheduler listens."""
-        try:
-            reply = await self.nc.request(subject, pack(add), timeout=ADD_TIMEOUT_S)
-        except nats.errors.TimeoutError:  # the add may have landed: take it back
-            await self.nc.publish(subject, pack(FinishRequest(add.request_id, "abort")))
-            return AddResult(ErrorInfo("unavailable", "the scheduler did not answer in time"))
-        return msgspec.msgpack.decode(reply.data, type=AddResult)
 
     # --- aborts, deadlines, stop strings -------------------------------------------------
 
@@ -243,7 +151,7 @@ class TokenizerService:
 
     async def _send_finish(self, stream: Stream, finish: FinishRequest) -> None:
         """Tell the scheduler; if it never answers, end the stream here after a while."""
-        await self.nc.publish(self._requests_subject(stream), pack(finish))
+        await self.nc.publish(self.dispatch.requests_subject(stream), pack(finish))
         self._arm(stream.request_id, self.settings.finish_timeout, self._on_finish_timeout)
 
     def _on_finish_timeout(self, request_id: str) -> None:
@@ -272,8 +180,8 @@ class TokenizerService:
                 await self._lose(stream, ErrorInfo("internal_error", f"the stream failed: {exc!r}"))
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
-        if delta.error is not None and _movable(delta.error):
-            await self._move(stream, delta.error)  # the instance failed, not the request
+        if delta.error is not None and movable(delta.error):
+            await self.dispatch.move(stream, delta.error)  # the instance failed, not the request
             return
         events, finish = stream.on_delta(delta)
         await self._send(stream, events)
@@ -295,38 +203,8 @@ class TokenizerService:
             return
         if stream.submitted:
             finish = FinishRequest(stream.request_id, "abort")
-            await self.nc.publish(self._requests_subject(stream), pack(finish))
+            await self.nc.publish(self.dispatch.requests_subject(stream), pack(finish))
         await self._end(stream, error)
-
-    async def _move(self, stream: Stream, error: ErrorInfo) -> None:
-        """The stream's instance failed: go on elsewhere with the tokens so far (migration),
-        or end with `error` when it cannot move; with a typed error past the limit."""
-        if self.streams.get(stream.request_id) is not stream or not stream.submitted:
-            return
-        moved = stream.continuation() if not stream.aborting else None
-        if moved is None:
-            await self._lose(stream, error)
-            return
-        if stream.num_migrations >= self.settings.migration_limit:
-            limit = self.settings.migration_limit
-            message = f"the stream's instance failed {limit + 1} times; last: {error.message}"
-            await self._lose(stream, ErrorInfo("migration_failed", message))
-            return
-        finish = FinishRequest(stream.request_id, "abort")  # in case it runs there still
-        await self.nc.publish(self._requests_subject(stream), pack(finish))
-        log.warning(
-            "stream moves",
-            request_id=stream.request_id,
-            instance=stream.instance,
-            reason=error.message,
-            num_tokens=len(stream.generated),
-        )
-        self.instances.router.drop(stream.instance)
-        stream.moving_from(stream.instance)
-        self._spawn(self._submit(stream, *moved, fallback=error))
-
-    def _requests_subject(self, stream: Stream) -> str:
-        return self.subjects.for_instance(stream.instance).scheduler_requests
 
     def _close(self, stream: Stream) -> None:
         self.streams.pop(stream.request_id, None)
