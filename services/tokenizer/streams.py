@@ -83,8 +83,9 @@ class Stream:
     def _finish_sample(self, sample: _Sample) -> None:
         output = sample.output
         sample.finish_reason = output.finish_reason
-        # a moved stream's prompt held its outputs too: count the client's prompt only
-        cached = min(output.num_cached_tokens, self.num_prompt_tokens)
+        cached = output.num_cached_tokens
+        if self.num_migrations:  # the moved request's prompt held outputs too: not the client's
+            cached = min(cached, self.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, cached)
         if output.error is not None:
             self.error = output.error
