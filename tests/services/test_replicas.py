@@ -158,7 +158,7 @@ async def test_kv_routing_prefills_each_prefix_once(client: Client, replicas: Se
 
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Paged attention", "A scheduler"]
-NUM_STREAMS, MAX_TOKENS = 64, 48
+NUM_STREAMS, MAX_TOKENS = 128, 48
 
 
 def stream_fields(i: int) -> dict:
