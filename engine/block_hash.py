@@ -33,3 +33,13 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
             block_tokens = tokens[block_idx * block_size : (block_idx + 1) * block_size]
             hashes.append(hash_block(parent, block_tokens, request.cache_salt))
     return hashes
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids`: what a block manager holding them
+    would have cached (the same hash, so routers and block managers agree)."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        parent = hashes[-1] if hashes else ROOT_HASH
+        hashes.append(hash_block(parent, token_ids[start : start + block_size], None))
+    return hashes

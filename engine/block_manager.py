@@ -18,6 +18,7 @@ from typing import NamedTuple
 from engine.block_hash import update_block_hashes
 from engine.cpu_pool import CpuBlockPool
 from engine.request import Request
+from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass
@@ -69,6 +70,7 @@ class BlockManager:
         self.num_copies = 0  # copy-on-write block copies
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.kv_events: list[KvEvent] | None = None  # recorded once someone listens
 
     @property
     def num_free_blocks(self) -> int:
@@ -240,6 +242,17 @@ class BlockManager:
         self.cpu.end_step()
         return ops
 
+    def record_kv_events(self) -> None:
+        """From now on, record every block cached and uncached (for KV-aware routers)."""
+        self.kv_events = []
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The events since the last call, oldest first."""
+        if self.kv_events is None:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_count == 0 and block.block_hash is not None:
@@ -296,6 +309,8 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append(BlockRemoved(block.block_hash))
         block.block_hash, block.token_ids = None, ()
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
@@ -312,6 +327,9 @@ class BlockManager:
             block.block_hash = hashes[block_idx]
             block.token_ids = tuple(tokens[start : start + self.block_size])
             self.cached[block.block_hash] = block.block_id
+            if self.kv_events is not None:
+                parent = hashes[block_idx - 1] if block_idx else None
+                self.kv_events.append(BlockStored(block.block_hash, parent))
 
     def check_invariants(self) -> None:
         """free + used == total; ref counts equal table references; caches point at live data."""

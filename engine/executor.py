@@ -177,24 +177,19 @@ class Executor:
         for fork in forks:
             parent = self.batch.states[fork.parent_id]
             params = msgspec.structs.replace(parent.params, seed=fork.seed)
-            states.append(
-                self.batch.fork(fork.parent_id, fork.child_id, params, self._generator(fork.seed))
-            )
+            states.append(self.batch.fork(fork.parent_id, fork.child_id, params))
             extra.append(row_of[fork.parent_id])
         return states, torch.cat([indices, indices[torch.tensor(extra, device=self.device)]])
-
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _apply_deltas(self, step: ScheduledStep) -> None:
         for fork in step.forks:  # before removals: parents may go too
             if not fork.sample:
                 parent = self.batch.states[fork.parent_id]
-                self.batch.fork(fork.parent_id, fork.child_id, parent.params, None)
+                self.batch.fork(fork.parent_id, fork.child_id, parent.params)
         for req_id in step.finished_req_ids:
             self.batch.remove(req_id)
         for new in step.new_requests:
-            self.batch.add(new, self._generator(new.sampling_params.seed))
+            self.batch.add(new)
         for cached in step.cached_requests:
             self.batch.update(cached)
             for token_id in cached.new_token_ids:
@@ -203,7 +198,7 @@ class Executor:
     def _sampling_batch(self, states) -> SamplingBatch:
         return SamplingBatch.build(
             params=[s.params for s in states],
-            generators=[s.generator for s in states],
+            seed_positions=[self.batch.seed_position(s) for s in states],
             prompt_token_ids=[self.batch.prompt_token_ids(s) for s in states]
             if any(s.params.repetition_penalty != 1.0 for s in states)
             else [[] for _ in states],

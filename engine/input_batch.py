@@ -25,7 +25,6 @@ class RequestState:
     num_computed_tokens: int
     num_blocks: int
     params: SamplingParams
-    generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
 
 
@@ -50,7 +49,7 @@ class InputBatch:
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
 
-    def add(self, new: NewRequest, generator: torch.Generator | None) -> RequestState:
+    def add(self, new: NewRequest) -> RequestState:
         assert new.req_id not in self.states, f"{new.req_id} added twice"
         assert self.free_rows, "more live requests than max_num_seqs"
         row = self.free_rows.pop()
@@ -65,7 +64,6 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens,
             num_blocks=len(new.block_ids),
             params=new.sampling_params,
-            generator=generator,
             output_token_ids=list(new.token_ids[new.num_prompt_tokens :]),
         )
         self.states[new.req_id] = state
@@ -86,7 +84,6 @@ class InputBatch:
         parent_id: str,
         child_id: str,
         params: SamplingParams,
-        generator: torch.Generator | None,
     ) -> RequestState:
         """A parallel sample: a copy of the parent's row and state, with its own sampling."""
         parent = self.states[parent_id]
@@ -101,7 +98,6 @@ class InputBatch:
             req_id=child_id,
             row=row,
             params=params,
-            generator=generator,
             output_token_ids=list(parent.output_token_ids),
         )
         self.states[child_id] = child
@@ -116,6 +112,11 @@ class InputBatch:
         self.token_ids[state.row, state.num_tokens] = token_id
         state.num_tokens += 1
         state.output_token_ids.append(token_id)
+
+    @staticmethod
+    def seed_position(state: RequestState) -> int:
+        """The output position of the token `state` samples next, earlier runs included."""
+        return state.params.seed_offset + len(state.output_token_ids)
 
     def prompt_token_ids(self, state: RequestState) -> list[int]:
         return self.token_ids[state.row, : state.num_prompt_tokens].tolist()

@@ -2,8 +2,10 @@
 
 Order (vLLM's): min_tokens -> penalties -> [greedy rows: argmax] -> temperature -> min_p ->
 top_k -> top_p -> sample. Sampling is an exponential race, `argmax(probs / q)` with
-`q ~ Exp(1)` (equivalent to Gumbel-max); a row with its own `torch.Generator` draws its own `q`,
-so a seeded request samples the same tokens whatever else shares its batch.
+`q ~ Exp(1)` (equivalent to Gumbel-max). A seeded row draws its `q` from a generator seeded by
+(seed, output position) alone, so a seeded request samples the same tokens whatever else shares
+its batch, and a request re-sent elsewhere with its outputs so far (a migrated stream) goes on
+drawing exactly what it would have drawn: no generator state has to outlive a process.
 """
 
 from dataclasses import dataclass
@@ -14,6 +16,8 @@ from schemas.sampling import SamplingParams
 
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5
+_MASK_64 = (1 << 64) - 1
+_MASK_63 = (1 << 63) - 1
 
 
 @dataclass
@@ -32,14 +36,13 @@ class SamplingBatch:
     """Tensors for one step; row i samples the next token of sequence i.
 
     Optional fields are None when no row uses the feature, so the common cases skip the work.
-    Generators must live on `device`.
     """
 
     temperature: torch.Tensor  # float32 [num_rows]; 1.0 on greedy rows so dividing is harmless
     greedy_mask: torch.Tensor  # bool [num_rows]
     all_greedy: bool
     any_greedy: bool
-    seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
+    seeded_rows: list[tuple[int, int]]  # random rows with a seed: (row, seed of this draw)
     any_unseeded_random: bool  # some random row draws from the shared (global) generator
     top_k: torch.Tensor | None  # int64 [num_rows]; vocab_size where disabled
     top_p: torch.Tensor | None  # float32 [num_rows]; 1.0 where disabled
@@ -61,21 +64,29 @@ class SamplingBatch:
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seed_positions: list[int],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device,
     ) -> "SamplingBatch":
-        """Gather one step's per-row parameters into tensors on `device`."""
+        """Gather one step's per-row parameters into tensors on `device`.
+
+        `seed_positions[i]`: the output position row i samples (counted from the request's
+        first output token, earlier runs included); it matters only on seeded rows.
+        """
         num_rows = len(params)
-        assert len(generators) == len(prompt_token_ids) == len(output_token_ids) == num_rows, (
-            "one generator, prompt and output per row"
+        assert len(seed_positions) == len(prompt_token_ids) == len(output_token_ids) == num_rows, (
+            "one seed position, prompt and output per row"
         )
         greedy = [_is_greedy(p) for p in params]
         random_rows = [i for i in range(num_rows) if not greedy[i]]
-        seeded_rows = [(i, g) for i in random_rows if (g := generators[i]) is not None]
+        seeded_rows = [
+            (i, draw_seed(seed, seed_positions[i]))
+            for i in random_rows
+            if (seed := params[i].seed) is not None
+        ]
         banned_rows, banned_ids = _min_tokens_bans(
             params, output_token_ids, eos_token_ids, vocab_size
         )
@@ -133,6 +144,15 @@ class Sampler:
             if greedy is not None:
                 sampled = torch.where(batch.greedy_mask, greedy, sampled)
         return _output(sampled, logprobs, batch.max_num_logprobs)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of one draw: a stable mix (splitmix64) of the request's seed and the output
+    position, so neighbouring positions and seeds give unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return (z ^ (z >> 31)) & _MASK_63  # manual_seed takes a non-negative int64
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -287,8 +307,10 @@ def _exponential_race(
         q.exponential_(generator=generator)
     else:
         q.fill_(1.0)  # greedy rows (overridden later) still need defined values
-    for row, generator in batch.seeded_rows:
-        q[row].exponential_(generator=generator)
+    if batch.seeded_rows:
+        seeded = torch.Generator(probs.device)  # reseeded for each row's draw
+        for row, seed in batch.seeded_rows:
+            q[row].exponential_(generator=seeded.manual_seed(seed))
     # q == 0 would make 0/0 = NaN, which argmax would pick.
     q.clamp_min_(torch.finfo(torch.float32).tiny)
     return probs.div_(q).argmax(dim=-1)

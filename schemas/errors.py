@@ -42,3 +42,25 @@ class OverloadedError(KvpagerError):
     """The waiting queue is full: the request may succeed later."""
 
     type = "overloaded"
+
+
+class NoInstanceError(KvpagerError):
+    """No scheduler-and-executor instance can take the request now (none is up, or every one
+    that could has failed it already): it may succeed later."""
+
+    type = "unavailable"
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model that no instance serves."""
+
+    type = "model_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
+
+
+class MigrationLimitError(KvpagerError):
+    """A stream's instance failed more often than `--migration-limit` allows."""
+
+    type = "migration_failed"

@@ -48,6 +48,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ]
         | None
     ) = None
+    model: Annotated[str, Meta(description="served model name; none: any instance's")] | None = None
     prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
     messages: (
         Annotated[
@@ -75,6 +76,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX, description="0 or -1: disabled")] = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    seed_offset: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=2**31 - 1,
+            description="outputs an earlier run already sampled (the prompt ends with them): "
+            "seeded draws go on from this output position",
+        ),
+    ] = 0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
@@ -111,6 +121,8 @@ class ErrorInfo(msgspec.Struct):
     `type`: invalid_request, request_too_long, overloaded (the waiting queue is full; retry
     later), unavailable (no scheduler answers, or a service lost its NATS connection),
     executor_unavailable (the executor stopped, hung or restarted; retry once it is back),
+    model_not_found (no instance serves the requested `model`), migration_failed (the
+    stream's instance failed more than `--migration-limit` times),
     deadline_exceeded, internal_error, and connection_lost: made by the Python client itself
     when its NATS connection dropped or the stream went silent (events may be lost; the client
     aborted the request).

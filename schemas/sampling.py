@@ -24,6 +24,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
     seed: int | None = None
+    # Output positions an earlier run of this request already sampled (a migrated stream,
+    # re-sent with those tokens appended to its prompt): this run's first token draws from
+    # (seed, seed_offset). Only seeded sampling reads it.
+    seed_offset: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -70,6 +74,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        _check(0 <= self.seed_offset < 2**31, "seed_offset", "must be in [0, 2**31)")
 
     def _check_beam_search(self) -> None:
         _check(self.beam_width >= 1, "beam_width", "must be at least 1")

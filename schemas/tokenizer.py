@@ -40,3 +40,53 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 class TokenBatch(msgspec.Struct, array_like=True):
     step_id: int
     deltas: list[SampleDelta]
+
+
+# --- KV events and load: what every tokenizer's router hears from every scheduler, on
+# `<prefix>.internal.<instance>.kv.events` (and the load, in the scheduler's $SRV.STATS).
+
+
+class BlockStored(msgspec.Struct, tag="stored", array_like=True):
+    """A full block now cached under its chained hash (engine/block_hash.py)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None  # None: the first block of a prompt
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
+    """A cached block was evicted (its content is gone from the device)."""
+
+    block_hash: bytes
+
+
+class CacheCleared(msgspec.Struct, tag="cleared", array_like=True):
+    """Nothing is cached any more (a new engine core, a new executor)."""
+
+
+KvEvent = BlockStored | BlockRemoved | CacheCleared
+
+
+class InstanceLoad(msgspec.Struct, kw_only=True):
+    """One instance's model and load, as its scheduler last saw them."""
+
+    model: str = ""  # "" until an executor attached
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+
+class KvEvents(msgspec.Struct, array_like=True):
+    """KV events of one scheduler, numbered 0, 1, 2... per `scheduler_id`: a gap means lost
+    events. `load` is the instance's load after them."""
+
+    instance: str
+    scheduler_id: str
+    seq: int
+    events: list[KvEvent]
+    load: InstanceLoad

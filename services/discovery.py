@@ -11,6 +11,7 @@ process; a group of one member receives every message, as a plain subscription d
 import os
 from collections.abc import Awaitable, Callable
 from importlib import metadata
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -39,8 +40,15 @@ class Discovery:
 
     @classmethod
     async def register(
-        cls, nc: NATS, kind: str, settings: Settings, description: str, **details: str
+        cls,
+        nc: NATS,
+        kind: str,
+        settings: Settings,
+        description: str,
+        stats: Callable[[], Any] | None = None,
+        **details: str,
     ) -> "Discovery":
+        """`stats`: what `$SRV.STATS` carries as every endpoint's `data` (JSON-ready)."""
         # the pid lets `kvpager serve` tell which of its children stopped answering $SRV.PING
         info = {
             "instance": settings.instance,
@@ -54,6 +62,7 @@ class Discovery:
             version=_version(),
             description=description,
             metadata=info,
+            stats_handler=None if stats is None else lambda _endpoint: stats(),
         )
         return cls(service, kind)
 

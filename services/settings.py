@@ -81,6 +81,12 @@ class Settings:
     max_beam_width: int = _opt("widest beam search per request", default=16)
     max_stop_strings: int = _opt("most stop strings per request", default=16)
     max_stop_string_chars: int = _opt("longest stop string (characters)", default=256)
+    router: str = _opt(
+        "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
+    )
+    migration_limit: int = _opt(
+        "times a stream moves to another instance after its own failed, then an error", default=3
+    )
 
     def __post_init__(self) -> None:
         for name in ("prefix", "instance"):
@@ -104,6 +110,10 @@ class Settings:
         for name in (*timeouts, "heartbeat_interval", "liveness_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
+        if self.router not in ("kv", "least-loaded", "round-robin"):
+            raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
+        if self.migration_limit < 0:
+            raise ConfigError("migration_limit: must be at least 0")
         self._check_nats_auth()
 
     def _check_nats_auth(self) -> None:
@@ -215,6 +225,7 @@ class ServeSettings:
     nats_server_cert: str | None = _opt("TLS certificate of the embedded server", default=None)
     nats_server_key: str | None = _opt("TLS private key of the embedded server", default=None)
     ready_timeout: float = _opt("seconds to wait for the services to answer", default=600.0)
+    replicas: int = _opt("scheduler-and-executor instances to start", default=1)
 
     def __post_init__(self) -> None:
         if not 0 < self.nats_port < 65536:
@@ -223,6 +234,8 @@ class ServeSettings:
             raise ConfigError("nats_server_cert and nats_server_key: give both or neither")
         if self.ready_timeout <= 0:
             raise ConfigError("ready_timeout: must be positive")
+        if self.replicas < 1:
+            raise ConfigError("replicas: must be at least 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeSettings":

@@ -14,6 +14,9 @@ llm.internal.<instance>.executor.steps       scheduler -> executor: StepPiece, R
 llm.internal.<instance>.executor.<id>.ping   scheduler -> one executor: liveness, request-reply
 llm.internal.<instance>.tokens.<replica>     scheduler -> one tokenizer: TokenBatch; empty
                                       request: liveness ping
+llm.internal.<instance>.kv.events     scheduler -> every tokenizer's router: KvEvents
+$SRV.STATS.kvpager-scheduler          tokenizers -> every scheduler (nats.micro): its
+                                      instance (metadata) and InstanceLoad (endpoint data)
 """
 
 from dataclasses import dataclass
@@ -75,3 +78,19 @@ class Subjects:
 
     def tokens(self, replica_id: str) -> str:
         return f"{self._internal}.tokens.{replica_id}"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self._internal}.kv.events"
+
+    @property
+    def all_kv_events(self) -> str:
+        """Every instance's KV events (a wildcard subscription)."""
+        return f"{self.prefix}.internal.*.kv.events"
+
+    def all_tokens(self, replica_id: str) -> str:
+        """One tokenizer replica's token batches from every instance."""
+        return f"{self.prefix}.internal.*.tokens.{replica_id}"
+
+    def for_instance(self, instance: str) -> "Subjects":
+        return Subjects(self.prefix, instance)

@@ -36,6 +36,7 @@ from schemas.tokenizer import AddResult, SampleDelta
 from services.discovery import Discovery
 from services.liveness import repeat
 from services.scheduler.attach import scheduler_info
+from services.scheduler.kv_events import KvEventPublisher, instance_load
 from services.scheduler.link import ExecutorLink
 from services.scheduler.outbox import Outbox, Route
 from services.scheduler.pieces import PromptPieces
@@ -59,6 +60,9 @@ class SchedulerService:
         self.core: EngineCore | None = None
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
+        self.kv_events = KvEventPublisher(
+            nc, self.subjects.kv_events, settings.instance, self.scheduler_id
+        )
         # a dead tokenizer's orphaned pieces go after a while
         self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
         self._work = asyncio.Event()
@@ -82,7 +86,9 @@ class SchedulerService:
 
     async def start(self) -> None:
         nc, subjects = self.nc, self.subjects
-        discovery = await Discovery.register(nc, "scheduler", self.settings, "plans steps, owns KV")
+        discovery = await Discovery.register(
+            nc, "scheduler", self.settings, "plans steps, owns KV", stats=self._load
+        )
         await discovery.subscribe("attach", subjects.scheduler_attach, self._on_attach)
         await self.link.start()
         await discovery.subscribe("info", subjects.scheduler_info, self._on_info)
@@ -116,13 +122,19 @@ class SchedulerService:
 
     def _build_core(self, ready: ExecutorReady) -> EngineCore:
         """A fresh core for the executor's capacity (its cache starts empty)."""
-        return EngineCore(
+        core = EngineCore(
             build_scheduler(self.config, ready),
             self.link,
             self._publish,
             self.config.plan_ahead,
             check_invariants=self.settings.check_invariants,
         )
+        self.kv_events.cleared(core)
+        return core
+
+    def _load(self) -> dict:
+        """The instance's load, for discovery ($SRV.STATS endpoint data)."""
+        return msgspec.to_builtins(instance_load(self.core, self.executor))
 
     def _lose_executor(self, error: ErrorInfo) -> None:
         """Fail every request now; the core stays (all blocks free) until an executor attaches."""
@@ -222,8 +234,9 @@ class SchedulerService:
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
 
     async def _publish(self, deltas: list[SampleDelta], step_id: int) -> None:
-        """The core's deltas to their tokenizers."""
+        """The core's deltas to their tokenizers, then the KV events and load to routers."""
         await self.outbox.publish(self.outbox.route(deltas), step_id)
+        await self.kv_events.publish(self.core, self.executor)
 
     async def _wait_for_work(self, core: EngineCore | None) -> None:
         self._work.clear()  # before the publish: work that comes during it is not missed

@@ -32,7 +32,7 @@ from services.connection import open_connection
 from services.serve import processes
 from services.serve.banner import ready_banner, starting_lines
 from services.serve.embedded import EmbeddedNats
-from services.serve.supervisor import Child, Supervisor
+from services.serve.supervisor import Child, Spawn, Supervisor
 from services.settings import HttpSettings, ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
@@ -129,7 +129,7 @@ async def _serve(
             settings = dataclasses.replace(settings, nats_url=server.url)
         client = Client(await open_connection(settings, "kvpager-serve"), settings.prefix)
         _say(*starting_lines(settings, server.process.pid if server else None))
-        children = _start_services(settings, http)
+        children = _start_services(settings, http, options.replicas)
         ready = await _wait_ready(client, children, signals, options.ready_timeout)
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
@@ -145,15 +145,31 @@ async def _serve(
             server.stop()
 
 
-def _start_services(settings: Settings, http: HttpSettings) -> dict[str, Child]:
+def _start_services(settings: Settings, http: HttpSettings, replicas: int = 1) -> dict[str, Child]:
+    """The services; with `replicas` > 1, that many executor + scheduler instances, named
+    `<instance>-0`, `<instance>-1`... (children `executor-<name>`, `scheduler-<name>`)."""
+    spawns = _spawns(settings, http, replicas)
+    return {name: Child(name, spawn, spawn()) for name, spawn in spawns.items()}
+
+
+def _spawns(settings: Settings, http: HttpSettings, replicas: int) -> dict[str, Spawn]:
+    """How to start (and restart) each child."""
     env = {**os.environ, **environment(settings), **environment(http)}
-    children = {}
-    for name in (*SERVICE_NAMES, *_http_ports(http)):
-        start = functools.partial(
-            processes.spawn, [sys.executable, "-m", "services.cli", name], env
-        )
-        children[name] = Child(name, start, start())
-    return children
+    spawns = {}
+    for child, command, instance in _commands(settings, http, replicas):
+        child_env = env if instance is None else {**env, "KVPAGER_INSTANCE": instance}
+        argv = [sys.executable, "-m", "services.cli", command]
+        spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
+    return spawns
+
+
+def _commands(settings: Settings, http: HttpSettings, replicas: int):
+    """(child name, kvpager command, instance or None) for every child, slowest first."""
+    if replicas == 1:
+        return [(name, name, None) for name in (*SERVICE_NAMES, *_http_ports(http))]
+    instances = [f"{settings.instance}-{i}" for i in range(replicas)]
+    pairs = [(f"{kind}-{i}", kind, i) for i in instances for kind in ("executor", "scheduler")]
+    return [*pairs, *((name, name, None) for name in ("tokenizer", *_http_ports(http)))]
 
 
 async def _wait_listening(http: HttpSettings, children, signals: _Signals, timeout_s: float):

@@ -29,8 +29,11 @@ BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
 PING_WAIT_S = 0.5
 
 
-class GaveUp(KvpagerError):
-    """A service kept crashing."""
+Spawn = Callable[[], subprocess.Popen]
+
+
+class CrashLoopError(KvpagerError):
+    """A service keeps exiting or hanging: restarting it again would not help."""
 
     type = "unavailable"
 
@@ -40,7 +43,7 @@ class Child:
     """One service process and how to start it again."""
 
     name: str
-    start: Callable[[], subprocess.Popen]
+    start: Spawn
     process: subprocess.Popen
     crashes: deque[float] = field(default_factory=deque)  # when it exited or hung, recently
     restart_at: float | None = None  # exited: start again then
@@ -48,15 +51,19 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, nc: NATS, children: dict[str, Child], liveness_timeout_s: float) -> None:
+    def __init__(
+        self, nc: NATS | None, children: dict[str, Child], liveness_timeout_s: float
+    ) -> None:
         self.nc = nc
         self.children = children
         self.liveness_timeout_s = liveness_timeout_s
 
     async def tick(self) -> None:
         """Restart what exited (after its backoff) and kill what stopped answering."""
-        now = time.monotonic()
-        answering = await self._answering_pids()
+        self.check(time.monotonic(), await self._answering_pids())
+
+    def check(self, now: float, answering: frozenset[int] | set[int] = frozenset()) -> None:
+        """`answering`: the pids that answered $SRV.PING just now. Raises CrashLoopError."""
         for child in self.children.values():
             if child.process.pid in answering:
                 child.answered_at = now
@@ -80,7 +87,7 @@ class Supervisor:
         while child.crashes and child.crashes[0] < now - CRASH_WINDOW_S:
             child.crashes.popleft()
         if len(child.crashes) >= MAX_CRASHES:
-            raise GaveUp(
+            raise CrashLoopError(
                 f"the {child.name} {why}, its {len(child.crashes)}th crash in "
                 f"{CRASH_WINDOW_S:g} s: giving up"
             )

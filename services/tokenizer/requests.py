@@ -30,6 +30,7 @@ class Prepared:
     params: SamplingParams
     stream: bool
     timeout_s: float | None  # from now; None: no deadline
+    model: str | None = None  # None: any instance's
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:
@@ -85,6 +86,7 @@ def prepare(request: GenerateRequest, request_id: str, inputs: InputProcessor) -
         params=params,
         stream=request.stream,
         timeout_s=_timeout_s(request),
+        model=request.model,
     )
 
 

@@ -1,8 +1,10 @@
 """Tokenizer service: validates and tokenizes client requests, streams their text back.
 
-Replicas share `llm.generate` through a queue group. Each owns the streams it accepted; the
-scheduler sends their tokens to the replica's own subject (the AddRequest's `reply_to`), and
-`llm.abort` reaches every replica, the owner acting on it.
+Replicas share `llm.generate` through a queue group. Each owns the streams it accepted and
+routes each to an instance (scheduler + executor pair) its router picks (services/tokenizer/
+instances.py, engine/routing.py); the scheduler sends their tokens to the replica's own
+subject under that instance (the AddRequest's `reply_to`), and `llm.abort` reaches every
+replica, the owner acting on it.
 """
 
 import asyncio
@@ -10,24 +12,23 @@ import time
 import uuid
 
 import msgspec
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
 from engine.inputs import InputProcessor, RequestLimits
-from schemas.errors import KvpagerError
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
-from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
-from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
+from schemas.scheduler import FinishRequest
+from schemas.tokenizer import SampleDelta, TokenBatch
 from services.discovery import Discovery
 from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects
 from services.tokenizer import info
+from services.tokenizer.dispatch import Dispatch, movable, typed_error
+from services.tokenizer.instances import Instances
 from services.tokenizer.requests import (
-    Prepared,
     admission_error,
     is_msgpack,
     prepare_body,
@@ -38,16 +39,6 @@ from services.tokenizer.watch import StreamWatch
 from services.wire import encode_public, pack
 
 log = structlog.get_logger(__name__)
-
-ADD_TIMEOUT_S = 10.0
-
-
-def _error(exc: Exception) -> ErrorInfo:
-    """A typed error for the client; anything but a KvpagerError is a bug, logged as such."""
-    if isinstance(exc, KvpagerError):
-        return ErrorInfo(type=exc.type, message=str(exc), param=getattr(exc, "param", None))
-    log.error("request preparation failed", exc_info=exc)
-    return ErrorInfo("internal_error", f"the request could not be prepared: {exc!r}")
 
 
 class TokenizerService:
@@ -62,18 +53,32 @@ class TokenizerService:
         self.limits = self.inputs.limits
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
+        self.instances = Instances(nc, settings)
+        self.dispatch = Dispatch(
+            nc,
+            settings,
+            self.instances,
+            self.replica_id,
+            self.streams,
+            end=self._end,
+            lose=self._lose,
+            send_finish=self._send_finish,
+            spawn=self._spawn,
+        )
         self.watch = StreamWatch(
-            nc, self.subjects.scheduler_info, settings, self.streams, self._lose
+            nc, self.subjects, settings, self.streams, lose=self._lose, move=self.dispatch.move
         )
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._discovery: Discovery | None = None
         self._watch_task: asyncio.Task | None = None
+        self._discover_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         subjects, nc = self.subjects, self.nc
-        await nc.subscribe(subjects.tokens(self.replica_id), cb=self._on_tokens)
+        await nc.subscribe(subjects.all_tokens(self.replica_id), cb=self._on_tokens)
         await nc.subscribe(subjects.abort, cb=self._on_abort)
+        await self.instances.start()
         self._discovery = discovery = await Discovery.register(
             nc, "tokenizer", self.settings, "validates, tokenizes, streams text back"
         )
@@ -81,6 +86,7 @@ class TokenizerService:
         await discovery.subscribe("health", subjects.health, self._on_health, TOKENIZER_QUEUE)
         await discovery.subscribe("models", subjects.models, self._on_models, TOKENIZER_QUEUE)
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
+        self._discover_task = repeat(self.settings.heartbeat_interval, self.instances.discover)
         log.info("tokenizer ready", replica=self.replica_id, generate=subjects.generate)
 
     # --- requests in ------------------------------------------------------------------
@@ -94,7 +100,7 @@ class TokenizerService:
             prepared = prepare_body(msg.data, msgpack, self.inputs)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
-            await self._refuse(msg.reply, msgpack, request_id, _error(exc))
+            await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
             return
         refusal = admission_error(prepared, in_flight=prepared.request_id in self.streams)
         if refusal is not None:
@@ -104,59 +110,12 @@ class TokenizerService:
         self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
-        self._spawn(self._submit(stream, prepared))
+        self._spawn(self.dispatch.submit(stream, prepared.prompt_token_ids, prepared.params))
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
         num_prompt = len(prepared.prompt_token_ids) if prepared else 0
         await self._publish_events(reply_to, msgpack, [error_event(request_id, error, num_prompt)])
-
-    async def _submit(self, stream: Stream, prepared: Prepared) -> None:
-        try:
-            await self._add(stream, prepared)
-        except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
-            log.exception("request submission failed", request_id=stream.request_id)
-            error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
-            await self._lose(stream, error)
-
-    async def _add(self, stream: Stream, prepared: Prepared) -> None:
-        """Pieces of a long prompt, then the AddRequest as a NATS request."""
-        ids, size = prepared.prompt_token_ids, self.settings.piece_tokens
-        num_head = (len(ids) - 1) // size * size  # the AddRequest keeps the last piece
-        for start in range(0, num_head, size):
-            piece = PromptPiece(stream.request_id, ids[start : start + size])
-            await self.nc.publish(self.subjects.scheduler_requests, pack(piece))
-        add = AddRequest(
-            stream.request_id,
-            ids[num_head:],
-            prepared.params,
-            self.subjects.tokens(self.replica_id),
-        )
-        result = await self._request_add(add)
-        if result.error is not None:
-            await self._end(stream, result.error)
-            return
-        log.info(
-            "request queued",
-            request_id=stream.request_id,
-            num_prompt_tokens=len(ids),
-            max_tokens=prepared.params.max_tokens,
-        )
-        stream.submitted, stream.scheduler_id = True, result.scheduler_id
-        if stream.aborting:  # an abort or deadline that came while the add was on its way
-            await self._send_finish(stream, FinishRequest(stream.request_id, "abort"))
-
-    async def _request_add(self, add: AddRequest) -> AddResult:
-        subject = self.subjects.scheduler_requests
-        try:
-            reply = await self.nc.request(subject, pack(add), timeout=ADD_TIMEOUT_S)
-        except nats.errors.NoRespondersError:
-            instance = self.settings.instance
-            return AddResult(ErrorInfo("unavailable", f"no scheduler on instance {instance!r}"))
-        except nats.errors.TimeoutError:  # the add may have landed: take it back
-            await self.nc.publish(subject, pack(FinishRequest(add.request_id, "abort")))
-            return AddResult(ErrorInfo("unavailable", "the scheduler did not answer in time"))
-        return msgspec.msgpack.decode(reply.data, type=AddResult)
 
     # --- aborts, deadlines, stop strings -------------------------------------------------
 
@@ -192,7 +151,7 @@ class TokenizerService:
 
     async def _send_finish(self, stream: Stream, finish: FinishRequest) -> None:
         """Tell the scheduler; if it never answers, end the stream here after a while."""
-        await self.nc.publish(self.subjects.scheduler_requests, pack(finish))
+        await self.nc.publish(self.dispatch.requests_subject(stream), pack(finish))
         self._arm(stream.request_id, self.settings.finish_timeout, self._on_finish_timeout)
 
     def _on_finish_timeout(self, request_id: str) -> None:
@@ -209,10 +168,11 @@ class TokenizerService:
             return
         await self.watch.check_reconnect()  # batches before this one may be lost
         batch = msgspec.msgpack.decode(msg.data, type=TokenBatch)
+        instance = msg.subject.rsplit(".", 3)[1]  # <prefix>.internal.<instance>.tokens.<id>
         for delta in batch.deltas:
             stream = self.streams.get(delta.request_id)
-            if stream is None:
-                continue  # ended here already (stop string, timeout): late tokens
+            if stream is None or stream.instance != instance:
+                continue  # ended here already (stop string, timeout), or moved: late tokens
             try:
                 await self._on_delta(stream, delta)
             except Exception as exc:  # a bug in one stream must not hang it, nor the others
@@ -220,6 +180,9 @@ class TokenizerService:
                 await self._lose(stream, ErrorInfo("internal_error", f"the stream failed: {exc!r}"))
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
+        if delta.error is not None and movable(delta.error):
+            await self.dispatch.move(stream, delta.error)  # the instance failed, not the request
+            return
         events, finish = stream.on_delta(delta)
         await self._send(stream, events)
         if finish is not None:
@@ -240,11 +203,12 @@ class TokenizerService:
             return
         if stream.submitted:
             finish = FinishRequest(stream.request_id, "abort")
-            await self.nc.publish(self.subjects.scheduler_requests, pack(finish))
+            await self.nc.publish(self.dispatch.requests_subject(stream), pack(finish))
         await self._end(stream, error)
 
     def _close(self, stream: Stream) -> None:
         self.streams.pop(stream.request_id, None)
+        self.instances.router.release(stream.request_id)
         timer = self._timers.pop(stream.request_id, None)
         if timer is not None:
             timer.cancel()
@@ -276,7 +240,11 @@ class TokenizerService:
         await self._answer(msg, info.models)
 
     async def _answer(self, msg: Msg, build) -> None:
-        state = await info.scheduler_info(self.nc, self.subjects.scheduler_info)
+        serving = [i.name for i in self.instances.router.instances.values() if i.load.model]
+        instance = min(serving, default=self.settings.instance)
+        state = await info.scheduler_info(
+            self.nc, self.subjects.for_instance(instance).scheduler_info
+        )
         await msg.respond(encode_public(build(state, self.settings), is_msgpack(msg.headers))[0])
 
     # --- plumbing --------------------------------------------------------------------------
@@ -298,8 +266,9 @@ class TokenizerService:
         if self._discovery is not None:  # its endpoints are the public subscriptions
             await self._discovery.stop()
         await self._wait_for_streams(self.settings.drain_timeout)
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        for task in (self._watch_task, self._discover_task):
+            if task is not None:
+                task.cancel()
         error = ErrorInfo("unavailable", "the tokenizer is shutting down")
         for stream in list(self.streams.values()):
             await self._abort(stream, error)

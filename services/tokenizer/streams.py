@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.migration import can_move, continuation
 from engine.output_processor import SampleOutput, SampleUpdate
 from schemas.public import ErrorInfo, GenerateEvent, TokenLogprob, Usage
+from schemas.sampling import SamplingParams
 from schemas.scheduler import FinishRequest
 from schemas.tokenizer import SampleDelta
 from services.tokenizer.requests import Prepared
@@ -42,6 +44,14 @@ class Stream:
         self.abort_error: ErrorInfo | None = None  # why we aborted it (deadline, shutdown)
         self.submitted = False  # the scheduler accepted it
         self.scheduler_id = ""  # the scheduler that accepted it
+        self.instance = ""  # the instance it runs on
+        # what migration needs: the request as prepared, and sample 0's tokens so far
+        self.prompt_token_ids = prepared.prompt_token_ids
+        self.params = prepared.params
+        self.model = prepared.model
+        self.generated: list[int] = []
+        self.num_migrations = 0
+        self.failed_instances: set[str] = set()
         self.aborting = False
         self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
@@ -57,6 +67,7 @@ class Stream:
     def on_delta(self, delta: SampleDelta) -> tuple[list[GenerateEvent], FinishRequest | None]:
         """Events to publish, and a FinishRequest for the scheduler if a stop string matched."""
         sample = self._samples[delta.index]
+        self.generated += delta.token_ids  # (one sample, when it can move)
         update = None if sample.finish_reason is not None else sample.output.add(delta)
         if update is None:
             return [], None
@@ -72,7 +83,10 @@ class Stream:
     def _finish_sample(self, sample: _Sample) -> None:
         output = sample.output
         sample.finish_reason = output.finish_reason
-        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        cached = output.num_cached_tokens
+        if self.num_migrations:  # the moved request's prompt held outputs too: not the client's
+            cached = min(cached, self.num_prompt_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, cached)
         if output.error is not None:
             self.error = output.error
         elif output.finish_reason == "abort":
@@ -123,6 +137,18 @@ class Stream:
                 sample.finish_reason = finish_reason
                 events.append(self._next_event(index=index, finish_reason=finish_reason))
         return events
+
+    def continuation(self) -> tuple[list[int], SamplingParams] | None:
+        """The request that goes on from the tokens so far, or None if it cannot move."""
+        if not can_move(self.params):
+            return None
+        return continuation(self.prompt_token_ids, self.generated, self.params)
+
+    def moving_from(self, instance: str) -> None:
+        """Its instance failed: deltas from there are late from now on."""
+        self.failed_instances.add(instance)
+        self.num_migrations += 1
+        self.instance, self.submitted, self.scheduler_id = "", False, ""
 
     def usage(self) -> Usage:
         return Usage(

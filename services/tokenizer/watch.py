@@ -1,11 +1,12 @@
 """A tokenizer's watch over its streams: keepalives to clients, the scheduler's liveness.
 
-A stream whose scheduler is gone, restarted or silent for `liveness_timeout` seconds ends with
-an "unavailable" error (and an abort to the scheduler, in case it still runs the request), so
-no client waits for tokens that will never come. After a reconnect of our own connection,
-token batches may have been lost: every stream ends the same way.
+A stream whose instance's scheduler is gone, restarted or silent for `liveness_timeout`
+seconds ends with an "unavailable" error (and an abort to the scheduler, in case it still
+runs the request), so no client waits for tokens that will never come. After a reconnect of
+our own connection, token batches may have been lost: every stream ends the same way.
 """
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +18,7 @@ from schemas.public import ErrorInfo
 from schemas.scheduler import SchedulerInfo
 from services.liveness import PeerGone, Reconnects, Silence, ping
 from services.settings import Settings
+from services.subjects import Subjects
 from services.tokenizer.streams import Stream
 
 log = structlog.get_logger(__name__)
@@ -30,17 +32,20 @@ class StreamWatch:
     def __init__(
         self,
         nc: NATS,
-        info_subject: str,
+        subjects: Subjects,
         settings: Settings,
         streams: dict[str, Stream],
         lose: LoseStream,
+        move: LoseStream,
     ) -> None:
         self.nc = nc
-        self.info_subject = info_subject
+        self.subjects = subjects
         self.interval_s = settings.heartbeat_interval
+        self.liveness_timeout = settings.liveness_timeout
         self.streams = streams  # the service's own table, read here
-        self.lose = lose
-        self.silence = Silence(settings.liveness_timeout)
+        self.lose = lose  # end the stream (its tokens may be lost)
+        self.move = move  # its instance failed: on to another, if it can
+        self.silences: dict[str, Silence] = {}  # by instance
         self.reconnects = Reconnects(nc)
 
     async def tick(self) -> None:
@@ -62,23 +67,36 @@ class StreamWatch:
                 await self.nc.publish(stream.reply_to, b"", headers=KEEPALIVE_HEADERS)
 
     async def _check_scheduler(self) -> None:
-        submitted = [stream for stream in self.streams.values() if stream.submitted]
-        if not submitted:
-            self.silence.note(answered=True)
-            return
+        by_instance: dict[str, list[Stream]] = {}
+        for stream in self.streams.values():
+            if stream.submitted:
+                by_instance.setdefault(stream.instance, []).append(stream)
+        for instance in set(self.silences) - set(by_instance):
+            del self.silences[instance]
+        await asyncio.gather(*(self._check_instance(i, s) for i, s in by_instance.items()))
+
+    async def _check_instance(self, instance: str, submitted: list[Stream]) -> None:
+        silence = self.silences.setdefault(instance, Silence(self.liveness_timeout))
+        subject = self.subjects.for_instance(instance).scheduler_info
         try:
-            reply = await ping(self.nc, self.info_subject, self.interval_s)
+            reply = await ping(self.nc, subject, self.interval_s)
         except PeerGone:
-            await self._lose_all(submitted, ErrorInfo("unavailable", "the scheduler stopped"))
+            await self._move_all(submitted, ErrorInfo("unavailable", "the scheduler stopped"))
             return
-        if self.silence.note(answered=reply is not None):
-            limit = self.silence.limit_s
+        if silence.note(answered=reply is not None):
+            limit = silence.limit_s
             error = ErrorInfo("unavailable", f"the scheduler did not answer for {limit} s")
-            await self._lose_all(submitted, error)
+            await self._move_all(submitted, error)
         elif reply is not None:
             scheduler_id = msgspec.msgpack.decode(reply.data, type=SchedulerInfo).scheduler_id
             lost = [s for s in submitted if s.scheduler_id not in ("", scheduler_id)]
-            await self._lose_all(lost, ErrorInfo("unavailable", "the scheduler restarted"))
+            await self._move_all(lost, ErrorInfo("unavailable", "the scheduler restarted"))
+
+    async def _move_all(self, streams: list[Stream], error: ErrorInfo) -> None:
+        if streams:
+            log.warning("instance failed", num_streams=len(streams), reason=error.message)
+        for stream in streams:
+            await self.move(stream, error)
 
     async def _lose_all(self, streams: list[Stream], error: ErrorInfo) -> None:
         if streams:

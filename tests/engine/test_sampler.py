@@ -19,14 +19,14 @@ NUM_DRAWS = 20_000
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None] | None = None,
+    seed_positions: list[int] | None = None,
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
 ) -> SamplerOutput:
     num_rows = len(params)
     batch = SamplingBatch.build(
         params,
-        generators or [None] * num_rows,
+        seed_positions or [0] * num_rows,
         prompts or [[] for _ in range(num_rows)],
         outputs or [[] for _ in range(num_rows)],
         eos_token_ids=[EOS],
@@ -204,16 +204,15 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     seeded = SamplingParams(seed=7, temperature=0.9, top_p=0.95)
 
     def run(num_others: int, row: int) -> list[int]:
-        generator = torch.Generator().manual_seed(seeded.seed or 0)
         tokens = []
-        for step_logits in steps:
+        for position, step_logits in enumerate(steps):
             logits = torch.randn(num_others + 1, vocab)
             logits[row] = step_logits[0]
             params = [SamplingParams(temperature=1.5)] * (num_others + 1)
             params[row] = seeded
-            generators: list[torch.Generator | None] = [None] * (num_others + 1)
-            generators[row] = generator
-            out = sample(logits, params, generators)
+            positions = [0] * (num_others + 1)
+            positions[row] = position
+            out = sample(logits, params, positions)
             tokens.append(int(out.sampled_token_ids[row]))
         return tokens
 
@@ -226,24 +225,34 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
 def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
     logits = torch.zeros(2, 1000)  # uniform: 1000 equally likely tokens
     params = [SamplingParams(seed=1), SamplingParams(seed=1)]
-    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)]
-    same = sample(logits, params, list(generators)).sampled_token_ids.tolist()
+    same = sample(logits, params, [0, 0]).sampled_token_ids.tolist()
     assert same[0] == same[1]
-    other: list[torch.Generator | None] = [torch.Generator().manual_seed(2), generators[0]]
-    different = sample(logits, params, other).sampled_token_ids.tolist()
+    other = [SamplingParams(seed=2), SamplingParams(seed=1)]
+    different = sample(logits, other, [0, 0]).sampled_token_ids.tolist()
     assert different[0] != different[1]
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_only() -> None:
+    """Resuming at output position k (a migrated stream) draws what an unbroken run drew."""
+    logits = torch.zeros(1, 1000)
+    params = [SamplingParams(seed=5)]
+    unbroken = [int(sample(logits, params, [k]).sampled_token_ids[0]) for k in range(8)]
+    torch.manual_seed(123)  # the global generator plays no part in seeded rows
+    resumed = [int(sample(logits, params, [k]).sampled_token_ids[0]) for k in range(3, 8)]
+    assert resumed == unbroken[3:]
+    assert len(set(unbroken)) > 4  # positions give unrelated draws
 
 
 def test_flags_skip_unused_stages() -> None:
     greedy = SamplingBatch.build(
-        [SamplingParams(temperature=0.0, top_k=5)], [None], [[1]], [[2]], [EOS], 10, CPU
+        [SamplingParams(temperature=0.0, top_k=5)], [0], [[1]], [[2]], [EOS], 10, CPU
     )
     assert greedy.all_greedy and greedy.no_penalties and greedy.no_top_k_p
     assert greedy.min_p is None and greedy.banned_rows is None
     assert greedy.max_num_logprobs is None
     mixed = SamplingBatch.build(
         [SamplingParams(top_p=0.5), SamplingParams(temperature=0.0, frequency_penalty=1.0)],
-        [None, None],
+        [0, 0],
         [[1], [1]],
         [[2], [2]],
         [EOS],

@@ -37,13 +37,13 @@ class Services:
     log_dir: Path
     environ: dict[str, str]
 
-    def launch(self, name: str, command: str | None = None, nats_url: str | None = None) -> None:
-        """Start `kvpager <command>` (default: the name), logging to <name>.log."""
-        env = self.environ if nats_url is None else {**self.environ, "KVPAGER_NATS_URL": nats_url}
+    def launch(self, name: str, command: str | None = None, **env: str) -> None:
+        """Start `kvpager <command>` (default: the name), logging to <name>.log; `env`
+        overrides this process's environment."""
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", command or name],
-                env=env,
+                env={**self.environ, **env},
                 stderr=log,
                 stdout=log,
             )

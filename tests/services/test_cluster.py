@@ -33,7 +33,7 @@ def cluster(tiny_llama, tmp_path):
     services.environ = _environ(tiny_llama)
     try:
         for index, name in enumerate(SERVICE_NAMES):  # executor, scheduler, tokenizer: 0, 1, 2
-            services.launch(name, nats_url=_urls(nodes, index))
+            services.launch(name, KVPAGER_NATS_URL=_urls(nodes, index))
         asyncio.run(_wait_healthy(services))
         yield nodes, services
     finally:
@@ -52,9 +52,9 @@ def _environ(model) -> dict[str, str]:
 
 async def _texts(client: Client, prompts: list[str]) -> list[str]:
     async def one(prompt: str) -> str:
-        return "".join(
-            [e.text async for e in client.generate(prompt=prompt, max_tokens=12, temperature=0.0)]
-        )
+        events = [e async for e in client.generate(prompt=prompt, max_tokens=12, temperature=0.0)]
+        assert events[-1].error is None, events[-1]
+        return "".join(e.text for e in events)
 
     return await asyncio.gather(*map(one, prompts))
 
@@ -75,6 +75,16 @@ def test_services_spread_over_the_nodes_serve_the_offline_result(cluster, tiny_l
 
     asyncio.run(run())
     stop_and_check(services)
+
+
+async def _served_with_retries(client: Client, prompt: str) -> str:
+    while True:
+        events = [e async for e in client.generate(prompt=prompt, max_tokens=12, temperature=0.0)]
+        error = events[-1].error
+        if error is None:
+            return "".join(e.text for e in events)
+        assert error.type in ("unavailable", "executor_unavailable"), error
+        await asyncio.sleep(0.5)
 
 
 async def _until_healthy(client: Client, timeout_s: float) -> None:
@@ -110,10 +120,10 @@ def test_a_dead_node_fails_over_and_nothing_hangs(cluster):
                 if final.finish_reason == "error":
                     assert final.error.type in ("unavailable", "connection_lost", "internal_error")
                 assert [e.seq for e in events] == list(range(len(events)))
-            # the tokenizer fails over to another node, and new requests are served again
+            # the tokenizer fails over to another node, and new requests are served again (a
+            # client retries "unavailable" while the services settle: see the README)
             await _until_healthy(client, 60)
-            texts = await asyncio.wait_for(_texts(client, PROMPTS[:2]), 120)
-            assert all(texts)
+            assert await asyncio.wait_for(_served_with_retries(client, PROMPTS[0]), 120)
             assert (await wait_all_blocks_free(client, 30)).num_used_blocks == 0
         finally:
             await client.close()

@@ -115,20 +115,29 @@ def _child(served: Served, service: str) -> psutil.Process | None:
     """The running child that is `service` (None while it is being restarted)."""
     for child in psutil.Process(served.process.pid).children():
         try:
-            if child.cmdline()[-1] == service and child.status() != psutil.STATUS_ZOMBIE:
+            argv = child.cmdline()  # empty for a process that has just forked
+            if argv and argv[-1] == service and child.status() != psutil.STATUS_ZOMBIE:
                 return child
         except psutil.NoSuchProcess:
             continue
     return None
 
 
+def _replaced(served: Served, service: str, old_pid: int) -> bool:
+    child = _child(served, service)
+    return child is not None and child.pid != old_pid
+
+
+def _healthy(served: Served) -> bool:
+    return kvpager("health", "--nats-url", served.url).returncode == 0
+
+
 def _generate_after_heal(served: Served, old_pid: int, service: str) -> None:
     """The service comes back as a new process, and serves: a completion goes through."""
     deadline = time.monotonic() + 90
-    while kvpager("health", "--nats-url", served.url).returncode != 0:
-        assert time.monotonic() < deadline, "not healthy again within 90 s"
+    while not _replaced(served, service, old_pid) or not _healthy(served):
+        assert time.monotonic() < deadline, "not restarted and healthy again within 90 s"
         time.sleep(0.5)
-    assert _child(served, service).pid != old_pid
     done = kvpager("generate", "Hi", "--max-tokens", "4", "--nats-url", served.url, timeout=90)
     assert done.returncode == 0, done.stderr
     assert served.process.poll() is None  # serve itself kept running

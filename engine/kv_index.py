@@ -1,0 +1,71 @@
+"""The KV index of a router: block hash -> the instances whose prefix cache holds it.
+
+Built from each instance's KV events (schemas/tokenizer.py: blocks stored, removed, cleared),
+numbered per scheduler. A gap in the numbers (events lost) or a new scheduler drops what the
+index knew of that instance: from then on it holds only blocks stored since, a subset of the
+truth, so an overlap may be underestimated but never counts a block that may be gone.
+"""
+
+import structlog
+
+from schemas.tokenizer import BlockRemoved, BlockStored, KvEvents
+
+log = structlog.get_logger(__name__)
+
+
+class KvIndex:
+    def __init__(self) -> None:
+        self.holders: dict[bytes, set[str]] = {}  # block hash -> instances holding it
+        self.by_instance: dict[str, set[bytes]] = {}
+        self._next_seq: dict[str, tuple[str, int]] = {}  # instance -> (scheduler id, seq)
+        self.num_resyncs = 0
+
+    def apply(self, batch: KvEvents) -> None:
+        """One scheduler's numbered events; a gap or a new scheduler resyncs the instance."""
+        expected = self._next_seq.get(batch.instance)
+        if expected != (batch.scheduler_id, batch.seq):
+            if expected is not None or batch.seq != 0:
+                self.num_resyncs += 1
+                log.info("kv index resync", instance=batch.instance, seq=batch.seq)
+            self.clear(batch.instance)
+        self._next_seq[batch.instance] = (batch.scheduler_id, batch.seq + 1)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.holders.setdefault(event.block_hash, set()).add(batch.instance)
+                self.by_instance.setdefault(batch.instance, set()).add(event.block_hash)
+            elif isinstance(event, BlockRemoved):
+                self._remove(batch.instance, event.block_hash)
+            else:
+                self.clear(batch.instance)
+
+    def _remove(self, instance: str, block_hash: bytes) -> None:
+        self.by_instance.get(instance, set()).discard(block_hash)
+        holders = self.holders.get(block_hash)
+        if holders is not None:
+            holders.discard(instance)
+            if not holders:
+                del self.holders[block_hash]
+
+    def clear(self, instance: str) -> None:
+        """Forget what `instance` holds (cleared, resynced, or gone)."""
+        for block_hash in self.by_instance.pop(instance, set()):
+            self._remove(instance, block_hash)
+
+    def forget(self, instance: str) -> None:
+        """The instance is gone: its blocks and its event numbering."""
+        self.clear(instance)
+        self._next_seq.pop(instance, None)
+
+    def overlaps(self, hashes: list[bytes]) -> dict[str, int]:
+        """Per instance, how many leading blocks of `hashes` it holds (instances with 0 left
+        out)."""
+        overlaps: dict[str, int] = {}
+        matching: set[str] | None = None
+        for depth, block_hash in enumerate(hashes):
+            holders = self.holders.get(block_hash, set())
+            matching = set(holders) if matching is None else matching & holders
+            if not matching:
+                break
+            for instance in matching:
+                overlaps[instance] = depth + 1
+        return overlaps

@@ -1,0 +1,188 @@
+"""Where a tokenizer's streams run: each request routed to an instance and sent there (again
+elsewhere when that instance is gone), and moved when its instance fails mid-stream.
+
+Migration: the stream's request goes on on another instance as a continuation (the tokens
+so far appended to the prompt; engine/migration.py), at most `--migration-limit` times, then
+the stream ends with `migration_failed`. With no other instance up it ends with the error
+that made it move, as it would with one instance. Deltas from the instance it left are
+dropped by their subject (the tokenizer checks `stream.instance`).
+"""
+
+from collections.abc import Awaitable, Callable, Coroutine
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+
+from schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
+from schemas.public import ErrorInfo
+from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
+from schemas.tokenizer import AddResult
+from services.settings import Settings
+from services.subjects import Subjects
+from services.tokenizer.instances import Instances
+from services.tokenizer.streams import Stream
+from services.wire import pack
+
+log = structlog.get_logger(__name__)
+
+ADD_TIMEOUT_S = 10.0
+# A final delta or an AddResult with these means the instance failed the request (its
+# executor or scheduler went): the stream moves to another instance.
+MOVABLE_ERRORS = ("executor_unavailable", "unavailable")
+
+EndStream = Callable[[Stream, ErrorInfo], Awaitable[None]]
+SendFinish = Callable[[Stream, FinishRequest], Awaitable[None]]
+
+
+def movable(error: ErrorInfo) -> bool:
+    return error.type in MOVABLE_ERRORS
+
+
+def typed_error(exc: Exception) -> ErrorInfo:
+    """A typed error for the client; anything but a KvpagerError is a bug, logged as such."""
+    if isinstance(exc, KvpagerError):
+        return ErrorInfo(type=exc.type, message=str(exc), param=getattr(exc, "param", None))
+    log.error("request preparation failed", exc_info=exc)
+    return ErrorInfo("internal_error", f"the request could not be prepared: {exc!r}")
+
+
+class Dispatch:
+    def __init__(
+        self,
+        nc: NATS,
+        settings: Settings,
+        instances: Instances,
+        replica_id: str,
+        streams: dict[str, Stream],
+        end: EndStream,
+        lose: EndStream,
+        send_finish: SendFinish,
+        spawn: Callable[[Coroutine], None],
+    ) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.subjects = Subjects(settings.prefix, settings.instance)
+        self.instances = instances
+        self.replica_id = replica_id
+        self.streams = streams  # the service's own table, read here
+        self.end, self.lose, self.send_finish, self.spawn = end, lose, send_finish, spawn
+
+    async def submit(
+        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
+    ) -> None:
+        try:
+            await self._add(stream, ids, params, fallback)
+        except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
+            log.exception("request submission failed", request_id=stream.request_id)
+            error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
+            await self.lose(stream, error)
+
+    async def _add(
+        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
+    ) -> None:
+        """Route the request, then send it; an instance gone meanwhile makes it route again.
+        With no instance left, the stream ends with `fallback` (why it moved), if given."""
+        tried = set(stream.failed_instances)
+        while True:
+            try:
+                stream.instance = await self._pick(ids, stream.model, frozenset(tried))
+            except ModelNotFoundError as exc:
+                await self.end(stream, typed_error(exc))
+                return
+            except NoInstanceError as exc:
+                await self.end(stream, fallback or typed_error(exc))
+                return
+            self.instances.router.routed(stream.request_id, stream.instance, ids)
+            result = await self._send_add(stream, ids, params)
+            if result is not None and (result.error is None or not movable(result.error)):
+                break
+            fallback = result.error if result is not None else fallback
+            tried.add(stream.instance)
+        await self._added(stream, result, len(ids), params.max_tokens)
+
+    async def _pick(self, token_ids: list[int], model: str | None, exclude: frozenset) -> str:
+        router = self.instances.router
+        try:
+            return router.pick(token_ids, model, exclude)
+        except NoInstanceError:  # just started, or every instance moved: look again
+            await self.instances.discover()
+        if not router.instances and self.settings.instance not in exclude:
+            return self.settings.instance  # discovery found nothing: our own --instance
+        return router.pick(token_ids, model, exclude)
+
+    async def _send_add(self, stream: Stream, ids: list[int], params) -> AddResult | None:
+        """Pieces of a long prompt, then the AddRequest; None: nothing serves the instance."""
+        subjects = self.subjects.for_instance(stream.instance)
+        size = self.settings.piece_tokens
+        num_head = (len(ids) - 1) // size * size  # the AddRequest keeps the last piece
+        for start in range(0, num_head, size):
+            piece = PromptPiece(stream.request_id, ids[start : start + size])
+            await self.nc.publish(subjects.scheduler_requests, pack(piece))
+        add = AddRequest(
+            stream.request_id, ids[num_head:], params, subjects.tokens(self.replica_id)
+        )
+        try:
+            return await self._request_add(subjects.scheduler_requests, add)
+        except nats.errors.NoRespondersError:
+            log.info("instance gone", instance=stream.instance, request_id=stream.request_id)
+            self.instances.router.drop(stream.instance)
+            return None
+
+    async def _added(
+        self, stream: Stream, result: AddResult, num_prompt_tokens: int, max_tokens: int
+    ) -> None:
+        if result.error is not None:
+            await self.end(stream, result.error)
+            return
+        log.info(
+            "request queued",
+            request_id=stream.request_id,
+            instance=stream.instance,
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens,
+            num_migrations=stream.num_migrations,
+        )
+        stream.submitted, stream.scheduler_id = True, result.scheduler_id
+        if stream.aborting:  # an abort or deadline that came while the add was on its way
+            await self.send_finish(stream, FinishRequest(stream.request_id, "abort"))
+
+    async def _request_add(self, subject: str, add: AddRequest) -> AddResult:
+        """The scheduler's answer; raises NoRespondersError when no scheduler listens."""
+        try:
+            reply = await self.nc.request(subject, pack(add), timeout=ADD_TIMEOUT_S)
+        except nats.errors.TimeoutError:  # the add may have landed: take it back
+            await self.nc.publish(subject, pack(FinishRequest(add.request_id, "abort")))
+            return AddResult(ErrorInfo("unavailable", "the scheduler did not answer in time"))
+        return msgspec.msgpack.decode(reply.data, type=AddResult)
+
+    async def move(self, stream: Stream, error: ErrorInfo) -> None:
+        """The stream's instance failed: go on elsewhere with the tokens so far (migration),
+        or end with `error` when it cannot move; with a typed error past the limit."""
+        if self.streams.get(stream.request_id) is not stream or not stream.submitted:
+            return
+        moved = stream.continuation() if not stream.aborting else None
+        if moved is None:
+            await self.lose(stream, error)
+            return
+        if stream.num_migrations >= self.settings.migration_limit:
+            limit = self.settings.migration_limit
+            message = f"the stream's instance failed {limit + 1} times; last: {error.message}"
+            await self.lose(stream, ErrorInfo("migration_failed", message))
+            return
+        finish = FinishRequest(stream.request_id, "abort")  # in case it runs there still
+        await self.nc.publish(self.requests_subject(stream), pack(finish))
+        log.warning(
+            "stream moves",
+            request_id=stream.request_id,
+            instance=stream.instance,
+            reason=error.message,
+            num_tokens=len(stream.generated),
+        )
+        self.instances.router.drop(stream.instance)
+        stream.moving_from(stream.instance)
+        self.spawn(self.submit(stream, *moved, fallback=error))
+
+    def requests_subject(self, stream: Stream) -> str:
+        return self.subjects.for_instance(stream.instance).scheduler_requests

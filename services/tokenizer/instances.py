@@ -1,0 +1,80 @@
+"""A tokenizer's view of the instances: discovery through nats.micro, KV events, the router.
+
+Every scheduler registers with the NATS services framework as `kvpager-scheduler`, its
+instance in the metadata and its load (InstanceLoad) as `$SRV.STATS` endpoint data. Each tick
+asks `$SRV.STATS.kvpager-scheduler` and gathers the answers for a moment: an instance that
+answered is up, one not heard from for `liveness_timeout` seconds is gone (the TTL). KV events
+(`<prefix>.internal.*.kv.events`) keep the router's index and loads fresh between ticks.
+"""
+
+import asyncio
+import json
+
+import msgspec
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from engine.routing import Router, RouterConfig
+from schemas.tokenizer import InstanceLoad, KvEvents
+from services.settings import Settings
+from services.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"
+
+_events_decoder = msgspec.msgpack.Decoder(KvEvents)
+
+
+class Instances:
+    def __init__(self, nc: NATS, settings: Settings) -> None:
+        self.nc = nc
+        self.prefix = settings.prefix
+        self.window_s = min(0.25, settings.heartbeat_interval / 2)
+        config = RouterConfig(settings.router, ttl_s=settings.liveness_timeout)
+        self.router = Router(config)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(Subjects(self.prefix).all_kv_events, cb=self._on_events)
+        await self.discover()
+
+    async def _on_events(self, msg: Msg) -> None:
+        try:
+            self.router.apply(_events_decoder.decode(msg.data))
+        except msgspec.DecodeError:
+            log.warning("bad kv events dropped", subject=msg.subject)
+
+    async def discover(self) -> None:
+        """Ask every scheduler for its load; drop the instances whose TTL passed."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(STATS_SUBJECT, b"", reply=inbox)
+            await asyncio.sleep(self.window_s)
+            while sub.pending_msgs:
+                self._on_stats((await sub.next_msg(timeout=0.01)).data)
+        finally:
+            await sub.unsubscribe()
+        for name in self.router.expire():
+            log.info("instance gone", instance=name)
+
+    def _on_stats(self, data: bytes) -> None:
+        try:
+            stats = json.loads(data) if data else None  # empty: "no responders"
+        except ValueError:
+            stats = None
+        if not isinstance(stats, dict):
+            return
+        metadata = stats.get("metadata") or {}
+        if metadata.get("prefix") != self.prefix or not stats.get("endpoints"):
+            return
+        name = metadata.get("instance", "")
+        if name not in self.router.instances:
+            log.info("instance found", instance=name)
+        try:
+            load = msgspec.convert(stats["endpoints"][0].get("data") or {}, InstanceLoad)
+        except msgspec.ValidationError:
+            log.warning("bad scheduler stats dropped", instance=name)
+            return
+        self.router.observe(name, load)
