@@ -42,3 +42,9 @@ class OverloadedError(KvpagerError):
     """The waiting queue is full: the request may succeed later."""
 
     type = "overloaded"
+
+
+class ExecutorUnavailableError(KvpagerError):
+    """The executor cannot run steps any more (e.g. a tensor-parallel rank died or hung)."""
+
+    type = "executor_unavailable"
