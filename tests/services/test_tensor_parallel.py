@@ -1,0 +1,94 @@
+"""`kvpager serve --tensor-parallel-size 2` on a real nats-server: its streams equal the
+offline engine's at one rank, and a rank killed mid-stream fails every stream fast, typed, and
+leaves no process behind."""
+
+import asyncio
+import signal
+import time
+
+import psutil
+import pytest
+
+from engine import LLM, SamplingParams
+from services.client import Client
+from tests.models import CORPUS
+from tests.nats_server import free_port
+from tests.services.kvpager_cli import processes_on, start, wait_for_line
+
+PROMPTS = [CORPUS[i][: 12 + 9 * i] for i in range(6)]
+TP_ENV = {"KVPAGER_HEARTBEAT_INTERVAL": "0.25", "KVPAGER_TENSOR_PARALLEL_TIMEOUT": "4"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("serve-tp")
+    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
+    process = start(*args, "--tensor-parallel-size", "2", log_dir=log_dir, env=TP_ENV)
+    try:
+        wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
+        yield process, f"nats://127.0.0.1:{port}", log_dir
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+async def _events(stream) -> list:
+    return [event async for event in stream]
+
+
+def _rank_process(serve: psutil.Process, rank: str) -> psutil.Process:
+    for child in serve.children(recursive=True):
+        if child.environ().get("RANK") == rank:
+            return child
+    raise AssertionError(f"no rank {rank} under the serve process")
+
+
+async def test_streams_equal_offline_at_one_rank(served, tiny_llama):
+    _, url, _ = served
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i) for i in range(len(PROMPTS))]
+    with LLM(str(tiny_llama), seed=0) as offline:
+        expected = offline.generate(PROMPTS, params, use_tqdm=False)
+    client = await Client.connect(url)
+    try:
+        results = await asyncio.gather(
+            *(
+                _events(client.generate(prompt=p, temperature=0.0, max_tokens=sp.max_tokens))
+                for p, sp in zip(PROMPTS, params)
+            )
+        )
+        for events, want in zip(results, expected):
+            assert [t for e in events for t in e.token_ids] == want.outputs[0].token_ids
+            assert "".join(e.text for e in events) == want.outputs[0].text
+        stats = await client.stats()
+        assert stats.num_blocks == 64 and stats.num_used_blocks == 0, stats
+    finally:
+        await client.close()
+
+
+async def test_a_killed_rank_ends_every_stream_typed_within_5s(served):
+    process, url, log_dir = served
+    client = await Client.connect(url)
+    fields = dict(temperature=0.0, max_tokens=900, ignore_eos=True)
+    tasks = [
+        asyncio.create_task(_events(client.generate(prompt=p, **fields))) for p in PROMPTS * 2
+    ]
+    try:
+        await asyncio.sleep(1.0)  # streaming by now
+        assert not any(task.done() for task in tasks)
+        killed_at = time.monotonic()
+        _rank_process(psutil.Process(process.pid), "1").send_signal(signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        assert time.monotonic() - killed_at < 5.0
+    finally:
+        await client.close()
+    finals = [events[-1] for events in results]
+    assert all(final.is_final for final in finals)
+    assert {final.error.type for final in finals} == {"executor_unavailable"}, finals
+    assert process.wait(timeout=30) != 0  # the executor left, so serve stopped everything
+    assert "the executor exited with code 3" in (log_dir / "err.txt").read_text()
+    deadline = time.monotonic() + 10
+    while processes_on(url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_on(url), processes_on(url)
