@@ -16,6 +16,7 @@ parallelism" says why, not from NATS). The torch.distributed variables (`RANK`, 
 
 import dataclasses
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def build_executor(config: ExecutorConfig, model_config: ModelConfig) -> Executo
 def _join_or_start(
     config: ExecutorConfig, model_config: ModelConfig, joined: tuple[int, int, int] | None
 ) -> Executor:
-    size, processes = config.tensor_parallel_size, []
+    size = config.tensor_parallel_size
+    processes: list[subprocess.Popen] = []
     if joined is not None:
         group = TensorParallel(0, size, joined[2])
     else:
@@ -84,7 +86,12 @@ def _join_or_start(
         raise
 
 
-def _rank_zero(group, config: ExecutorConfig, model_config: ModelConfig, processes) -> Executor:
+def _rank_zero(
+    group: TensorParallel,
+    config: ExecutorConfig,
+    model_config: ModelConfig,
+    processes: list[subprocess.Popen],
+) -> Executor:
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     group.send(RankConfig({**fields, "model_path": str(config.model_path)}), start_up=True)
     group.open(config.tensor_parallel_timeout, rank_device(config.device, group))

@@ -71,9 +71,7 @@ async def test_a_killed_rank_ends_every_stream_typed_within_5s(served):
     process, url, log_dir = served
     client = await Client.connect(url)
     fields = dict(temperature=0.0, max_tokens=900, ignore_eos=True)
-    tasks = [
-        asyncio.create_task(_events(client.generate(prompt=p, **fields))) for p in PROMPTS * 2
-    ]
+    tasks = [asyncio.create_task(_events(client.generate(prompt=p, **fields))) for p in PROMPTS * 2]
     try:
         await asyncio.sleep(1.0)  # streaming by now
         assert not any(task.done() for task in tasks)
