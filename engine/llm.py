@@ -71,12 +71,14 @@ class LLM:
         self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)
         self._loop = LoopThread()
         weakref.finalize(self, self._loop.close)  # the loop thread ends with the LLM
+        weakref.finalize(self, self.runner.close)  # so do the step thread and any other ranks
         self._tracked: dict[str, _Tracked] = {}
         self._bar: tqdm | None = None
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the executor's thread and, under tensor parallelism, its other ranks."""
+        """Stop the executor's thread and, under tensor parallelism, its other ranks (also when
+        the LLM is dropped)."""
         self.runner.close()
 
     def __enter__(self) -> "LLM":
