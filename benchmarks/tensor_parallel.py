@@ -6,7 +6,8 @@
 cpu: TP=2 with one thread a rank against TP=1 with two threads, rounds interleaved, the same
   greedy workload (ignore_eos), tokens checked equal. The model is a random-weight Llama of
   SmolLM2-135M's size with 12 heads / 4 KV heads (SmolLM2's own 9 heads do not split in two),
-  with SmolLM2's tokenizer. On two cores this measures the overhead of the collectives.
+  with SmolLM2's tokenizer. On two cores this measures the overhead of the collectives; the
+  gloo all-reduce of one decode step's activations is timed alone too (`--repeats 0`: only it).
 gpu (everything GPU-side in one go, for a machine with several GPUs): per size N,
   (a) NCCL all-reduce of one decode step's activations ([batch, hidden], bf16), timed on N
       ranks; a step runs 2 per layer plus one for the embedding;
@@ -42,7 +43,7 @@ def parse_args(argv):
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="cpu: interleaved rounds")
     parser.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on gpu")
     parser.add_argument("--quiet-wait", type=float, default=0.0, help="seconds to wait for quiet")
     parser.add_argument("--out", help="write the results here as JSON")
@@ -132,45 +133,71 @@ def run_cpu(args) -> dict:
             )
             + f" | TP=2 equal to TP=1: {runs['equal_outputs']}/{len(prompts)}"
         )
-    return {"mode": "cpu", "model": str(path), "dtype": dtype, "rounds": rounds}
+    config = ModelConfig.from_path(path)
+    collectives = all_reduce_us(2, config, "gloo", batches=(1, 32))
+    print("gloo, 2 ranks of one thread:")
+    print_all_reduce(collectives, config.hidden_size, "fp32")
+    return {
+        "mode": "cpu",
+        "model": str(path),
+        "dtype": dtype,
+        "rounds": rounds,
+        "all_reduce": collectives,
+    }
 
 
-def _all_reduce_worker(rank: int, size: int, port: int, shapes, queue) -> None:
+def _all_reduce_worker(rank: int, size: int, port: int, shapes, backend: str, queue) -> None:
+    """Median microseconds of one all-reduce per [batch, hidden] shape (fp32 gloo, bf16 NCCL)."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     results = {}
     for batch, hidden in shapes:
-        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(batch, hidden, dtype=dtype, device=device)
         for _ in range(20):
             dist.all_reduce(x)
-        torch.cuda.synchronize()
         times = []
-        for _ in range(100):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        for _ in range(200):
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
             dist.all_reduce(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - started) * 1e6)
         results[batch] = statistics.median(times)
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
 
 
-def all_reduce_us(size: int, config: ModelConfig, batches=(1, 32, 256)) -> dict:
+def all_reduce_us(size: int, config: ModelConfig, backend: str, batches=(1, 32, 256)) -> dict:
+    """One step runs 2 all-reduces a layer plus the embedding's (and one logits all-gather)."""
     import torch.multiprocessing as mp
 
     from engine.parallel.spawn import free_port
 
     queue = mp.get_context("spawn").SimpleQueue()
     shapes = [(batch, config.hidden_size) for batch in batches]
-    mp.spawn(_all_reduce_worker, (size, free_port(), shapes, queue), nprocs=size, join=True)
+    args = (size, free_port(), shapes, backend, queue)
+    mp.spawn(_all_reduce_worker, args, nprocs=size, join=True)
     per_call = queue.get()
     calls = 2 * config.num_layers + 1
     return {str(b): {"us": us, "per_step_ms": us * calls / 1000} for b, us in per_call.items()}
+
+
+def print_all_reduce(figures: dict, hidden: int, dtype: str) -> None:
+    for batch, entry in figures.items():
+        print(
+            f"  all-reduce [{batch}, {hidden}] {dtype}: {entry['us']:.1f} us a call, "
+            f"{entry['per_step_ms']:.2f} ms a step"
+        )
 
 
 def run_gpu(args) -> dict:
@@ -185,15 +212,11 @@ def run_gpu(args) -> dict:
     for size in sizes:
         entry = timed_run(path, size, None, dtype, prompts, params)
         entry.pop("tokens")
-        entry["all_reduce"] = all_reduce_us(size, config) if size > 1 else {}
+        entry["all_reduce"] = all_reduce_us(size, config, "nccl") if size > 1 else {}
         results["sizes"][str(size)] = entry
         base = results["sizes"][str(sizes[0])]["tok_s"]
         print(f"TP={size}: {entry['tok_s']:.0f} tok/s ({entry['tok_s'] / base:.2f}x TP={sizes[0]})")
-        for batch, figures in entry["all_reduce"].items():
-            print(
-                f"  all-reduce [{batch}, {config.hidden_size}] bf16: {figures['us']:.1f} us, "
-                f"{figures['per_step_ms']:.2f} ms a step"
-            )
+        print_all_reduce(entry["all_reduce"], config.hidden_size, "bf16")
     return results
 
 
