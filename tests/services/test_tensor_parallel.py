@@ -10,10 +10,12 @@ import psutil
 import pytest
 
 from engine import LLM, SamplingParams
+from schemas.errors import ConfigError
 from services.client import Client
+from services.settings import Settings
 from tests.models import CORPUS
 from tests.nats_server import free_port
-from tests.services.kvpager_cli import processes_on, start, wait_for_line
+from tests.services.kvpager_cli import kvpager, processes_on, start, wait_for_line
 
 PROMPTS = [CORPUS[i][: 12 + 9 * i] for i in range(6)]
 TP_ENV = {"KVPAGER_HEARTBEAT_INTERVAL": "0.25", "KVPAGER_TENSOR_PARALLEL_TIMEOUT": "4"}
@@ -90,3 +92,12 @@ async def test_a_killed_rank_ends_every_stream_typed_within_5s(served):
     while processes_on(url) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_on(url), processes_on(url)
+
+
+def test_bad_sizes_stop_serve_before_anything_starts(tiny_llama):
+    with pytest.raises(ConfigError, match="tensor_parallel_size: must be at least 1"):
+        Settings(tensor_parallel_size=0)
+    args = ["serve", "--model", str(tiny_llama), "--tensor-parallel-size", "3"]
+    done = kvpager(*args, "--nats-port", str(free_port()))
+    message = "tensor_parallel_size: 3 does not divide num_attention_heads 4"
+    assert done.returncode == 2 and message in done.stderr, done.stderr
