@@ -59,10 +59,11 @@ class InProcessExecutor:
         self._pending.clear()
 
     def close(self) -> None:
-        """Idempotent; on the step thread, which started any tensor-parallel ranks."""
+        """Idempotent. Tensor-parallel ranks are told to stop before the step thread (which
+        started them, and whose end they would die of) goes."""
         if not self._closed:
             self._closed = True
-            self._worker.submit(self.executor.close).result()
+            self.executor.close()
             self._worker.shutdown(wait=True)
 
     def _timed(self, step: ScheduledStep) -> StepDone:
