@@ -100,10 +100,32 @@ class ModelConfig:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{config_file}: unreadable model config ({exc!r})") from exc
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V for one token across all layers (on one rank of a group)."""
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        num_kv_heads = self.kv_heads_per_rank(tensor_parallel_size)
+        return 2 * self.num_layers * num_kv_heads * self.head_dim * element
+
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads split across the ranks, or one replicated head each when ranks outnumber
+        them (as vLLM does)."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
+        heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
+        if self.num_heads % size:
+            raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size: {size} neither divides nor is a multiple of the KV "
+                f"heads ({heads})"
+            )
+        if self.intermediate_size % size:
+            raise ConfigError(
+                f"tensor_parallel_size: {size} does not divide intermediate_size "
+                f"{self.intermediate_size}"
+            )
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
@@ -180,6 +202,13 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _check_tensor_parallel(size: int, timeout_s: float) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {size!r}")
+    if timeout_s <= 0:
+        raise ConfigError("tensor_parallel_timeout: must be positive")
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     model_path: Path
@@ -199,8 +228,12 @@ class ExecutorConfig:
     # "auto": the model's dtype. "bfloat16" / "float16" halve a float32 model's K/V memory and
     # the bytes decode attention reads; compute stays in the model's dtype (cpu/torch backends)
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    # seconds any rank waits in a collective (a step, a keepalive) before the group fails
+    tensor_parallel_timeout: float = 10.0
 
     def __post_init__(self) -> None:
+        _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError("num_blocks: must be at least 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -238,10 +271,13 @@ class EngineConfig:
     preemption_mode: str = "auto"
     seed: int = 0
     plan_ahead: int = 1  # steps planned beyond the one the executor runs (0: lockstep)
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) sharing the model
+    tensor_parallel_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
+        _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
 
     @classmethod
     def pick(cls, source: Any) -> "EngineConfig":
@@ -262,6 +298,7 @@ class EngineConfig:
         }
         values = {name: getattr(self, name) for name in names}
         values["max_model_len"] = self.model_len(model_config)
+        model_config.check_tensor_parallel(self.tensor_parallel_size)
         return ExecutorConfig(model_path=model_path, **values)
 
     def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:

@@ -18,20 +18,36 @@ from engine.host_malloc import retain_freed_memory
 from engine.input_batch import InputBatch
 from engine.memory import blocks_that_fit, cpu_blocks_that_fit, resolve_device, resolve_dtype
 from engine.model.loader import load_model
+from engine.model.sharding import Shard
+from engine.parallel.group import TensorParallel
+from engine.parallel.ranks import Ranks
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from kernels.backend import default_backend_name, get_kernel_ops
 from schemas.errors import ConfigError
-from schemas.executor import ScheduledStep
+from schemas.executor import RankReset, RankStep, ScheduledStep
 from schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
 
 log = structlog.get_logger(__name__)
 
 
 class Executor:
-    def __init__(self, config: ExecutorConfig, model_config: ModelConfig) -> None:
+    """One rank's executor. Alone, `group` and `ranks` are None. In a tensor-parallel group
+    every rank builds one with its `group` (its shard of the weights and cache, the same block
+    count); rank 0 also holds `ranks`, through which each step reaches the others first."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        model_config: ModelConfig,
+        group: TensorParallel | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config.device)
+        self.group, self.ranks = group, ranks
+        rank, size = (group.rank, group.world_size) if group else (0, 1)
+        self.shard = Shard.of(model_config, rank, size)
+        self.device = rank_device(config.device, group)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.backend = config.attention_backend
         if self.backend == "auto":
@@ -48,6 +64,8 @@ class Executor:
             self.device,
             config.max_model_len,
             self.ops,
+            self.shard,
+            group,
         )
         self._allocate_caches()
         self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
@@ -63,6 +81,8 @@ class Executor:
             kv_cache_dtype=str(self.kv_dtype),
             num_blocks=self.num_blocks,
             backend=self.backend,
+            rank=rank,
+            world_size=size,
             load_s=round(time.perf_counter() - started, 2),
         )
 
@@ -70,6 +90,8 @@ class Executor:
         """The device KV cache, sized to what fits, and the CPU pool for swapped blocks."""
         config, model_config = self.config, self.model_config
         self.num_blocks = blocks_that_fit(config, model_config, self.kv_dtype, self.device)
+        if self.group is not None:  # the same block ids everywhere: the smallest rank's cache
+            self.num_blocks = self.group.smallest(self.num_blocks)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             (
@@ -77,7 +99,7 @@ class Executor:
                 2,
                 self.num_blocks,
                 config.block_size,
-                model_config.num_kv_heads,
+                self.shard.num_kv_heads,
                 model_config.head_dim,
             ),
             dtype=self.kv_dtype,
@@ -86,6 +108,8 @@ class Executor:
         self.num_cpu_blocks = cpu_blocks_that_fit(
             config, model_config, self.kv_dtype, self.device, self.num_blocks
         )
+        if self.group is not None:
+            self.num_cpu_blocks = self.group.smallest(self.num_cpu_blocks)
         pin = self.device.type == "cuda"
         cpu_shape = list(self.kv_cache.shape)
         cpu_shape[2] = self.num_cpu_blocks
@@ -106,6 +130,7 @@ class Executor:
             vocab_size=self.model_config.vocab_size,
             model=model,
             kv_on_host=self.device.type == "cpu",
+            world_size=self.shard.world_size,
         )
 
     def _kv_dtype(self) -> torch.dtype:
@@ -127,13 +152,33 @@ class Executor:
 
         The new scheduler starts with every block free, so stale cache contents are never read.
         """
+        if self.ranks is not None:
+            with self.ranks.running(RankReset()):
+                self._reset()
+        else:
+            self._reset()
+
+    def _reset(self) -> None:
         config = self.config
         self.batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
         )
 
-    @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepOutput:
+        """Run one step; on rank 0 of a group, every other rank runs it too (their outputs,
+        identical, are dropped: the logits are gathered, so each rank samples the same)."""
+        if self.ranks is None:
+            return self._execute(step)
+        with self.ranks.running(RankStep(step)):
+            return self._execute(step)
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks. Alone: nothing to do."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    @torch.inference_mode()
+    def _execute(self, step: ScheduledStep) -> StepOutput:
         self._apply_deltas(step)
         self._move_blocks(step)
         if not step.num_scheduled_tokens:
@@ -221,6 +266,14 @@ class Executor:
             sampled_token_ids=token_ids,
             logprobs=_logprobs(sampled, states),
         )
+
+
+def rank_device(name: str, group: TensorParallel | None) -> torch.device:
+    """The device, and on CUDA in a group the rank's own (`cuda:<local rank>`)."""
+    device = resolve_device(name)
+    if group is not None and device.type == "cuda":
+        return torch.device("cuda", group.local_rank)
+    return device
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:

@@ -20,13 +20,13 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore, build_scheduler
 from engine.download import resolve_model
 from engine.event_loop import LoopThread
-from engine.executor import Executor
 from engine.inputs import InputProcessor
 from engine.logs import ensure_logging
 from engine.output_processor import SampleOutput
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.step_runner import InProcessExecutor
+from engine.tensor_parallel import build_executor
 from schemas.errors import InvalidRequestError
 from schemas.sampling import SamplingParams
 from schemas.tokenizer import SampleDelta
@@ -52,7 +52,9 @@ class LLM:
     llm = LLM("smollm2-135m-instruct", dtype="float32")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
 
-    Keyword arguments are EngineConfig's fields (`plan_ahead=0` runs in lockstep).
+    Keyword arguments are EngineConfig's fields (`plan_ahead=0` runs in lockstep;
+    `tensor_parallel_size=N` shards the model over N ranks, one process and device each: this
+    process is rank 0 and starts the others). `close()` (or `with LLM(...)`) stops them.
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -63,15 +65,27 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size)
         executor_config = self.config.executor_config(path, self.model_config)
-        self.runner = InProcessExecutor(lambda: Executor(executor_config, self.model_config))
+        self.runner = InProcessExecutor(lambda: build_executor(executor_config, self.model_config))
         self.executor = self.runner.executor
         self.scheduler = build_scheduler(self.config, self.executor.ready("in-process", str(path)))
         self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)
         self._loop = LoopThread()
         weakref.finalize(self, self._loop.close)  # the loop thread ends with the LLM
+        weakref.finalize(self, self.runner.close)  # so do the step thread and any other ranks
         self._tracked: dict[str, _Tracked] = {}
         self._bar: tqdm | None = None
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the executor's thread and, under tensor parallelism, its other ranks (also when
+        the LLM is dropped)."""
+        self.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

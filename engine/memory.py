@@ -44,7 +44,7 @@ def blocks_that_fit(
     """Device KV blocks: `num_blocks`, else what `kv_cache_memory` (or free GPU memory) holds."""
     if config.num_blocks is not None:
         return config.num_blocks
-    per_block = model_config.kv_bytes_per_token(kv_dtype) * config.block_size
+    per_block = kv_bytes_per_block(config, model_config, kv_dtype)
     budget = config.kv_cache_memory
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -66,7 +66,15 @@ def cpu_blocks_that_fit(
 ) -> int:
     """Host blocks for swapped-out and evicted blocks: `swap_space` bytes, else a quarter of
     the device cache on a CPU device (swapping there is a memcpy) and none on CUDA."""
-    per_block = model_config.kv_bytes_per_token(kv_dtype) * config.block_size
+    per_block = kv_bytes_per_block(config, model_config, kv_dtype)
     if config.swap_space is None:
         return num_blocks // CPU_SWAP_FRACTION if device.type == "cpu" else 0
     return config.swap_space // per_block
+
+
+def kv_bytes_per_block(
+    config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype
+) -> int:
+    """One block on one rank (its share of the KV heads)."""
+    per_token = model_config.kv_bytes_per_token(kv_dtype, config.tensor_parallel_size)
+    return per_token * config.block_size

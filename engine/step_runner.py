@@ -42,6 +42,7 @@ class InProcessExecutor:
         self.executor: Executor = self._worker.submit(build).result()
         self._pending: dict[int, Future] = {}
         self._last_output_at: float | None = None
+        self._closed = False
 
     async def submit(self, step: ScheduledStep) -> None:
         self._pending[step.step_id] = self._worker.submit(self._timed, step)
@@ -58,7 +59,12 @@ class InProcessExecutor:
         self._pending.clear()
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """Idempotent. Tensor-parallel ranks are told to stop before the step thread (which
+        started them, and whose end they would die of) goes."""
+        if not self._closed:
+            self._closed = True
+            self.executor.close()
+            self._worker.shutdown(wait=True)
 
     def _timed(self, step: ScheduledStep) -> StepDone:
         started = time.monotonic()

@@ -64,3 +64,9 @@ class MigrationLimitError(KvpagerError):
     """A stream's instance failed more often than `--migration-limit` allows."""
 
     type = "migration_failed"
+
+
+class ExecutorUnavailableError(KvpagerError):
+    """The executor cannot run steps any more (e.g. a tensor-parallel rank died or hung)."""
+
+    type = "executor_unavailable"

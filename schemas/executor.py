@@ -84,6 +84,39 @@ class RunStep(msgspec.Struct, tag="step", array_like=True):
 SchedulerMessage = StepPiece | RunStep
 
 
+# --- Over torch.distributed: what tensor-parallel ranks 1..N-1 receive from rank 0, in order
+# (msgpack bytes broadcast on the ranks' control group; never pickles).
+
+
+class RankConfig(msgspec.Struct, tag="config", array_like=True):
+    """Once, first: the executor settings every rank builds its shard with (rank 0's, so
+    the ranks can never disagree). `fields` are ExecutorConfig's, as JSON-friendly values."""
+
+    fields: dict[str, str | int | float | bool | None]
+
+
+class RankStep(msgspec.Struct, tag="step", array_like=True):
+    """Run this step on the rank's shard (its answer is discarded: rank 0 answers)."""
+
+    step: ScheduledStep
+
+
+class RankReset(msgspec.Struct, tag="reset", array_like=True):
+    """Forget every request (rank 0's scheduler changed)."""
+
+
+class RankKeepalive(msgspec.Struct, tag="keepalive", array_like=True):
+    """Sent while rank 0 idles, so a rank waiting for a step never reaches the group's
+    timeout, and a dead or hung rank is found between steps too."""
+
+
+class RankShutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Rank 0 is closing: exit."""
+
+
+RankMessage = RankConfig | RankStep | RankReset | RankKeepalive | RankShutdown
+
+
 class Attached(msgspec.Struct, array_like=True):
     """The scheduler's answer to ExecutorReady: steps will follow."""
 

@@ -81,6 +81,9 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     vocab_size: int
     model: str
     kv_on_host: bool = False  # a CPU executor: swapping blocks is a memcpy
+    # tensor-parallel ranks behind this executor; each holds its shard of every block, so
+    # the block ids (and the scheduler) are the same whatever the size
+    world_size: int = 1
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):
@@ -94,6 +97,8 @@ class StepDone(msgspec.Struct, tag="done", array_like=True):
 class StepFailed(msgspec.Struct, tag="failed", array_like=True):
     step_id: int
     message: str
+    # "executor_unavailable": the executor is going away (a tensor-parallel rank was lost)
+    error_type: str = "internal_error"
 
 
 ExecutorMessage = StepDone | StepFailed

@@ -5,7 +5,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 
-from schemas.errors import KvpagerError
+from schemas.errors import ConfigError, KvpagerError
 from services.client import ClientError
 from services.settings import (
     CONNECTION_FIELDS,
@@ -165,30 +165,56 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig, parse_dtype
-    from engine.kv_size import kv_size
+    from engine.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
 
     config = ModelConfig.from_path(args.model)
     dtype = parse_dtype(args.dtype or config.checkpoint_dtype)
+    weight_dtype = parse_dtype(config.checkpoint_dtype)
+    size, gpus = _kv_size_ranks(args, config)
+    budget = int(args.budget_gib * 1024**3)
+    if gpus:
+        budget = gpu_kv_budget(config, weight_dtype, args.gpu_memory, args.gpu_utilization, size)
+        weights = weight_bytes_per_rank(config, weight_dtype, size)
+        print(
+            f"weights per rank:          {weights:,} ({weights / 1024**3:.2f} GiB, "
+            f"{config.checkpoint_dtype}); tensor parallel {size} on {gpus} GPUs of "
+            f"{args.gpu_memory / 1024**3:.2f} GiB, {args.gpu_utilization:.0%} usable"
+        )
     report = kv_size(
         config,
         dtype,
         max_tokens=args.tokens,
         users=args.users,
-        budget_bytes=int(args.budget_gib * 1024**3),
+        budget_bytes=budget,
         avg_tokens=args.avg_tokens or args.tokens // 2,
         block_size=args.block_size,
+        tensor_parallel_size=size,
+        replicas=max(1, gpus // size),
     )
     print("\n".join(report.lines()))
     return 0
 
 
+def _kv_size_ranks(args: argparse.Namespace, config) -> tuple[int, int]:
+    """(tensor_parallel_size, GPUs): --gpus alone shards the model over all of them."""
+    size = args.tensor_parallel_size or args.gpus or 1
+    if args.gpus and args.gpus % size:
+        raise ConfigError(f"gpus: {args.gpus} is not a multiple of tensor_parallel_size {size}")
+    config.check_tensor_parallel(size)
+    return size, args.gpus or 0
+
+
 def _add_kv_size_parser(sub) -> dict[str, Callable]:
+    from engine.kv_size import parse_bytes
+
     parser = sub.add_parser("kv-size", help="KV-cache bytes and sequences per memory budget")
     parser.add_argument("model", help="checkpoint folder or config.json")
     parser.add_argument("--tokens", type=int, default=4096, help="max tokens per sequence")
     parser.add_argument("--users", type=int, default=256, help="concurrent sequences")
     parser.add_argument("--dtype", default=None, help="KV dtype (default: the checkpoint's)")
-    parser.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget")
+    parser.add_argument(
+        "--budget-gib", type=float, default=80.0, help="KV memory budget (of one rank)"
+    )
     parser.add_argument(
         "--avg-tokens",
         type=int,
@@ -196,6 +222,14 @@ def _add_kv_size_parser(sub) -> dict[str, Callable]:
         help="average sequence length under paging (default: tokens / 2)",
     )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks a model")
+    parser.add_argument(
+        "--gpus", type=int, default=None, help="GPUs (the budget is theirs less the weights)"
+    )
+    parser.add_argument("--gpu-memory", type=parse_bytes, default="80GiB", help="e.g. 80GiB")
+    parser.add_argument(
+        "--gpu-utilization", type=float, default=0.9, help="usable share of each GPU's memory"
+    )
     return {"kv-size": _cmd_kv_size}
 
 

@@ -54,6 +54,12 @@ class Settings:
     preemption_mode: str = _opt("auto | recompute | swap", default="auto")
     plan_ahead: int = _opt("steps planned ahead of the executor (0: lockstep)", default=1)
     seed: int = _opt("seed of unseeded sampling", default=0)
+    tensor_parallel_size: int = _opt(
+        "ranks sharing the model, one process and device each (torchrun: WORLD_SIZE)", default=1
+    )
+    tensor_parallel_timeout: float = _opt(
+        "seconds a tensor-parallel rank waits on another before the executor fails", default=10.0
+    )
     piece_tokens: int = _opt("most token ids in one internal message", default=65536)
     step_timeout: float = _opt("seconds the scheduler waits for one step", default=300.0)
     finish_timeout: float = _opt("seconds a stream waits for an abort to land", default=10.0)
@@ -106,7 +112,9 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
-        timeouts = ("step_timeout", "finish_timeout", "drain_timeout")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size: must be at least 1")
+        timeouts = ("step_timeout", "finish_timeout", "drain_timeout", "tensor_parallel_timeout")
         for name in (*timeouts, "heartbeat_interval", "liveness_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")

@@ -1,11 +1,12 @@
 """Read a Hugging Face checkpoint folder's safetensors into the engine's Decoder.
 
 Single files and sharded checkpoints (`model.safetensors.index.json`) both work. Nothing is
-unpickled: `.bin` / `.pt` weights are refused.
+unpickled: `.bin` / `.pt` weights are refused. A tensor-parallel rank reads only its rows or
+columns of each tensor (`get_slice`), so no rank ever holds a whole sharded matrix.
 """
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.model.decoder import Decoder
+from engine.model.sharding import Part, Shard
+from engine.parallel.group import TensorParallel
 from kernels.backend import KernelOps
 from schemas.errors import CheckpointError
 
@@ -30,11 +33,22 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_slices(path: Path) -> Iterator[tuple[str, Callable[[Part], torch.Tensor]]]:
+    """(name, read) per checkpoint tensor; `read(part)` reads that part of it from the file."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, _reader(handle.get_slice(name))
+
+
+def _reader(tensor_slice) -> Callable[[Part], torch.Tensor]:
+    def read(part: Part) -> torch.Tensor:
+        if part is None:
+            return tensor_slice[:]
+        dim, start, stop = part
+        return tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
+
+    return read
 
 
 def _layer_targets(layer, name: str):
@@ -57,29 +71,37 @@ def _layer_targets(layer, name: str):
     return targets.get(name)
 
 
-def _target(model: Decoder, name: str):
+def _target(model: Decoder, name: str) -> tuple[torch.Tensor | None, int, Part] | None:
+    """(parameter, row offset, the part of the tensor this rank reads) for a checkpoint name."""
     name = name.removeprefix("model.")
+    shard = model.shard
+    vocab = shard.vocab_part(model.config.vocab_size) if shard.is_sharded else None
     if name == "embed_tokens.weight":
-        return model.embed_tokens, 0
+        return model.embed_tokens, 0, vocab
     if name == "norm.weight":
-        return model.norm, 0
+        return model.norm, 0, None
     if name == "lm_head.weight":
-        return (None if model.config.tie_word_embeddings else model.lm_head), 0
+        return (None if model.config.tie_word_embeddings else model.lm_head), 0, vocab
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
-        return _layer_targets(model.layers[int(idx)], rest)
+        target = _layer_targets(model.layers[int(idx)], rest)
+        return None if target is None else (*target, shard.layer_part(rest))
     return None
 
 
-def load_weights(model: Decoder, path: Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter slice."""
+def load_weights(model: Decoder, path: Path) -> int:
+    """Copy every checkpoint tensor (this rank's part of it) into its (possibly fused)
+    parameter slice; returns the bytes read."""
     expected = {id(p): p.numel() for p in model.parameters()}
-    filled: dict[int, int] = {}
-    for name, tensor in iter_tensors(path):
+    filled = _vocab_padding(model)
+    num_bytes = 0
+    for name, read in iter_slices(path):
         target = _target(model, name)
         if target is None or target[0] is None:
             continue  # rotary buffers, tied lm_head, and the like
-        param, offset = target
+        param, offset, part = target
+        tensor = read(part)
+        num_bytes += tensor.numel() * tensor.element_size()
         if tensor.shape[1:] != param.shape[1:] or offset + tensor.shape[0] > param.shape[0]:
             raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit the config")
         param.data[offset : offset + tensor.shape[0]].copy_(tensor)
@@ -87,6 +109,18 @@ def load_weights(model: Decoder, path: Path) -> None:
     missing = [n for n, p in model.named_parameters() if filled.get(id(p)) != expected[id(p)]]
     if missing:
         raise CheckpointError(f"{path}: weights missing or incomplete for {missing[:5]}")
+    return num_bytes
+
+
+def _vocab_padding(model: Decoder) -> dict[int, int]:
+    """Zero the vocab rows past the real vocab (the last rank's padding); their counts."""
+    start, stop = model.shard.vocab_part(model.config.vocab_size)[1:]
+    padding = model.shard.vocab_per_rank - (stop - start)
+    filled = {}
+    for param in {id(p): p for p in (model.embed_tokens, model.lm_head)}.values():
+        param.data[stop - start :].zero_()
+        filled[id(param)] = padding * param.shape[1]
+    return filled
 
 
 def load_model(
@@ -96,8 +130,10 @@ def load_model(
     device: torch.device,
     max_positions: int,
     ops: KernelOps,
+    shard: Shard | None = None,
+    group: TensorParallel | None = None,
 ) -> Decoder:
-    model = Decoder(config, dtype, max_positions, ops)
+    model = Decoder(config, dtype, max_positions, ops, shard, group)
     load_weights(model, path)
     model = model.to(device).eval()
     model.build_matmuls()

@@ -11,6 +11,7 @@ old scheduler's pings then find no one and it fails its requests at once) and at
 """
 
 import asyncio
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,8 @@ from nats.aio.msg import Msg
 
 from engine.config import EngineConfig, ModelConfig
 from engine.executor import Executor
+from engine.tensor_parallel import build_executor
+from schemas.errors import ExecutorUnavailableError
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
 from services.discovery import Discovery
@@ -35,6 +38,7 @@ from services.wire import pack
 log = structlog.get_logger(__name__)
 
 ATTACH_TIMEOUT_S = 2.0
+EXIT_RANK_LOST = 3
 IDLE_BEFORE_EXIT_S = 0.5
 _decoder = msgspec.msgpack.Decoder(SchedulerMessage)
 
@@ -42,7 +46,8 @@ _decoder = msgspec.msgpack.Decoder(SchedulerMessage)
 def load_executor(settings: Settings) -> Executor:
     path = settings.model_path()
     model_config = ModelConfig.from_path(path)
-    return Executor(EngineConfig.pick(settings).executor_config(path, model_config), model_config)
+    config = EngineConfig.pick(settings).executor_config(path, model_config)
+    return build_executor(config, model_config)
 
 
 def step_thread(device: torch.device) -> ThreadPoolExecutor:
@@ -81,12 +86,25 @@ class ExecutorService:
         self._watch_task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        await self._watch_ranks()
         discovery = await Discovery.register(
             self.nc, "executor", self.settings, "runs the model on the paged KV cache"
         )
         await discovery.subscribe("steps", self.subjects.executor_steps, self._on_message)
         await self._answer_pings()
         self._watch_task = repeat(self.settings.heartbeat_interval, self._tick)
+
+    async def _watch_ranks(self) -> None:
+        """Tensor parallel: a rank lost while idle makes us leave at once."""
+        ranks = self.executor.ranks
+        if ranks is None:
+            return
+        loop = asyncio.get_running_loop()
+        ranks.on_lost = lambda reason: loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._exit_lost(reason))
+        )
+        if ranks.lost is not None:
+            await self._exit_lost(ranks.lost)
 
     async def _answer_pings(self) -> None:
         async def pong(msg: Msg) -> None:
@@ -150,7 +168,10 @@ class ExecutorService:
         log.warning("detached from the scheduler", reason=reason, scheduler=self.scheduler_id)
         self.scheduler_id = None
         async with self._lock:
-            self.executor.reset()
+            try:
+                self.executor.reset()
+            except ExecutorUnavailableError as exc:
+                await self._exit_lost(str(exc))
             self._pieces.clear()
             self._last_step_id = self._last_output_at = None
         self.executor_id = uuid.uuid4().hex[:12]
@@ -182,6 +203,10 @@ class ExecutorService:
         try:
             loop = asyncio.get_running_loop()
             output = await loop.run_in_executor(self._worker, self.executor.execute, step)
+        except ExecutorUnavailableError as exc:  # its requests fail now, then we go
+            await self._fail(step.step_id, str(exc), exc.type)
+            await self._exit_lost(str(exc))
+            return
         except Exception as exc:  # a bug: answer so the scheduler fails the requests, not hangs
             log.exception("step failed", step_id=step.step_id)
             await self._fail(step.step_id, repr(exc))
@@ -204,10 +229,21 @@ class ExecutorService:
         ]
         return msgspec.structs.replace(step, new_requests=new_requests)
 
-    async def _fail(self, step_id: int, message: str) -> None:
+    async def _fail(self, step_id: int, message: str, error_type: str = "internal_error") -> None:
         log.error("step failed", step_id=step_id, message=message)
-        await self.nc.publish(self.subjects.scheduler_outputs, pack(StepFailed(step_id, message)))
+        failed = StepFailed(step_id, message, error_type)
+        await self.nc.publish(self.subjects.scheduler_outputs, pack(failed))
         self._last_output_at = time.monotonic()
+
+    async def _exit_lost(self, reason: str) -> None:
+        """A tensor-parallel rank is gone: no step can run again. Exit now (the ranks started
+        here die with us); the scheduler finds us gone and a supervisor may restart us."""
+        log.error("executor exits: a tensor-parallel rank was lost", reason=reason)
+        try:
+            await asyncio.wait_for(self.nc.flush(), 2.0)
+        except (asyncio.TimeoutError, nats.errors.Error):
+            pass
+        os._exit(EXIT_RANK_LOST)
 
     async def stop(self) -> None:
         """Keep serving while steps still come (the scheduler finishing), then stop."""
@@ -218,4 +254,6 @@ class ExecutorService:
             if time.monotonic() - self._last_activity > IDLE_BEFORE_EXIT_S:
                 break
             await asyncio.sleep(0.1)
+        async with self._lock:  # tensor parallel: the other ranks exit too
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.executor.close)
         self._worker.shutdown(wait=False)

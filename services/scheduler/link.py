@@ -68,7 +68,7 @@ class ExecutorLink:
         answer = await self._answer(step_id)
         if isinstance(answer, StepFailed):
             message = f"the executor failed step {answer.step_id}: {answer.message}"
-            return ErrorInfo("internal_error", message)
+            return ErrorInfo(answer.error_type, message)
         return answer
 
     async def _answer(self, step_id: int) -> StepDone | StepFailed | None:

@@ -86,10 +86,14 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 def _check_checkpoint(settings: Settings, path: Path) -> None:
     """Fail before starting anything: unreadable config, no weights, too few blocks."""
     from engine.config import EngineConfig, ModelConfig
+    from engine.memory import resolve_device
     from engine.model.loader import safetensors_files
+    from engine.parallel.spawn import check_devices
 
     model_config = ModelConfig.from_path(path)
     safetensors_files(path)
+    model_config.check_tensor_parallel(settings.tensor_parallel_size)
+    check_devices(resolve_device(settings.device), settings.tensor_parallel_size)
     if settings.num_blocks is not None:
         max_len = EngineConfig.pick(settings).model_len(model_config)
         check_capacity(settings.num_blocks, settings.block_size, max_len)
