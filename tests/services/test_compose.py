@@ -279,3 +279,28 @@ def test_stop_drains_and_exits_zero(local):
         process.send_signal(signal.SIGTERM)
     for name, process in local.processes.items():
         assert process.wait(timeout=60) == 0, local.log(name)[-2000:]
+
+
+def test_the_replicas_override_runs_two_instances_on_a_three_node_cluster():
+    """compose.replicas.yaml over compose.yaml: instances a and b, each service listing every
+    node (its own first), the nodes routing to each other, all on the host's loopback."""
+    override = yaml.safe_load((ROOT / "compose.replicas.yaml").read_text())["services"]
+    merged = {name: {**SERVICES.get(name, {}), **spec} for name, spec in override.items()}
+    routes = {arg for name in ("nats", "nats-2", "nats-3") for arg in merged[name]["command"]}
+    assert "--routes=nats://127.0.0.1:6222,nats://127.0.0.1:6223,nats://127.0.0.1:6224" in routes
+    client_ports = {
+        arg.split("=")[1] for name in ("nats", "nats-2", "nats-3")
+        for arg in merged[name]["command"] if arg.startswith("--port=")
+    }  # fmt: skip
+    assert client_ports == {"4222", "4223", "4224"}
+    instances = {}
+    for name in ("scheduler", "executor", "scheduler-b", "executor-b"):
+        env = override[name]["environment"]
+        command = merged[name]["command"][1]  # ["kvpager", "scheduler"]
+        instances.setdefault(env["KVPAGER_INSTANCE"], set()).add(command)
+        assert sorted(env["KVPAGER_NATS_URL"].split(",")) == sorted(
+            f"nats://127.0.0.1:{port}" for port in client_ports
+        )
+    assert instances == {"a": {"scheduler", "executor"}, "b": {"scheduler", "executor"}}
+    for name in ("nats-2", "nats-3", "scheduler-b", "executor-b"):
+        assert merged[name]["network_mode"] == "host" and merged[name]["image"] == "kvpager:cpu"
