@@ -95,6 +95,9 @@ class TokenizerService:
         if not msg.reply:
             log.warning("generate request without a reply subject: dropped")
             return
+        # A reconnect not yet noticed ends the streams it may have cut, before this one joins
+        # them (it came after the reconnect, so it lost nothing).
+        await self.watch.check_reconnect()
         msgpack = is_msgpack(msg.headers)
         try:
             prepared = prepare_body(msg.data, msgpack, self.inputs)

@@ -1,9 +1,11 @@
 """`kvpager serve` as a new user runs it: a ready line, `kvpager generate` streaming what the
 offline engine generates, `stats` and `health`, and SIGTERM leaving no process behind."""
 
+import contextlib
 import json
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
@@ -26,12 +28,12 @@ class Served:
         return (self.log_dir / "out.txt").read_text()
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama, tmp_path_factory):
+@contextlib.contextmanager
+def serving(model, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """`kvpager serve` until ready, killed at the end if it still runs."""
     port = free_port()
-    log_dir = tmp_path_factory.mktemp("serve")
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
-    process = start(*args, log_dir=log_dir)
+    args = ["serve", "--model", str(model), "--nats-port", str(port), "--num-blocks", "64"]
+    process = start(*args, log_dir=log_dir, env=env)
     try:
         wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
         yield Served(process, f"nats://127.0.0.1:{port}", log_dir)
@@ -39,6 +41,12 @@ def served(tiny_llama, tmp_path_factory):
         if process.poll() is None:
             process.kill()
         process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    with serving(tiny_llama, tmp_path_factory.mktemp("serve")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +106,9 @@ def test_sigterm_stops_every_process(served):
 @pytest.fixture()
 def healing(tiny_llama, tmp_path):
     """A serve of its own: these tests kill its children."""
-    port = free_port()
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
     env = {"KVPAGER_LIVENESS_TIMEOUT": "3", "KVPAGER_HEARTBEAT_INTERVAL": "0.5"}
-    process = start(*args, log_dir=tmp_path, env=env)
-    try:
-        wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
-        yield Served(process, f"nats://127.0.0.1:{port}", tmp_path)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
+    with serving(tiny_llama, tmp_path, env) as running:
+        yield running
 
 
 def _child(served: Served, service: str) -> psutil.Process | None:
