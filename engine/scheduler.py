@@ -66,6 +66,7 @@ class Scheduler:
         if params.is_beam_search:
             self.beams.start(request)
         self.waiting.append(request)
+        self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.waiting))
 
     def check_request(self, request: Request) -> None:
         """Raise a typed error if the request can never run; no side effects."""

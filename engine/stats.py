@@ -13,6 +13,7 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         instance=instance,
         peak_used_blocks=stats.peak_used_blocks,
         peak_running=stats.peak_running,
+        peak_waiting=stats.peak_waiting,
         num_cpu_blocks=manager.cpu.num_blocks,
         num_swapped_out_blocks=manager.num_swapped_out_blocks,
         num_swapped_in_blocks=manager.num_swapped_in_blocks,

@@ -15,6 +15,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
     peak_used_blocks: int = 0
     peak_running: int = 0
+    peak_waiting: int = 0  # the queue at its longest, as requests were added
     finished: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, num_used_blocks: int, num_running: int) -> None:

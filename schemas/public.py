@@ -233,6 +233,7 @@ class Stats(msgspec.Struct, kw_only=True):
     ] = 0
     peak_used_blocks: int = 0
     peak_running: int = 0
+    peak_waiting: int = 0
     num_cpu_blocks: Annotated[int, Meta(description="host-memory pool for swapped blocks")] = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
