@@ -72,10 +72,12 @@ class EngineCore:
                 if request.sample_index == index and not request.is_finished:
                     request.stop_reason = stop_string
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                    self.deltas.add_finals(group_id, "stop", [index], None, _cached(request))
+                    self.deltas.add_finals(
+                        group_id, "stop", [index], None, request.num_cached_tokens
+                    )
         elif group:
             self.scheduler.abort(group_id)
-            self.deltas.add_finals(group_id, "abort", num_cached_tokens=_cached(group[0]))
+            self.deltas.add_finals(group_id, "abort", num_cached_tokens=group[0].num_cached_tokens)
         return bool(group)
 
     def fail_all(self, error: ErrorInfo) -> None:
@@ -161,10 +163,6 @@ class EngineCore:
         self.metrics.stepped(done.execute_s, wait_s, len(updated), now)
         if self._check:
             self.scheduler.check_invariants()
-
-
-def _cached(request: Request) -> int:
-    return request.num_cached_tokens
 
 
 def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:

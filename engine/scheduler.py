@@ -8,10 +8,9 @@ fall out of that rule. When blocks run out, the newest running request is preemp
 the CPU pool or freed and recomputed later.
 
 `schedule()` counts the tokens it schedules as computed at once, and a sampling request gets a
-placeholder for its coming token, so the next step can be planned before this one's output
-arrives (the services keep one step in flight ahead of the executor, as vLLM's async
-scheduling does). `update_from_output()` then only appends tokens; a request that stops has at
-most one extra step computed for it, whose token is dropped.
+placeholder for its coming token, so the engine core can plan the next step before this one's
+output arrives (engine/core.py, as vLLM's async scheduling). `update_from_output()` then only
+appends tokens; a request that stops has one extra step computed, whose token is dropped.
 """
 
 from collections import deque

@@ -72,7 +72,7 @@ class Supervisor:
     def _check(self, child: Child, now: float) -> None:
         if child.restart_at is not None:
             if now >= child.restart_at:
-                self._restart(child, now)
+                self._restart(child)
             return
         code = child.process.poll()
         if code is not None:
@@ -96,7 +96,7 @@ class Supervisor:
         log.warning("service lost, restarting", service=child.name, reason=why, backoff_s=backoff)
         print(f"kvpager: the {child.name} {why}; restarting it in {backoff:g} s", flush=True)
 
-    def _restart(self, child: Child, now: float) -> None:
+    def _restart(self, child: Child) -> None:
         child.process = child.start()
         child.restart_at = child.answered_at = None
         log.info("service restarted", service=child.name, pid=child.process.pid)
