@@ -1,11 +1,13 @@
 """Two instances (scheduler + executor pairs) behind one tokenizer: discovery, KV-aware
-routing, and streams that survive a dead instance (migration).
+routing, streams that survive a dead instance (migration), and a second tokenizer replica
+killed mid-stream (its streams lost to the client, then sent again).
 
 The tests run in order on one set of services and a nats-server of their own; every test
 ends with every block free on both instances.
 """
 
 import asyncio
+import json
 import random
 import time
 
@@ -40,8 +42,8 @@ def launch_instance(services: Services, instance: str) -> None:
         services.launch(f"{kind}-{instance}", kind, KVPAGER_INSTANCE=instance)
 
 
-def launch_tokenizer(services: Services, router: str = "kv") -> None:
-    services.launch("tokenizer", "tokenizer", KVPAGER_ROUTER=router)
+def launch_tokenizer(services: Services, router: str = "kv", name: str = "tokenizer") -> None:
+    services.launch(name, "tokenizer", KVPAGER_ROUTER=router)
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,13 @@ def replicas(nats, tiny_llama, tmp_path_factory):
     assert set(codes.values()) == {0}, codes
 
 
-async def until_instances(services: Services, timeout_s: float = 60.0) -> None:
+async def until_instances(
+    services: Services, tokenizer: str = "tokenizer", timeout_s: float = 60.0
+) -> None:
     """Both instances answer with an executor attached, and the tokenizer found both."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = [line for line in services.log_lines("tokenizer") if "instance found" in line]
+        found = [line for line in services.log_lines(tokenizer) if "instance found" in line]
         if all(any(f'"{name}"' in line for line in found) for name in INSTANCES):
             client = await Client.connect(services.url, PREFIX)
             try:
@@ -168,20 +172,34 @@ def stream_fields(i: int) -> dict:
     return dict(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **sampled)
 
 
-async def run_streams(client: Client, tag: str, started: asyncio.Event | None = None) -> list:
-    """NUM_STREAMS streams at once; `started` is set once a quarter of them have 3 events."""
-    counts = [0] * NUM_STREAMS
+async def run_streams(
+    client: Client,
+    tag: str,
+    started: asyncio.Event | None = None,
+    fields=stream_fields,
+    num_streams: int = NUM_STREAMS,
+) -> list:
+    """`num_streams` streams at once; `started` is set once a quarter of them have 3 events."""
+    counts = [0] * num_streams
 
     async def one(i: int) -> list:
         events = []
-        async for event in client.generate(request_id=f"{tag}-{i}", **stream_fields(i)):
+        async for event in client.generate(request_id=f"{tag}-{i}", **fields(i)):
             events.append(event)
             counts[i] += 1
-            if started is not None and sum(c >= 3 for c in counts) >= NUM_STREAMS // 4:
+            if started is not None and sum(c >= 3 for c in counts) >= num_streams // 4:
                 started.set()
         return events
 
-    return await asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
+    return await asyncio.gather(*(one(i) for i in range(num_streams)))
+
+
+def token_fields(i: int) -> dict:
+    """stream_fields(i) with a token-id prompt, which a client can continue exactly."""
+    fields = stream_fields(i)
+    del fields["prompt"]
+    rng = random.Random(i)
+    return dict(fields, prompt_token_ids=[rng.randrange(3, 300) for _ in range(4 + i % 9)])
 
 
 def outputs(streams: list[list]) -> list[list[int]]:
@@ -259,3 +277,100 @@ async def test_past_the_migration_limit_streams_end_with_a_typed_error(
     replicas.launch("executor-a", "executor", KVPAGER_INSTANCE="a")
     await until_logged(replicas, "scheduler-a", "executor attached", attached + 1)
     await until_instances(replicas)
+
+
+IDLE_TIMEOUT_S = 3.0  # the client gives up on a stream silent this long (default 30 s)
+NUM_TOKENIZER_STREAMS = NUM_STREAMS // 2  # half the work of the kill tests above: CI time
+
+
+async def test_tokenizer_replica_killed_its_streams_end_connection_lost(
+    client: Client, replicas: Services
+):
+    """A second tokenizer replica in the queue group, SIGKILLed with streams in flight: its
+    streams end with the client's own connection_lost, the other replica's finish unchanged;
+    sent again as the README says (the tokens so far appended to the prompt), the lost ones
+    end as the reference did. The schedulers abort the dead replica's requests (the fixture
+    checks that every block is free)."""
+    reference = outputs(
+        await run_streams(client, "tk-ref", None, token_fields, NUM_TOKENIZER_STREAMS)
+    )
+    launch_tokenizer(replicas, name="tokenizer-2")
+    await until_logged(replicas, "tokenizer-2", "tokenizer ready", 1)
+    await until_instances(replicas, "tokenizer-2")
+    quick = await Client.connect(replicas.url, PREFIX, idle_timeout=IDLE_TIMEOUT_S)
+    try:
+        started = asyncio.Event()
+        pending = run_streams(quick, "tk", started, token_fields, NUM_TOKENIZER_STREAMS)
+        run = asyncio.create_task(pending)
+        await asyncio.wait_for(started.wait(), 60.0)
+        aborts = aborts_logged(replicas)
+        victim = replicas.processes.pop("tokenizer-2")  # the module's teardown wants exit 0s
+        victim.kill()
+        victim.wait()
+        streams = await asyncio.wait_for(run, 60.0)
+        lost = lost_streams(streams, reference)
+        check_owners(replicas, {f"tk-{i}" for i in lost}, NUM_TOKENIZER_STREAMS)
+        assert aborts_logged(replicas) > aborts, "no scheduler noticed the replica gone"
+        resumed = await asyncio.gather(*(resume(quick, i, streams[i]) for i in lost))
+    finally:
+        await quick.close()
+    assert resumed == [reference[i] for i in lost]
+
+
+def lost_streams(streams: list[list], reference: list[list[int]]) -> list[int]:
+    """The indices of the streams that ended with connection_lost (their tokens so far a
+    prefix of the reference's); every other one finished unchanged. Some of each."""
+    lost = []
+    for i, events in enumerate(streams):
+        final = events[-1]
+        assert final.is_final and [e.seq for e in events] == list(range(len(events))), final
+        tokens = [t for e in events for t in e.token_ids]
+        if final.error is None:
+            assert tokens == reference[i] and final.finish_reason == "length", i
+        else:
+            assert final.error.type == "connection_lost", final.error
+            assert tokens == reference[i][: len(tokens)], i
+            lost.append(i)
+    assert 0 < len(lost) < len(streams), lost
+    return lost
+
+
+def aborts_logged(services: Services) -> int:
+    """How often the schedulers found a tokenizer replica gone (and aborted its requests)."""
+    text = "tokenizer replica gone"
+    return sum(count_logged(services, f"scheduler-{name}", text) for name in INSTANCES)
+
+
+def logged_ids(services: Services, name: str, event: str) -> set[str]:
+    """Request ids of `name`'s log lines for `event` (a SIGKILL may cut the last line)."""
+    lines = [line for line in services.log_lines(name) if line.endswith("}")]
+    records = [json.loads(line) for line in lines if f'"{event}"' in line]
+    return {r["request_id"] for r in records if r.get("event") == event}
+
+
+def check_owners(services: Services, lost: set[str], num_streams: int) -> None:
+    """The lost streams are the dead replica's: none was queued by the live one, and every
+    stream the dead one queued and had not finished is lost."""
+    ids = {f"tk-{i}" for i in range(num_streams)}
+    survivor = logged_ids(services, "tokenizer", "request queued") & ids
+    queued = logged_ids(services, "tokenizer-2", "request queued") & ids
+    finished = logged_ids(services, "tokenizer-2", "request finished")
+    assert not lost & survivor, lost & survivor
+    assert queued - finished <= lost, (queued - finished) - lost
+    assert ids - lost <= survivor | finished, (ids - lost) - survivor - finished
+
+
+async def resume(client: Client, i: int, events: list) -> list[int]:
+    """What the README tells a client to do with a lost stream: send it again with the tokens
+    received appended to the prompt, max_tokens lowered and seed_offset raised by as many.
+    Its whole output: the tokens received, then the new stream's."""
+    received = [t for e in events for t in e.token_ids]
+    fields = token_fields(i)
+    left = fields["max_tokens"] - len(received)
+    if left == 0:  # every token came, only the final event did not
+        return received
+    prompt = fields["prompt_token_ids"] + received
+    fields.update(prompt_token_ids=prompt, max_tokens=left, seed_offset=len(received))
+    again = [e async for e in client.generate(request_id=f"tk-again-{i}", **fields)]
+    assert again[-1].error is None and again[-1].finish_reason == "length", again[-1]
+    return received + [t for e in again for t in e.token_ids]
