@@ -106,6 +106,9 @@ class SchedulerService:
             self._fail_all(ErrorInfo("unavailable", "the executor restarted"))
             await self.core.publish()
         self.executor, self.core = ready, self._build_core(ready)
+        # routers hear of the executor now, not at the next discovery tick: a burst sent
+        # meanwhile would all go to the other instances
+        await self.kv_events.publish(self.core, ready)
         await msg.respond(pack(Attached(self.scheduler_id)))
         if self._requests_sub is None:  # "no responders" for tokenizers until now
             self._requests_sub = await self.nc.subscribe(

@@ -4,11 +4,14 @@ Every scheduler registers with the NATS services framework as `kvpager-scheduler
 instance in the metadata and its load (InstanceLoad) as `$SRV.STATS` endpoint data. Each tick
 asks `$SRV.STATS.kvpager-scheduler` and gathers the answers for a moment: an instance that
 answered is up, one not heard from for `liveness_timeout` seconds is gone (the TTL). KV events
-(`<prefix>.internal.*.kv.events`) keep the router's index and loads fresh between ticks.
+(`<prefix>.internal.*.kv.events`) keep the router's index and loads fresh between ticks;
+an answer gathered during a tick is older than an event heard since the tick asked, so it
+does not replace that event's load (it would undo, say, an executor attaching meanwhile).
 """
 
 import asyncio
 import json
+import time
 
 import msgspec
 import structlog
@@ -34,6 +37,7 @@ class Instances:
         self.window_s = min(0.25, settings.heartbeat_interval / 2)
         config = RouterConfig(settings.router, ttl_s=settings.liveness_timeout)
         self.router = Router(config)
+        self._heard_at: dict[str, float] = {}  # instance -> when its last KV events came
 
     async def start(self) -> None:
         await self.nc.subscribe(Subjects(self.prefix).all_kv_events, cb=self._on_events)
@@ -41,25 +45,29 @@ class Instances:
 
     async def _on_events(self, msg: Msg) -> None:
         try:
-            self.router.apply(_events_decoder.decode(msg.data))
+            batch = _events_decoder.decode(msg.data)
         except msgspec.DecodeError:
             log.warning("bad kv events dropped", subject=msg.subject)
+            return
+        self._heard_at[batch.instance] = time.monotonic()
+        self.router.apply(batch)
 
     async def discover(self) -> None:
         """Ask every scheduler for its load; drop the instances whose TTL passed."""
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         try:
+            asked_at = time.monotonic()
             await self.nc.publish(STATS_SUBJECT, b"", reply=inbox)
             await asyncio.sleep(self.window_s)
             while sub.pending_msgs:
-                self._on_stats((await sub.next_msg(timeout=0.01)).data)
+                self._on_stats((await sub.next_msg(timeout=0.01)).data, asked_at)
         finally:
             await sub.unsubscribe()
         for name in self.router.expire():
             log.info("instance gone", instance=name)
 
-    def _on_stats(self, data: bytes) -> None:
+    def _on_stats(self, data: bytes, asked_at: float) -> None:
         try:
             stats = json.loads(data) if data else None  # empty: "no responders"
         except ValueError:
@@ -77,4 +85,7 @@ class Instances:
         except msgspec.ValidationError:
             log.warning("bad scheduler stats dropped", instance=name)
             return
+        known = self.router.instances.get(name)
+        if known is not None and self._heard_at.get(name, asked_at) > asked_at:
+            load = known.load  # its events since we asked are fresher: only "still up"
         self.router.observe(name, load)
