@@ -1,9 +1,11 @@
 """`kvpager serve --replicas 2`: two executor + scheduler instances behind the tokenizer, a
 request served, a model nobody serves refused with a typed error, a killed executor
-restarted (both instances serve again), SIGTERM stopping all."""
+restarted (both instances serve again), and SIGTERM with streams in flight on both
+instances: every stream drains to its end, then everything stops."""
 
 import asyncio
 import signal
+import subprocess
 import time
 
 import msgspec
@@ -31,8 +33,10 @@ async def _check(url: str) -> None:
 
 def test_serve_starts_two_instances(tiny_llama, tmp_path):
     port = free_port()
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
-    process = start(*args, "--replicas", "2", log_dir=tmp_path)
+    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "128"]
+    # a generous drain: a loaded machine still finishes the streams (with no drain at all
+    # they would fail at once, whatever the timeout)
+    process = start(*args, "--replicas", "2", "--drain-timeout", "30", log_dir=tmp_path)
     try:
         wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
         children = psutil.Process(process.pid).children(recursive=True)
@@ -46,7 +50,11 @@ def test_serve_starts_two_instances(tiny_llama, tmp_path):
         asyncio.run(_check(url))
         children = psutil.Process(process.pid).children(recursive=True)
         assert len(children) == 6, children
-        process.send_signal(signal.SIGTERM)
+        streams = asyncio.run(_drained(url, process))
+        for events in streams:
+            final = events[-1]
+            assert final.finish_reason == "length" and final.error is None, final
+            assert sum(len(e.token_ids) for e in events) == DRAIN_TOKENS
         assert process.wait(timeout=60) == 0
         _, alive = psutil.wait_procs(children, timeout=5)
         assert not alive
@@ -80,3 +88,34 @@ async def _until_attached(url: str, before: list[str], timeout_s: float = 60.0) 
             return
         await asyncio.sleep(0.2)
     raise TimeoutError(f"no new executor attached: {before} -> {ids}")
+
+
+NUM_DRAIN_STREAMS, DRAIN_TOKENS = 16, 128  # still running when the signal goes
+
+
+async def _drained(url: str, process: subprocess.Popen) -> list[list]:
+    """SIGTERM to serve once every stream has an event and both instances run some; each
+    stream's events (they must go on to their end: the services drain)."""
+    client = await Client.connect(url, "llm")
+    try:
+        first = [asyncio.Event() for _ in range(NUM_DRAIN_STREAMS)]
+        tasks = [asyncio.create_task(_stream(client, i, first[i])) for i in range(len(first))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 60.0)
+        stats = await gather_stats(client.nc, "llm.stats", 1.0)
+        assert [s.num_running > 0 for s in stats] == [True, True], stats
+        assert not any(task.done() for task in tasks), "streams ended before the signal"
+        process.send_signal(signal.SIGTERM)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60.0)
+    finally:
+        await client.close()
+
+
+async def _stream(client: Client, i: int, first: asyncio.Event) -> list:
+    """One greedy stream of DRAIN_TOKENS tokens; `first` is set at its first event."""
+    events = []
+    prompt = [10 + i, 20 + i, 30 + i, 40 + i]
+    fields = dict(max_tokens=DRAIN_TOKENS, temperature=0.0, ignore_eos=True)
+    async for event in client.generate(prompt_token_ids=prompt, **fields):
+        events.append(event)
+        first.set()
+    return events
