@@ -7,7 +7,9 @@ at every OpenMP barrier; a run with other_cores near 1 can be several times slow
 """
 
 import os
+import platform
 import time
+from pathlib import Path
 
 import psutil
 
@@ -54,3 +56,11 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.25, window_s: float =
         reading = watch.other_cores()
         if reading < threshold or time.monotonic() >= deadline:
             return reading
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what `platform` knows."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()

@@ -13,19 +13,94 @@ import socket
 import subprocess
 import sys
 import time
+from typing import IO
 
 from benchmarks.config import BenchConfig
 from benchmarks.machine import CpuWatch
 from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
+from schemas.public import GenerateEvent
 
 ENGINE = "kvpager NATS"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def serve(
+    cfg: BenchConfig,
+    port: int,
+    replicas: int = 1,
+    router: str = "kv",
+    env: dict[str, str] | None = None,
+    log: IO | None = None,
+) -> subprocess.Popen:
+    """`kvpager serve` on `port` with the run's limits (the KV budget is each instance's);
+    `env` overrides the services' environment; their log lines go to `log` (default: ours)."""
+    environ = {
+        **os.environ,
+        "KVPAGER_MODEL": str(cfg.model_path),
+        "KVPAGER_DTYPE": cfg.dtype,
+        "KVPAGER_BLOCK_SIZE": str(cfg.block_size),
+        "KVPAGER_KV_CACHE_MEMORY": str(cfg.kv_cache_bytes),
+        "KVPAGER_KV_CACHE_DTYPE": cfg.kv_cache_dtype,
+        "KVPAGER_MAX_NUM_SEQS": str(cfg.max_num_seqs),
+        "KVPAGER_MAX_NUM_BATCHED_TOKENS": str(cfg.max_num_batched_tokens),
+        "KVPAGER_MAX_MODEL_LEN": str(cfg.max_model_len),
+        "KVPAGER_ENABLE_PREFIX_CACHING": str(cfg.enable_prefix_caching).lower(),
+        "KVPAGER_MAX_WAITING": "100000",
+        "KVPAGER_SEED": str(cfg.seed),
+        "KVPAGER_LOG_LEVEL": "warning",
+        "KVPAGER_REPLICAS": str(replicas),
+        "KVPAGER_ROUTER": router,
+        "OMP_NUM_THREADS": str(cfg.num_threads),  # every service's, each executor's too
+        **(env or {}),
+    }
+    command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
+    return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM (the services drain), SIGKILL after 30 s."""
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+async def stream(
+    client, request_id: str, request: BenchRequest, seqs, start: float
+) -> tuple[float, GenerateEvent]:
+    """One request's stream; each event's tokens stamped into `seqs` (if given) on arrival,
+    in seconds from `start`. Returns when its final event came, and that event."""
+    events = client.generate(
+        request_id=request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        max_tokens=request.max_tokens,
+        n=request.n,
+        temperature=request.temperature,
+        seed=request.seed,
+        ignore_eos=True,
+    )
+    async for event in events:
+        now = time.perf_counter() - start
+        if event.error is not None:
+            raise RuntimeError(f"{request_id}: {event.error.type}: {event.error.message}")
+        if seqs is not None:
+            seqs[event.index].token_times.extend([now] * len(event.token_ids))
+    return time.perf_counter() - start, event
+
+
+async def warm_up(client, num_requests: int = 4) -> None:
+    """Short requests so first-call costs (allocator, kernel build check) stay off the clock;
+    with several instances, enough that each gets some."""
+    requests = [BenchRequest([100 + i] * (8 + 8 * (i % 4)), 8) for i in range(num_requests)]
+    await asyncio.gather(*(stream(client, f"warm-{i}", r, None, 0) for i, r in enumerate(requests)))
 
 
 class NatsPeer:
@@ -33,55 +108,29 @@ class NatsPeer:
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
 
-    def _serve(self, port: int) -> subprocess.Popen:
-        cfg = self.cfg
-        env = {
-            **os.environ,
-            "KVPAGER_MODEL": str(cfg.model_path),
-            "KVPAGER_DTYPE": cfg.dtype,
-            "KVPAGER_BLOCK_SIZE": str(cfg.block_size),
-            "KVPAGER_KV_CACHE_MEMORY": str(cfg.kv_cache_bytes),
-            "KVPAGER_KV_CACHE_DTYPE": cfg.kv_cache_dtype,
-            "KVPAGER_MAX_NUM_SEQS": str(cfg.max_num_seqs),
-            "KVPAGER_MAX_NUM_BATCHED_TOKENS": str(cfg.max_num_batched_tokens),
-            "KVPAGER_MAX_MODEL_LEN": str(cfg.max_model_len),
-            "KVPAGER_ENABLE_PREFIX_CACHING": str(cfg.enable_prefix_caching).lower(),
-            "KVPAGER_MAX_WAITING": "100000",
-            "KVPAGER_SEED": str(cfg.seed),
-            "KVPAGER_LOG_LEVEL": "warning",
-            "OMP_NUM_THREADS": str(cfg.num_threads),
-        }
-        command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
-        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-
     def run(self, workload: Workload) -> list[EngineResult]:
-        port = _free_port()
-        server = self._serve(port)
+        port = free_port()
+        server = serve(self.cfg, port)
         try:
             return [self.loop.run_until_complete(self._run(workload, port))]
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop(server)
 
     async def _run(self, workload: Workload, port: int) -> EngineResult:
         from benchmarks.load import _ready  # the load benchmark's wait for a healthy server
 
         client = await _ready(f"nats://127.0.0.1:{port}", "llm")
         try:
-            await self._warm_up(client)
+            await warm_up(client)
             stats_before = await client.stats()
             sequences = {
                 i: [SequenceTimes() for _ in range(r.n)] for i, r in enumerate(workload.requests)
             }
             watch = CpuWatch()
             start = time.perf_counter()
-            finish_times = await asyncio.gather(
+            ends = await asyncio.gather(
                 *(
-                    self._stream(client, f"{workload.name}-{i}", r, sequences[i], start)
+                    stream(client, f"{workload.name}-{i}", r, sequences[i], start)
                     for i, r in enumerate(workload.requests)
                 )
             )
@@ -101,7 +150,7 @@ class NatsPeer:
             num_prompt_tokens=workload.num_prompt_tokens,
             num_output_tokens=workload.num_output_tokens,
             sequences=sequences,
-            finish_times=list(finish_times),
+            finish_times=[finish_s for finish_s, _ in ends],
             latency_source="per streamed event, at the client",
             extra={
                 "num_blocks": stats.num_blocks,
@@ -113,33 +162,6 @@ class NatsPeer:
                 "step_ms_mean": stats.step_ms.mean,
             },
         )
-
-    async def _warm_up(self, client) -> None:
-        """Short requests so first-call costs (allocator, kernel build check) stay off the clock."""
-        await asyncio.gather(
-            *(
-                self._stream(client, f"warm-{i}", BenchRequest([100 + i] * (8 + 8 * i), 8), None, 0)
-                for i in range(4)
-            )
-        )
-
-    async def _stream(self, client, request_id: str, request: BenchRequest, seqs, start) -> float:
-        events = client.generate(
-            request_id=request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            max_tokens=request.max_tokens,
-            n=request.n,
-            temperature=request.temperature,
-            seed=request.seed,
-            ignore_eos=True,
-        )
-        async for event in events:
-            now = time.perf_counter() - start
-            if event.error is not None:
-                raise RuntimeError(f"{request_id}: {event.error.type}: {event.error.message}")
-            if seqs is not None:
-                seqs[event.index].token_times.extend([now] * len(event.token_ids))
-        return time.perf_counter() - start
 
     def close(self) -> None:
         self.loop.close()

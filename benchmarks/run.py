@@ -315,18 +315,12 @@ def _meta(args, configs, started) -> dict:
     import torch
     import transformers
 
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    from benchmarks.machine import cpu_name
+
     return {
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
         "mode": "quick" if args.quick else "full",
-        "machine": f"{cpu}, {os.cpu_count()} CPUs, {args.threads} threads used",
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads used",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -9,6 +9,7 @@ A workload travels as JSON to the vLLM worker, which runs in its own virtualenv.
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -152,6 +153,43 @@ def shared_prefix(
         f"U{list(output_range)}",
         requests,
     )
+
+
+def multi_prefix(
+    source: TokenSource,
+    num_systems: int,
+    users_per_system: int,
+    system_len: int,
+    suffix_range,
+    output_len: int,
+    seed: int,
+):
+    """`num_systems` system prompts of `system_len` ids, each in front of `users_per_system`
+    users' own suffixes; the requests in a seeded random order, so the systems interleave as
+    a replica's router sees them."""
+    rng = np.random.default_rng(seed)
+    systems = [source.draw(rng, system_len) for _ in range(num_systems)]
+    requests = []
+    for system in systems:
+        for _ in range(users_per_system):
+            suffix = source.draw(rng, int(rng.integers(suffix_range[0], suffix_range[1] + 1)))
+            requests.append(BenchRequest(system + suffix, output_len))
+    order = rng.permutation(len(requests))
+    return Workload(
+        "multi-prefix",
+        f"{num_systems} system prompts of {system_len} tokens x {users_per_system} users, suffix "
+        f"U{list(suffix_range)}, output {output_len}, shuffled",
+        [requests[int(i)] for i in order],
+    )
+
+
+def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: a Poisson process of `rate`
+    requests/s (exponential gaps, the first at 0); every one at 0 when the rate is infinite."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=max(0, num_requests - 1))
+    return [0.0, *np.cumsum(gaps).tolist()][:num_requests]
 
 
 def parallel_sampling(

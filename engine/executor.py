@@ -83,6 +83,7 @@ class Executor:
             backend=self.backend,
             rank=rank,
             world_size=size,
+            num_threads=torch.get_num_threads(),  # on CPU: OMP_NUM_THREADS, or every core
             load_s=round(time.perf_counter() - started, 2),
         )
 
