@@ -35,6 +35,7 @@ from benchmarks.nats_peer import free_port, serve, stop, stream, warm_up
 from benchmarks.roofline import isa_flags
 from benchmarks.workloads import BenchRequest, Workload, arrival_times, multi_prefix
 from services.http.metrics import gather_stats
+from services.settings import Settings
 
 # An estimate, for the full run to check: on the 2-core EPYC one thread prefilled SmolLM2-135M
 # at ~350 tokens/s (a smoke run) and decodes a full batch at ~80 tok/s (benchmarks/reports/
@@ -95,12 +96,18 @@ def summarize(sent: list[Sent]) -> dict:
 
 
 def run_setup(
-    cfg: BenchConfig, setup: Setup, workload: Workload, offsets: list[float], log_path: Path
+    cfg: BenchConfig,
+    setup: Setup,
+    workload: Workload,
+    offsets: list[float],
+    log_path: Path,
+    overlap_weight: float,
 ) -> dict:
     """A fresh `kvpager serve` for `setup`, the workload sent at `offsets`, then stopped."""
     port = free_port()
     with open(log_path, "wb") as log:
-        server = serve(cfg, port, setup.replicas, setup.router, SERVICE_ENV, log)
+        env = {**SERVICE_ENV, "KVPAGER_ROUTER_OVERLAP_WEIGHT": str(overlap_weight)}
+        server = serve(cfg, port, setup.replicas, setup.router, env, log)
     try:
         url = f"nats://127.0.0.1:{port}"
         return asyncio.run(_measure(url, server, cfg, setup, workload, offsets, log_path))
@@ -301,6 +308,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads-per-instance", type=int, default=1)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="per instance")
     parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    parser.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=Settings().router_overlap_weight,
+        help="kv router's weight of a block to prefill (KVPAGER_ROUTER_OVERLAP_WEIGHT)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "replicas")
     return parser.parse_args(argv)
 
@@ -337,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             label = _rate_label(rate)
             log_path = args.out / "logs" / f"{setup.name.replace(' ', '')}-rate{label}.log"
             row = {"config": setup.name, "rate": label}
-            row.update(run_setup(cfg, setup, workload, offsets, log_path))
+            row.update(run_setup(cfg, setup, workload, offsets, log_path, args.overlap_weight))
             row["requests_per_instance"] = [i["num_requests"] for i in row["instances"].values()]
             rows.append(row)
             print(" ".join(f"{k}={row[k]}" for k, _ in COLUMNS), flush=True)
@@ -358,6 +371,7 @@ def _meta(args: argparse.Namespace, cfg: BenchConfig, workload: Workload, starte
         "model": str(cfg.model_path),
         "workload": workload.summary(),
         "threads_per_instance": cfg.num_threads,
+        "router_overlap_weight": args.overlap_weight,
         "kv_cache_gib_per_instance": cfg.kv_cache_gib,
         "dtype": cfg.dtype,
         "seed": args.seed,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from engine.routing import RouterConfig
 from schemas.errors import ConfigError
 
 ENV_PREFIX = "KVPAGER_"
@@ -90,6 +91,10 @@ class Settings:
     router: str = _opt(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )
+    router_overlap_weight: float = _opt(
+        "kv router: weight of a block to prefill against a block in use (Dynamo's cost)",
+        default=RouterConfig.overlap_weight,
+    )
     migration_limit: int = _opt(
         "times a stream moves to another instance after its own failed, then an error", default=3
     )
@@ -120,6 +125,8 @@ class Settings:
                 raise ConfigError(f"{name}: must be positive")
         if self.router not in ("kv", "least-loaded", "round-robin"):
             raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
+        if self.router_overlap_weight < 0:
+            raise ConfigError("router_overlap_weight: must be at least 0")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
         self._check_nats_auth()

@@ -35,7 +35,11 @@ class Instances:
         self.nc = nc
         self.prefix = settings.prefix
         self.window_s = min(0.25, settings.heartbeat_interval / 2)
-        config = RouterConfig(settings.router, ttl_s=settings.liveness_timeout)
+        config = RouterConfig(
+            settings.router,
+            ttl_s=settings.liveness_timeout,
+            overlap_weight=settings.router_overlap_weight,
+        )
         self.router = Router(config)
         self._heard_at: dict[str, float] = {}  # instance -> when its last KV events came
 

@@ -53,7 +53,8 @@ def test_load_outweighs_a_small_overlap():
     busy = InstanceLoad(model="m", num_blocks=100, num_free_blocks=90, block_size=BLOCK)
     r.observe("a", busy)
     costs = r.costs(list(r.instances.values()), PROMPT)
-    assert costs == {"a": 2 + 10 + 4, "b": 3 + 0 + 4}  # prefill + in use + the request's
+    w = r.config.overlap_weight  # weight x blocks to prefill + blocks in use + the request's
+    assert costs == {"a": w * 2 + 10 + 4, "b": w * 3 + 0 + 4}
     assert r.pick(PROMPT) == "b"
 
 
