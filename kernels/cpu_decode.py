@@ -1,20 +1,19 @@
-"""The CPU decode-attention kernel (kernels/cpu/paged_decode.c): built once, called via ctypes.
+"""The CPU attention kernel (kernels/cpu/paged_decode.c): built once, called via ctypes.
 
 Why C here: on CPU the torch twin gathers every sequence's K/V blocks into a padded copy and
 then runs SDPA, reading and writing the context three times; the kernel reads each K/V row once,
 in place, through the block table (SmolLM2, 48 sequences of ~250 tokens: attention per decode
-step 124 ms -> 41-55 ms). It is the CPU counterpart of the Triton kernel, tested against the
-same torch twin.
+step 124 ms -> 41-55 ms). It takes one query token per row, so a short prefill chunk runs on it
+too, a row per token over the keys that token sees; long chunks stay on SDPA's matmuls. It is
+the CPU counterpart of the Triton kernel, tested against the same torch twin.
 
 Built and loaded by kernels/cpu_build.py.
 """
 
-import functools
-
 import torch
 
 from kernels.cpu_build import FLOAT, I64, PTR, load_library
-from kernels.reference import decode_attention_ref, paged_attention_ref
+from kernels.reference import chunk_attention_ref, decode_attention_ref, paged_attention_ref
 
 _ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT,)
 _SIGNATURES = (("paged_decode_f32", _ARGTYPES), ("paged_decode_bf16", _ARGTYPES))
@@ -78,5 +77,56 @@ def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -
     return out
 
 
-# `paged_attention_ref` with its decode rows on the C kernel (prefill chunks stay on SDPA)
-paged_attention_cpu = functools.partial(paged_attention_ref, decode=_decode_rows)
+# Prefill chunks this long or longer go to SDPA (blocked matmuls over a gathered copy of the
+# context); shorter ones run on the kernel, a row per query token, where SDPA's per-sequence
+# setup costs more than its matmuls save (SmolLM2 shapes, 2 threads: 32 chunks of 64 tokens
+# 4.2 ms on the kernel against 7.0 ms; 8 chunks of 256, 15.9 ms against 10.8 ms).
+SDPA_MIN_CHUNK = 128
+
+
+def _token_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """For every query token: its sequence's index and the context it sees (causal: the keys
+    up to its own position)."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    num_tokens = int(cu_seqlens_q[-1])
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(q_lens)), q_lens, output_size=num_tokens
+    )
+    # token i of a chunk of q_len new tokens sits at position seq_len - q_len + i
+    offset_in_chunk = torch.arange(num_tokens) - cu_seqlens_q[:-1].long()[seq_of_token]
+    context = (seq_lens.long() - q_lens)[seq_of_token] + offset_in_chunk + 1
+    return seq_of_token, context.to(torch.int32)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
+    in place through the block tables (bf16 caches without widening), and chunks of
+    SDPA_MIN_CHUNK tokens or more on the twin's SDPA. Returns query's dtype."""
+    args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
+    if max_seqlen_q == 1:
+        out = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return paged_attention_ref(query, *args) if out is None else out.to(query.dtype)
+    seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens)
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    short = torch.nonzero((q_lens < SDPA_MIN_CHUNK)[seq_of_token]).flatten()
+    if short.numel() == 0:
+        return paged_attention_ref(query, *args, decode=_decode_rows)
+    tables = block_tables.index_select(0, seq_of_token[short])
+    rows = paged_decode(query[short], key_cache, value_cache, tables, context[short], scale)
+    if rows is None:
+        return paged_attention_ref(query, *args, decode=_decode_rows)
+    if short.numel() == query.shape[0]:
+        return rows.to(query.dtype)
+    out = torch.empty(query.shape, dtype=torch.float32)
+    out[short] = rows
+    chunk_attention_ref(query, *args[:-1], q_lens >= SDPA_MIN_CHUNK, out)
+    return out.to(query.dtype)

@@ -2,10 +2,10 @@
 (kernels/reference.py) for whatever the C code does not take: other dtypes, strides, or no
 compiler. Same signatures as the twins; the C paths work in place where the twins allocate.
 
-The C code computes in float32. A bfloat16 model's tensors are widened on the way in and
-narrowed on the way out (one vectorised copy each, cheap next to the twins' chains of bf16
-ops: a bf16 SmolLM2 decode step spent ~0.5 s in them against ~0.1 s for the fp32 C path), so
-results match the twins computed in float32, rounded once to bfloat16.
+The C code computes in float32 for float32 and bfloat16 tensors alike: bf16 values are widened
+as they are loaded and rounded once as they are stored, so results match the twins computed in
+float32 on the widened inputs, rounded once to bfloat16 (the twins in bf16 round after every
+op, and ran ~0.5 s of a bf16 SmolLM2 decode step against ~0.1 s for the C path).
 """
 
 import torch
@@ -13,12 +13,15 @@ import torch
 from kernels import reference
 from kernels.cpu_build import FLOAT, I64, PTR, load_library
 
-_SIGNATURES = (
-    ("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),
+_PER_DTYPE = (
     ("rope_neox", (PTR, I64, I64, I64, I64, PTR, PTR)),
     ("add_rms_norm", (PTR, PTR, PTR, PTR, I64, I64, FLOAT)),
     ("silu_and_mul", (PTR, PTR, I64, I64)),
 )
+_SIGNATURES = (("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),) + tuple(
+    (f"{name}_{suffix}", argtypes) for name, argtypes in _PER_DTYPE for suffix in ("f32", "bf16")
+)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def load():
@@ -26,12 +29,21 @@ def load():
     return load_library("layer_ops", _SIGNATURES)
 
 
-def _f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+def _kernel(name: str, *tensors: torch.Tensor):
+    """The C function `name` for the tensors' dtype, or None: no library, tensors of mixed or
+    other dtypes, or not on the CPU."""
+    library = load()
+    dtype = tensors[0].dtype
+    if library is None or dtype not in _SUFFIX:
+        return None
+    if not all(t.dtype == dtype and t.device.type == "cpu" for t in tensors):
+        return None
+    return getattr(library, f"{name}_{_SUFFIX[dtype]}")
 
 
-def _bf16(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+def _same_cpu_dtype(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    return dtype in _SUFFIX and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
 def _rows_of_heads(x: torch.Tensor) -> bool:
@@ -48,7 +60,7 @@ def reshape_and_cache(
 ) -> None:
     library = load()
     fits = (
-        (_f32(key, value, key_cache, value_cache) or _bf16(key, value, key_cache, value_cache))
+        _same_cpu_dtype(key, value, key_cache, value_cache)
         and _rows_of_heads(key)
         and _rows_of_heads(value)
         and key_cache.is_contiguous()
@@ -74,17 +86,13 @@ def reshape_and_cache(
 def rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _bf16(q, k, cos, sin) and load() is not None:  # widened, rotated, narrowed in place
-        q32, k32 = rotary(q.float(), k.float(), cos.float(), sin.float())
-        return q.copy_(q32), k.copy_(k32)
-    library = load()
-    fits = _f32(q, k, cos, sin) and _rows_of_heads(q) and _rows_of_heads(k)
-    if library is None or not fits or q.shape[-1] % 2:
+    kernel = _kernel("rope_neox", q, k, cos, sin)
+    if kernel is None or not (_rows_of_heads(q) and _rows_of_heads(k)) or q.shape[-1] % 2:
         return reference.rotary_ref(q, k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
     for x in (q, k):
         num_tokens, num_heads, head_dim = x.shape
-        library.rope_neox(
+        kernel(
             x.data_ptr(),
             x.stride(0),
             num_tokens,
@@ -100,21 +108,16 @@ def add_rms_norm(
     residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = (residual, weight) if delta is None else (residual, delta, weight)
-    if _bf16(*tensors) and load() is not None:
-        wide = None if delta is None else delta.float()
-        out, summed = add_rms_norm(residual.float(), wide, weight.float(), eps)
-        return out.to(torch.bfloat16), summed.to(torch.bfloat16)
-    library = load()
+    kernel = _kernel("add_rms_norm", *tensors)
     fits = (
-        _f32(*tensors)
-        and residual.dim() == 2
+        residual.dim() == 2
         and (delta is None or delta.shape == residual.shape)
         and all(t.is_contiguous() for t in tensors)
     )
-    if library is None or not fits:
+    if kernel is None or not fits:
         return reference.add_rms_norm_ref(residual, delta, weight, eps)
     out = torch.empty_like(residual)
-    library.add_rms_norm(
+    kernel(
         residual.data_ptr(),
         None if delta is None else delta.data_ptr(),
         weight.data_ptr(),
@@ -127,13 +130,11 @@ def add_rms_norm(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if _bf16(gate_up) and load() is not None:
-        return silu_and_mul(gate_up.float()).to(torch.bfloat16)
-    library = load()
-    fits = _f32(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous()
-    if library is None or not fits or gate_up.shape[1] % 2:
+    kernel = _kernel("silu_and_mul", gate_up)
+    fits = gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
+    if kernel is None or not fits:
         return reference.silu_and_mul_ref(gate_up)
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(num_tokens, inter)
-    library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_tokens, inter)
+    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
+    kernel(gate_up.data_ptr(), out.data_ptr(), num_tokens, inter)
     return out

@@ -154,14 +154,31 @@ def paged_attention_ref(
         out[rows] = decode(
             query[rows], key_cache, value_cache, block_tables[one], seq_lens[one], scale
         )
-    starts, lens, q_lens = cu_seqlens_q.tolist(), seq_lens.tolist(), q_lens.tolist()
-    for seq_idx, seq_len in enumerate(lens):
-        if q_lens[seq_idx] > 1:
-            start, end = starts[seq_idx], starts[seq_idx + 1]
-            out[start:end] = _sequence_attention(
-                query[start:end], key_cache, value_cache, block_tables[seq_idx], seq_len, scale
-            )
+    chunk_attention_ref(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens > 1, out
+    )
     return out.to(query.dtype)
+
+
+def chunk_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    chosen: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The query chunks of the sequences `chosen` (bool [num_seqs]), each attending causally
+    over its cached context, into their rows of `out` (fp32 [num_tokens, heads, d])."""
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for seq_idx in torch.nonzero(chosen).flatten().tolist():
+        start, end = starts[seq_idx], starts[seq_idx + 1]
+        out[start:end] = _sequence_attention(
+            query[start:end], key_cache, value_cache, block_tables[seq_idx], lens[seq_idx], scale
+        )
 
 
 def copy_blocks_ref(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ import torch
 
 from kernels import cpu_decode
 from kernels.backend import default_backend_name, get_kernel_ops
-from kernels.cpu_decode import paged_attention_cpu, paged_decode
+from kernels.cpu_decode import SDPA_MIN_CHUNK, paged_attention_cpu, paged_decode
 from kernels.reference import decode_attention_ref, paged_attention_ref
 from tests.kernels.test_paged_attention import (
     DECODE,
@@ -47,11 +47,22 @@ def test_decode_matches_twin_and_dense(head_dim, num_heads, num_kv_heads, block_
     assert_close("vs dense", out, dense_attention(batch, scale), torch.float32)
 
 
-@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL])
-def test_mixed_batches_equal_the_reference(case):
-    batch = make_batch(*case, 9, 3, 64, 16, torch.float32, "cpu")
+# decode rows, short chunks (the kernel, a row per token) and chunks of SDPA_MIN_CHUNK or more
+# (SDPA) in one batch, one of them after cached context
+SPLIT = ([1, 5, SDPA_MIN_CHUNK, 3, SDPA_MIN_CHUNK + 9], [40, 5, SDPA_MIN_CHUNK, 60, 300])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, SPLIT])
+def test_mixed_batches_equal_the_reference(case, dtype):
+    """Decode rows and short prefill chunks run on the kernel (a row per query token, causal
+    by its context), long chunks on SDPA: the twin's and dense attention's answer."""
+    batch = make_batch(*case, 9, 3, 64, 16, dtype, "cpu")
     args = batch.args(0.125)
-    assert_close("out", paged_attention_cpu(*args), paged_attention_ref(*args), torch.float32)
+    out = paged_attention_cpu(*args)
+    assert out.dtype == dtype
+    assert_close("vs twin", out, paged_attention_ref(*args), dtype)
+    assert_close("vs dense", out, dense_attention(batch, 0.125), dtype)
 
 
 def test_unsupported_shapes_fall_back_to_the_twin():

@@ -129,8 +129,9 @@ def test_write_kv_copies_bf16_rows_into_a_bf16_cache_exactly():
 
 
 def test_bf16_ops_equal_the_float32_twins_rounded_once():
-    """bf16 tensors are widened, computed in fp32 and narrowed: the twins in fp32 on the same
-    (widened) inputs, rounded to bf16, within one rounding."""
+    """bf16 tensors are widened as they load, computed in fp32 and rounded once as they are
+    stored: the twins in fp32 on the same (widened) inputs, rounded to bf16, within one
+    rounding."""
     torch.manual_seed(2)
     qkv = _qkv(13)[0].bfloat16()
     sizes = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
@@ -143,13 +144,40 @@ def test_bf16_ops_equal_the_float32_twins_rounded_once():
         torch.testing.assert_close(g.float(), w, rtol=BF16_ULP, atol=1e-6)
     residual, delta = (torch.randn(13, 576).bfloat16() for _ in range(2))
     weight = torch.randn(576).bfloat16()
-    got = cpu_layer_ops.add_rms_norm(residual, delta, weight, 1e-6)
-    want = add_rms_norm_ref(residual.float(), delta.float(), weight.float(), 1e-6)
-    for g, w in zip(got, want):
-        assert g.dtype == torch.bfloat16
-        torch.testing.assert_close(g.float(), w, rtol=BF16_ULP, atol=1e-6)
+    want_out, want_sum = add_rms_norm_ref(residual.float(), delta.float(), weight.float(), 1e-6)
+    got_out, got_sum = cpu_layer_ops.add_rms_norm(residual, delta, weight, 1e-6)
+    assert got_sum.data_ptr() == residual.data_ptr()  # summed in place, as in float32
+    assert got_out.dtype == got_sum.dtype == torch.bfloat16
+    assert torch.equal(got_sum, want_sum.bfloat16())  # the sum rounded once
+    # the norm reads the stored (rounded) sum, as the bf16 twin does
+    want_out = add_rms_norm_ref(want_sum.bfloat16().float(), None, weight.float(), 1e-6)[0]
+    torch.testing.assert_close(got_out.float(), want_out, rtol=BF16_ULP, atol=1e-6)
     gate_up = (torch.randn(13, 2 * 96) * 4).bfloat16()
     got = cpu_layer_ops.silu_and_mul(gate_up)
     assert got.dtype == torch.bfloat16
     want = silu_and_mul_ref(gate_up.float())
     torch.testing.assert_close(got.float(), want, rtol=BF16_ULP, atol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [16, 13])  # lanes of eight, and the scalar tail
+def test_bf16_rounding_matches_torch_on_ties_and_special_values(hidden):
+    """The residual sum is rounded as torch rounds float32 to bfloat16: ties to even, inf from
+    overflow, NaN kept a NaN."""
+    values = [1.0, 1.0078125, 3e38, float("inf"), float("nan"), -2.0, 1.0, 0.5]
+    deltas = [2.0**-8, 2.0**-8, 3e38, 1.0, 1.0, -(2.0**-7), -(2.0**-9), 2.0**-10]
+    residual = torch.tensor((values * 2)[:hidden]).bfloat16().repeat(3, 1)
+    delta = torch.tensor((deltas * 2)[:hidden]).bfloat16().repeat(3, 1)
+    want = (residual.float() + delta.float()).bfloat16()
+    _, got = cpu_layer_ops.add_rms_norm(residual, delta, torch.ones(hidden).bfloat16(), 1e-6)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("inter", [13, 1536])
+def test_bf16_silu_and_mul_lanes_and_tail(inter):
+    torch.manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter) * 4).bfloat16()
+    want = silu_and_mul_ref(gate_up.float())
+    torch.testing.assert_close(
+        cpu_layer_ops.silu_and_mul(gate_up).float(), want, rtol=BF16_ULP, atol=1e-6
+    )
