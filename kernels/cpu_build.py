@@ -51,7 +51,8 @@ def _build_dir() -> Path:
 def _library_path(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it includes
+    for part in (source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode()):
         digest.update(part)
     return _build_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 

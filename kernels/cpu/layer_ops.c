@@ -10,38 +10,15 @@
 // decode step). Rows are given by pointer and row stride (q/k/v are views into one qkv matmul).
 // A SmolLM2 decode step of 64 tokens called the twins 120 times for ~25 ms in all.
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "simd.h"
 
-#define LANES 8
 // Rows are split over OpenMP threads (torch's team: torch.set_num_threads sets it) from this
 // many elements up; below, a fork costs more than it saves.
 #define PARALLEL_ELEMENTS 16384
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint32_t u32vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t u16vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 // --- loads and stores of eight lanes, and of one element, per dtype ------------------------
 
-static inline vec load_f32(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
 static inline void store_f32(float *p, vec v) { memcpy(p, &v, sizeof(v)); }
-
-// bf16 is the top half of a float32: widen, shift, reinterpret
-static inline vec load_bf16(const uint16_t *p) {
-    u16vec half;
-    memcpy(&half, p, sizeof(half));
-    const u32vec bits = __builtin_convertvector(half, u32vec) << 16;
-    vec v;
-    memcpy(&v, &bits, sizeof(v));
-    return v;
-}
 
 // Round to nearest even, as torch's float -> bfloat16 does; a NaN stays a (quiet) NaN
 // instead of rounding into infinity.
@@ -73,30 +50,6 @@ static inline void put_bf16(uint16_t *p, float x) {
         return;
     }
     *p = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline vec clamp(vec x, float lo, float hi) {
-    const ivec low = x < lo, high = x > hi;
-    const ivec lo_bits = (ivec)((vec){0} + lo), hi_bits = (ivec)((vec){0} + hi);
-    return (vec)(((ivec)x & ~(low | high)) | (lo_bits & low) | (hi_bits & high));
-}
-
-// exp on eight lanes, Cephes' expf (within 2 ulp); inputs clamped to [-87.3, 88.3], where
-// the result stays a normal float
-static inline vec vector_exp(vec x) {
-    x = clamp(x, -87.3f, 88.3f);
-    const vec fx = x * 1.44269504088896341f + 0.5f;
-    ivec n = __builtin_convertvector(fx, ivec);  // truncates toward zero: floor needs a fix
-    n += __builtin_convertvector(n, vec) > fx;   // true is -1
-    const vec nf = __builtin_convertvector(n, vec);
-    x = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-    vec y = 1.9875691500e-4f * x + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * x * x + x + 1.0f;
-    return y * (vec)((n + 127) << 23);
 }
 
 // K and V rows [num_tokens, row] into caches viewed as [num_slots, row], all in bytes (rows

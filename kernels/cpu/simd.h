@@ -1,0 +1,57 @@
+// SIMD helpers shared by the CPU kernels (kernels/cpu/*.c): eight float lanes as GCC/Clang
+// vector types (the compiler picks AVX2 or AVX-512 for -march=native), bf16 loads, and exp.
+// The build hashes this header with each source (kernels/cpu_build.py).
+#ifndef KVPAGER_SIMD_H
+#define KVPAGER_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t u32vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t u16vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+
+static inline vec load_f32(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+// bf16 is the top half of a float32: widen, shift, reinterpret (one vpmovzxwd + vpslld)
+static inline vec load_bf16(const uint16_t *p) {
+    u16vec half;
+    memcpy(&half, p, sizeof(half));
+    const u32vec bits = __builtin_convertvector(half, u32vec) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof(v));
+    return v;
+}
+
+static inline vec clamp(vec x, float lo, float hi) {
+    const ivec low = x < lo, high = x > hi;
+    const ivec lo_bits = (ivec)((vec){0} + lo), hi_bits = (ivec)((vec){0} + hi);
+    return (vec)(((ivec)x & ~(low | high)) | (lo_bits & low) | (hi_bits & high));
+}
+
+// exp on eight lanes, Cephes' expf (within 2 ulp); inputs clamped to [-87.3, 88.3], where
+// the result stays a normal float
+static inline vec vector_exp(vec x) {
+    x = clamp(x, -87.3f, 88.3f);
+    const vec fx = x * 1.44269504088896341f + 0.5f;
+    ivec n = __builtin_convertvector(fx, ivec);  // truncates toward zero: floor needs a fix
+    n += __builtin_convertvector(n, vec) > fx;   // true is -1
+    const vec nf = __builtin_convertvector(n, vec);
+    x = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+    vec y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    return y * (vec)((n + 127) << 23);
+}
+
+#endif
