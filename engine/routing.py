@@ -34,8 +34,9 @@ class RouterConfig:
     # through every layer) while a block in use costs each decode step one block of K/V reads:
     # at 1, one extra request in flight (~20 blocks) outweighed a 256-token system prompt's
     # 16 cached blocks, and a steady stream of 8 system prompts spread over both instances
-    # as round-robin's did (benchmarks/replicas.py, 2.5 req/s: prefix hits 0.755, the same as
-    # round-robin; at 4: 0.802 of an ideal 0.809, TTFT p90 763 ms against round-robin's 833).
+    # as round-robin's did (benchmarks/replicas.py at 2.5 req/s: prefix hits 0.755, the same
+    # as round-robin's; at 4: 0.795-0.802 of an ideal 0.809; TTFT at that light load was
+    # within run-to-run noise of round-robin's either way).
     overlap_weight: float = 4.0
     predict_s: float = 5.0  # how long a routed request's blocks count as cached there
 

@@ -1,0 +1,129 @@
+"""Where kvpager's offline time goes, by op: the benchmark's long-tailed workload through
+`LLM.generate`, every decoder matmul, kernel op and the lm_head timed where it is called.
+
+    python benchmarks/op_breakdown.py --dtype float32 bfloat16 [-n 64] [--threads 2]
+
+The timers wrap the executor's own callables (no copy of the model code), so every op runs as
+in a plain run, plus a `perf_counter` pair per call (~1 us against ~30 us for the smallest op).
+Ops are synchronous CPU calls, so wall time per call is the op's. "attention: prefill" is the
+attention call minus its decode rows; "forward, other" is the decoder's own Python (views,
+splits, embedding, the per-layer loop). Prints each dtype's table, with the host's ISA flags.
+"""
+
+import argparse
+import collections
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import workloads as wl  # noqa: E402
+from benchmarks.config import BenchConfig  # noqa: E402
+from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
+from benchmarks.roofline import isa_flags  # noqa: E402
+from benchmarks.run import token_source  # noqa: E402
+from engine.download import resolve_model  # noqa: E402
+
+LINEARS = ("qkv", "o_proj", "gate_up", "down")
+OPS = ("reshape_and_cache", "rotary", "add_rms_norm", "silu_and_mul")
+
+
+class Clock:
+    """Seconds and calls per name."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return timed
+
+
+def instrument(llm, clock: Clock) -> None:
+    """Put timers around the executor's matmuls, kernel ops, attention and lm_head."""
+    executor, model = llm.executor, llm.executor.model
+    ops = executor.ops
+    timed_ops = dataclasses.replace(
+        ops,
+        paged_attention=clock.wrap("attention", ops.paged_attention),
+        **{name: clock.wrap(name, getattr(ops, name)) for name in OPS},
+    )
+    executor.attention.ops = model.ops = timed_ops
+    for layer in model.layers:
+        layer.ops = timed_ops
+        for name in LINEARS:
+            setattr(layer, name, clock.wrap(f"linear {name}", getattr(layer, name)))
+    model.lm_head_matmul = clock.wrap("lm_head", model.lm_head_matmul)
+    model.forward = clock.wrap("forward", model.forward)
+    executor._execute = clock.wrap("step", executor._execute)
+
+
+def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
+    """(name, seconds, calls) rows, derived rows included, largest first."""
+    s = clock.seconds
+    linear = sum(s[f"linear {n}"] for n in LINEARS)
+    derived = {
+        "linear, all four": linear,
+        "forward, other": s["forward"] - linear - s["attention"] - sum(s[n] for n in OPS),
+        "step outside forward and lm_head": s["step"] - s["forward"] - s["lm_head"],
+        "outside steps (scheduler, output)": elapsed - s["step"],
+    }
+    rows = [(n, v, clock.calls[n]) for n, v in s.items() if n not in ("forward", "step")]
+    rows += [(n, v, 0) for n, v in derived.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def run(args: argparse.Namespace, dtype: str) -> None:
+    model_path = resolve_model(args.model)
+    cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
+    work = wl.sharegpt_like(token_source(model_path), args.num_requests, 96, 96, 512, 1)
+    llm = build_llm(cfg)
+    clock = Clock()
+    instrument(llm, clock)
+    warm_up(llm)
+    prompts = [list(r.prompt_token_ids) for r in work.requests]
+    params = [sampling_params(r) for r in work.requests]
+    for _ in range(args.rounds):  # the last round is reported
+        clock.seconds.clear()
+        clock.calls.clear()
+        llm.scheduler.block_manager.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\n{dtype}: {tokens} tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} tok/s, "
+          f"{clock.calls['step']} steps")  # fmt: skip
+    print("| op | s | share | calls |\n|---|---|---|---|")
+    for name, seconds, calls in table(clock, elapsed):
+        print(f"| {name} | {seconds:.2f} | {seconds / elapsed:.1%} | {calls or ''} |")
+    llm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("-n", "--num-requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"ISA flags: {' '.join(isa_flags()) or 'none'}")
+    for dtype in args.dtype:
+        run(args, dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""benchmarks/op_breakdown.py's clock and table: what it derives from the timed calls."""
+
+import time
+
+from benchmarks.op_breakdown import LINEARS, OPS, Clock, table
+
+
+def test_clock_counts_calls_and_time_and_keeps_results_and_errors():
+    clock = Clock()
+    slow = clock.wrap("slow", lambda x: (time.sleep(0.01), x * 2)[1])
+    assert slow(3) == 6 and slow(4) == 8
+    failing = clock.wrap("failing", lambda: 1 / 0)
+    try:
+        failing()
+    except ZeroDivisionError:
+        pass
+    assert clock.calls == {"slow": 2, "failing": 1}
+    assert clock.seconds["slow"] >= 0.02
+
+
+def test_table_derives_the_rest_of_the_forward_and_of_the_step():
+    clock = Clock()
+    for name in LINEARS:
+        clock.seconds[f"linear {name}"] = 1.0
+    for name in OPS:
+        clock.seconds[name] = 0.5
+    clock.seconds.update({"attention": 2.0, "lm_head": 1.0, "forward": 9.0, "step": 11.0})
+    rows = {name: seconds for name, seconds, _ in table(clock, elapsed=12.0)}
+    assert rows["linear, all four"] == 4.0
+    assert rows["forward, other"] == 9.0 - 4.0 - 2.0 - 2.0
+    assert rows["step outside forward and lm_head"] == 11.0 - 9.0 - 1.0
+    assert rows["outside steps (scheduler, output)"] == 1.0
+    assert "forward" not in rows and "step" not in rows
+    assert list(rows.values()) == sorted(rows.values(), reverse=True)
