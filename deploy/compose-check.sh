@@ -8,6 +8,10 @@
 #   5. a completion streamed through `kvpager generate` and through the HTTP gateway (curl),
 #   6. the executor container killed, restarted by its restart policy, and serving again,
 #   7. everything torn down (`down -v`: containers and the model volume).
+# With KVPAGER_CHECK_REPLICAS=1 it runs compose.yaml + compose.replicas.yaml instead: the
+# 3-node NATS cluster (fixed ports 4222-4224, 6222-6224, 8222-8224) and instances a and b;
+# step 6 becomes: executor-b killed with streams in flight (they move to a, none fails), then
+# NATS node 3 killed (its clients fail over), and a completion streamed after each.
 # Takes minutes and needs root (dockerd, debootstrap): run it by hand, not in CI.
 #   deploy/compose-check.sh 2>&1 | tee /tmp/compose-check.out
 # Exits non-zero with a message at the first failure; every wait is bounded.
@@ -27,6 +31,8 @@ TORCH_VERSION=2.13.0
 MODEL=smollm2-135m-instruct
 # A project name of its own, so the check never touches a user's `kvpager` stack or volume.
 PROJECT=kvpager-check
+REPLICAS=${KVPAGER_CHECK_REPLICAS:-0}
+((REPLICAS)) && PROJECT=kvpager-check-replicas
 DEFAULT_BASE_IMAGE=kvpager-base:bookworm
 export KVPAGER_BASE_IMAGE=${KVPAGER_BASE_IMAGE:-$DEFAULT_BASE_IMAGE}
 COMPOSE=()
@@ -77,6 +83,7 @@ require_tools() {
   fi
   log "compose: $("${COMPOSE[@]}" version 2>/dev/null | sed -n 1p)"
   COMPOSE+=(--project-name "$PROJECT" --file "$ROOT/compose.yaml" --project-directory "$ROOT")
+  ((REPLICAS)) && COMPOSE+=(--file "$ROOT/compose.replicas.yaml")
   # Compose 1.29 would build through a newer docker CLI whose BuildKit path needs buildx; its
   # own builder (docker-py) handles this Dockerfile (multi-stage, no RUN --mount) as well.
   export COMPOSE_DOCKER_CLI_BUILD=0
@@ -181,6 +188,10 @@ port_is_free() {
 # Host networking: the containers bind the host's own ports, so take ones nothing else holds.
 choose_ports() {
   step "ports on 127.0.0.1"
+  if ((REPLICAS)); then
+    choose_cluster_ports
+    return
+  fi
   export KVPAGER_NATS_PORT=${KVPAGER_NATS_PORT:-$(free_port)}
   export KVPAGER_NATS_MONITOR_PORT=${KVPAGER_NATS_MONITOR_PORT:-$(free_port)}
   export KVPAGER_HTTP_PORT=${KVPAGER_HTTP_PORT:-$(free_port)}
@@ -190,6 +201,17 @@ choose_ports() {
   done
   export KVPAGER_NATS_URL=nats://127.0.0.1:$KVPAGER_NATS_PORT  # the host-side client's
   log "nats $KVPAGER_NATS_PORT, monitoring $KVPAGER_NATS_MONITOR_PORT, http $KVPAGER_HTTP_PORT"
+}
+
+# compose.replicas.yaml's nodes listen on fixed ports; the gateway takes a free one.
+choose_cluster_ports() {
+  local port
+  for port in 4222 4223 4224 6222 6223 6224 8222 8223 8224; do
+    port_is_free "$port" || die "port $port is in use on this host (compose.replicas.yaml needs it)"
+  done
+  export KVPAGER_HTTP_PORT=${KVPAGER_HTTP_PORT:-$(free_port)}
+  export KVPAGER_NATS_URL=nats://127.0.0.1:4222,nats://127.0.0.1:4223,nats://127.0.0.1:4224
+  log "nats nodes 4222-4224 (routes 6222-6224), http $KVPAGER_HTTP_PORT"
 }
 
 # The gateway is a newer command: an image without it gets the HTTP step reported as skipped.
@@ -204,6 +226,7 @@ healthy() { timeout 20 "$VENV/bin/kvpager" health --timeout 5; }
 
 bring_up() {
   local services=(nats model tokenizer scheduler executor)
+  ((REPLICAS)) && services+=(nats-2 nats-3 scheduler-b executor-b)
   HTTP=skipped
   if image_has_gateway; then
     services+=(http)
@@ -304,6 +327,88 @@ kill_executor() {
   log "serving again ${RESTART_S}s after the kill"
 }
 
+# --- replicas mode (KVPAGER_CHECK_REPLICAS=1) ---------------------------------------------
+
+# Both instances answer llm.stats (scatter-gather over the cluster) with an executor attached.
+both_instances() {
+  timeout 30 "$VENV/bin/python" - <<'PY'
+import asyncio, os, sys
+from services.client import Client
+from services.http.metrics import gather_stats
+async def main():
+    client = await Client.connect(os.environ["KVPAGER_NATS_URL"])
+    try:
+        stats = await gather_stats(client.nc, "llm.stats", 2.0)
+    finally:
+        await client.close()
+    sys.exit(0 if sorted(s.instance for s in stats) == ["a", "b"] else 1)
+asyncio.run(main())
+PY
+}
+
+# 16 greedy streams; once a quarter have events, SIGKILL the given pid (executor-b's init's
+# child): every stream must still end `length` with all its tokens, no error, seq gap-free.
+streams_survive_kill() {
+  timeout 300 "$VENV/bin/python" - "$1" <<'PY'
+import asyncio, os, signal, sys
+from services.client import Client
+async def main(pid):
+    client = await Client.connect(os.environ["KVPAGER_NATS_URL"])
+    counts, killed = [0] * 16, asyncio.Event()
+    async def one(i):
+        events = []
+        async for e in client.generate(prompt=f"Story {i}:", max_tokens=96, temperature=0,
+                                       ignore_eos=True):
+            events.append(e)
+            counts[i] += 1
+            if not killed.is_set() and sum(c >= 2 for c in counts) >= 4:
+                killed.set()
+                os.kill(pid, signal.SIGKILL)
+        return events
+    try:
+        streams = await asyncio.gather(*(one(i) for i in range(16)))
+    finally:
+        await client.close()
+    bad = [s[-1] for s in streams if s[-1].error is not None or s[-1].finish_reason != "length"]
+    gaps = [s for s in streams if [e.seq for e in s] != list(range(len(s)))]
+    tokens = {sum(len(e.token_ids) for e in s) for s in streams}
+    print(f"killed: {killed.is_set()}, failed streams: {len(bad)}, gaps: {len(gaps)}, "
+          f"tokens per stream: {sorted(tokens)}")
+    sys.exit(0 if killed.is_set() and not bad and not gaps and tokens == {96} else 1)
+asyncio.run(main(int(sys.argv[1])))
+PY
+}
+
+kill_executor_b_mid_stream() {
+  step "kill executor-b with 16 streams in flight: they move to instance a"
+  wait_until 120 "llm.stats to list instances a and b" both_instances
+  local id pid count start=$SECONDS
+  id=$(container_ids executor-b)
+  count=$(restart_count "$id")
+  pid=$(pgrep -P "$(docker inspect -f '{{.State.Pid}}' "$id")" | head -1)  # kvpager, under init
+  [[ -n $pid ]] || die "no process under executor-b's init"
+  local moves
+  moves=$(compose logs --no-color tokenizer | grep -c "stream moves" || true)
+  streams_survive_kill "$pid" || die "streams did not survive executor-b's death"
+  (($(compose logs --no-color tokenizer | grep -c "stream moves" || true) > moves)) \
+    || die "no stream was on instance b: nothing moved"
+  wait_until 60 "executor-b to restart" restarted_since "$id" "$count"
+  wait_until 300 "llm.stats to list instances a and b again" both_instances
+  RESTART_S=$((SECONDS - start))
+  log "no stream failed; executor-b back and attached ${RESTART_S}s after the kill"
+}
+
+kill_nats_node() {
+  step "kill NATS node 3: its clients (scheduler-b, executor-b) fail over to the others"
+  local id count start=$SECONDS
+  id=$(container_ids nats-3)
+  count=$(restart_count "$id")
+  kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$id")"
+  wait_until 60 "nats-3 to restart" restarted_since "$id" "$count"
+  wait_until 300 "llm.stats to list instances a and b after the node's restart" both_instances
+  log "both instances serve $((SECONDS - start))s after the kill"
+}
+
 tear_down() {
   local status=$?
   if ((STACK_UP)); then
@@ -338,8 +443,15 @@ main() {
   bring_up
   generate_over_nats "first"
   generate_over_http
-  kill_executor
-  generate_over_nats "after the restart"
+  if ((REPLICAS)); then
+    kill_executor_b_mid_stream
+    generate_over_nats "after executor-b's restart"
+    kill_nats_node
+    generate_over_nats "after node 3's restart"
+  else
+    kill_executor
+    generate_over_nats "after the restart"
+  fi
   printf '\n[%4ds] compose check passed: build %ss, ready %ss, executor back %ss, http %s\n' \
     $((SECONDS - START_S)) "$BUILD_S" "$READY_S" "$RESTART_S" "$HTTP"
 }

@@ -81,18 +81,26 @@ class StreamWatch:
         try:
             reply = await ping(self.nc, subject, self.interval_s)
         except PeerGone:
-            await self._move_all(submitted, ErrorInfo("unavailable", "the scheduler stopped"))
+            error = ErrorInfo("unavailable", "the scheduler stopped")
+            await self._move_all(instance, submitted, error)
             return
         if silence.note(answered=reply is not None):
             limit = silence.limit_s
             error = ErrorInfo("unavailable", f"the scheduler did not answer for {limit} s")
-            await self._move_all(submitted, error)
+            await self._move_all(instance, submitted, error)
         elif reply is not None:
             scheduler_id = msgspec.msgpack.decode(reply.data, type=SchedulerInfo).scheduler_id
             lost = [s for s in submitted if s.scheduler_id not in ("", scheduler_id)]
-            await self._move_all(lost, ErrorInfo("unavailable", "the scheduler restarted"))
+            error = ErrorInfo("unavailable", "the scheduler restarted")
+            await self._move_all(instance, lost, error)
 
-    async def _move_all(self, streams: list[Stream], error: ErrorInfo) -> None:
+    async def _move_all(self, instance: str, streams: list[Stream], error: ErrorInfo) -> None:
+        """Move the streams still submitted to `instance`: while the ping was out, a stream
+        may have moved on already (its old instance failed it), and a scheduler id or a
+        silence of the old instance says nothing of the new one. Seen under compose with
+        replicas: streams that had just moved from b to a were moved again, with a's id
+        taken for a restart of b's scheduler, and dropped for want of a third instance."""
+        streams = [s for s in streams if s.instance == instance and s.submitted]
         if streams:
             log.warning("instance failed", num_streams=len(streams), reason=error.message)
         for stream in streams:
