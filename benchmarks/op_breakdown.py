@@ -21,11 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import workloads as wl  # noqa: E402
 from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from benchmarks.run import token_source  # noqa: E402
+from benchmarks.run import make_workloads, token_source  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")
@@ -88,7 +87,11 @@ def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
 def run(args: argparse.Namespace, dtype: str) -> None:
     model_path = resolve_model(args.model)
     cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
-    work = wl.sharegpt_like(token_source(model_path), args.num_requests, 96, 96, 512, 1)
+    # run.py's own sharegpt-like workload (same lengths and seed)
+    spec = argparse.Namespace(
+        num_requests=args.num_requests, quick=False, seed=0, workloads=["sharegpt-like"]
+    )
+    work = make_workloads(spec, token_source(model_path))[0]
     llm = build_llm(cfg)
     clock = Clock()
     instrument(llm, clock)

@@ -84,10 +84,11 @@ def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -
 SDPA_MIN_CHUNK = 128
 
 
-def _token_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _token_rows(
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For every query token: its sequence's index and the context it sees (causal: the keys
-    up to its own position)."""
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    up to its own position). q_lens int64 [num_seqs]: new tokens per sequence."""
     num_tokens = int(cu_seqlens_q[-1])
     seq_of_token = torch.repeat_interleave(
         torch.arange(len(q_lens)), q_lens, output_size=num_tokens
@@ -113,10 +114,10 @@ def paged_attention_cpu(
     SDPA_MIN_CHUNK tokens or more on the twin's SDPA. Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
     if max_seqlen_q == 1:
-        out = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-        return paged_attention_ref(query, *args) if out is None else out.to(query.dtype)
-    seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens)
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        out = _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return out.to(query.dtype)
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
     short = torch.nonzero((q_lens < SDPA_MIN_CHUNK)[seq_of_token]).flatten()
     if short.numel() == 0:
         return paged_attention_ref(query, *args, decode=_decode_rows)

@@ -33,12 +33,9 @@ def _kernel(name: str, *tensors: torch.Tensor):
     """The C function `name` for the tensors' dtype, or None: no library, tensors of mixed or
     other dtypes, or not on the CPU."""
     library = load()
-    dtype = tensors[0].dtype
-    if library is None or dtype not in _SUFFIX:
+    if library is None or not _same_cpu_dtype(*tensors):
         return None
-    if not all(t.dtype == dtype and t.device.type == "cpu" for t in tensors):
-        return None
-    return getattr(library, f"{name}_{_SUFFIX[dtype]}")
+    return getattr(library, f"{name}_{_SUFFIX[tensors[0].dtype]}")
 
 
 def _same_cpu_dtype(*tensors: torch.Tensor) -> bool:

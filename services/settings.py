@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.routing import RouterConfig
+from engine.routing import ROUTERS, RouterConfig
 from schemas.errors import ConfigError
 
 ENV_PREFIX = "KVPAGER_"
@@ -123,7 +123,7 @@ class Settings:
         for name in (*timeouts, "heartbeat_interval", "liveness_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
-        if self.router not in ("kv", "least-loaded", "round-robin"):
+        if self.router not in ROUTERS:
             raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
         if self.router_overlap_weight < 0:
             raise ConfigError("router_overlap_weight: must be at least 0")
