@@ -5,9 +5,10 @@
 
 The timers wrap the executor's own callables (no copy of the model code), so every op runs as
 in a plain run, plus a `perf_counter` pair per call (~1 us against ~30 us for the smallest op).
-Ops are synchronous CPU calls, so wall time per call is the op's. "attention: prefill" is the
-attention call minus its decode rows; "forward, other" is the decoder's own Python (views,
-splits, embedding, the per-layer loop). Prints each dtype's table, with the host's ISA flags.
+Ops are synchronous CPU calls, so wall time per call is the op's. "attention: long chunks
+(SDPA)" is the part of attention spent on prefill chunks too long for the C kernel (one call
+per chunk and layer); "forward, other" is the decoder's own Python (views, splits, embedding,
+the per-layer loop). Prints each dtype's table, with the host's ISA flags.
 """
 
 import argparse
@@ -26,9 +27,12 @@ from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # no
 from benchmarks.roofline import isa_flags  # noqa: E402
 from benchmarks.run import make_workloads, token_source  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
+from kernels import reference  # noqa: E402
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")
 OPS = ("reshape_and_cache", "rotary", "add_rms_norm", "silu_and_mul")
+LONG_CHUNKS = "attention: long chunks (SDPA)"
+SEQUENCE_ATTENTION = reference._sequence_attention  # wrapped afresh for each run
 
 
 class Clock:
@@ -64,6 +68,8 @@ def instrument(llm, clock: Clock) -> None:
         layer.ops = timed_ops
         for name in LINEARS:
             setattr(layer, name, clock.wrap(f"linear {name}", getattr(layer, name)))
+    # the twin's per-sequence SDPA, which the CPU kernel leaves long chunks to
+    reference._sequence_attention = clock.wrap(LONG_CHUNKS, SEQUENCE_ATTENTION)
     model.lm_head_matmul = clock.wrap("lm_head", model.lm_head_matmul)
     model.forward = clock.wrap("forward", model.forward)
     executor._execute = clock.wrap("step", executor._execute)
