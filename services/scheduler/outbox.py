@@ -2,7 +2,7 @@
 per subject and step, in order."""
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 
@@ -10,34 +10,31 @@ from schemas.tokenizer import SampleDelta, TokenBatch
 from services.wire import pack
 
 
-@dataclass
-class Route:
-    """A request's way back to its tokenizer."""
-
-    reply_to: str
-    num_open: int  # samples that have not had their final delta
-
-
 class Outbox:
-    """Deltas routed per tokenizer subject, published together, in order."""
+    """Deltas routed per tokenizer subject, published together, in order. A route lasts while
+    the engine core's SampleDeltas keep its request open (some sample without a final delta)."""
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
-        self.routes: dict[str, Route] = {}  # by request (group) id
+        self.routes: dict[str, str] = {}  # request (group) id -> its tokenizer's subject
         self._lock = asyncio.Lock()
 
-    def route(self, deltas: list[SampleDelta]) -> dict[str, list[SampleDelta]]:
-        """Deltas by subject; a route ends with the final delta of its last sample."""
+    def route(
+        self, deltas: list[SampleDelta], is_open: Callable[[str], bool]
+    ) -> dict[str, list[SampleDelta]]:
+        """Deltas by subject; a request's route goes with the batch that closes it."""
         batches: dict[str, list[SampleDelta]] = {}
+        finished = set()
         for delta in deltas:
-            route = self.routes.get(delta.request_id)
-            if route is None:
+            subject = self.routes.get(delta.request_id)
+            if subject is None:
                 continue
-            batches.setdefault(route.reply_to, []).append(delta)
+            batches.setdefault(subject, []).append(delta)
             if delta.finish_reason is not None:
-                route.num_open -= 1
-                if not route.num_open:
-                    del self.routes[delta.request_id]
+                finished.add(delta.request_id)
+        for request_id in finished:  # after the loop: one batch may close several samples
+            if not is_open(request_id):
+                del self.routes[request_id]
         return batches
 
     async def publish(self, batches: dict[str, list[SampleDelta]], step_id: int) -> None:

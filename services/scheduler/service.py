@@ -38,7 +38,7 @@ from services.liveness import repeat
 from services.scheduler.attach import scheduler_info
 from services.scheduler.kv_events import KvEventPublisher, instance_load
 from services.scheduler.link import ExecutorLink
-from services.scheduler.outbox import Outbox, Route
+from services.scheduler.outbox import Outbox
 from services.scheduler.pieces import PromptPieces
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
@@ -74,7 +74,7 @@ class SchedulerService:
             self.subjects,
             settings,
             executor_id=lambda: self.executor.executor_id if self.executor else None,
-            tokenizer_subjects=lambda: {route.reply_to for route in self.outbox.routes.values()},
+            tokenizer_subjects=lambda: set(self.outbox.routes.values()),
             lose_executor=self._lose_executor,
             drop_tokenizer=self._drop_tokenizer,
         )
@@ -179,7 +179,7 @@ class SchedulerService:
         except KvpagerError as exc:
             log.info("request refused", request_id=add.request_id, error=exc.type)
             return ErrorInfo(exc.type, str(exc), getattr(exc, "param", None))
-        self.outbox.routes[add.request_id] = Route(add.reply_to, add.sampling_params.n)
+        self.outbox.routes[add.request_id] = add.reply_to
         log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
         self._work.set()
         return None
@@ -195,8 +195,8 @@ class SchedulerService:
 
     def _drop_tokenizer(self, reply_to: str) -> None:
         """Abort the requests of a tokenizer replica that is gone: no one reads their tokens."""
-        for request_id, route in list(self.outbox.routes.items()):
-            if route.reply_to == reply_to:
+        for request_id, subject in list(self.outbox.routes.items()):
+            if subject == reply_to:
                 self._finish(FinishRequest(request_id, "abort"))
 
     def _fail_all(self, error: ErrorInfo) -> None:
@@ -238,7 +238,9 @@ class SchedulerService:
 
     async def _publish(self, deltas: list[SampleDelta], step_id: int) -> None:
         """The core's deltas to their tokenizers, then the KV events and load to routers."""
-        await self.outbox.publish(self.outbox.route(deltas), step_id)
+        open_requests = self.core.deltas.open
+        batches = self.outbox.route(deltas, is_open=open_requests.__contains__)
+        await self.outbox.publish(batches, step_id)
         await self.kv_events.publish(self.core, self.executor)
 
     async def _wait_for_work(self, core: EngineCore | None) -> None:
