@@ -29,6 +29,7 @@ from engine.tensor_parallel import build_executor
 from schemas.errors import ExecutorUnavailableError
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
+from services.connection import flush_sent
 from services.discovery import Discovery
 from services.liveness import PeerGone, Reconnects, ping, repeat
 from services.settings import Settings
@@ -240,7 +241,7 @@ class ExecutorService:
         here die with us); the scheduler finds us gone and a supervisor may restart us."""
         log.error("executor exits: a tensor-parallel rank was lost", reason=reason)
         try:
-            await asyncio.wait_for(self.nc.flush(), 2.0)
+            await asyncio.wait_for(flush_sent(self.nc), 2.0)
         except (asyncio.TimeoutError, nats.errors.Error):
             pass
         os._exit(EXIT_RANK_LOST)

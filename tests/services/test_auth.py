@@ -12,7 +12,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.connection import ConnectError, connect_options, open_connection
+from services.connection import ConnectError, connect_options, flush_sent, open_connection
 from services.runtime import connect
 from services.serve.embedded import EmbeddedNats
 from services.settings import ServeSettings, Settings
@@ -130,12 +130,12 @@ async def test_example_config_confines_clients(monkeypatch):
 
         await service.subscribe("llm.health", cb=answer)
         await service.subscribe("llm.internal.>", cb=record)
-        await service.flush()  # the server has the subscriptions
-        assert (await _request_when_answered(client, "llm.health")).data == b"ok"
+        await flush_sent(service)  # the server has the subscriptions
+        assert (await client.request("llm.health", b"", timeout=2)).data == b"ok"
         await client.subscribe("llm.internal.>")
         await client.publish("llm.internal.default.scheduler.requests", b"forged")
-        await client.flush()
-        await service.flush()
+        await flush_sent(client)
+        await flush_sent(service)
         for _ in range(100):  # -ERR comes asynchronously, maybe after the flush's PONG
             if len(violations) >= 2:
                 break
@@ -148,17 +148,6 @@ async def test_example_config_confines_clients(monkeypatch):
     found = "\n".join(violations)
     assert 'permissions violation for subscription to "llm.internal.>"' in found, found
     assert 'permissions violation for publish to "llm.internal.default' in found, found
-
-
-async def _request_when_answered(client, subject: str, attempts: int = 20):
-    """The answer on `subject`, asking again while the server reports no responders: one CI
-    run of four this session got "no responders" right after the responder's flush."""
-    for _ in range(attempts - 1):
-        try:
-            return await client.request(subject, b"", timeout=2)
-        except nats.errors.NoRespondersError:
-            await asyncio.sleep(0.1)
-    return await client.request(subject, b"", timeout=2)
 
 
 def test_serve_with_the_example_config(tiny_llama, tmp_path):

@@ -7,6 +7,7 @@ import nats
 
 from schemas.executor import RunStep, ScheduledStep, SchedulerMessage
 from schemas.scheduler import StepDone, StepOutput
+from services.connection import flush_sent
 from services.scheduler.link import ExecutorLink
 from services.subjects import Subjects
 from services.wire import pack
@@ -25,7 +26,7 @@ async def test_answers_that_come_before_they_are_awaited_are_kept(nats_server):
         await executor_nc.publish(subjects.scheduler_outputs, pack(StepDone(output, 0.0, 0.0)))
 
     await executor_nc.subscribe(subjects.executor_steps, cb=execute)
-    await executor_nc.flush()
+    await flush_sent(executor_nc)  # the server has the subscription
     lost = []
     link = ExecutorLink(scheduler_nc, subjects, 64, step_timeout_s=5.0, lose_executor=lost.append)
     await link.start()

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from schemas.sampling import SamplingParams
 from schemas.scheduler import SchedulerInfo
+from services.connection import flush_sent
 from services.settings import Settings
 from services.subjects import Subjects
 from services.tokenizer.requests import Prepared
@@ -45,7 +46,7 @@ async def test_a_restart_moves_only_the_streams_still_on_the_pinged_instance(
         await scheduler_nc.publish(msg.reply, msgspec.msgpack.encode(info))
 
     await scheduler_nc.subscribe(subjects.for_instance("b").scheduler_info, cb=answer_b)
-    await scheduler_nc.flush()
+    await flush_sent(scheduler_nc)  # the server has the subscription
     moves, losses = [], []
 
     async def move(stream: Stream, error) -> None:
