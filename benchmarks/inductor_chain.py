@@ -1,0 +1,170 @@
+"""The decoder's chain around attention, kvpager's against torch.compile's (inductor).
+
+    python benchmarks/inductor_chain.py [--tokens 1 8 64 256] [--dtype float32 bfloat16]
+
+Every layer's norms, four matmuls, rotary and SiLU-and-mul, over all of SmolLM2-135M's 30
+layers (seeded random weights of its shapes), for one step of `--tokens` tokens:
+- kvpager: the executor's own DecoderLayer pieces (C layer ops, oneDNN-packed matmuls);
+- inductor: the same chain in plain torch, `torch.compile(fullgraph=True)` with weight freezing
+  (inductor packs the weights and fuses the elementwise ops into C++ loops), one compile per
+  token count.
+Attention is left out of both: q stands in for its output. Best of `--repeats` calls, the two
+alternating twice; this host's speed drifts, so read the ratios.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import isa_flags  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.download import resolve_model  # noqa: E402
+from engine.model.decoder import DecoderLayer  # noqa: E402
+from engine.model.sharding import Shard  # noqa: E402
+from kernels.backend import KernelOps, get_kernel_ops  # noqa: E402
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+
+
+class TorchChain(nn.Module):
+    """The layers' chain in plain torch, on copies of their weights, for inductor to compile."""
+
+    NAMES = ("input_norm", "qkv_weight", "o_weight", "post_attention_norm", "gate_up_weight")
+
+    def __init__(self, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        first = layers[0]
+        self.sizes = [first.q_size, first.kv_size, first.kv_size]
+        self.head_dim, self.eps = first.head_dim, first.eps
+        self.weights = nn.ParameterList(
+            nn.Parameter(getattr(layer, name).detach().clone(), requires_grad=False)
+            for layer in layers
+            for name in (*self.NAMES, "down_weight")
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        tokens, delta = x.shape[0], None
+        for i in range(0, len(self.weights), 6):
+            norm1, qkv_w, o_w, norm2, gate_up_w, down_w = self.weights[i : i + 6]
+            x = x if delta is None else x + delta
+            q, k, v = F.linear(_rms_norm(x, norm1, self.eps), qkv_w).split(self.sizes, -1)
+            q = _rotate(q.view(tokens, -1, self.head_dim), cos, sin)
+            k = _rotate(k.view(tokens, -1, self.head_dim), cos, sin)
+            attn = q.reshape(tokens, -1) + (k.sum() + v.sum()) * 0  # keeps k and v computed
+            x = x + F.linear(attn, o_w)
+            gate, up = F.linear(_rms_norm(x, norm2, self.eps), gate_up_w).chunk(2, -1)
+            delta = F.linear(F.silu(gate) * up, down_w)
+        return x, delta
+
+
+def kvpager_chain(layers: list[DecoderLayer], ops: KernelOps, x, cos, sin):
+    """DecoderLayer.forward without its attention call."""
+    tokens, delta = x.shape[0], None
+    for layer in layers:
+        h, x = ops.add_rms_norm(x, delta, layer.input_norm, layer.eps)
+        q, k, v = layer.qkv(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
+        q, k = ops.rotary(
+            q.view(tokens, -1, layer.head_dim), k.view(tokens, -1, layer.head_dim), cos, sin
+        )
+        attn = layer.o_proj(q.reshape(tokens, layer.q_size))
+        h, x = ops.add_rms_norm(x, attn, layer.post_attention_norm, layer.eps)
+        delta = layer._mlp(h, ops)
+    return x, delta
+
+
+def build_layers(config: ModelConfig, dtype: torch.dtype, ops: KernelOps) -> list[DecoderLayer]:
+    shard, layers = Shard.of(config), []
+    for _ in range(config.num_layers):
+        layer = DecoderLayer(config, dtype, ops, shard, None)
+        for param in layer.parameters():
+            param.data.normal_(0, 0.02)
+        layer.input_norm.data.fill_(1)
+        layer.post_attention_norm.data.fill_(1)
+        layers.append(layer)
+    return layers
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def step_inputs(tokens: int, config: ModelConfig, dtype: torch.dtype):
+    x = torch.randn(tokens, config.hidden_size, dtype=dtype)
+    angles = torch.rand(tokens, config.head_dim // 2)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    return x, cos, sin
+
+
+@torch.inference_mode()
+def compare(config: ModelConfig, dtype: torch.dtype, tokens_list: list[int], repeats: int):
+    ops = get_kernel_ops("cpu")
+    layers = build_layers(config, dtype, ops)
+    chain = TorchChain(layers).eval()
+    for layer in layers:
+        layer.build_matmuls(pack=True)
+    inductor_config.freezing = True  # weights become constants inductor may pack
+    compiled = torch.compile(chain, dynamic=False, fullgraph=True)
+    for tokens in tokens_list:
+        print(_row(layers, ops, compiled, step_inputs(tokens, config, dtype), repeats), flush=True)
+
+
+def _row(layers, ops: KernelOps, compiled, inputs, repeats: int) -> str:
+    x, cos, sin = inputs
+    start = time.perf_counter()
+    theirs = compiled(x, cos, sin)
+    compile_s = time.perf_counter() - start
+    ours = kvpager_chain(layers, ops, x.clone(), cos, sin)
+    diff = (sum(theirs) - sum(ours)).abs().max().item()
+    kv, ind = [], []
+    for _ in range(2):
+        kv.append(best_ms(lambda: kvpager_chain(layers, ops, x.clone(), cos, sin), repeats))
+        ind.append(best_ms(lambda: compiled(x, cos, sin), repeats))
+    return (
+        f"{str(x.dtype)[6:]:>8} {x.shape[0]:5d} tokens: kvpager {min(kv):7.2f} ms, inductor "
+        f"{min(ind):7.2f} ms ({min(ind) / min(kv):.2f}x kvpager's time; first call with "
+        f"its compile {compile_s:.0f} s, max |diff| {diff:.1e})"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"ISA: {' '.join(isa_flags())}; torch {torch.__version__}, {args.threads} threads")
+    config = ModelConfig.from_path(resolve_model(args.model))
+    for name in args.dtype:
+        compare(config, getattr(torch, name), args.tokens, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
