@@ -7,7 +7,7 @@ layers (seeded random weights of its shapes), for one step of `--tokens` tokens:
 - kvpager: the executor's own DecoderLayer pieces (C layer ops, oneDNN-packed matmuls);
 - inductor: the same chain in plain torch, `torch.compile(fullgraph=True)` with weight freezing
   (inductor packs the weights and fuses the elementwise ops into C++ loops), one compile per
-  token count.
+  token count (`--per-layer`: one graph a layer, called in turn).
 Attention is left out of both: q stands in for its output. Best of `--repeats` calls, the two
 alternating twice; this host's speed drifts, so read the ratios.
 """
@@ -119,14 +119,34 @@ def step_inputs(tokens: int, config: ModelConfig, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def compare(config: ModelConfig, dtype: torch.dtype, tokens_list: list[int], repeats: int):
+def per_layer_graphs(layers: list[DecoderLayer]):
+    """One compiled graph a layer, called in turn, as an executor would around attention."""
+    limit = 4 * len(layers)  # every layer's graph is a cache entry of the same code object
+    torch._dynamo.config.cache_size_limit = torch._dynamo.config.recompile_limit = limit
+    graphs = [
+        torch.compile(TorchChain([layer]).eval(), dynamic=False, fullgraph=True) for layer in layers
+    ]
+
+    def run(x, cos, sin):
+        for graph in graphs:
+            x, delta = graph(x, cos, sin)
+            x = x + delta
+        return x, torch.zeros_like(x)
+
+    return run
+
+
+def compare(config, dtype: torch.dtype, tokens_list: list[int], repeats: int, per_layer: bool):
     ops = get_kernel_ops("cpu")
     layers = build_layers(config, dtype, ops)
     chain = TorchChain(layers).eval()
+    inductor_config.freezing = True  # weights become constants inductor may pack
+    if per_layer:
+        compiled = per_layer_graphs(layers)
+    else:
+        compiled = torch.compile(chain, dynamic=False, fullgraph=True)
     for layer in layers:
         layer.build_matmuls(pack=True)
-    inductor_config.freezing = True  # weights become constants inductor may pack
-    compiled = torch.compile(chain, dynamic=False, fullgraph=True)
     for tokens in tokens_list:
         print(_row(layers, ops, compiled, step_inputs(tokens, config, dtype), repeats), flush=True)
 
@@ -156,13 +176,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--per-layer", action="store_true", help="a compiled graph per layer")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"ISA: {' '.join(isa_flags())}; torch {torch.__version__}, {args.threads} threads")
     config = ModelConfig.from_path(resolve_model(args.model))
     for name in args.dtype:
-        compare(config, getattr(torch, name), args.tokens, args.repeats)
+        compare(config, getattr(torch, name), args.tokens, args.repeats, args.per_layer)
     return 0
 
 
