@@ -22,6 +22,7 @@ from engine.download import resolve_model
 from engine.event_loop import LoopThread
 from engine.inputs import InputProcessor
 from engine.logs import ensure_logging
+from engine.memory import resolve_device
 from engine.output_processor import SampleOutput
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
@@ -65,7 +66,10 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size)
         executor_config = self.config.executor_config(path, self.model_config)
-        self.runner = InProcessExecutor(lambda: build_executor(executor_config, self.model_config))
+        self.runner = InProcessExecutor(
+            lambda: build_executor(executor_config, self.model_config),
+            resolve_device(executor_config.device),
+        )
         self.executor = self.runner.executor
         self.scheduler = build_scheduler(self.config, self.executor.ready("in-process", str(path)))
         self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)

@@ -1,16 +1,19 @@
 """How the engine core reaches its executor: submit a step, later await its answer.
 
-Two implementations: `InProcessExecutor` here (the offline `LLM`: the Executor on a worker
-thread of this process) and the scheduler service's link over NATS
-(services/scheduler/link.py). Several steps may be submitted before the first answer is
-awaited; answers come in submission order.
+Two implementations: `InProcessExecutor` here (the Executor on a worker thread of this
+process: the offline `LLM`, and the executor service, which feeds it the steps it gets over
+NATS) and the scheduler service's link over NATS (services/scheduler/link.py). Several steps
+may be submitted before the first answer is awaited; answers come in submission order.
 """
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
+
+import torch
 
 from engine.executor import Executor
 from schemas.executor import ScheduledStep
@@ -30,16 +33,28 @@ class StepRunner(Protocol):
         """Abandon every step submitted and not yet answered."""
 
 
+def step_thread(device: torch.device | None) -> ThreadPoolExecutor:
+    """The one thread every step runs on (CUDA's current device is per thread: set it once)."""
+
+    def init() -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpager-step", initializer=init)
+
+
 class InProcessExecutor:
     """An Executor built and run on one worker thread, so steps overlap the caller's work.
 
-    The thread that loads the model also runs every step (on CPU, first-touch memory and
-    oneDNN's packed weights then stay local to it; measured 20-30% faster steps).
+    The thread that loads the model also runs every step (on CPU, steps on another thread than
+    the one that loaded the model and packed its weights ran 20-30% slower, measured on
+    SmolLM2: first-touch memory and oneDNN's packed weights stay local to it).
     """
 
-    def __init__(self, build: Callable[[], Executor]) -> None:
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpager-step")
-        self.executor: Executor = self._worker.submit(build).result()
+    def __init__(self, build: Callable[[], Executor], device: torch.device | None = None) -> None:
+        self._worker = step_thread(device)
+        context = contextvars.copy_context()  # the build's log lines carry the caller's context
+        self.executor: Executor = self._worker.submit(context.run, build).result()
         self._pending: dict[int, Future] = {}
         self._last_output_at: float | None = None
         self._closed = False
@@ -57,6 +72,11 @@ class InProcessExecutor:
         for pending in self._pending.values():
             pending.cancel()
         self._pending.clear()
+
+    async def run(self, step: ScheduledStep) -> StepDone:
+        """Submit one step and await its answer (it raises what the step raised)."""
+        await self.submit(step)
+        return await asyncio.wrap_future(self._pending.pop(step.step_id))
 
     def close(self) -> None:
         """Idempotent. Tensor-parallel ranks are told to stop before the step thread (which

@@ -2,8 +2,8 @@
 
 It announces its capacity until a scheduler answers, then runs each step it receives, in
 order, and returns the sampled tokens with its own timings. All tensors stay here; the steps
-carry ids only. Steps run on a worker thread, so the event loop keeps answering the
-scheduler's liveness pings during a long step.
+carry ids only. Steps run on the InProcessExecutor's thread (the offline LLM's own), so the
+event loop keeps answering the scheduler's liveness pings during a long step.
 
 When its scheduler is gone, restarted or has dropped it (or our NATS connection was
 interrupted, so a step may be lost), the executor forgets every request, takes a new id (the
@@ -14,21 +14,20 @@ import asyncio
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import nats.errors
 import structlog
-import torch
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.config import EngineConfig, ModelConfig
 from engine.executor import Executor
+from engine.step_runner import InProcessExecutor
 from engine.tensor_parallel import build_executor
 from schemas.errors import ExecutorUnavailableError
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
-from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
+from schemas.scheduler import ExecutorReady, SchedulerInfo, StepFailed
 from services.connection import flush_sent
 from services.discovery import Discovery
 from services.liveness import PeerGone, Reconnects, ping, repeat
@@ -51,37 +50,25 @@ def load_executor(settings: Settings) -> Executor:
     return build_executor(config, model_config)
 
 
-def step_thread(device: torch.device) -> ThreadPoolExecutor:
-    """The one thread every step runs on (CUDA's current device is per thread: set it once)."""
-
-    def init() -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpager-step", initializer=init)
-
-
 class ExecutorService:
     def __init__(
         self,
         nc: NATS,
         settings: Settings,
-        executor: Executor,
-        worker: ThreadPoolExecutor | None = None,
+        runner: InProcessExecutor,
     ) -> None:
         self.nc = nc
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
-        self.executor = executor
+        self.runner = runner
+        self.executor = runner.executor
         self.executor_id = uuid.uuid4().hex[:12]
         self.scheduler_id: str | None = None  # attached to it
         self._attaching = False
         self._pieces: dict[str, list[int]] = {}
         self._last_step_id: int | None = None
-        self._last_output_at: float | None = None
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
-        self._worker = worker or step_thread(executor.device)  # best: the one that loaded it
         self._reconnects = Reconnects(nc)
         self._ping_sub = None
         self._watch_task: asyncio.Task | None = None
@@ -174,14 +161,14 @@ class ExecutorService:
             except ExecutorUnavailableError as exc:
                 await self._exit_lost(str(exc))
             self._pieces.clear()
-            self._last_step_id = self._last_output_at = None
+            self._last_step_id = None
         self.executor_id = uuid.uuid4().hex[:12]
         await self._answer_pings()
 
     # --- steps ---------------------------------------------------------------------------------
 
     async def _on_message(self, msg: Msg) -> None:
-        received_at = self._last_activity = time.monotonic()
+        self._last_activity = time.monotonic()
         await self._check_reconnect()
         if self.scheduler_id is None and not self._attaching:
             log.warning("step from a scheduler this executor is not attached to: dropped")
@@ -191,10 +178,9 @@ class ExecutorService:
             self._pieces.setdefault(message.req_id, []).extend(message.token_ids)
         elif isinstance(message, RunStep):
             async with self._lock:
-                await self._run_step(message.step, received_at)
+                await self._run_step(message.step)
 
-    async def _run_step(self, step: ScheduledStep, received_at: float) -> None:
-        wait_s = received_at - self._last_output_at if self._last_output_at else 0.0
+    async def _run_step(self, step: ScheduledStep) -> None:
         expected = None if self._last_step_id is None else self._last_step_id + 1
         self._last_step_id = step.step_id
         if expected is not None and step.step_id != expected:
@@ -202,8 +188,7 @@ class ExecutorService:
             return
         step = self._with_pieces(step)
         try:
-            loop = asyncio.get_running_loop()
-            output = await loop.run_in_executor(self._worker, self.executor.execute, step)
+            done = await self.runner.run(step)
         except ExecutorUnavailableError as exc:  # its requests fail now, then we go
             await self._fail(step.step_id, str(exc), exc.type)
             await self._exit_lost(str(exc))
@@ -212,11 +197,8 @@ class ExecutorService:
             log.exception("step failed", step_id=step.step_id)
             await self._fail(step.step_id, repr(exc))
             return
-        execute_s = time.monotonic() - received_at
-        await self.nc.publish(
-            self.subjects.scheduler_outputs, pack(StepDone(output, execute_s, wait_s))
-        )
-        self._last_output_at = self._last_activity = time.monotonic()
+        await self.nc.publish(self.subjects.scheduler_outputs, pack(done))
+        self._last_activity = time.monotonic()
 
     def _with_pieces(self, step: ScheduledStep) -> ScheduledStep:
         """Put the token ids sent ahead as StepPieces back in front of their NewRequests."""
@@ -234,7 +216,6 @@ class ExecutorService:
         log.error("step failed", step_id=step_id, message=message)
         failed = StepFailed(step_id, message, error_type)
         await self.nc.publish(self.subjects.scheduler_outputs, pack(failed))
-        self._last_output_at = time.monotonic()
 
     async def _exit_lost(self, reason: str) -> None:
         """A tensor-parallel rank is gone: no step can run again. Exit now (the ranks started
@@ -256,5 +237,4 @@ class ExecutorService:
                 break
             await asyncio.sleep(0.1)
         async with self._lock:  # tensor parallel: the other ranks exit too
-            await asyncio.get_running_loop().run_in_executor(self._worker, self.executor.close)
-        self._worker.shutdown(wait=False)
+            await asyncio.get_running_loop().run_in_executor(None, self.runner.close)
