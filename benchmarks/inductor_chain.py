@@ -24,6 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.cpu_kernels import best_ms  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
@@ -98,16 +99,6 @@ def build_layers(config: ModelConfig, dtype: torch.dtype, ops: KernelOps) -> lis
         layer.post_attention_norm.data.fill_(1)
         layers.append(layer)
     return layers
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def step_inputs(tokens: int, config: ModelConfig, dtype: torch.dtype):
