@@ -109,14 +109,11 @@ def step_inputs(tokens: int, config: ModelConfig, dtype: torch.dtype):
     return x, cos, sin
 
 
-@torch.inference_mode()
-def per_layer_graphs(layers: list[DecoderLayer]):
+def per_layer_graphs(chains: list[TorchChain]):
     """One compiled graph a layer, called in turn, as an executor would around attention."""
-    limit = 4 * len(layers)  # every layer's graph is a cache entry of the same code object
+    limit = 4 * len(chains)  # every layer's graph is a cache entry of the same code object
     torch._dynamo.config.cache_size_limit = torch._dynamo.config.recompile_limit = limit
-    graphs = [
-        torch.compile(TorchChain([layer]).eval(), dynamic=False, fullgraph=True) for layer in layers
-    ]
+    graphs = [torch.compile(chain, dynamic=False, fullgraph=True) for chain in chains]
 
     def run(x, cos, sin):
         for graph in graphs:
@@ -127,17 +124,19 @@ def per_layer_graphs(layers: list[DecoderLayer]):
     return run
 
 
+@torch.inference_mode()  # inductor freezes (and packs) weights only without autograd
 def compare(config, dtype: torch.dtype, tokens_list: list[int], repeats: int, per_layer: bool):
     ops = get_kernel_ops("cpu")
     layers = build_layers(config, dtype, ops)
-    chain = TorchChain(layers).eval()
-    inductor_config.freezing = True  # weights become constants inductor may pack
-    if per_layer:
-        compiled = per_layer_graphs(layers)
-    else:
-        compiled = torch.compile(chain, dynamic=False, fullgraph=True)
+    # the chains copy the plain weights, which packing releases
+    chains = [TorchChain([layer]).eval() for layer in layers] if per_layer else [TorchChain(layers)]
     for layer in layers:
         layer.build_matmuls(pack=True)
+    inductor_config.freezing = True  # weights become constants inductor may pack
+    if per_layer:
+        compiled = per_layer_graphs(chains)
+    else:
+        compiled = torch.compile(chains[0].eval(), dynamic=False, fullgraph=True)
     for tokens in tokens_list:
         print(_row(layers, ops, compiled, step_inputs(tokens, config, dtype), repeats), flush=True)
 
