@@ -4,10 +4,10 @@
 
 Every layer's norms, four matmuls, rotary and SiLU-and-mul, over all of SmolLM2-135M's 30
 layers (seeded random weights of its shapes), for one step of `--tokens` tokens:
-- kvpager: the executor's own DecoderLayer pieces (C layer ops, oneDNN-packed matmuls);
-- inductor: the same chain in plain torch, `torch.compile(fullgraph=True)` with weight freezing
-  (inductor packs the weights and fuses the elementwise ops into C++ loops), one compile per
-  token count (`--per-layer`: one graph a layer, called in turn).
+- kvpager: the executor's own DecoderLayer.forward (C layer ops, oneDNN-packed matmuls);
+- inductor: the same chain on the ops' torch twins, `torch.compile(fullgraph=True)` with
+  weight freezing (inductor packs the weights and fuses the elementwise ops into C++ loops),
+  one compile per token count (`--per-layer`: one graph a layer, called in turn).
 Attention is left out of both: q stands in for its output. Best of `--repeats` calls, the two
 alternating twice; this host's speed drifts, so read the ratios.
 """
@@ -30,17 +30,8 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 from engine.model.decoder import DecoderLayer  # noqa: E402
 from engine.model.sharding import Shard  # noqa: E402
+from kernels import reference  # noqa: E402
 from kernels.backend import KernelOps, get_kernel_ops  # noqa: E402
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
 
 
 class TorchChain(nn.Module):
@@ -61,31 +52,28 @@ class TorchChain(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         tokens, delta = x.shape[0], None
+        shape = (tokens, -1, self.head_dim)
         for i in range(0, len(self.weights), 6):
             norm1, qkv_w, o_w, norm2, gate_up_w, down_w = self.weights[i : i + 6]
-            x = x if delta is None else x + delta
-            q, k, v = F.linear(_rms_norm(x, norm1, self.eps), qkv_w).split(self.sizes, -1)
-            q = _rotate(q.view(tokens, -1, self.head_dim), cos, sin)
-            k = _rotate(k.view(tokens, -1, self.head_dim), cos, sin)
+            h, x = reference.add_rms_norm_ref(x, delta, norm1, self.eps)
+            q, k, v = F.linear(h, qkv_w).split(self.sizes, -1)
+            q, k = reference.rotary_ref(q.view(shape), k.view(shape), cos, sin)
             attn = q.reshape(tokens, -1) + (k.sum() + v.sum()) * 0  # keeps k and v computed
-            x = x + F.linear(attn, o_w)
-            gate, up = F.linear(_rms_norm(x, norm2, self.eps), gate_up_w).chunk(2, -1)
-            delta = F.linear(F.silu(gate) * up, down_w)
+            h, x = reference.add_rms_norm_ref(x, F.linear(attn, o_w), norm2, self.eps)
+            delta = F.linear(reference.silu_and_mul_ref(F.linear(h, gate_up_w)), down_w)
         return x, delta
 
 
-def kvpager_chain(layers: list[DecoderLayer], ops: KernelOps, x, cos, sin):
-    """DecoderLayer.forward without its attention call."""
-    tokens, delta = x.shape[0], None
+def _query_as_output(q, k, v, layer_cache, meta) -> torch.Tensor:
+    """Stands in for paged attention: q, rotated, as the layer's attention output."""
+    return q
+
+
+def kvpager_chain(layers: list[DecoderLayer], x, cos, sin):
+    """The executor's own DecoderLayer.forward, with q standing in for attention."""
+    delta = None
     for layer in layers:
-        h, x = ops.add_rms_norm(x, delta, layer.input_norm, layer.eps)
-        q, k, v = layer.qkv(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
-        q, k = ops.rotary(
-            q.view(tokens, -1, layer.head_dim), k.view(tokens, -1, layer.head_dim), cos, sin
-        )
-        attn = layer.o_proj(q.reshape(tokens, layer.q_size))
-        h, x = ops.add_rms_norm(x, attn, layer.post_attention_norm, layer.eps)
-        delta = layer._mlp(h, ops)
+        x, delta = layer(x, delta, cos, sin, _query_as_output, None, None)
     return x, delta
 
 
@@ -138,19 +126,19 @@ def compare(config, dtype: torch.dtype, tokens_list: list[int], repeats: int, pe
     else:
         compiled = torch.compile(chains[0].eval(), dynamic=False, fullgraph=True)
     for tokens in tokens_list:
-        print(_row(layers, ops, compiled, step_inputs(tokens, config, dtype), repeats), flush=True)
+        print(_row(layers, compiled, step_inputs(tokens, config, dtype), repeats), flush=True)
 
 
-def _row(layers, ops: KernelOps, compiled, inputs, repeats: int) -> str:
+def _row(layers: list[DecoderLayer], compiled, inputs, repeats: int) -> str:
     x, cos, sin = inputs
     start = time.perf_counter()
     theirs = compiled(x, cos, sin)
     compile_s = time.perf_counter() - start
-    ours = kvpager_chain(layers, ops, x.clone(), cos, sin)
+    ours = kvpager_chain(layers, x.clone(), cos, sin)
     diff = (sum(theirs) - sum(ours)).abs().max().item()
     kv, ind = [], []
     for _ in range(2):
-        kv.append(best_ms(lambda: kvpager_chain(layers, ops, x.clone(), cos, sin), repeats))
+        kv.append(best_ms(lambda: kvpager_chain(layers, x.clone(), cos, sin), repeats))
         ind.append(best_ms(lambda: compiled(x, cos, sin), repeats))
     return (
         f"{str(x.dtype)[6:]:>8} {x.shape[0]:5d} tokens: kvpager {min(kv):7.2f} ms, inductor "
