@@ -28,9 +28,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.config import BenchConfig  # noqa: E402
-from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
+from benchmarks.kvpager_offline import build_llm, warm_up  # noqa: E402
+from benchmarks.op_breakdown import long_tailed_requests  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from benchmarks.run import make_workloads, token_source  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 from engine.model import decoder as decoder_module  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -132,8 +132,7 @@ def use_graph(llm, compiled: bool) -> None:
 def run_mode(mode: str, dtype: str, threads: int) -> None:
     torch.set_num_threads(threads)
     model_path = resolve_model("smollm2-135m-instruct")
-    spec = argparse.Namespace(num_requests=64, quick=False, seed=0, workloads=["sharegpt-like"])
-    work = make_workloads(spec, token_source(model_path))[0]
+    prompts, params = long_tailed_requests(model_path, 64)
     config = BenchConfig(model_path, dtype=dtype, num_threads=threads)
     if mode == "compiled":
         with plain_layer_weights():
@@ -145,8 +144,6 @@ def run_mode(mode: str, dtype: str, threads: int) -> None:
     start = time.perf_counter()
     warm_up(llm)
     print(f"{mode}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
-    prompts = [list(r.prompt_token_ids) for r in work.requests]
-    params = [sampling_params(r) for r in work.requests]
     for round_idx in range(2):
         TIMES.clear()
         llm.scheduler.block_manager.reset_prefix_cache()

@@ -90,20 +90,24 @@ def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda row: -row[1])
 
 
+def long_tailed_requests(model_path: Path, num_requests: int) -> tuple[list, list]:
+    """Prompts and sampling params of run.py's own sharegpt-like workload (same lengths, seed)."""
+    spec = argparse.Namespace(
+        num_requests=num_requests, quick=False, seed=0, workloads=["sharegpt-like"]
+    )
+    work = make_workloads(spec, token_source(model_path))[0]
+    prompts = [list(r.prompt_token_ids) for r in work.requests]
+    return prompts, [sampling_params(r) for r in work.requests]
+
+
 def run(args: argparse.Namespace, dtype: str) -> None:
     model_path = resolve_model(args.model)
     cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
-    # run.py's own sharegpt-like workload (same lengths and seed)
-    spec = argparse.Namespace(
-        num_requests=args.num_requests, quick=False, seed=0, workloads=["sharegpt-like"]
-    )
-    work = make_workloads(spec, token_source(model_path))[0]
+    prompts, params = long_tailed_requests(model_path, args.num_requests)
     llm = build_llm(cfg)
     clock = Clock()
     instrument(llm, clock)
     warm_up(llm)
-    prompts = [list(r.prompt_token_ids) for r in work.requests]
-    params = [sampling_params(r) for r in work.requests]
     for _ in range(args.rounds):  # the last round is reported
         clock.seconds.clear()
         clock.calls.clear()
