@@ -182,6 +182,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap"
     max_waiting: int = 100_000
+    vocab_size: int = 0  # the executor's; 0: token ids are not checked
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -301,9 +302,12 @@ class EngineConfig:
         model_config.check_tensor_parallel(self.tensor_parallel_size)
         return ExecutorConfig(model_path=model_path, **values)
 
-    def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(
+        self, max_num_seqs: int, max_model_len: int, vocab_size: int = 0
+    ) -> SchedulerConfig:
         """Limits for an executor that holds `max_num_seqs` rows of `max_model_len` tokens."""
         return SchedulerConfig(
+            vocab_size=vocab_size,
             max_num_seqs=min(self.max_num_seqs, max_num_seqs),
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,

@@ -21,6 +21,7 @@ from engine.sample_deltas import SampleDeltas
 from engine.scheduler import Scheduler
 from engine.stats import build_stats
 from engine.step_runner import StepRunner
+from schemas.errors import ConfigError
 from schemas.executor import ScheduledStep
 from schemas.public import ErrorInfo, Stats
 from schemas.scheduler import ExecutorReady, StepDone
@@ -151,22 +152,57 @@ class EngineCore:
 
     def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
         output, now = done.output, time.monotonic()
-        updated = self.scheduler.update_from_output(step, output)
+        scheduler = self.scheduler
+        updated = scheduler.update_from_output(step, output)
         logprobs = dict(zip(output.req_ids, output.logprobs or ()))
         for request in updated:
-            self.metrics.token(request.group_id, now)
-            self.deltas.add_token(request, logprobs.get(request.request_id))
-        for group_id, beams in self.scheduler.take_beam_results().items():
-            self.deltas.add_beams(group_id, beams)
+            self._for_one(request.group_id, self._add_token, request, logprobs)
+        for group_id, beams in scheduler.take_beam_results().items():
+            self._for_one(group_id, self.deltas.add_beams, group_id, beams)
+        for group_id, error in scheduler.take_failed().items():
+            self.deltas.add_finals(group_id, "error", error=error)
         self._busy = bool(step.num_scheduled_tokens)
         wait_s = done.wait_s if back_to_back else None
         self.metrics.stepped(done.execute_s, wait_s, len(updated), now)
         if self._check:
             self.scheduler.check_invariants()
 
+    def _add_token(self, request: Request, logprobs: dict) -> None:
+        self.metrics.token(request.group_id, time.monotonic())
+        self.deltas.add_token(request, logprobs.get(request.request_id))
+
+    def _for_one(self, group_id: str, handle: Callable, *args) -> None:
+        """Run one request's part of the output; if it raises, that request alone fails."""
+        if group_id in self.scheduler.failed:
+            return
+        try:
+            handle(*args)
+        except Exception as exc:
+            self.scheduler.fail(group_id, exc)
+
+
+MAX_BLOCKS = 2**24  # an executor announcing more is refused: the block lists would not fit
+
+
+def check_ready(ready: ExecutorReady) -> None:
+    """An executor's announcement comes over the wire: refuse sizes no executor holds."""
+    sizes = {
+        "num_blocks": (ready.num_blocks, 1, MAX_BLOCKS),
+        "num_cpu_blocks": (ready.num_cpu_blocks, 0, MAX_BLOCKS),
+        "block_size": (ready.block_size, 1, 1024),
+        "max_num_seqs": (ready.max_num_seqs, 1, 65536),
+        "max_model_len": (ready.max_model_len, 2, 2**24),
+        "vocab_size": (ready.vocab_size, 1, 2**24),
+        "world_size": (ready.world_size, 1, 1024),
+    }
+    for name, (value, low, high) in sizes.items():
+        if not low <= value <= high:
+            raise ConfigError(f"executor announced {name}={value}, outside [{low}, {high}]")
+
 
 def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
     """A fresh scheduler for what the executor holds (its cache starts empty)."""
+    check_ready(ready)
     cache_config = CacheConfig(
         ready.block_size,
         ready.num_blocks,
@@ -174,4 +210,5 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         ready.num_cpu_blocks,
         swap_is_cheap=ready.kv_on_host,
     )
-    return Scheduler(config.scheduler_config(ready.max_num_seqs, ready.max_model_len), cache_config)
+    limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
+    return Scheduler(limits, cache_config)

@@ -22,6 +22,7 @@ from engine.model.sharding import Shard
 from engine.parallel.group import TensorParallel
 from engine.parallel.ranks import Ranks
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.step_check import Capacity, StepCheck
 from kernels.backend import default_backend_name, get_kernel_ops
 from schemas.errors import ConfigError
 from schemas.executor import RankReset, RankStep, ScheduledStep
@@ -74,6 +75,7 @@ class Executor:
         )
         # unseeded requests draw from one engine-wide generator seeded by `seed`
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.step_check = StepCheck(self.capacity)
         log.info(
             "executor ready",
             device=str(self.device),
@@ -116,6 +118,18 @@ class Executor:
         cpu_shape[2] = self.num_cpu_blocks
         # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
         self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
+
+    @property
+    def capacity(self) -> Capacity:
+        config = self.config
+        return Capacity(
+            num_blocks=self.num_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+        )
 
     def ready(self, executor_id: str, model: str) -> ExecutorReady:
         """What this executor holds, for the scheduler to be built with."""
@@ -167,7 +181,13 @@ class Executor:
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         """Run one step; on rank 0 of a group, every other rank runs it too (their outputs,
-        identical, are dropped: the logits are gathered, so each rank samples the same)."""
+        identical, are dropped: the logits are gathered, so each rank samples the same).
+
+        A step that does not fit this executor raises InvalidStepError before anything of it
+        is applied (and before other ranks see it)."""
+        if self.ranks is not None:
+            self.ranks.check_alive()  # a lost group says so, whatever the step
+        self.step_check.check(step, self.batch)
         if self.ranks is None:
             return self._execute(step)
         with self.ranks.running(RankStep(step)):

@@ -212,6 +212,7 @@ class LLM:
         completion.finish_reason = sample.finish_reason
         completion.stop_reason = sample.stop_reason
         completion.cumulative_score = sample.cumulative_score
+        completion.error = sample.error
         item.output.num_cached_tokens = max(item.output.num_cached_tokens, sample.num_cached_tokens)
         item.num_finished += 1
         if item.num_finished == len(item.samples):

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from schemas.public import ErrorInfo
 from schemas.scheduler import TokenLogprobs
 
 
@@ -10,10 +11,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
     cumulative_score: float | None = None  # beam search: length-penalised log-prob
+    error: ErrorInfo | None = None  # why it ended, when finish_reason is "error"
 
 
 @dataclass

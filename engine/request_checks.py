@@ -11,8 +11,10 @@ def check_request_fits(
     """Raise a typed error if the request can never run: too many sequences, too long.
 
     Prompts were checked by the input path (engine/inputs.py) before they became Requests."""
-    assert request.prompt_token_ids, f"{request.request_id}: an empty prompt got past the inputs"
+    if not request.prompt_token_ids:
+        raise InvalidRequestError("prompt: must not be empty", param="prompt")
     params = request.sampling_params
+    _check_token_ids(request, config.vocab_size)
     for name in ("n", "beam_width"):
         if getattr(params, name) > config.max_num_seqs:
             raise InvalidRequestError(
@@ -33,3 +35,11 @@ def check_request_fits(
             f"cache ({cache_config.num_slots} token slots)",
             param="max_tokens",
         )
+
+
+def _check_token_ids(request: Request, vocab_size: int) -> None:
+    """Prompt ids inside the vocabulary: the executor would refuse the whole step holding one,
+    and with it every request beside it. (Stop token ids outside it simply never match.)"""
+    ids = request.prompt_token_ids
+    if vocab_size and not (0 <= min(ids) and max(ids) < vocab_size):
+        raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")

@@ -27,6 +27,7 @@ from engine.request_checks import check_request_fits
 from engine.step_plan import SchedulerStats, StepPlan
 from schemas.errors import InvalidRequestError, OverloadedError
 from schemas.executor import ForkRequest, ScheduledStep
+from schemas.public import ErrorInfo
 from schemas.scheduler import StepOutput
 
 log = structlog.get_logger(__name__)
@@ -50,6 +51,7 @@ class Scheduler:
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_req_ids: list[str] = []  # to tell the executor next step
         self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
+        self.failed: dict[str, ErrorInfo] = {}  # group id -> why it failed, for the core
         self.stats = SchedulerStats()
         self.step_id = 0
 
@@ -328,14 +330,34 @@ class Scheduler:
             del self._sampling[abandoned]  # outputs come in order: theirs never will
         updated = []
         for request in self._sampling.pop(step.step_id, []):
-            if self._is_beam(request):
-                if request.status is RequestStatus.RUNNING:
-                    self._report_beam(request, output.beam_candidates.get(request.request_id))
-                continue
-            request.num_output_placeholders -= 1
-            if not request.is_finished:
-                updated += self._append_sampled(request, sampled)
-        return updated
+            try:
+                updated += self._update_one(request, output, sampled)
+            except Exception as exc:  # one request's failure ends that request alone
+                self.fail(request.group_id, exc)
+        return [request for request in updated if request.group_id not in self.failed]
+
+    def _update_one(self, request: Request, output: StepOutput, sampled: dict[str, int]):
+        if self._is_beam(request):
+            if request.status is RequestStatus.RUNNING:
+                self._report_beam(request, output.beam_candidates.get(request.request_id))
+            return []
+        request.num_output_placeholders -= 1
+        if request.is_finished:
+            return []
+        return self._append_sampled(request, sampled)
+
+    def fail(self, group_id: str, exc: Exception) -> None:
+        """End every sample of a request whose output, parameters or beams raised: its blocks
+        are freed, and `take_failed()` hands its error to the engine core."""
+        log.exception("request failed", request_id=group_id)
+        self.abort(group_id)
+        message = f"the request failed while its output was processed: {exc!r}"
+        self.failed[group_id] = ErrorInfo(getattr(exc, "type", "internal_error"), message)
+
+    def take_failed(self) -> dict[str, ErrorInfo]:
+        """Requests failed since the last call: group id -> its error."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _report_beam(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
         """Apply a beam group's selection once all its live beams have reported."""

@@ -25,7 +25,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.executor import Executor
 from engine.step_runner import InProcessExecutor
 from engine.tensor_parallel import build_executor
-from schemas.errors import ExecutorUnavailableError
+from schemas.errors import ExecutorUnavailableError, InvalidStepError
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepFailed
 from services.connection import flush_sent
@@ -33,7 +33,7 @@ from services.discovery import Discovery
 from services.liveness import PeerGone, Reconnects, ping, repeat
 from services.settings import Settings
 from services.subjects import Subjects
-from services.wire import pack
+from services.wire import pack, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -173,25 +173,44 @@ class ExecutorService:
         if self.scheduler_id is None and not self._attaching:
             log.warning("step from a scheduler this executor is not attached to: dropped")
             return
-        message = _decoder.decode(msg.data)
+        # undecodable: no step id to answer; the scheduler's step timeout covers such a loss
+        message = unpack(_decoder, msg.data, msg.subject)
         if isinstance(message, StepPiece):
-            self._pieces.setdefault(message.req_id, []).extend(message.token_ids)
+            self._add_piece(message)
         elif isinstance(message, RunStep):
             async with self._lock:
                 await self._run_step(message.step)
 
-    async def _run_step(self, step: ScheduledStep) -> None:
-        expected = None if self._last_step_id is None else self._last_step_id + 1
-        self._last_step_id = step.step_id
-        if expected is not None and step.step_id != expected:
-            await self._fail(step.step_id, f"got step {step.step_id}, expected {expected}")
+    def _add_piece(self, piece: StepPiece) -> None:
+        """Pieces precede their step; more than one step's rows can hold is refused."""
+        held = sum(map(len, self._pieces.values())) + len(piece.token_ids)
+        limit = self.executor.config.max_num_seqs * self.executor.config.max_model_len
+        if held > limit:
+            log.error("step pieces beyond what the executor holds: dropped", tokens=held)
+            self._pieces.clear()
             return
+        self._pieces.setdefault(piece.req_id, []).extend(piece.token_ids)
+
+    async def _run_step(self, step: ScheduledStep) -> None:
+        """Steps run in order: an out-of-order one is refused and the order kept, so one stray
+        or replayed step cannot move the executor's count."""
+        expected = None if self._last_step_id is None else self._last_step_id + 1
+        if expected is not None and step.step_id != expected:
+            self._pieces.clear()
+            await self._fail(
+                step.step_id, f"got step {step.step_id}, expected {expected}", "invalid_step"
+            )
+            return
+        self._last_step_id = step.step_id
         step = self._with_pieces(step)
         try:
             done = await self.runner.run(step)
         except ExecutorUnavailableError as exc:  # its requests fail now, then we go
             await self._fail(step.step_id, str(exc), exc.type)
             await self._exit_lost(str(exc))
+            return
+        except InvalidStepError as exc:  # refused whole: nothing of it was applied
+            await self._fail(step.step_id, str(exc), exc.type)
             return
         except Exception as exc:  # a bug: answer so the scheduler fails the requests, not hangs
             log.exception("step failed", step_id=step.step_id)
@@ -210,6 +229,7 @@ class ExecutorService:
             else new
             for new in step.new_requests
         ]
+        self._pieces.clear()  # pieces of no request in this step: stray, never used
         return msgspec.structs.replace(step, new_requests=new_requests)
 
     async def _fail(self, step_id: int, message: str, error_type: str = "internal_error") -> None:

@@ -15,7 +15,7 @@ from schemas.executor import RunStep, ScheduledStep, StepPiece
 from schemas.public import ErrorInfo
 from schemas.scheduler import ExecutorMessage, StepDone, StepFailed
 from services.subjects import Subjects
-from services.wire import pack
+from services.wire import pack, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +92,9 @@ class ExecutorLink:
         self._pending.clear()
 
     async def _on_output(self, msg: Msg) -> None:
-        message = _decoder.decode(msg.data)
+        message = unpack(_decoder, msg.data, msg.subject)
+        if message is None:
+            return  # the step it answered times out
         step_id = message.output.step_id if isinstance(message, StepDone) else message.step_id
         pending = self._pending.get(step_id)
         if pending is None or pending.done():

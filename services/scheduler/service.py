@@ -20,9 +20,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, build_scheduler
+from engine.core import EngineCore, build_scheduler, check_ready
 from engine.request import Request
-from schemas.errors import KvpagerError
+from schemas.errors import ConfigError, KvpagerError
 from schemas.executor import Attached
 from schemas.public import ErrorInfo
 from schemas.scheduler import (
@@ -43,11 +43,12 @@ from services.scheduler.pieces import PromptPieces
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
 from services.subjects import Subjects
-from services.wire import encode_public, pack
+from services.wire import encode_public, pack, unpack
 
 log = structlog.get_logger(__name__)
 
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
+_ready_decoder = msgspec.msgpack.Decoder(ExecutorReady)
 
 
 class SchedulerService:
@@ -101,7 +102,14 @@ class SchedulerService:
 
     async def _on_attach(self, msg: Msg) -> None:
         self.watch.check_reconnect()  # drop the executor of before the reconnect first
-        ready = msgspec.msgpack.decode(msg.data, type=ExecutorReady)
+        ready = unpack(_ready_decoder, msg.data, msg.subject)
+        if ready is None:
+            return
+        try:
+            check_ready(ready)
+        except ConfigError as exc:  # no answer: that executor never attaches
+            log.error("executor refused", reason=str(exc))
+            return
         if self.core is not None:  # a restarted executor has lost every request's state
             self._fail_all(ErrorInfo("unavailable", "the executor restarted"))
             await self.core.publish()
@@ -151,7 +159,9 @@ class SchedulerService:
 
     async def _on_tokenizer(self, msg: Msg) -> None:
         self.watch.check_reconnect()
-        message = _tokenizer_decoder.decode(msg.data)
+        message = unpack(_tokenizer_decoder, msg.data, msg.subject)
+        if message is None:
+            return
         if isinstance(message, PromptPiece):
             self._pieces.add(message.request_id, message.token_ids)
         elif isinstance(message, AddRequest):

@@ -36,9 +36,10 @@ from services.tokenizer.requests import (
 )
 from services.tokenizer.streams import Stream, error_event
 from services.tokenizer.watch import StreamWatch
-from services.wire import encode_public, pack
+from services.wire import encode_public, pack, unpack
 
 log = structlog.get_logger(__name__)
+_batch_decoder = msgspec.msgpack.Decoder(TokenBatch)
 
 
 class TokenizerService:
@@ -170,7 +171,9 @@ class TokenizerService:
             await msg.respond(b"")
             return
         await self.watch.check_reconnect()  # batches before this one may be lost
-        batch = msgspec.msgpack.decode(msg.data, type=TokenBatch)
+        batch = unpack(_batch_decoder, msg.data, msg.subject)
+        if batch is None:
+            return
         instance = msg.subject.rsplit(".", 3)[1]  # <prefix>.internal.<instance>.tokens.<id>
         for delta in batch.deltas:
             stream = self.streams.get(delta.request_id)
