@@ -25,7 +25,7 @@ from benchmarks.kvpager_offline import build_llm, drive, warm_up
 from benchmarks.machine import CpuWatch, wait_for_quiet
 from benchmarks.metrics import EngineResult
 from benchmarks.workloads import Workload
-from engine.block_manager import BlockManager, CachedBlock
+from engine.kv.block_manager import BlockManager, CachedBlock
 from engine.request import Request
 
 

@@ -16,9 +16,9 @@ from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
-from engine.output_processor import SampleOutput
+from engine.frontend.output_processor import SampleOutput
 from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 from schemas.executor import ScheduledStep
 from schemas.tokenizer import SampleDelta
 

@@ -1,4 +1,4 @@
-"""Scheduler cost per step with N running requests, no model: `engine.scheduler.Scheduler` fed
+"""Scheduler cost per step with N running requests, no model: `engine.sched.scheduler.Scheduler` fed
 hand-made StepOutputs (a random token for every request whose computed tokens caught up).
 
 Each request has a `prompt_len` prompt and enough `max_tokens` never to finish. The prompts are
@@ -13,7 +13,7 @@ import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 from schemas.sampling import SamplingParams
 from schemas.scheduler import StepOutput
 

@@ -1,5 +1,5 @@
-"""What the executor's step check costs (engine/step_check.py): the check alone, on the steps of
-a full SmolLM2-135M batch, against the executor's step time measured on the same steps.
+"""What the executor's step check costs (engine/worker/step_check.py): the check alone, on the
+steps of a full SmolLM2-135M batch, against the executor's step time on the same steps.
 
     python -m benchmarks.step_check [--seqs 64] [--context 230] [--prefill 2048] [--rounds 2000]
 
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from benchmarks.roofline import isa_flags
-from engine.input_batch import InputBatch
-from engine.step_check import Capacity, StepCheck
+from engine.worker.input_batch import InputBatch
+from engine.worker.step_check import Capacity, StepCheck
 from schemas.executor import CachedRequest, NewRequest, ScheduledStep
 from schemas.sampling import SamplingParams
 

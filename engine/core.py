@@ -5,7 +5,7 @@
                                    publish the deltas so far            (overlaps the executor)
                                    output of the oldest step -> update_from_output -> deltas
 
-The executor sits behind `StepRunner` (engine/step_runner.py): in-process for the offline
+The executor sits behind `StepRunner`, declared here: in-process for the offline
 `LLM`, over NATS for the scheduler service. Outputs leave as SampleDeltas through `publish`;
 stop strings (found by whoever detokenizes) and aborts come back through `finish_early`.
 """
@@ -13,14 +13,14 @@ stop strings (found by whoever detokenizes) and aborts come back through `finish
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from engine.config import CacheConfig, EngineConfig
-from engine.metrics import EngineMetrics
 from engine.request import Request, RequestStatus
-from engine.sample_deltas import SampleDeltas
-from engine.scheduler import Scheduler
-from engine.stats import build_stats
-from engine.step_runner import StepRunner
+from engine.sched.metrics import EngineMetrics
+from engine.sched.sample_deltas import SampleDeltas
+from engine.sched.scheduler import Scheduler
+from engine.sched.stats import build_stats
 from schemas.errors import ConfigError
 from schemas.executor import ScheduledStep
 from schemas.public import ErrorInfo, Stats
@@ -28,6 +28,18 @@ from schemas.scheduler import ExecutorReady, StepDone
 from schemas.tokenizer import SampleDelta
 
 Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
+
+
+class StepRunner(Protocol):
+    async def submit(self, step: ScheduledStep) -> None:
+        """Send a step on its way; returns before it has run."""
+
+    async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
+        """The step's output; an ErrorInfo if it failed (every request fails with it); None
+        if it was abandoned (`cancel()`, or the executor was lost meanwhile)."""
+
+    def cancel(self) -> None:
+        """Abandon every step submitted and not yet answered."""
 
 
 class EngineCore:

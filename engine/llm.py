@@ -19,15 +19,15 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore, build_scheduler
 from engine.download import resolve_model
-from engine.event_loop import LoopThread
-from engine.inputs import InputProcessor
+from engine.frontend.event_loop import LoopThread
+from engine.frontend.inputs import InputProcessor
+from engine.frontend.output_processor import SampleOutput
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.logs import ensure_logging
 from engine.memory import resolve_device
-from engine.output_processor import SampleOutput
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
-from engine.step_runner import InProcessExecutor
-from engine.tensor_parallel import build_executor
+from engine.worker.step_runner import InProcessExecutor
+from engine.worker.tensor_parallel import build_executor
 from schemas.errors import InvalidRequestError
 from schemas.sampling import SamplingParams
 from schemas.tokenizer import SampleDelta

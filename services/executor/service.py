@@ -1,4 +1,4 @@
-"""Executor service: engine.executor.Executor fed ScheduledSteps over NATS.
+"""Executor service: engine.worker.executor.Executor fed ScheduledSteps over NATS.
 
 It announces its capacity until a scheduler answers, then runs each step it receives, in
 order, and returns the sampled tokens with its own timings. All tensors stay here; the steps
@@ -22,9 +22,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.config import EngineConfig, ModelConfig
-from engine.executor import Executor
-from engine.step_runner import InProcessExecutor
-from engine.tensor_parallel import build_executor
+from engine.worker.executor import Executor
+from engine.worker.step_runner import InProcessExecutor
+from engine.worker.tensor_parallel import build_executor
 from schemas.errors import ExecutorUnavailableError, InvalidStepError
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepFailed

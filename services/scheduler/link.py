@@ -1,6 +1,6 @@
 """The scheduler's end of the step exchange: steps out, exactly one answer back for each.
 
-The engine core's StepRunner over NATS (engine/step_runner.py has the in-process one).
+The engine core's StepRunner over NATS (engine/worker/step_runner.py has the in-process one).
 """
 
 import asyncio

@@ -2,9 +2,9 @@
 elsewhere when that instance is gone), and moved when its instance fails mid-stream.
 
 Migration: the stream's request goes on on another instance as a continuation (the tokens
-so far appended to the prompt; engine/migration.py), at most `--migration-limit` times, then
-the stream ends with `migration_failed`. With no other instance up it ends with the error
-that made it move, as it would with one instance. Deltas from the instance it left are
+so far appended to the prompt; engine/frontend/migration.py), at most `--migration-limit`
+times, then the stream ends with `migration_failed`. With no other instance up it ends with the
+error that made it move, as it would with one instance. Deltas from the instance it left are
 dropped by their subject (the tokenizer checks `stream.instance`).
 """
 

@@ -18,7 +18,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from engine.routing import Router, RouterConfig
+from engine.router.routing import Router, RouterConfig
 from schemas.tokenizer import InstanceLoad, KvEvents
 from services.settings import Settings
 from services.subjects import Subjects

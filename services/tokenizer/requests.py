@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.inputs import InputProcessor
+from engine.frontend.inputs import InputProcessor
 from schemas.errors import InvalidRequestError
 from schemas.public import ErrorInfo, GenerateRequest
 from schemas.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
 Replicas share `llm.generate` through a queue group. Each owns the streams it accepted and
 routes each to an instance (scheduler + executor pair) its router picks (services/tokenizer/
-instances.py, engine/routing.py); the scheduler sends their tokens to the replica's own
+instances.py, engine/router/routing.py); the scheduler sends their tokens to the replica's own
 subject under that instance (the AddRequest's `reply_to`), and `llm.abort` reaches every
 replica, the owner acting on it.
 """
@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
-from engine.inputs import InputProcessor, RequestLimits
+from engine.frontend.inputs import InputProcessor, RequestLimits
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import FinishRequest
 from schemas.tokenizer import SampleDelta, TokenBatch

@@ -9,7 +9,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import Buckets
+from engine.sched.metrics import Buckets
 from services.client import Client
 from services.http.metrics import render
 from tests.services.http_fixture import NUM_BLOCKS, nats_client, served  # noqa: F401
