@@ -31,6 +31,7 @@ from schemas.scheduler import ExecutorReady, SchedulerInfo, StepFailed
 from services.connection import flush_sent
 from services.discovery import Discovery
 from services.liveness import PeerGone, Reconnects, ping, repeat
+from services.pieces import Pieces
 from services.settings import Settings
 from services.subjects import Subjects
 from services.wire import pack, unpack
@@ -65,7 +66,8 @@ class ExecutorService:
         self.executor_id = uuid.uuid4().hex[:12]
         self.scheduler_id: str | None = None  # attached to it
         self._attaching = False
-        self._pieces: dict[str, list[int]] = {}
+        config = self.executor.config  # pieces of more than one step's rows are refused
+        self._pieces = Pieces(settings.step_timeout, config.max_num_seqs * config.max_model_len)
         self._last_step_id: int | None = None
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
@@ -176,20 +178,10 @@ class ExecutorService:
         # undecodable: no step id to answer; the scheduler's step timeout covers such a loss
         message = unpack(_decoder, msg.data, msg.subject)
         if isinstance(message, StepPiece):
-            self._add_piece(message)
+            self._pieces.add(message.req_id, message.token_ids)
         elif isinstance(message, RunStep):
             async with self._lock:
                 await self._run_step(message.step)
-
-    def _add_piece(self, piece: StepPiece) -> None:
-        """Pieces precede their step; more than one step's rows can hold is refused."""
-        held = sum(map(len, self._pieces.values())) + len(piece.token_ids)
-        limit = self.executor.config.max_num_seqs * self.executor.config.max_model_len
-        if held > limit:
-            log.error("step pieces beyond what the executor holds: dropped", tokens=held)
-            self._pieces.clear()
-            return
-        self._pieces.setdefault(piece.req_id, []).extend(piece.token_ids)
 
     async def _run_step(self, step: ScheduledStep) -> None:
         """Steps run in order: an out-of-order one is refused and the order kept, so one stray
@@ -224,9 +216,7 @@ class ExecutorService:
         if not self._pieces:
             return step
         new_requests = [
-            msgspec.structs.replace(new, token_ids=self._pieces.pop(new.req_id) + new.token_ids)
-            if new.req_id in self._pieces
-            else new
+            msgspec.structs.replace(new, token_ids=self._pieces.take(new.req_id) + new.token_ids)
             for new in step.new_requests
         ]
         self._pieces.clear()  # pieces of no request in this step: stray, never used

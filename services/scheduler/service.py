@@ -35,11 +35,11 @@ from schemas.scheduler import (
 from schemas.tokenizer import AddResult, SampleDelta
 from services.discovery import Discovery
 from services.liveness import repeat
+from services.pieces import Pieces
 from services.scheduler.attach import scheduler_info
 from services.scheduler.kv_events import KvEventPublisher, instance_load
 from services.scheduler.link import ExecutorLink
 from services.scheduler.outbox import Outbox
-from services.scheduler.pieces import PromptPieces
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
 from services.subjects import Subjects
@@ -47,6 +47,7 @@ from services.wire import encode_public, pack, unpack
 
 log = structlog.get_logger(__name__)
 
+MAX_PIECE_TOKENS = 2**22  # prompt ids held for AddRequests still to come, at least
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
 _ready_decoder = msgspec.msgpack.Decoder(ExecutorReady)
 
@@ -65,7 +66,10 @@ class SchedulerService:
             nc, self.subjects.kv_events, settings.instance, self.scheduler_id
         )
         # a dead tokenizer's orphaned pieces go after a while
-        self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
+        self._pieces = Pieces(
+            ttl_s=max(30.0, 3 * settings.liveness_timeout),
+            max_tokens=max(MAX_PIECE_TOKENS, 64 * settings.piece_tokens),
+        )
         self._work = asyncio.Event()
         self.link = ExecutorLink(
             nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
-from engine.frontend.inputs import InputProcessor, RequestLimits
+from engine.frontend.inputs import InputProcessor
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import FinishRequest
 from schemas.tokenizer import SampleDelta, TokenBatch
@@ -28,6 +28,7 @@ from services.subjects import TOKENIZER_QUEUE, Subjects
 from services.tokenizer import info
 from services.tokenizer.dispatch import Dispatch, movable, typed_error
 from services.tokenizer.instances import Instances
+from services.tokenizer.limits import RequestLimits
 from services.tokenizer.requests import (
     admission_error,
     is_msgpack,
@@ -50,8 +51,8 @@ class TokenizerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, vocab_size, RequestLimits.from_settings(settings))
-        self.limits = self.inputs.limits
+        self.inputs = InputProcessor(tokenizer, vocab_size)
+        self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
         self.instances = Instances(nc, settings)
@@ -101,7 +102,7 @@ class TokenizerService:
         await self.watch.check_reconnect()
         msgpack = is_msgpack(msg.headers)
         try:
-            prepared = prepare_body(msg.data, msgpack, self.inputs)
+            prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
@@ -114,7 +115,7 @@ class TokenizerService:
         self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
-        self._spawn(self.dispatch.submit(stream, prepared.prompt_token_ids, prepared.params))
+        self._spawn(self.dispatch.route(stream, prepared.prompt_token_ids, prepared.params))
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
