@@ -37,7 +37,7 @@ class ContiguousBlockManager(BlockManager):
         self.reserve = reserve
 
     def _with_reservation(self, request: Request, num_new_tokens: int, hits) -> int:
-        if request.request_id in self.block_tables:
+        if request.seq_id in self.block_tables:
             return num_new_tokens  # reserved at admission already
         held = request.num_computed_tokens + len(hits) * self.block_size
         return max(num_new_tokens, self.reserve(request) - held)

@@ -54,7 +54,7 @@ def decode_step(seqs: int, context: int) -> ScheduledStep:
         for i in range(seqs)
     ]
     return ScheduledStep(
-        1, cached_requests=cached, num_scheduled_tokens={c.req_id: 1 for c in cached}
+        1, cached_requests=cached, num_scheduled_tokens={c.seq_id: 1 for c in cached}
     )
 
 
@@ -65,7 +65,7 @@ def prefill_step(seqs: int, context: int, prefill: int) -> ScheduledStep:
         blocks = list(range(100 + i * 40, 100 + i * 40 + -(-length // BLOCK)))
         new = NewRequest(f"p{i}", [5] * length, length, SamplingParams(), blocks, 0)
         step.new_requests.append(new)
-        step.num_scheduled_tokens[new.req_id] = length
+        step.num_scheduled_tokens[new.seq_id] = length
     return step
 
 

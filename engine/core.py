@@ -67,11 +67,11 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a request, or raise a typed error (nothing is queued then)."""
         self.scheduler.add_request(request)
-        self.deltas.track(request.group_id, request.sampling_params.n)
-        self.metrics.added(request.group_id, request.arrival_time)
+        self.deltas.track(request.request_id, request.sampling_params.n)
+        self.metrics.added(request.request_id, request.arrival_time)
 
     def finish_early(
-        self, group_id: str, reason: str, index: int | None = None, stop_string: str | None = None
+        self, request_id: str, reason: str, index: int | None = None, stop_string: str | None = None
     ) -> bool:
         """Abort every sample ("abort"), or stop the one a stop string ended ("stop").
 
@@ -79,31 +79,33 @@ class EngineCore:
         always follows the freeing. False for an unknown id: it has finished, and its last
         delta is on its way.
         """
-        group = list(self.scheduler.groups.get(group_id, ()))
+        group = list(self.scheduler.groups.get(request_id, ()))
         if reason == "stop":
             for request in group:
                 if request.sample_index == index and not request.is_finished:
                     request.stop_reason = stop_string
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
                     self.deltas.add_finals(
-                        group_id, "stop", [index], None, request.num_cached_tokens
+                        request_id, "stop", [index], None, request.num_cached_tokens
                     )
         elif group:
-            self.scheduler.abort(group_id)
-            self.deltas.add_finals(group_id, "abort", num_cached_tokens=group[0].num_cached_tokens)
+            self.scheduler.abort(request_id)
+            self.deltas.add_finals(
+                request_id, "abort", num_cached_tokens=group[0].num_cached_tokens
+            )
         return bool(group)
 
     def fail_all(self, error: ErrorInfo) -> None:
         """Every open request ends with `error`; its blocks are freed."""
-        for group_id in list(self.deltas.open):
-            self.scheduler.abort(group_id)
+        for request_id in list(self.deltas.open):
+            self.scheduler.abort(request_id)
         self.fail_open(error)
 
     def fail_open(self, error: ErrorInfo) -> None:
         """Final error deltas for every open request, without touching the scheduler (after a
         bug in it, it cannot be trusted)."""
-        for group_id in list(self.deltas.open):
-            self.deltas.add_finals(group_id, "error", error=error)
+        for request_id in list(self.deltas.open):
+            self.deltas.add_finals(request_id, "error", error=error)
 
     def stats(self, instance: str) -> Stats:
         return build_stats(instance, self.scheduler, self.metrics)
@@ -112,12 +114,12 @@ class EngineCore:
     def has_work(self) -> bool:
         """Requests to run, finished rows to drop at the executor, or steps in flight."""
         scheduler = self.scheduler
-        return scheduler.has_unfinished or bool(scheduler.finished_req_ids or self._in_flight)
+        return scheduler.has_unfinished or bool(scheduler.finished_seq_ids or self._in_flight)
 
     @property
     def is_spinning(self) -> bool:
         """The last step computed nothing and nothing is in flight: wait before trying again."""
-        return not (self._busy or self._in_flight or self.scheduler.finished_req_ids)
+        return not (self._busy or self._in_flight or self.scheduler.finished_seq_ids)
 
     # --- the step pipeline -------------------------------------------------------------------
 
@@ -156,7 +158,7 @@ class EngineCore:
 
     def _may_plan(self) -> bool:
         scheduler, in_flight = self.scheduler, self._in_flight
-        if not (scheduler.has_unfinished or scheduler.finished_req_ids):
+        if not (scheduler.has_unfinished or scheduler.finished_seq_ids):
             return False
         if not in_flight:
             return True
@@ -166,13 +168,13 @@ class EngineCore:
         output, now = done.output, time.monotonic()
         scheduler = self.scheduler
         updated = scheduler.update_from_output(step, output)
-        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+        logprobs = dict(zip(output.seq_ids, output.logprobs or ()))
         for request in updated:
-            self._for_one(request.group_id, self._add_token, request, logprobs)
-        for group_id, beams in scheduler.take_beam_results().items():
-            self._for_one(group_id, self.deltas.add_beams, group_id, beams)
-        for group_id, error in scheduler.take_failed().items():
-            self.deltas.add_finals(group_id, "error", error=error)
+            self._for_one(request.request_id, self._add_token, request, logprobs)
+        for request_id, beams in scheduler.take_beam_results().items():
+            self._for_one(request_id, self.deltas.add_beams, request_id, beams)
+        for request_id, error in scheduler.take_failed().items():
+            self.deltas.add_finals(request_id, "error", error=error)
         self._busy = bool(step.num_scheduled_tokens)
         wait_s = done.wait_s if back_to_back else None
         self.metrics.stepped(done.execute_s, wait_s, len(updated), now)
@@ -180,17 +182,17 @@ class EngineCore:
             self.scheduler.check_invariants()
 
     def _add_token(self, request: Request, logprobs: dict) -> None:
-        self.metrics.token(request.group_id, time.monotonic())
-        self.deltas.add_token(request, logprobs.get(request.request_id))
+        self.metrics.token(request.request_id, time.monotonic())
+        self.deltas.add_token(request, logprobs.get(request.seq_id))
 
-    def _for_one(self, group_id: str, handle: Callable, *args) -> None:
+    def _for_one(self, request_id: str, handle: Callable, *args) -> None:
         """Run one request's part of the output; if it raises, that request alone fails."""
-        if group_id in self.scheduler.failed:
+        if request_id in self.scheduler.failed:
             return
         try:
             handle(*args)
         except Exception as exc:
-            self.scheduler.fail(group_id, exc)
+            self.scheduler.fail(request_id, exc)
 
 
 MAX_BLOCKS = 2**24  # an executor announcing more is refused: the block lists would not fit

@@ -154,7 +154,7 @@ class LLM:
 
     def _track(self, token_ids: list[int], prompt: Prompt, params: SamplingParams) -> _Tracked:
         request = Request(
-            request_id=str(next(self._ids)),
+            seq_id=str(next(self._ids)),
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.model_config.eos_token_ids,
@@ -173,7 +173,7 @@ class LLM:
             self.scheduler.check_request(item.request)
         for item in tracked:
             self.core.add(item.request)
-            self._tracked[item.request.group_id] = item
+            self._tracked[item.request.request_id] = item
         show = use_tqdm and sys.stderr.isatty()
         with tqdm(total=len(tracked), disable=not show, desc="generate") as self._bar:
             self.run_async(self._drive())
@@ -216,5 +216,5 @@ class LLM:
         item.output.num_cached_tokens = max(item.output.num_cached_tokens, sample.num_cached_tokens)
         item.num_finished += 1
         if item.num_finished == len(item.samples):
-            del self._tracked[item.request.group_id]
+            del self._tracked[item.request.request_id]
             self._bar.update(1)

@@ -119,7 +119,7 @@ class BlockManager:
         self, request: Request, num_new_tokens: int, hits: list[CachedBlock] = ()
     ) -> int:
         """Free device blocks that `allocate_slots(request, num_new_tokens, hits)` would take."""
-        table = self.block_tables.get(request.request_id, [])
+        table = self.block_tables.get(request.seq_id, [])
         total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         grow = max(0, -(-total // self.block_size) - len(table) - len(hits))
         num_cpu_hits = sum(hit.on_cpu for hit in hits)
@@ -139,7 +139,7 @@ class BlockManager:
         evictable = sum(1 for h in hits if not h.on_cpu and self.blocks[h.block_id].ref_count == 0)
         if num_new > self.num_free_blocks - evictable:
             return None
-        table = self.block_tables.setdefault(request.request_id, [])
+        table = self.block_tables.setdefault(request.seq_id, [])
         table.extend(self._claim_hits(hits, request))
         new_ids = self._copy_shared_tail(table, request.num_computed_tokens)
         total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
@@ -168,10 +168,10 @@ class BlockManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share all of `parent`'s blocks (parallel samples, beams)."""
-        table = list(self.block_tables[parent.request_id])
+        table = list(self.block_tables[parent.seq_id])
         for block_id in table:
             self.blocks[block_id].ref_count += 1
-        self.block_tables[child.request_id] = table
+        self.block_tables[child.seq_id] = table
 
     def free(self, request: Request) -> None:
         """Drop the request's references; unreferenced blocks join the free queue's tail.
@@ -179,8 +179,8 @@ class BlockManager:
         Tail blocks are freed first so that, among one request's blocks, the prefix (the part
         most likely to be shared again) is evicted last.
         """
-        table = self.block_tables.pop(request.request_id, [])
-        for entry in self.swapped_tables.pop(request.request_id, []):
+        table = self.block_tables.pop(request.seq_id, [])
+        for entry in self.swapped_tables.pop(request.seq_id, []):
             if entry.on_cpu:
                 self.cpu.release(entry.block_id)
             else:
@@ -189,13 +189,13 @@ class BlockManager:
             self._unref(block_id)
 
     def can_swap_out(self, request: Request) -> bool:
-        table = self.block_tables[request.request_id]
+        table = self.block_tables[request.seq_id]
         return sum(self.blocks[b].ref_count == 1 for b in table) <= self.cpu.num_available
 
     def swap_out(self, request: Request) -> None:
         """Move the request's private blocks to the CPU pool; shared ones stay on device."""
         entries = []
-        for block_id in self.block_tables.pop(request.request_id):
+        for block_id in self.block_tables.pop(request.seq_id):
             if self.blocks[block_id].ref_count > 1:
                 entries.append(CachedBlock(block_id))
                 continue
@@ -205,11 +205,11 @@ class BlockManager:
             self.num_swapped_out_blocks += 1
             self._unref(block_id)
             entries.append(CachedBlock(cpu_block, on_cpu=True))
-        self.swapped_tables[request.request_id] = entries
+        self.swapped_tables[request.seq_id] = entries
 
     def num_blocks_to_resume(self, request: Request, num_new_tokens: int) -> int:
         """Free device blocks that swap_in plus allocate_slots(num_new_tokens) will take."""
-        entries = self.swapped_tables[request.request_id]
+        entries = self.swapped_tables[request.seq_id]
         total = request.num_computed_tokens + num_new_tokens
         grow = max(0, -(-total // self.block_size) - len(entries))
         tail_idx = request.num_computed_tokens // self.block_size
@@ -224,7 +224,7 @@ class BlockManager:
     def swap_in(self, request: Request) -> list[int]:
         """Bring a swapped-out request's blocks back; returns its whole new block table."""
         table = []
-        for entry in self.swapped_tables.pop(request.request_id):
+        for entry in self.swapped_tables.pop(request.seq_id):
             if not entry.on_cpu:
                 table.append(entry.block_id)
                 continue
@@ -233,7 +233,7 @@ class BlockManager:
             self.num_swapped_in_blocks += 1
             self.cpu.release(entry.block_id)
             table.append(device_block)
-        self.block_tables[request.request_id] = table
+        self.block_tables[request.seq_id] = table
         return table
 
     def take_ops(self) -> BlockOps:

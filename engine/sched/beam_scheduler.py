@@ -33,7 +33,7 @@ class BeamScheduler:
         params = root.sampling_params
         group = BeamSearchGroup(params, frozenset(root.eos_token_ids) | set(params.stop_token_ids))
         group.start(root)
-        self.groups[root.group_id] = group
+        self.groups[root.request_id] = group
 
     def report(
         self, beam: Request, candidates: list[tuple[int, float]] | None, members: list[Request]
@@ -41,25 +41,25 @@ class BeamScheduler:
         """One beam's candidates; the group's selection once every live beam has reported."""
         if candidates is None:
             return None  # a prefill chunk that has not reached the end of the prompt
-        group = self.groups[beam.group_id]
+        group = self.groups[beam.request_id]
         if not group.report(beam, candidates):
             return None
-        return self._advance(group, [r for r in members if r.request_id in group.scores])
+        return self._advance(group, [r for r in members if r.seq_id in group.scores])
 
     def _advance(self, group: BeamSearchGroup, beams: list[Request]) -> BeamSelection:
         running, done = group.select(beams)
         beams[0].num_pending_forks = 0  # the root's reserved seats are now beams
         if done:
-            self.results[beams[0].group_id] = group.finished
+            self.results[beams[0].request_id] = group.finished
             return BeamSelection(ended=beams)
         selection = BeamSelection()
         assigned = self._assign(running, selection)
         for beam, cont in assigned:
             beam.output_token_ids.append(cont.token_id)
-            self.tokens[beam.request_id] = cont.token_id
-            group.scores[beam.request_id] = cont.score
-        chosen = {cont.source.request_id for _, cont in assigned}
-        selection.ended = [beam for beam in beams if beam.request_id not in chosen]
+            self.tokens[beam.seq_id] = cont.token_id
+            group.scores[beam.seq_id] = cont.score
+        chosen = {cont.source.seq_id for _, cont in assigned}
+        selection.ended = [beam for beam in beams if beam.seq_id not in chosen]
         return selection
 
     def _assign(
@@ -73,14 +73,14 @@ class BeamScheduler:
         assigned = []
         for cont in running:
             source = cont.source
-            if source.request_id in seen:
+            if source.seq_id in seen:
                 self._num_children += 1
-                child = source.fork(f"{source.group_id}~{self._num_children}")
+                child = source.fork(f"{source.request_id}~{self._num_children}")
                 selection.forks.append((source, child))
-                self.forks.append(ForkRequest(source.request_id, child.request_id, sample=False))
+                self.forks.append(ForkRequest(source.seq_id, child.seq_id, sample=False))
                 assigned.append((child, cont))
             else:
-                seen.add(source.request_id)
+                seen.add(source.seq_id)
                 assigned.append((source, cont))
         return assigned
 

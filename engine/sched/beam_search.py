@@ -50,11 +50,11 @@ class BeamSearchGroup:
         return max(2, 1 + len(self.stop_token_ids)) * self.width
 
     def start(self, root: Request) -> None:
-        self.scores[root.request_id] = np.float32(0.0)
+        self.scores[root.seq_id] = np.float32(0.0)
 
     def report(self, beam: Request, candidates: list[tuple[int, float]]) -> bool:
         """Store one beam's candidates; True once every live beam has reported."""
-        self.candidates[beam.request_id] = candidates
+        self.candidates[beam.seq_id] = candidates
         return len(self.candidates) == len(self.scores)
 
     def select(self, beams: list[Request]) -> tuple[list[Continuation], bool]:
@@ -74,8 +74,8 @@ class BeamSearchGroup:
     def _rank(self, beams: list[Request]) -> list[Continuation]:
         pool = []
         for beam in beams:
-            base = self.scores[beam.request_id]
-            for token_id, logprob in self.candidates[beam.request_id]:
+            base = self.scores[beam.seq_id]
+            for token_id, logprob in self.candidates[beam.seq_id]:
                 pool.append(Continuation(beam, token_id, np.float32(base + np.float32(logprob))))
         pool.sort(key=lambda c: -c.score)  # stable: ties keep beam order, then token rank
         return pool

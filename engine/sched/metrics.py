@@ -112,13 +112,13 @@ class EngineMetrics:
         self.num_prompt_tokens = 0
         self._timings: dict[str, _Timing] = {}  # by request (group) id, until it ends
 
-    def added(self, group_id: str, arrival: float) -> None:
-        self._timings[group_id] = _Timing(arrival)
+    def added(self, request_id: str, arrival: float) -> None:
+        self._timings[request_id] = _Timing(arrival)
 
     def scheduled(self, step: ScheduledStep, now: float) -> None:
         """Requests scheduled for the first time: their queue time and prompt tokens."""
         for new in step.new_requests:
-            timing = self._timings.get(new.req_id)  # None for forked samples ("id#1")
+            timing = self._timings.get(new.seq_id)  # None for forked samples ("id#1")
             if timing is not None and timing.scheduled_at is None:
                 timing.scheduled_at = now
                 self.queue.add(now - timing.arrival)
@@ -132,9 +132,9 @@ class EngineMetrics:
             self.executor_wait.add(wait_s)
         self.throughput.add(num_tokens, now)
 
-    def token(self, group_id: str, now: float) -> None:
+    def token(self, request_id: str, now: float) -> None:
         """A request's new token: time to the first one, or between two."""
-        timing = self._timings.get(group_id)
+        timing = self._timings.get(request_id)
         if timing is None:
             return
         if timing.last_token_at is None:
@@ -143,8 +143,8 @@ class EngineMetrics:
             self.itl.add(now - timing.last_token_at)
         timing.last_token_at = now
 
-    def done(self, group_id: str) -> None:
+    def done(self, request_id: str) -> None:
         """A request whose every sample has ended, for whatever reason."""
-        timing = self._timings.pop(group_id, None)
+        timing = self._timings.pop(request_id, None)
         if timing is not None:
             self.e2e.add(time.monotonic() - timing.arrival)

@@ -18,12 +18,12 @@ class SampleDeltas:
     """Deltas collected since the last `take()`, and the samples still open per request."""
 
     def __init__(self, on_close: Callable[[str], None]) -> None:
-        self.open: dict[str, set[int]] = {}  # group id -> samples without a final delta
+        self.open: dict[str, set[int]] = {}  # request id -> samples without a final delta
         self._deltas: list[SampleDelta] = []
         self._on_close = on_close  # called with a request's id after its last final delta
 
-    def track(self, group_id: str, num_samples: int) -> None:
-        self.open[group_id] = set(range(num_samples))
+    def track(self, request_id: str, num_samples: int) -> None:
+        self.open[request_id] = set(range(num_samples))
 
     def take(self) -> list[SampleDelta]:
         deltas, self._deltas = self._deltas, []
@@ -32,7 +32,7 @@ class SampleDeltas:
     def add_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
         """The request's newest token; a final delta too if it has finished."""
         delta = SampleDelta(
-            request.group_id,
+            request.request_id,
             request.sample_index,
             request.output_token_ids[-1:],
             logprobs=None if logprobs is None else [logprobs],
@@ -43,11 +43,11 @@ class SampleDeltas:
             delta.num_cached_tokens = request.num_cached_tokens
         self._push(delta)
 
-    def add_beams(self, group_id: str, beams: list[FinishedBeam]) -> None:
+    def add_beams(self, request_id: str, beams: list[FinishedBeam]) -> None:
         """A beam search's result, whole: the best `n` beams as final deltas, best first."""
-        for index, beam in zip(sorted(self.open.get(group_id, ())), beams):
+        for index, beam in zip(sorted(self.open.get(request_id, ())), beams):
             delta = SampleDelta(
-                group_id,
+                request_id,
                 index,
                 beam.token_ids,
                 finish_reason=beam.finish_reason,
@@ -57,18 +57,18 @@ class SampleDeltas:
 
     def add_finals(
         self,
-        group_id: str,
+        request_id: str,
         finish_reason: str,
         indices: list[int] | None = None,
         error: ErrorInfo | None = None,
         num_cached_tokens: int = 0,
     ) -> None:
         """Final deltas for the open samples among `indices` (None: every open sample)."""
-        open_indices = self.open.get(group_id, set())
+        open_indices = self.open.get(request_id, set())
         chosen = sorted(open_indices if indices is None else open_indices & set(indices))
         for index in chosen:
             delta = SampleDelta(
-                group_id,
+                request_id,
                 index,
                 finish_reason=finish_reason,
                 num_cached_tokens=num_cached_tokens,

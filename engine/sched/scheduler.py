@@ -45,13 +45,13 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.groups: dict[str, list[Request]] = {}  # group id -> its parallel samples
+        self.seqs: dict[str, Request] = {}  # seq id -> its sample
+        self.groups: dict[str, list[Request]] = {}  # request id -> its parallel samples
         self.beams = BeamScheduler()
         self.at_executor: set[str] = set()  # requests whose state the executor holds
-        self.finished_req_ids: list[str] = []  # to tell the executor next step
+        self.finished_seq_ids: list[str] = []  # to tell the executor next step
         self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
-        self.failed: dict[str, ErrorInfo] = {}  # group id -> why it failed, for the core
+        self.failed: dict[str, ErrorInfo] = {}  # request id -> why it failed, for the core
         self.stats = SchedulerStats()
         self.step_id = 0
 
@@ -62,8 +62,8 @@ class Scheduler:
             raise OverloadedError(f"the waiting queue is full ({self.config.max_waiting})")
         params = request.sampling_params
         request.num_pending_forks = max(params.n, params.beam_width) - 1
-        self.requests[request.request_id] = request
-        self.groups[request.group_id] = [request]
+        self.seqs[request.seq_id] = request
+        self.groups[request.request_id] = [request]
         if params.is_beam_search:
             self.beams.start(request)
         self.waiting.append(request)
@@ -71,9 +71,9 @@ class Scheduler:
 
     def check_request(self, request: Request) -> None:
         """Raise a typed error if the request can never run; no side effects."""
-        if request.request_id in self.requests or request.group_id in self.groups:
+        if request.seq_id in self.seqs or request.request_id in self.groups:
             raise InvalidRequestError(
-                f"request_id: {request.request_id!r} is already in flight", param="request_id"
+                f"request_id: {request.seq_id!r} is already in flight", param="request_id"
             )
         check_request_fits(request, self.config, self.cache_config)
 
@@ -116,20 +116,20 @@ class Scheduler:
             new_requests=plan.new_requests,
             cached_requests=plan.cached_requests,
             num_scheduled_tokens=plan.num_scheduled,
-            finished_req_ids=self.finished_req_ids,
+            finished_seq_ids=self.finished_seq_ids,
             blocks_to_copy=ops.copy,
             blocks_to_swap_out=ops.swap_out,
             blocks_to_swap_in=ops.swap_in,
             forks=self.beams.take_forks() + plan.forks,
         )
-        self.finished_req_ids = []
+        self.finished_seq_ids = []
         return step
 
     def _schedule_running(self, plan: StepPlan) -> None:
         idx = 0
         while idx < len(self.running) and plan.budget > 0:
             request = self.running[idx]
-            if request.request_id in plan.forked:
+            if request.seq_id in plan.forked:
                 idx += 1  # made from its parent's logits in this step: nothing to compute
                 continue
             num_new = min(self._num_unscheduled(request), plan.budget)
@@ -168,7 +168,7 @@ class Scheduler:
         if mode == "auto":
             # Recomputing a forked sample loses the prompt blocks it shared: swap those. On a
             # device cache, recomputing a lone request beats the copies (vLLM's choice too).
-            forked = len(self.groups.get(request.group_id, ())) > 1
+            forked = len(self.groups.get(request.request_id, ())) > 1
             mode = "swap" if forked or self.cache_config.swap_is_cheap else "recompute"
         manager = self.block_manager
         if mode == "swap" and not (manager.cpu.enabled and manager.can_swap_out(request)):
@@ -181,7 +181,7 @@ class Scheduler:
         # Victims come from the end of `running`. Samples forked in this step sit behind
         # their parent, and every request behind the parent was admitted after its last
         # prompt chunk, which takes the whole budget unless it completes: none can need blocks.
-        assert request.request_id not in plan.forked, f"{request.request_id}: forked this step"
+        assert request.seq_id not in plan.forked, f"{request.seq_id}: forked this step"
         mode = self._preemption_mode(request)
         if mode == "swap":
             self.block_manager.swap_out(request)
@@ -192,22 +192,22 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
-        log.debug("preempted", request_id=request.request_id, mode=mode)
+        log.debug("preempted", request_id=request.seq_id, mode=mode)
 
     def _free_to_recompute(self, request: Request) -> None:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.forget_at_executor(request.request_id)
+        self.forget_at_executor(request.seq_id)
 
     def _note_running(self, request: Request, num_new: int, new_block_ids, plan) -> None:
         plan.budget -= num_new
-        plan.num_scheduled[request.request_id] = num_new
-        new_token_ids = self.beams.pop_token(request.request_id)
-        table = self.block_manager.get_block_table(request.request_id)
-        if request.request_id not in self.at_executor:
+        plan.num_scheduled[request.seq_id] = num_new
+        new_token_ids = self.beams.pop_token(request.seq_id)
+        table = self.block_manager.get_block_table(request.seq_id)
+        if request.seq_id not in self.at_executor:
             plan.add_new(request, table)
-            self.at_executor.add(request.request_id)
+            self.at_executor.add(request.seq_id)
         else:
             plan.add_cached(request, table, new_block_ids, new_token_ids)
         request.num_computed_tokens += num_new
@@ -233,24 +233,24 @@ class Scheduler:
             # the child copies the parent's computed prompt and its token in flight, so it is
             # not scheduled again in this step when the loop reaches it
             child = parent.fork(
-                f"{parent.request_id}#{index}",
+                f"{parent.seq_id}#{index}",
                 sampling_params=msgspec.structs.replace(params, seed=seed),
                 sample_index=index,
             )
             child.num_output_placeholders = 1  # its first token: from the parent's logits
             self.add_forked(parent, child)
-            plan.forks.append(ForkRequest(parent.request_id, child.request_id, seed))
+            plan.forks.append(ForkRequest(parent.seq_id, child.seq_id, seed))
             plan.sampling.append(child)
-            plan.forked.add(child.request_id)
+            plan.forked.add(child.seq_id)
         parent.num_pending_forks = 0
 
     def add_forked(self, parent: Request, child: Request) -> None:
         """Register a running child that shares all of its parent's blocks."""
         self.block_manager.fork(parent, child)
-        self.requests[child.request_id] = child
-        self.groups[parent.group_id].append(child)
+        self.seqs[child.seq_id] = child
+        self.groups[parent.request_id].append(child)
         self.running.append(child)
-        self.at_executor.add(child.request_id)
+        self.at_executor.add(child.seq_id)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         while self.waiting and plan.budget > 0:
@@ -301,7 +301,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         # the executor's row replaces its whole table
-        full_table = self.block_manager.get_block_table(request.request_id)
+        full_table = self.block_manager.get_block_table(request.seq_id)
         self._note_running(request, num_new, list(full_table), plan)
         return True
 
@@ -315,7 +315,7 @@ class Scheduler:
         self.beams.pop_token(request_id)  # a resumed request sends all its tokens
         if request_id in self.at_executor:
             self.at_executor.discard(request_id)
-            self.finished_req_ids.append(request_id)
+            self.finished_seq_ids.append(request_id)
 
     def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Append sampled tokens and finish requests that stop (computed counts moved already).
@@ -325,7 +325,7 @@ class Scheduler:
         right context. One for a finished request is dropped.
         """
         assert output.step_id == step.step_id, f"step {output.step_id} != {step.step_id}"
-        sampled = dict(zip(output.req_ids, output.sampled_token_ids))
+        sampled = dict(zip(output.seq_ids, output.sampled_token_ids))
         for abandoned in [s for s in self._sampling if s < step.step_id]:
             del self._sampling[abandoned]  # outputs come in order: theirs never will
         updated = []
@@ -333,35 +333,35 @@ class Scheduler:
             try:
                 updated += self._update_one(request, output, sampled)
             except Exception as exc:  # one request's failure ends that request alone
-                self.fail(request.group_id, exc)
-        return [request for request in updated if request.group_id not in self.failed]
+                self.fail(request.request_id, exc)
+        return [request for request in updated if request.request_id not in self.failed]
 
     def _update_one(self, request: Request, output: StepOutput, sampled: dict[str, int]):
         if self._is_beam(request):
             if request.status is RequestStatus.RUNNING:
-                self._report_beam(request, output.beam_candidates.get(request.request_id))
+                self._report_beam(request, output.beam_candidates.get(request.seq_id))
             return []
         request.num_output_placeholders -= 1
         if request.is_finished:
             return []
         return self._append_sampled(request, sampled)
 
-    def fail(self, group_id: str, exc: Exception) -> None:
+    def fail(self, request_id: str, exc: Exception) -> None:
         """End every sample of a request whose output, parameters or beams raised: its blocks
         are freed, and `take_failed()` hands its error to the engine core."""
-        log.exception("request failed", request_id=group_id)
-        self.abort(group_id)
+        log.exception("request failed", request_id=request_id)
+        self.abort(request_id)
         message = f"the request failed while its output was processed: {exc!r}"
-        self.failed[group_id] = ErrorInfo(getattr(exc, "type", "internal_error"), message)
+        self.failed[request_id] = ErrorInfo(getattr(exc, "type", "internal_error"), message)
 
     def take_failed(self) -> dict[str, ErrorInfo]:
-        """Requests failed since the last call: group id -> its error."""
+        """Requests failed since the last call: request id -> its error."""
         failed, self.failed = self.failed, {}
         return failed
 
     def _report_beam(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
         """Apply a beam group's selection once all its live beams have reported."""
-        selection = self.beams.report(beam, candidates, self.groups[beam.group_id])
+        selection = self.beams.report(beam, candidates, self.groups[beam.request_id])
         if selection is None:
             return
         for source, child in selection.forks:
@@ -370,8 +370,8 @@ class Scheduler:
             self.finish(ended, RequestStatus.FINISHED_STOPPED)
 
     def _append_sampled(self, request: Request, sampled: dict[str, int]) -> list[Request]:
-        token_id = sampled.get(request.request_id)
-        assert token_id is not None, f"step output lacks {request.request_id}'s token"
+        token_id = sampled.get(request.seq_id)
+        assert token_id is not None, f"step output lacks {request.seq_id}'s token"
         request.output_token_ids.append(token_id)
         status = request.check_stop()
         if status is not None:
@@ -389,21 +389,21 @@ class Scheduler:
         request.status = status
         request.num_pending_forks = 0
         self.block_manager.free(request)
-        self.forget_at_executor(request.request_id)
-        self.requests.pop(request.request_id, None)
-        group = self.groups.get(request.group_id, [])
+        self.forget_at_executor(request.seq_id)
+        self.seqs.pop(request.seq_id, None)
+        group = self.groups.get(request.request_id, [])
         if all(r.is_finished for r in group):
-            self.groups.pop(request.group_id, None)
-            self.beams.groups.pop(request.group_id, None)
+            self.groups.pop(request.request_id, None)
+            self.beams.groups.pop(request.request_id, None)
         self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
 
     def take_beam_results(self) -> dict[str, list[FinishedBeam]]:
-        """Finished beam searches since the last call: group id -> best beams, best first."""
+        """Finished beam searches since the last call: request id -> best beams, best first."""
         return self.beams.take_results()
 
-    def abort(self, group_id: str) -> bool:
+    def abort(self, request_id: str) -> bool:
         """Abort every sample of a request; False if it is unknown or already finished."""
-        group = self.groups.get(group_id)
+        group = self.groups.get(request_id)
         if group is None:
             return False
         for request in list(group):
@@ -414,9 +414,9 @@ class Scheduler:
         manager = self.block_manager
         manager.check_invariants()
         for request in self.running:
-            assert request.request_id in manager.block_tables, request.request_id
-            assert request.num_output_placeholders >= 0, request.request_id
+            assert request.seq_id in manager.block_tables, request.seq_id
+            assert request.num_output_placeholders >= 0, request.seq_id
         for request in self.waiting:
-            assert request.request_id not in manager.block_tables, request.request_id
+            assert request.seq_id not in manager.block_tables, request.seq_id
             swapped = request.status is RequestStatus.SWAPPED
-            assert swapped == (request.request_id in manager.swapped_tables), request.request_id
+            assert swapped == (request.seq_id in manager.swapped_tables), request.seq_id

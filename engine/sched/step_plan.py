@@ -41,7 +41,7 @@ class StepPlan:
         """A request the executor does not hold: all its tokens and blocks."""
         self.new_requests.append(
             NewRequest(
-                req_id=request.request_id,
+                seq_id=request.seq_id,
                 token_ids=request.all_token_ids,
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
@@ -62,7 +62,7 @@ class StepPlan:
         # new ids overwrite the table from this index rather than always appending.
         self.cached_requests.append(
             CachedRequest(
-                req_id=request.request_id,
+                seq_id=request.seq_id,
                 num_computed_tokens=request.num_computed_tokens,
                 new_block_ids=new_block_ids,
                 new_token_ids=new_token_ids,

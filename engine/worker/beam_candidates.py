@@ -17,6 +17,6 @@ def top_continuations(logits: torch.Tensor, states, rows: list[int], eos_ids) ->
     )
     values, token_ids = logprobs.topk(min(needed, logprobs.shape[-1]), dim=-1)
     return {
-        states[i].req_id: list(zip(ids, vals))
+        states[i].seq_id: list(zip(ids, vals))
         for i, ids, vals in zip(rows, token_ids.tolist(), values.tolist())
     }

@@ -251,7 +251,7 @@ class Executor:
         forks = [fork for fork in step.forks if fork.sample]
         if not forks:
             return states, indices
-        row_of = {state.req_id: i for i, state in enumerate(states)}
+        row_of = {state.seq_id: i for i, state in enumerate(states)}
         extra = []
         for fork in forks:
             parent = self.batch.states[fork.parent_id]
@@ -265,14 +265,14 @@ class Executor:
             if not fork.sample:
                 parent = self.batch.states[fork.parent_id]
                 self.batch.fork(fork.parent_id, fork.child_id, parent.params)
-        for req_id in step.finished_req_ids:
-            self.batch.remove(req_id)
+        for seq_id in step.finished_seq_ids:
+            self.batch.remove(seq_id)
         for new in step.new_requests:
             self.batch.add(new)
         for cached in step.cached_requests:
             self.batch.update(cached)
             for token_id in cached.new_token_ids:
-                self.batch.append_token(self.batch.states[cached.req_id], token_id)
+                self.batch.append_token(self.batch.states[cached.seq_id], token_id)
 
     def _sampling_batch(self, states) -> SamplingBatch:
         return SamplingBatch.build(
@@ -296,7 +296,7 @@ class Executor:
             self.batch.append_token(state, token_id)
         return StepOutput(
             step_id=step_id,
-            req_ids=[s.req_id for s in states],
+            seq_ids=[s.seq_id for s in states],
             sampled_token_ids=token_ids,
             logprobs=_logprobs(sampled, states),
         )

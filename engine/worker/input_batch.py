@@ -18,7 +18,7 @@ from schemas.sampling import SamplingParams
 
 @dataclass
 class RequestState:
-    req_id: str
+    seq_id: str
     row: int
     num_prompt_tokens: int
     num_tokens: int
@@ -50,14 +50,14 @@ class InputBatch:
         self.states: dict[str, RequestState] = {}
 
     def add(self, new: NewRequest) -> RequestState:
-        assert new.req_id not in self.states, f"{new.req_id} added twice"
+        assert new.seq_id not in self.states, f"{new.seq_id} added twice"
         assert self.free_rows, "more live requests than max_num_seqs"
         row = self.free_rows.pop()
         num_tokens = len(new.token_ids)
         self.token_ids[row, :num_tokens] = new.token_ids
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         state = RequestState(
-            req_id=new.req_id,
+            seq_id=new.seq_id,
             row=row,
             num_prompt_tokens=new.num_prompt_tokens,
             num_tokens=num_tokens,
@@ -66,13 +66,13 @@ class InputBatch:
             params=new.sampling_params,
             output_token_ids=list(new.token_ids[new.num_prompt_tokens :]),
         )
-        self.states[new.req_id] = state
+        self.states[new.seq_id] = state
         return state
 
     def update(self, cached: CachedRequest) -> None:
-        state = self.states[cached.req_id]
+        state = self.states[cached.seq_id]
         assert state.num_computed_tokens == cached.num_computed_tokens, (
-            f"{cached.req_id}: executor computed {state.num_computed_tokens} tokens, "
+            f"{cached.seq_id}: executor computed {state.num_computed_tokens} tokens, "
             f"scheduler says {cached.num_computed_tokens}"
         )
         end = cached.replace_from + len(cached.new_block_ids)
@@ -95,7 +95,7 @@ class InputBatch:
         ]
         child = dataclasses.replace(
             parent,
-            req_id=child_id,
+            seq_id=child_id,
             row=row,
             params=params,
             output_token_ids=list(parent.output_token_ids),
@@ -103,8 +103,8 @@ class InputBatch:
         self.states[child_id] = child
         return child
 
-    def remove(self, req_id: str) -> None:
-        state = self.states.pop(req_id, None)
+    def remove(self, seq_id: str) -> None:
+        state = self.states.pop(seq_id, None)
         if state is not None:
             self.free_rows.append(state.row)
 
@@ -123,7 +123,7 @@ class InputBatch:
 
     def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
         """Gather the flat batch of this step's tokens from the persistent tables."""
-        states = [self.states[req_id] for req_id in num_scheduled]
+        states = [self.states[seq_id] for seq_id in num_scheduled]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(states))
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))

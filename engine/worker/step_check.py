@@ -66,7 +66,7 @@ class StepCheck:
         for fork in step.forks:
             if not fork.sample:
                 shadow.fork(fork.parent_id, fork.child_id)
-        for seq_id in step.finished_req_ids:
+        for seq_id in step.finished_seq_ids:
             shadow.remove(seq_id)
         for new in step.new_requests:
             self._check_new(new, shadow)
@@ -96,16 +96,16 @@ class StepCheck:
 
     def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:
         cap, num_tokens = self.capacity, len(new.token_ids)
-        name = f"new request {new.req_id!r}"
+        name = f"new request {new.seq_id!r}"
         _require(1 <= num_tokens <= cap.max_model_len, f"{name}: {num_tokens} tokens")
         _require(0 <= new.num_prompt_tokens <= num_tokens, f"{name}: num_prompt_tokens")
         _require(0 <= new.num_computed_tokens <= num_tokens, f"{name}: num_computed_tokens")
         _require(len(new.block_ids) <= cap.max_blocks_per_seq, f"{name}: too many blocks")
-        shadow.add(new.req_id, _Row(num_tokens, new.num_computed_tokens, len(new.block_ids)))
+        shadow.add(new.seq_id, _Row(num_tokens, new.num_computed_tokens, len(new.block_ids)))
 
     def _check_cached(self, cached: CachedRequest, shadow: "_Shadow") -> None:
-        row, cap = shadow.get(cached.req_id), self.capacity
-        name = f"cached request {cached.req_id!r}"
+        row, cap = shadow.get(cached.seq_id), self.capacity
+        name = f"cached request {cached.seq_id!r}"
         _require(
             cached.num_computed_tokens == row.num_computed_tokens,
             f"{name}: {cached.num_computed_tokens} computed tokens, the executor has "
@@ -117,7 +117,7 @@ class StepCheck:
         num_tokens = row.num_tokens + len(cached.new_token_ids)
         _require(num_tokens <= cap.max_model_len, f"{name}: more than max_model_len tokens")
         shadow.put(
-            cached.req_id, _Row(num_tokens, row.num_computed_tokens, max(row.num_blocks, end))
+            cached.seq_id, _Row(num_tokens, row.num_computed_tokens, max(row.num_blocks, end))
         )
 
     def _check_scheduled(self, num_scheduled: dict[str, int], shadow: "_Shadow") -> set[str]:

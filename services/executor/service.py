@@ -178,7 +178,7 @@ class ExecutorService:
         # undecodable: no step id to answer; the scheduler's step timeout covers such a loss
         message = unpack(_decoder, msg.data, msg.subject)
         if isinstance(message, StepPiece):
-            self._pieces.add(message.req_id, message.token_ids)
+            self._pieces.add(message.seq_id, message.token_ids)
         elif isinstance(message, RunStep):
             async with self._lock:
                 await self._run_step(message.step)
@@ -216,7 +216,7 @@ class ExecutorService:
         if not self._pieces:
             return step
         new_requests = [
-            msgspec.structs.replace(new, token_ids=self._pieces.take(new.req_id) + new.token_ids)
+            msgspec.structs.replace(new, token_ids=self._pieces.take(new.seq_id) + new.token_ids)
             for new in step.new_requests
         ]
         self._pieces.clear()  # pieces of no request in this step: stray, never used

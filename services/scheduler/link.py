@@ -66,7 +66,7 @@ class ExecutorLink:
             room -= len(tail)
             for piece in pieces:
                 await self.nc.publish(
-                    self.subjects.executor_steps, pack(StepPiece(new.req_id, piece))
+                    self.subjects.executor_steps, pack(StepPiece(new.seq_id, piece))
                 )
             new_requests.append(msgspec.structs.replace(new, token_ids=tail))
         return msgspec.structs.replace(step, new_requests=new_requests)

@@ -183,7 +183,7 @@ class SchedulerService:
             message = "no executor is attached (it stopped or restarted); retry soon"
             return ErrorInfo("executor_unavailable", message)
         request = Request(
-            request_id=add.request_id,
+            seq_id=add.request_id,
             prompt_token_ids=token_ids,
             sampling_params=add.sampling_params,
             eos_token_ids=tuple(self.executor.eos_token_ids),

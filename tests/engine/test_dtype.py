@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.memory import resolve_dtype
 from engine import memory
+from engine.memory import resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -30,9 +30,9 @@ def run_step(scheduler, token=7):
     """Schedule a step and answer it as an executor would: a token for each caught-up row."""
     step = scheduler.schedule()
     sampled = [  # caught up: schedule() gave them a placeholder for the coming token
-        req_id
-        for req_id in step.num_scheduled_tokens
-        if scheduler.requests[req_id].num_output_placeholders
+        seq_id
+        for seq_id in step.num_scheduled_tokens
+        if scheduler.seqs[seq_id].num_output_placeholders
     ] + [fork.child_id for fork in step.forks]
     output = StepOutput(step.step_id, sampled, [token] * len(sampled))
     scheduler.update_from_output(step, output)
@@ -46,11 +46,11 @@ def test_budget_chunks_prefill_and_runs_decode_first():
     b = add(scheduler, "b", 9)
     step = run_step(scheduler)
     assert step.num_scheduled_tokens == {"a": 5, "b": 1}  # b's prefill starts with 1 token
-    assert [r.req_id for r in step.new_requests] == ["a", "b"]
+    assert [r.seq_id for r in step.new_requests] == ["a", "b"]
     assert a.output_token_ids == [7] and b.output_token_ids == []
     step = run_step(scheduler)
     assert step.num_scheduled_tokens == {"a": 1, "b": 5}  # running decode first, then chunk
-    assert [c.req_id for c in step.cached_requests] == ["a", "b"]
+    assert [c.seq_id for c in step.cached_requests] == ["a", "b"]
     step = run_step(scheduler)
     assert step.num_scheduled_tokens == {"a": 1, "b": 3}
     assert b.output_token_ids == [7]
@@ -66,12 +66,12 @@ def test_preempts_newest_and_resumes_it_first():
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert step.num_scheduled_tokens == {"a": 1}
     assert scheduler.stats.num_preemptions == 1
-    assert step.finished_req_ids == ["b"]  # in the same step: the executor drops b's row
+    assert step.finished_seq_ids == ["b"]  # in the same step: the executor drops b's row
     while a.status is RequestStatus.RUNNING:
         run_step(scheduler)
     assert a.status is RequestStatus.FINISHED_LENGTH
     step = run_step(scheduler)
-    assert [r.req_id for r in step.new_requests] == ["b"]
+    assert [r.seq_id for r in step.new_requests] == ["b"]
     assert step.new_requests[0].token_ids == b.all_token_ids[:-1]  # prompt and 1 output
 
 
@@ -101,7 +101,7 @@ def test_finish_abort_and_max_num_seqs():
     assert set(step.num_scheduled_tokens) == {"a", "b"}  # c waits for a seat
     assert scheduler.abort("a")
     step = run_step(scheduler)
-    assert step.finished_req_ids == ["a"]
+    assert step.finished_seq_ids == ["a"]
     assert set(step.num_scheduled_tokens) == {"b", "c"}
     assert c.status is RequestStatus.RUNNING
     assert not scheduler.abort("a")

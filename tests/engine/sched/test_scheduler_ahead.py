@@ -31,34 +31,34 @@ class RowBook:
         self.eos_after = eos_after or {}  # request id -> sample EOS once it holds this many
 
     def answer(self, step: ScheduledStep) -> StepOutput:
-        for req_id in step.finished_req_ids:
-            self.tokens.pop(req_id, None)
+        for seq_id in step.finished_seq_ids:
+            self.tokens.pop(seq_id, None)
         for new in step.new_requests:
-            assert new.req_id not in self.tokens, f"{new.req_id} added twice"
-            self.tokens[new.req_id] = list(new.token_ids)
-            self.computed[new.req_id] = new.num_computed_tokens
+            assert new.seq_id not in self.tokens, f"{new.seq_id} added twice"
+            self.tokens[new.seq_id] = list(new.token_ids)
+            self.computed[new.seq_id] = new.num_computed_tokens
         for cached in step.cached_requests:
-            assert self.computed[cached.req_id] == cached.num_computed_tokens, cached.req_id
-            self.tokens[cached.req_id] += cached.new_token_ids
+            assert self.computed[cached.seq_id] == cached.num_computed_tokens, cached.seq_id
+            self.tokens[cached.seq_id] += cached.new_token_ids
         sampled = []
-        for req_id, num in step.num_scheduled_tokens.items():
-            self.computed[req_id] += num
-            if self.computed[req_id] == len(self.tokens[req_id]):
-                sampled.append(req_id)
+        for seq_id, num in step.num_scheduled_tokens.items():
+            self.computed[seq_id] += num
+            if self.computed[seq_id] == len(self.tokens[seq_id]):
+                sampled.append(seq_id)
         for fork in step.forks:  # copies the parent before the parent's token is appended
             self.tokens[fork.child_id] = list(self.tokens[fork.parent_id])
             self.computed[fork.child_id] = self.computed[fork.parent_id]
             sampled.append(fork.child_id)
-        token_ids = [self._token(req_id) for req_id in sampled]
-        for req_id, token_id in zip(sampled, token_ids):
-            self.tokens[req_id].append(token_id)
+        token_ids = [self._token(seq_id) for seq_id in sampled]
+        for seq_id, token_id in zip(sampled, token_ids):
+            self.tokens[seq_id].append(token_id)
         return StepOutput(step.step_id, sampled, token_ids)
 
-    def _token(self, req_id: str) -> int:
-        tokens = self.tokens[req_id]
-        if len(tokens) == self.eos_after.get(req_id):
+    def _token(self, seq_id: str) -> int:
+        tokens = self.tokens[seq_id]
+        if len(tokens) == self.eos_after.get(seq_id):
             return EOS
-        return 3 + zlib.crc32(f"{req_id}:{tokens}".encode()) % 97
+        return 3 + zlib.crc32(f"{seq_id}:{tokens}".encode()) % 97
 
 
 def make_scheduler(num_blocks: int, budget: int = 32, mode: str = "auto", cpu: int = 0):
@@ -128,10 +128,10 @@ def workload(scheduler: Scheduler, seed: int) -> dict[str, Request]:
 
 def outputs(scheduler: Scheduler, requests: dict[str, Request]) -> dict[str, list[int]]:
     return {rid: r.output_token_ids for rid, r in requests.items()} | {
-        r.request_id: r.output_token_ids
+        r.seq_id: r.output_token_ids
         for group in scheduler.groups.values()
         for r in group
-        if r.request_id not in requests
+        if r.seq_id not in requests
     }
 
 
@@ -146,7 +146,7 @@ def test_a_step_ahead_gives_the_same_tokens_under_preemption(mode, cpu, seed):
         original_add = scheduler.add_forked
 
         def add_forked(parent, child, children=children, original_add=original_add):
-            children[child.request_id] = child
+            children[child.seq_id] = child
             original_add(parent, child)
 
         scheduler.add_forked = add_forked
@@ -176,7 +176,7 @@ def test_the_next_step_is_planned_before_the_output():
         scheduler.update_from_output(step, book.answer(step))
     assert a.status is RequestStatus.FINISHED_LENGTH and a.num_output_placeholders == 0
     assert a.output_token_ids == book.tokens["a"][5:]
-    assert scheduler.schedule().finished_req_ids == ["a"]
+    assert scheduler.schedule().finished_seq_ids == ["a"]
     scheduler.check_invariants()
     assert scheduler.block_manager.num_free_blocks == 8
 
@@ -194,7 +194,7 @@ def test_a_stop_token_costs_one_step_whose_token_is_dropped():
     assert scheduler.block_manager.num_free_blocks == 8  # freed while step 3 is in flight
     scheduler.update_from_output(steps[2], book.answer(steps[2]))
     assert a.num_output_tokens == 2  # the extra token was dropped
-    assert scheduler.schedule().finished_req_ids == ["a"]
+    assert scheduler.schedule().finished_seq_ids == ["a"]
     scheduler.check_invariants()
 
 
@@ -205,7 +205,7 @@ def test_a_request_preempted_with_a_token_in_flight_keeps_it():
     book = RowBook()
     first = scheduler.schedule()  # both prefill: the cache is full
     second = scheduler.schedule()  # a's decode needs a block: b, newest, is preempted
-    assert b.status is RequestStatus.PREEMPTED and second.finished_req_ids == ["b"]
+    assert b.status is RequestStatus.PREEMPTED and second.finished_seq_ids == ["b"]
     assert b.num_output_placeholders == 1  # its first token is still being sampled
     third = scheduler.schedule()  # b must not resume before its token arrives
     assert "b" not in third.num_scheduled_tokens

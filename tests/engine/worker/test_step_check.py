@@ -84,7 +84,7 @@ def test_bad_steps_are_refused_whole_and_the_request_goes_on(llm):
     # the undisturbed continuation: the next token is the reference's second
     second = executor.execute(_decode(2, 10, new_block_ids=[], replace_from=0))
     assert second.sampled_token_ids == reference[1:2]
-    executor.execute(ScheduledStep(3, finished_req_ids=["a"]))
+    executor.execute(ScheduledStep(3, finished_seq_ids=["a"]))
     assert not executor.batch.states and len(executor.batch.free_rows) == 4
 
 
