@@ -32,7 +32,8 @@ def ready_banner(
     if settings.nats_identity is not None:
         lines.append(
             "  auth:     on; clients on this host use the default identity by themselves; "
-            "`kvpager credentials add NAME` issues another"
+            "`kvpager credentials add NAME` issues another (nats CLI: --user default "
+            "--password <identities/default.json's> --inbox-prefix _INBOX_default)"
         )
     elif settings.has_nats_auth:
         lines.append("  clients need the same NATS credentials (KVPAGER_NATS_* or --nats-* flags)")
