@@ -121,8 +121,8 @@ class Client:
         request_id: str | None,
         abort_token: str | None,
     ) -> AsyncIterator[GenerateEvent]:
-        if request_id is not None and abort_token is not None:
-            self._abort_tokens[request_id] = abort_token
+        if request_id is not None and abort_token is not None:  # the first of an id keeps it
+            self._abort_tokens.setdefault(request_id, abort_token)
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         reconnects = self.nc.stats["reconnects"]
@@ -141,21 +141,23 @@ class Client:
                     raise StreamGapError(f"{event.request_id}: seq {event.seq}, expected {seq}")
                 request_id = request_id or event.request_id  # raw requests: learnt here
                 if event.abort_token is not None:  # a request sent without one
-                    abort_token = self._abort_tokens[request_id] = event.abort_token
+                    abort_token = event.abort_token
+                    self._abort_tokens.setdefault(request_id, abort_token)
                 seq, num_tokens = seq + 1, num_tokens + len(event.token_ids)
                 finished = event.is_final
                 yield event
         finally:
-            await self._close_stream(sub, request_id if lost or not finished else None)
-            if request_id is not None and self._abort_tokens.get(request_id) == abort_token:
+            abort_id = request_id if lost or not finished else None
+            await self._close_stream(sub, abort_id, abort_token)
+            if abort_token is not None and self._abort_tokens.get(request_id) == abort_token:
                 del self._abort_tokens[request_id]
 
-    async def _close_stream(self, sub, abort_id: str | None) -> None:
+    async def _close_stream(self, sub, abort_id: str | None, abort_token: str | None) -> None:
         if self.nc.is_closed:
             return
         await sub.unsubscribe()
         if abort_id is not None:  # while reconnecting, the abort waits in nats-py's buffer
-            await self.abort(abort_id)
+            await self.abort(abort_id, abort_token)
 
     async def _next_event(self, sub, reconnects: int) -> GenerateEvent | None:
         """The next event; None when it may never come (connection dropped, stream silent)."""
