@@ -25,7 +25,7 @@ from benchmarks.kvpager_offline import build_llm, drive, warm_up
 from benchmarks.machine import CpuWatch, wait_for_quiet
 from benchmarks.metrics import EngineResult
 from benchmarks.workloads import Workload
-from engine.block_manager import BlockManager, CachedBlock
+from engine.kv.block_manager import BlockManager, CachedBlock
 from engine.request import Request
 
 
@@ -37,7 +37,7 @@ class ContiguousBlockManager(BlockManager):
         self.reserve = reserve
 
     def _with_reservation(self, request: Request, num_new_tokens: int, hits) -> int:
-        if request.request_id in self.block_tables:
+        if request.seq_id in self.block_tables:
             return num_new_tokens  # reserved at admission already
         held = request.num_computed_tokens + len(hits) * self.block_size
         return max(num_new_tokens, self.reserve(request) - held)

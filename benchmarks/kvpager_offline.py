@@ -16,9 +16,9 @@ from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
-from engine.output_processor import SampleOutput
+from engine.frontend.output_processor import SampleOutput
 from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 from schemas.executor import ScheduledStep
 from schemas.tokenizer import SampleDelta
 
@@ -78,7 +78,7 @@ class KvUsage:
         filled: dict[int, int] = {}  # block id -> slots holding K/V after this step
         for request in scheduler.running:
             num_tokens = request.num_computed_tokens  # schedule() counted this step's already
-            for block_idx, block_id in enumerate(manager.get_block_table(request.request_id)):
+            for block_idx, block_id in enumerate(manager.get_block_table(request.seq_id)):
                 num_slots = min(block_size, num_tokens - block_idx * block_size)
                 if num_slots <= 0:
                     break
@@ -130,12 +130,12 @@ class _Stamps:
     """Token times per sample, and each request's finish time, from the core's deltas."""
 
     def __init__(self, llm: LLM, workload: Workload, requests: list[Request]) -> None:
-        self.index_of = {r.group_id: i for i, r in enumerate(requests)}
+        self.index_of = {r.request_id: i for i, r in enumerate(requests)}
         self.sequences = {
             i: [SequenceTimes() for _ in range(b.n)] for i, b in enumerate(workload.requests)
         }
         self.samples = {
-            (r.group_id, k): SampleOutput(llm.tokenizer, r.prompt_token_ids, r.sampling_params)
+            (r.request_id, k): SampleOutput(llm.tokenizer, r.prompt_token_ids, r.sampling_params)
             for r in requests
             for k in range(r.sampling_params.n)
         }
@@ -156,7 +156,7 @@ class _Stamps:
 def _requests(llm: LLM, workload: Workload, engine: str) -> list[Request]:
     return [
         Request(
-            request_id=f"{engine}-{workload.name}-{idx}",
+            seq_id=f"{engine}-{workload.name}-{idx}",
             prompt_token_ids=list(bench.prompt_token_ids),
             sampling_params=sampling_params(bench),
             eos_token_ids=llm.model_config.eos_token_ids,

@@ -1,4 +1,4 @@
-"""Scheduler cost per step with N running requests, no model: `engine.scheduler.Scheduler` fed
+"""Scheduler cost per step with N running requests, no model: `engine.sched.scheduler.Scheduler` fed
 hand-made StepOutputs (a random token for every request whose computed tokens caught up).
 
 Each request has a `prompt_len` prompt and enough `max_tokens` never to finish. The prompts are
@@ -13,19 +13,19 @@ import time
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 from schemas.sampling import SamplingParams
 from schemas.scheduler import StepOutput
 
 
 def _step_output(scheduler: Scheduler, step, rng: random.Random) -> StepOutput:
-    req_ids = [  # a placeholder marks the requests that sample in the step
-        req_id
-        for req_id in step.num_scheduled_tokens
-        if scheduler.requests[req_id].num_output_placeholders
+    seq_ids = [  # a placeholder marks the requests that sample in the step
+        seq_id
+        for seq_id in step.num_scheduled_tokens
+        if scheduler.seqs[seq_id].num_output_placeholders
     ]
-    sampled = [rng.randrange(100, 49_000) for _ in req_ids]
-    return StepOutput(step_id=step.step_id, req_ids=req_ids, sampled_token_ids=sampled)
+    sampled = [rng.randrange(100, 49_000) for _ in seq_ids]
+    return StepOutput(step_id=step.step_id, seq_ids=seq_ids, sampled_token_ids=sampled)
 
 
 def measure(num_running: int, num_steps: int, prompt_len: int = 128, block_size: int = 16):

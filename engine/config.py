@@ -6,27 +6,27 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from schemas.errors import CheckpointError, ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+# dtypes by name, with the bytes of one element: configuration and sizing need no torch (the
+# worker turns a name into a torch.dtype, engine/memory.py)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ConfigError(f"dtype: unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+def dtype_name(dtype: object) -> str:
+    """The canonical name of a dtype given by name ("bf16") or as a torch.dtype."""
+    name = str(dtype).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        choices = sorted([*DTYPE_BYTES, *DTYPE_ALIASES])
+        raise ConfigError(f"dtype: unknown dtype {dtype!r}; choose one of {choices}")
+    return name
+
+
+def dtype_bytes(dtype: object) -> int:
+    return DTYPE_BYTES[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,10 @@ class ModelConfig:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{config_file}: unreadable model config ({exc!r})") from exc
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-        """Bytes of K and V for one token across all layers (on one rank of a group)."""
-        element = torch.tensor([], dtype=dtype).element_size()
+    def kv_bytes_per_token(self, dtype: object, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V for one token across all layers (on one rank of a group); `dtype`
+        by name or as a torch.dtype."""
+        element = dtype_bytes(dtype)
         num_kv_heads = self.kv_heads_per_rank(tensor_parallel_size)
         return 2 * self.num_layers * num_kv_heads * self.head_dim * element
 
@@ -182,6 +183,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap"
     max_waiting: int = 100_000
+    vocab_size: int = 0  # the executor's; 0: token ids are not checked
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -301,9 +303,12 @@ class EngineConfig:
         model_config.check_tensor_parallel(self.tensor_parallel_size)
         return ExecutorConfig(model_path=model_path, **values)
 
-    def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(
+        self, max_num_seqs: int, max_model_len: int, vocab_size: int = 0
+    ) -> SchedulerConfig:
         """Limits for an executor that holds `max_num_seqs` rows of `max_model_len` tokens."""
         return SchedulerConfig(
+            vocab_size=vocab_size,
             max_num_seqs=min(self.max_num_seqs, max_num_seqs),
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,

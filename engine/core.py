@@ -5,7 +5,7 @@
                                    publish the deltas so far            (overlaps the executor)
                                    output of the oldest step -> update_from_output -> deltas
 
-The executor sits behind `StepRunner` (engine/step_runner.py): in-process for the offline
+The executor sits behind `StepRunner`, declared here: in-process for the offline
 `LLM`, over NATS for the scheduler service. Outputs leave as SampleDeltas through `publish`;
 stop strings (found by whoever detokenizes) and aborts come back through `finish_early`.
 """
@@ -13,20 +13,33 @@ stop strings (found by whoever detokenizes) and aborts come back through `finish
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from engine.config import CacheConfig, EngineConfig
-from engine.metrics import EngineMetrics
 from engine.request import Request, RequestStatus
-from engine.sample_deltas import SampleDeltas
-from engine.scheduler import Scheduler
-from engine.stats import build_stats
-from engine.step_runner import StepRunner
+from engine.sched.metrics import EngineMetrics
+from engine.sched.sample_deltas import SampleDeltas
+from engine.sched.scheduler import Scheduler
+from engine.sched.stats import build_stats
+from schemas.errors import ConfigError
 from schemas.executor import ScheduledStep
 from schemas.public import ErrorInfo, Stats
 from schemas.scheduler import ExecutorReady, StepDone
 from schemas.tokenizer import SampleDelta
 
 Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
+
+
+class StepRunner(Protocol):
+    async def submit(self, step: ScheduledStep) -> None:
+        """Send a step on its way; returns before it has run."""
+
+    async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
+        """The step's output; an ErrorInfo if it failed (every request fails with it); None
+        if it was abandoned (`cancel()`, or the executor was lost meanwhile)."""
+
+    def cancel(self) -> None:
+        """Abandon every step submitted and not yet answered."""
 
 
 class EngineCore:
@@ -54,11 +67,11 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a request, or raise a typed error (nothing is queued then)."""
         self.scheduler.add_request(request)
-        self.deltas.track(request.group_id, request.sampling_params.n)
-        self.metrics.added(request.group_id, request.arrival_time)
+        self.deltas.track(request.request_id, request.sampling_params.n)
+        self.metrics.added(request.request_id, request.arrival_time)
 
     def finish_early(
-        self, group_id: str, reason: str, index: int | None = None, stop_string: str | None = None
+        self, request_id: str, reason: str, index: int | None = None, stop_string: str | None = None
     ) -> bool:
         """Abort every sample ("abort"), or stop the one a stop string ended ("stop").
 
@@ -66,31 +79,33 @@ class EngineCore:
         always follows the freeing. False for an unknown id: it has finished, and its last
         delta is on its way.
         """
-        group = list(self.scheduler.groups.get(group_id, ()))
+        group = list(self.scheduler.groups.get(request_id, ()))
         if reason == "stop":
             for request in group:
                 if request.sample_index == index and not request.is_finished:
                     request.stop_reason = stop_string
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
                     self.deltas.add_finals(
-                        group_id, "stop", [index], None, request.num_cached_tokens
+                        request_id, "stop", [index], None, request.num_cached_tokens
                     )
         elif group:
-            self.scheduler.abort(group_id)
-            self.deltas.add_finals(group_id, "abort", num_cached_tokens=group[0].num_cached_tokens)
+            self.scheduler.abort(request_id)
+            self.deltas.add_finals(
+                request_id, "abort", num_cached_tokens=group[0].num_cached_tokens
+            )
         return bool(group)
 
     def fail_all(self, error: ErrorInfo) -> None:
         """Every open request ends with `error`; its blocks are freed."""
-        for group_id in list(self.deltas.open):
-            self.scheduler.abort(group_id)
+        for request_id in list(self.deltas.open):
+            self.scheduler.abort(request_id)
         self.fail_open(error)
 
     def fail_open(self, error: ErrorInfo) -> None:
         """Final error deltas for every open request, without touching the scheduler (after a
         bug in it, it cannot be trusted)."""
-        for group_id in list(self.deltas.open):
-            self.deltas.add_finals(group_id, "error", error=error)
+        for request_id in list(self.deltas.open):
+            self.deltas.add_finals(request_id, "error", error=error)
 
     def stats(self, instance: str) -> Stats:
         return build_stats(instance, self.scheduler, self.metrics)
@@ -99,12 +114,12 @@ class EngineCore:
     def has_work(self) -> bool:
         """Requests to run, finished rows to drop at the executor, or steps in flight."""
         scheduler = self.scheduler
-        return scheduler.has_unfinished or bool(scheduler.finished_req_ids or self._in_flight)
+        return scheduler.has_unfinished or bool(scheduler.finished_seq_ids or self._in_flight)
 
     @property
     def is_spinning(self) -> bool:
         """The last step computed nothing and nothing is in flight: wait before trying again."""
-        return not (self._busy or self._in_flight or self.scheduler.finished_req_ids)
+        return not (self._busy or self._in_flight or self.scheduler.finished_seq_ids)
 
     # --- the step pipeline -------------------------------------------------------------------
 
@@ -143,7 +158,7 @@ class EngineCore:
 
     def _may_plan(self) -> bool:
         scheduler, in_flight = self.scheduler, self._in_flight
-        if not (scheduler.has_unfinished or scheduler.finished_req_ids):
+        if not (scheduler.has_unfinished or scheduler.finished_seq_ids):
             return False
         if not in_flight:
             return True
@@ -151,22 +166,57 @@ class EngineCore:
 
     def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
         output, now = done.output, time.monotonic()
-        updated = self.scheduler.update_from_output(step, output)
-        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+        scheduler = self.scheduler
+        updated = scheduler.update_from_output(step, output)
+        logprobs = dict(zip(output.seq_ids, output.logprobs or ()))
         for request in updated:
-            self.metrics.token(request.group_id, now)
-            self.deltas.add_token(request, logprobs.get(request.request_id))
-        for group_id, beams in self.scheduler.take_beam_results().items():
-            self.deltas.add_beams(group_id, beams)
+            self._for_one(request.request_id, self._add_token, request, logprobs)
+        for request_id, beams in scheduler.take_beam_results().items():
+            self._for_one(request_id, self.deltas.add_beams, request_id, beams)
+        for request_id, error in scheduler.take_failed().items():
+            self.deltas.add_finals(request_id, "error", error=error)
         self._busy = bool(step.num_scheduled_tokens)
         wait_s = done.wait_s if back_to_back else None
         self.metrics.stepped(done.execute_s, wait_s, len(updated), now)
         if self._check:
             self.scheduler.check_invariants()
 
+    def _add_token(self, request: Request, logprobs: dict) -> None:
+        self.metrics.token(request.request_id, time.monotonic())
+        self.deltas.add_token(request, logprobs.get(request.seq_id))
+
+    def _for_one(self, request_id: str, handle: Callable, *args) -> None:
+        """Run one request's part of the output; if it raises, that request alone fails."""
+        if request_id in self.scheduler.failed:
+            return
+        try:
+            handle(*args)
+        except Exception as exc:
+            self.scheduler.fail(request_id, exc)
+
+
+MAX_BLOCKS = 2**24  # an executor announcing more is refused: the block lists would not fit
+
+
+def check_ready(ready: ExecutorReady) -> None:
+    """An executor's announcement comes over the wire: refuse sizes no executor holds."""
+    sizes = {
+        "num_blocks": (ready.num_blocks, 1, MAX_BLOCKS),
+        "num_cpu_blocks": (ready.num_cpu_blocks, 0, MAX_BLOCKS),
+        "block_size": (ready.block_size, 1, 1024),
+        "max_num_seqs": (ready.max_num_seqs, 1, 65536),
+        "max_model_len": (ready.max_model_len, 2, 2**24),
+        "vocab_size": (ready.vocab_size, 1, 2**24),
+        "world_size": (ready.world_size, 1, 1024),
+    }
+    for name, (value, low, high) in sizes.items():
+        if not low <= value <= high:
+            raise ConfigError(f"executor announced {name}={value}, outside [{low}, {high}]")
+
 
 def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
     """A fresh scheduler for what the executor holds (its cache starts empty)."""
+    check_ready(ready)
     cache_config = CacheConfig(
         ready.block_size,
         ready.num_blocks,
@@ -174,4 +224,5 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         ready.num_cpu_blocks,
         swap_is_cheap=ready.kv_on_host,
     )
-    return Scheduler(config.scheduler_config(ready.max_num_seqs, ready.max_model_len), cache_config)
+    limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
+    return Scheduler(limits, cache_config)

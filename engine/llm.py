@@ -19,15 +19,15 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig, ModelConfig
 from engine.core import EngineCore, build_scheduler
 from engine.download import resolve_model
-from engine.event_loop import LoopThread
-from engine.inputs import InputProcessor
+from engine.frontend.event_loop import LoopThread
+from engine.frontend.inputs import InputProcessor
+from engine.frontend.output_processor import SampleOutput
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.logs import ensure_logging
 from engine.memory import resolve_device
-from engine.output_processor import SampleOutput
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
-from engine.step_runner import InProcessExecutor
-from engine.tensor_parallel import build_executor
+from engine.worker.step_runner import InProcessExecutor
+from engine.worker.tensor_parallel import build_executor
 from schemas.errors import InvalidRequestError
 from schemas.sampling import SamplingParams
 from schemas.tokenizer import SampleDelta
@@ -154,7 +154,7 @@ class LLM:
 
     def _track(self, token_ids: list[int], prompt: Prompt, params: SamplingParams) -> _Tracked:
         request = Request(
-            request_id=str(next(self._ids)),
+            seq_id=str(next(self._ids)),
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.model_config.eos_token_ids,
@@ -173,7 +173,7 @@ class LLM:
             self.scheduler.check_request(item.request)
         for item in tracked:
             self.core.add(item.request)
-            self._tracked[item.request.group_id] = item
+            self._tracked[item.request.request_id] = item
         show = use_tqdm and sys.stderr.isatty()
         with tqdm(total=len(tracked), disable=not show, desc="generate") as self._bar:
             self.run_async(self._drive())
@@ -212,8 +212,9 @@ class LLM:
         completion.finish_reason = sample.finish_reason
         completion.stop_reason = sample.stop_reason
         completion.cumulative_score = sample.cumulative_score
+        completion.error = sample.error
         item.output.num_cached_tokens = max(item.output.num_cached_tokens, sample.num_cached_tokens)
         item.num_finished += 1
         if item.num_finished == len(item.samples):
-            del self._tracked[item.request.group_id]
+            del self._tracked[item.request.request_id]
             self._bar.update(1)

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.config import ExecutorConfig, ModelConfig, parse_dtype
+from engine.config import ExecutorConfig, ModelConfig, dtype_name
 from schemas.errors import ConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -16,13 +16,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype by name ("bf16", "float32") or as itself; unknown names are a ConfigError."""
+    return getattr(torch, dtype_name(name))
+
+
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     """'auto' keeps the checkpoint's dtype, except that on a CPU float16 runs in float32, and so
     does bfloat16 without native bf16 matmuls (AVX-512-BF16 / AMX): on an AVX2 machine the
     benchmark measured bf16 at 31.9 output tok/s against 145 for float32."""
     if name != "auto":
-        return parse_dtype(name)
-    dtype = parse_dtype(model_config.checkpoint_dtype)
+        return torch_dtype(name)
+    dtype = torch_dtype(model_config.checkpoint_dtype)
     if device.type == "cpu" and dtype == torch.float16:
         return torch.float32
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():

@@ -30,7 +30,7 @@ class Request:
     its K/V in the cache. Parallel samples and beams are separate Requests sharing blocks.
     """
 
-    request_id: str
+    seq_id: str  # this sample's row: the client's request_id, or "<request_id>#<index>"
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -46,14 +46,15 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    # Parallel samples: every sample of a request shares `group_id` (the parent's id);
-    # `num_pending_forks` samples are forked from the parent when its prompt completes.
-    group_id: str = ""
+    # Parallel samples: every sample of a request shares `request_id` (the client's id, and
+    # the parent's seq_id); `num_pending_forks` samples are forked from the parent when its
+    # prompt completes.
+    request_id: str = ""
     sample_index: int = 0
     num_pending_forks: int = 0
 
     def __post_init__(self) -> None:
-        self.group_id = self.group_id or self.request_id
+        self.request_id = self.request_id or self.seq_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -97,11 +98,11 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def fork(self, request_id: str, **changes) -> "Request":
+    def fork(self, seq_id: str, **changes) -> "Request":
         """A running copy sharing this request's tokens so far (parallel samples, beams)."""
         return dataclasses.replace(
             self,
-            request_id=request_id,
+            seq_id=seq_id,
             output_token_ids=list(self.output_token_ids),
             block_hashes=list(self.block_hashes),
             status=RequestStatus.RUNNING,

@@ -2,32 +2,31 @@
 attention, the cache write, rotary embedding, RMSNorm and the MLP activation, torch twins for
 the rest), or the pure-torch twins alone.
 
-Both sets share signatures (see `kernels.reference`), so the engine holds one `KernelOps` and
+Every set satisfies the contracts of kernels/ops.py, so the engine holds one `KernelOps` and
 never branches on the backend. Triton is imported only when the "triton" set is asked for.
 """
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kernels import ops, reference
 from schemas.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The cache kernels and per-layer ops of one backend, called with the reference
-    signatures (the ops may work in place: callers use what they return)."""
+    """The cache kernels and per-layer ops of one backend, each satisfying its contract in
+    kernels/ops.py (the ops may work in place: callers use what they return)."""
 
-    reshape_and_cache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    copy_blocks: Callable[..., None]
-    swap_blocks: Callable[..., None]
-    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.rotary_ref
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.add_rms_norm_ref
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul_ref
+    reshape_and_cache: ops.ReshapeAndCache
+    paged_attention: ops.PagedAttention
+    copy_blocks: ops.CopyBlocks
+    swap_blocks: ops.SwapBlocks
+    rotary: ops.Rotary = reference.rotary_ref
+    add_rms_norm: ops.AddRmsNorm = reference.add_rms_norm_ref
+    silu_and_mul: ops.SiluAndMul = reference.silu_and_mul_ref
 
 
 def _torch_ops() -> KernelOps:

@@ -70,3 +70,10 @@ class ExecutorUnavailableError(KvpagerError):
     """The executor cannot run steps any more (e.g. a tensor-parallel rank died or hung)."""
 
     type = "executor_unavailable"
+
+
+class InvalidStepError(KvpagerError):
+    """A step names ids or counts outside what the executor holds, or out of order: it is
+    refused whole, and the executor's state stays as it was."""
+
+    type = "invalid_step"

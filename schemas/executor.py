@@ -13,7 +13,7 @@ from schemas.sampling import SamplingParams
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request new to the executor: first scheduled, or resumed after preemption."""
 
-    req_id: str
+    seq_id: str
     token_ids: list[int]  # prompt, plus outputs so far when resumed
     num_prompt_tokens: int
     sampling_params: SamplingParams  # `seed` already offset per parallel sample
@@ -24,7 +24,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A running request's change since the last step."""
 
-    req_id: str
+    seq_id: str
     num_computed_tokens: int
     new_block_ids: list[int] = []
     new_token_ids: list[int] = []  # tokens the scheduler chose (beam search), to append
@@ -54,7 +54,7 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     new_requests: list[NewRequest] = []
     cached_requests: list[CachedRequest] = []
     num_scheduled_tokens: dict[str, int] = {}  # every request running this step, in order
-    finished_req_ids: list[str] = []  # finished, aborted or preempted: drop their state
+    finished_seq_ids: list[str] = []  # finished, aborted or preempted: drop their state
     blocks_to_copy: list[tuple[int, int]] = []  # (src, dst), before the forward pass
     blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
@@ -73,7 +73,7 @@ class StepPiece(msgspec.Struct, tag="piece", array_like=True):
     """Leading token ids of one of the next step's NewRequests, sent ahead to keep messages
     small; the NewRequest's own `token_ids` are the rest."""
 
-    req_id: str
+    seq_id: str
     token_ids: list[int]
 
 

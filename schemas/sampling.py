@@ -68,6 +68,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        # vLLM bounds it nowhere; past +-10, length ** length_penalty overflows a float at
+        # lengths a context can hold, and no useful search needs more
+        _check(-10.0 <= self.length_penalty <= 10.0, "length_penalty", "must be in [-10, 10]")
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")

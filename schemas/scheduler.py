@@ -15,9 +15,9 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Sampled tokens of the requests whose computed tokens caught up this step."""
 
     step_id: int
-    req_ids: list[str] = []
+    seq_ids: list[str] = []
     sampled_token_ids: list[int] = []
-    logprobs: list[TokenLogprobs] | None = None  # aligned with req_ids when any asked
+    logprobs: list[TokenLogprobs] | None = None  # aligned with seq_ids when any asked
     # Beam search: per beam, its best next tokens as (token id, log-prob), best first.
     beam_candidates: dict[str, list[tuple[int, float]]] = {}
 

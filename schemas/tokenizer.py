@@ -47,7 +47,7 @@ class TokenBatch(msgspec.Struct, array_like=True):
 
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True):
-    """A full block now cached under its chained hash (engine/block_hash.py)."""
+    """A full block now cached under its chained hash (engine/kv/block_hash.py)."""
 
     block_hash: bytes
     parent_hash: bytes | None  # None: the first block of a prompt

@@ -189,12 +189,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:
-    from engine.config import ModelConfig, parse_dtype
-    from engine.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
+    from engine.config import ModelConfig, dtype_name
+    from engine.kv.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
 
     config = ModelConfig.from_path(args.model)
-    dtype = parse_dtype(args.dtype or config.checkpoint_dtype)
-    weight_dtype = parse_dtype(config.checkpoint_dtype)
+    dtype = dtype_name(args.dtype or config.checkpoint_dtype)
+    weight_dtype = dtype_name(config.checkpoint_dtype)
     size, gpus = _kv_size_ranks(args, config)
     budget = int(args.budget_gib * 1024**3)
     if gpus:
@@ -230,7 +230,7 @@ def _kv_size_ranks(args: argparse.Namespace, config) -> tuple[int, int]:
 
 
 def _add_kv_size_parser(sub) -> dict[str, Callable]:
-    from engine.kv_size import parse_bytes
+    from engine.kv.kv_size import parse_bytes
 
     parser = sub.add_parser("kv-size", help="KV-cache bytes and sequences per memory budget")
     parser.add_argument("model", help="checkpoint folder or config.json")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.routing import ROUTERS, RouterConfig
+from engine.router.routing import ROUTERS, RouterConfig
 from schemas.errors import ConfigError
 
 ENV_PREFIX = "KVPAGER_"

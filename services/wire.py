@@ -3,6 +3,9 @@
 from typing import Any
 
 import msgspec
+import structlog
+
+log = structlog.get_logger(__name__)
 
 MSGPACK_HEADERS = {"Content-Type": "application/msgpack"}
 
@@ -20,3 +23,14 @@ def encode_public(message: Any, msgpack: bool) -> tuple[bytes, dict[str, str] | 
     if msgpack:
         return _msgpack.encode(message), MSGPACK_HEADERS
     return _json.encode(message), None
+
+
+def unpack(decoder: msgspec.msgpack.Decoder, data: bytes, subject: str) -> Any | None:
+    """An internal message, or None (logged) when it does not decode or validate: nothing on
+    the wire is trusted, internal subjects included, and one bad message must not end the
+    callback that reads them all."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        log.error("undecodable message: dropped", subject=subject, error=str(exc)[:200])
+        return None

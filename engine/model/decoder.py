@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig
+from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import make_linear
 from engine.model.rope import cos_sin_table
 from engine.model.sharding import Shard

@@ -51,8 +51,7 @@ class Ranks:
         """Send `message` to every rank, then run the body (rank 0's part) with no keepalive
         in between; any failure loses the group."""
         with self._lock:
-            if self.lost is not None:
-                raise ExecutorUnavailableError(f"a tensor-parallel rank was lost: {self.lost}")
+            self.check_alive()
             try:
                 self.group.send(message)
                 yield
@@ -61,6 +60,10 @@ class Ranks:
                 raise ExecutorUnavailableError(f"a tensor-parallel rank was lost: {exc}") from exc
             finally:
                 self._last_sent = time.monotonic()
+
+    def check_alive(self) -> None:
+        if self.lost is not None:
+            raise ExecutorUnavailableError(f"a tensor-parallel rank was lost: {self.lost}")
 
     def close(self) -> None:
         """Tell the ranks to exit, reap the ones started here, leave the group."""

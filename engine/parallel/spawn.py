@@ -18,7 +18,7 @@ import torch
 from schemas.errors import ConfigError
 
 PR_SET_PDEATHSIG = 1
-WORKER_MODULE = "engine.tensor_parallel"
+WORKER_MODULE = "engine.worker.tensor_parallel"
 ROOT = Path(__file__).resolve().parents[2]  # the folder `engine` is in: the ranks import it
 
 

@@ -5,8 +5,8 @@ With `--tensor-parallel-size N` it is rank 0 and starts ranks 1..N-1 itself; sta
 """
 
 from engine.memory import resolve_device
-from engine.step_runner import InProcessExecutor
-from engine.tensor_parallel import run_rank, torchrun_rank
+from engine.worker.step_runner import InProcessExecutor
+from engine.worker.tensor_parallel import run_rank, torchrun_rank
 from services.executor.service import ExecutorService, load_executor
 from services.runtime import run_service, setup_logging
 from services.settings import Settings

@@ -1,4 +1,4 @@
-"""Executor service: engine.executor.Executor fed ScheduledSteps over NATS.
+"""Executor service: engine.worker.executor.Executor fed ScheduledSteps over NATS.
 
 It announces its capacity until a scheduler answers, then runs each step it receives, in
 order, and returns the sampled tokens with its own timings. All tensors stay here; the steps
@@ -22,18 +22,19 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.config import EngineConfig, ModelConfig
-from engine.executor import Executor
-from engine.step_runner import InProcessExecutor
-from engine.tensor_parallel import build_executor
-from schemas.errors import ExecutorUnavailableError
+from engine.worker.executor import Executor
+from engine.worker.step_runner import InProcessExecutor
+from engine.worker.tensor_parallel import build_executor
+from schemas.errors import ExecutorUnavailableError, InvalidStepError
 from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
 from schemas.scheduler import ExecutorReady, SchedulerInfo, StepFailed
 from services.connection import flush_sent
 from services.discovery import Discovery
 from services.liveness import PeerGone, Reconnects, ping, repeat
+from services.pieces import Pieces
 from services.settings import Settings
 from services.subjects import Subjects
-from services.wire import pack
+from services.wire import pack, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +66,8 @@ class ExecutorService:
         self.executor_id = uuid.uuid4().hex[:12]
         self.scheduler_id: str | None = None  # attached to it
         self._attaching = False
-        self._pieces: dict[str, list[int]] = {}
+        config = self.executor.config  # pieces of more than one step's rows are refused
+        self._pieces = Pieces(settings.step_timeout, config.max_num_seqs * config.max_model_len)
         self._last_step_id: int | None = None
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
@@ -173,25 +175,34 @@ class ExecutorService:
         if self.scheduler_id is None and not self._attaching:
             log.warning("step from a scheduler this executor is not attached to: dropped")
             return
-        message = _decoder.decode(msg.data)
+        # undecodable: no step id to answer; the scheduler's step timeout covers such a loss
+        message = unpack(_decoder, msg.data, msg.subject)
         if isinstance(message, StepPiece):
-            self._pieces.setdefault(message.req_id, []).extend(message.token_ids)
+            self._pieces.add(message.seq_id, message.token_ids)
         elif isinstance(message, RunStep):
             async with self._lock:
                 await self._run_step(message.step)
 
     async def _run_step(self, step: ScheduledStep) -> None:
+        """Steps run in order: an out-of-order one is refused and the order kept, so one stray
+        or replayed step cannot move the executor's count."""
         expected = None if self._last_step_id is None else self._last_step_id + 1
-        self._last_step_id = step.step_id
         if expected is not None and step.step_id != expected:
-            await self._fail(step.step_id, f"got step {step.step_id}, expected {expected}")
+            self._pieces.clear()
+            await self._fail(
+                step.step_id, f"got step {step.step_id}, expected {expected}", "invalid_step"
+            )
             return
+        self._last_step_id = step.step_id
         step = self._with_pieces(step)
         try:
             done = await self.runner.run(step)
         except ExecutorUnavailableError as exc:  # its requests fail now, then we go
             await self._fail(step.step_id, str(exc), exc.type)
             await self._exit_lost(str(exc))
+            return
+        except InvalidStepError as exc:  # refused whole: nothing of it was applied
+            await self._fail(step.step_id, str(exc), exc.type)
             return
         except Exception as exc:  # a bug: answer so the scheduler fails the requests, not hangs
             log.exception("step failed", step_id=step.step_id)
@@ -205,11 +216,10 @@ class ExecutorService:
         if not self._pieces:
             return step
         new_requests = [
-            msgspec.structs.replace(new, token_ids=self._pieces.pop(new.req_id) + new.token_ids)
-            if new.req_id in self._pieces
-            else new
+            msgspec.structs.replace(new, token_ids=self._pieces.take(new.seq_id) + new.token_ids)
             for new in step.new_requests
         ]
+        self._pieces.clear()  # pieces of no request in this step: stray, never used
         return msgspec.structs.replace(step, new_requests=new_requests)
 
     async def _fail(self, step_id: int, message: str, error_type: str = "internal_error") -> None:

@@ -1,6 +1,6 @@
 """The scheduler's end of the step exchange: steps out, exactly one answer back for each.
 
-The engine core's StepRunner over NATS (engine/step_runner.py has the in-process one).
+The engine core's StepRunner over NATS (engine/worker/step_runner.py has the in-process one).
 """
 
 import asyncio
@@ -14,8 +14,9 @@ from nats.aio.msg import Msg
 from schemas.executor import RunStep, ScheduledStep, StepPiece
 from schemas.public import ErrorInfo
 from schemas.scheduler import ExecutorMessage, StepDone, StepFailed
+from services.pieces import split
 from services.subjects import Subjects
-from services.wire import pack
+from services.wire import pack, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -50,17 +51,25 @@ class ExecutorLink:
         await self.nc.subscribe(self.subjects.scheduler_outputs, cb=self._on_output)
 
     async def submit(self, step: ScheduledStep) -> None:
-        size, subject = self.piece_tokens, self.subjects.executor_steps
-        if sum(len(new.token_ids) for new in step.new_requests) > size:
-            new_requests = []
-            for new in step.new_requests:
-                for start in range(0, len(new.token_ids), size):
-                    piece = StepPiece(new.req_id, new.token_ids[start : start + size])
-                    await self.nc.publish(subject, pack(piece))
-                new_requests.append(msgspec.structs.replace(new, token_ids=[]))
-            step = msgspec.structs.replace(step, new_requests=new_requests)
+        subject = self.subjects.executor_steps
+        if sum(len(new.token_ids) for new in step.new_requests) > self.piece_tokens:
+            step = await self._send_pieces(step)
         self._pending[step.step_id] = asyncio.get_running_loop().create_future()
         await self.nc.publish(subject, pack(RunStep(step)))
+
+    async def _send_pieces(self, step: ScheduledStep) -> ScheduledStep:
+        """The step's long token lists ahead in StepPieces; the RunStep keeps at most
+        `piece_tokens` ids in all (services/pieces.py has the rule, shared with tokenizers)."""
+        room, new_requests = self.piece_tokens, []
+        for new in step.new_requests:
+            pieces, tail = split(new.token_ids, self.piece_tokens, keep=room)
+            room -= len(tail)
+            for piece in pieces:
+                await self.nc.publish(
+                    self.subjects.executor_steps, pack(StepPiece(new.seq_id, piece))
+                )
+            new_requests.append(msgspec.structs.replace(new, token_ids=tail))
+        return msgspec.structs.replace(step, new_requests=new_requests)
 
     async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
         """The executor's answer to a sent step: its output, an ErrorInfo if it failed, None
@@ -92,7 +101,9 @@ class ExecutorLink:
         self._pending.clear()
 
     async def _on_output(self, msg: Msg) -> None:
-        message = _decoder.decode(msg.data)
+        message = unpack(_decoder, msg.data, msg.subject)
+        if message is None:
+            return  # the step it answered times out
         step_id = message.output.step_id if isinstance(message, StepDone) else message.step_id
         pending = self._pending.get(step_id)
         if pending is None or pending.done():

@@ -20,9 +20,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, build_scheduler
+from engine.core import EngineCore, build_scheduler, check_ready
 from engine.request import Request
-from schemas.errors import KvpagerError
+from schemas.errors import ConfigError, KvpagerError
 from schemas.executor import Attached
 from schemas.public import ErrorInfo
 from schemas.scheduler import (
@@ -35,19 +35,21 @@ from schemas.scheduler import (
 from schemas.tokenizer import AddResult, SampleDelta
 from services.discovery import Discovery
 from services.liveness import repeat
+from services.pieces import Pieces
 from services.scheduler.attach import scheduler_info
 from services.scheduler.kv_events import KvEventPublisher, instance_load
 from services.scheduler.link import ExecutorLink
 from services.scheduler.outbox import Outbox
-from services.scheduler.pieces import PromptPieces
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
 from services.subjects import Subjects, is_inbox
-from services.wire import encode_public, pack
+from services.wire import encode_public, pack, unpack
 
 log = structlog.get_logger(__name__)
 
+MAX_PIECE_TOKENS = 2**22  # prompt ids held for AddRequests still to come, at least
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
+_ready_decoder = msgspec.msgpack.Decoder(ExecutorReady)
 
 
 class SchedulerService:
@@ -64,7 +66,10 @@ class SchedulerService:
             nc, self.subjects.kv_events, settings.instance, self.scheduler_id
         )
         # a dead tokenizer's orphaned pieces go after a while
-        self._pieces = PromptPieces(ttl_s=max(30.0, 3 * settings.liveness_timeout))
+        self._pieces = Pieces(
+            ttl_s=max(30.0, 3 * settings.liveness_timeout),
+            max_tokens=max(MAX_PIECE_TOKENS, 64 * settings.piece_tokens),
+        )
         self._work = asyncio.Event()
         self.link = ExecutorLink(
             nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor
@@ -101,7 +106,14 @@ class SchedulerService:
 
     async def _on_attach(self, msg: Msg) -> None:
         self.watch.check_reconnect()  # drop the executor of before the reconnect first
-        ready = msgspec.msgpack.decode(msg.data, type=ExecutorReady)
+        ready = unpack(_ready_decoder, msg.data, msg.subject)
+        if ready is None:
+            return
+        try:
+            check_ready(ready)
+        except ConfigError as exc:  # no answer: that executor never attaches
+            log.error("executor refused", reason=str(exc))
+            return
         if self.core is not None:  # a restarted executor has lost every request's state
             self._fail_all(ErrorInfo("unavailable", "the executor restarted"))
             await self.core.publish()
@@ -151,7 +163,9 @@ class SchedulerService:
 
     async def _on_tokenizer(self, msg: Msg) -> None:
         self.watch.check_reconnect()
-        message = _tokenizer_decoder.decode(msg.data)
+        message = unpack(_tokenizer_decoder, msg.data, msg.subject)
+        if message is None:
+            return
         if isinstance(message, PromptPiece):
             self._pieces.add(message.request_id, message.token_ids)
         elif isinstance(message, AddRequest):
@@ -169,7 +183,7 @@ class SchedulerService:
             message = "no executor is attached (it stopped or restarted); retry soon"
             return ErrorInfo("executor_unavailable", message)
         request = Request(
-            request_id=add.request_id,
+            seq_id=add.request_id,
             prompt_token_ids=token_ids,
             sampling_params=add.sampling_params,
             eos_token_ids=tuple(self.executor.eos_token_ids),

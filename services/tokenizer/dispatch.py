@@ -2,9 +2,9 @@
 elsewhere when that instance is gone), and moved when its instance fails mid-stream.
 
 Migration: the stream's request goes on on another instance as a continuation (the tokens
-so far appended to the prompt; engine/migration.py), at most `--migration-limit` times, then
-the stream ends with `migration_failed`. With no other instance up it ends with the error
-that made it move, as it would with one instance. Deltas from the instance it left are
+so far appended to the prompt; engine/frontend/migration.py), at most `--migration-limit`
+times, then the stream ends with `migration_failed`. With no other instance up it ends with the
+error that made it move, as it would with one instance. Deltas from the instance it left are
 dropped by their subject (the tokenizer checks `stream.instance`).
 """
 
@@ -19,6 +19,7 @@ from schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
 from schemas.public import ErrorInfo
 from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from schemas.tokenizer import AddResult
+from services.pieces import split
 from services.settings import Settings
 from services.subjects import Subjects
 from services.tokenizer.instances import Instances
@@ -69,7 +70,7 @@ class Dispatch:
         self.streams = streams  # the service's own table, read here
         self.end, self.lose, self.send_finish, self.spawn = end, lose, send_finish, spawn
 
-    async def submit(
+    async def route(
         self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
     ) -> None:
         try:
@@ -116,13 +117,12 @@ class Dispatch:
         """Pieces of a long prompt, then the AddRequest; None: nothing serves the instance."""
         subjects = self.subjects.for_instance(stream.instance)
         size = self.settings.piece_tokens
-        num_head = (len(ids) - 1) // size * size  # the AddRequest keeps the last piece
-        for start in range(0, num_head, size):
-            piece = PromptPiece(stream.request_id, ids[start : start + size])
-            await self.nc.publish(subjects.scheduler_requests, pack(piece))
-        add = AddRequest(
-            stream.request_id, ids[num_head:], params, subjects.tokens(self.replica_id)
-        )
+        pieces, tail = split(ids, size, keep=size)
+        for piece in pieces:
+            await self.nc.publish(
+                subjects.scheduler_requests, pack(PromptPiece(stream.request_id, piece))
+            )
+        add = AddRequest(stream.request_id, tail, params, subjects.tokens(self.replica_id))
         try:
             return await self._request_add(subjects.scheduler_requests, add)
         except nats.errors.NoRespondersError:
@@ -182,7 +182,7 @@ class Dispatch:
         )
         self.instances.router.drop(stream.instance)
         stream.moving_from(stream.instance)
-        self.spawn(self.submit(stream, *moved, fallback=error))
+        self.spawn(self.route(stream, *moved, fallback=error))
 
     def requests_subject(self, stream: Stream) -> str:
         return self.subjects.for_instance(stream.instance).scheduler_requests

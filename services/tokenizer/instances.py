@@ -18,10 +18,11 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from engine.routing import Router, RouterConfig
+from engine.router.routing import Router, RouterConfig
 from schemas.tokenizer import InstanceLoad, KvEvents
 from services.settings import Settings
 from services.subjects import Subjects
+from services.wire import unpack
 
 log = structlog.get_logger(__name__)
 
@@ -48,10 +49,8 @@ class Instances:
         await self.discover()
 
     async def _on_events(self, msg: Msg) -> None:
-        try:
-            batch = _events_decoder.decode(msg.data)
-        except msgspec.DecodeError:
-            log.warning("bad kv events dropped", subject=msg.subject)
+        batch = unpack(_events_decoder, msg.data, msg.subject)
+        if batch is None:
             return
         self._heard_at[batch.instance] = time.monotonic()
         self.router.apply(batch)

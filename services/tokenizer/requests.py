@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.inputs import InputProcessor
+from engine.frontend.inputs import InputProcessor
 from schemas.errors import InvalidRequestError
 from schemas.public import ErrorInfo, GenerateRequest
 from schemas.sampling import SamplingParams
+from services.tokenizer.limits import RequestLimits
 
 MSGPACK = "application/msgpack"
 _PARAM_AT = re.compile(r"`\$\.([A-Za-z_]+)")
@@ -68,19 +69,25 @@ def request_id_of(body: bytes, msgpack: bool, max_bytes: int) -> str:
     return uuid.uuid4().hex
 
 
-def prepare_body(body: bytes, msgpack: bool, inputs: InputProcessor) -> Prepared:
+def prepare_body(
+    body: bytes, msgpack: bool, inputs: InputProcessor, limits: RequestLimits
+) -> Prepared:
     """A request's bytes to a Prepared request: size first, then decoding, then the rest."""
-    inputs.limits.check_body(body)  # before any parsing
+    limits.check_body(body)  # before any parsing
     request = decode_request(body, msgpack)
     request_id = request.request_id or uuid.uuid4().hex
-    return prepare(request, request_id, inputs)
+    return prepare(request, request_id, inputs, limits)
 
 
-def prepare(request: GenerateRequest, request_id: str, inputs: InputProcessor) -> Prepared:
+def prepare(
+    request: GenerateRequest, request_id: str, inputs: InputProcessor, limits: RequestLimits
+) -> Prepared:
     """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
-    inputs.limits.check_request(request)
+    limits.check_fields(request)
     params = sampling_params(request)
-    token_ids = prompt_token_ids(request, inputs)
+    param = prompt_field(request)
+    token_ids = prompt_token_ids(request, param, inputs)
+    limits.check_prompt(len(token_ids), param)
     return Prepared(
         request_id=request_id,
         prompt_token_ids=token_ids,
@@ -109,7 +116,8 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
     return SamplingParams(**fields)  # raises InvalidRequestError naming the field
 
 
-def prompt_token_ids(request: GenerateRequest, inputs: InputProcessor) -> list[int]:
+def prompt_field(request: GenerateRequest) -> str:
+    """The one field that gives the prompt."""
     given = [
         name
         for name in ("prompt", "messages", "prompt_token_ids")
@@ -120,11 +128,13 @@ def prompt_token_ids(request: GenerateRequest, inputs: InputProcessor) -> list[i
             f"exactly one of prompt, messages or prompt_token_ids is required, got {len(given)}",
             param=given[-1] if given else "prompt",
         )
-    if request.messages is not None:
+    return given[0]
+
+
+def prompt_token_ids(request: GenerateRequest, param: str, inputs: InputProcessor) -> list[int]:
+    if param == "messages":
         return inputs.chat_ids([msgspec.structs.asdict(m) for m in request.messages])
-    if request.prompt is not None:
-        return inputs.prompt_ids(request.prompt)
-    return inputs.prompt_ids(request.prompt_token_ids, "prompt_token_ids")
+    return inputs.prompt_ids(getattr(request, param), param)
 
 
 def _timeout_s(request: GenerateRequest) -> float | None:

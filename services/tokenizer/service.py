@@ -2,7 +2,7 @@
 
 Replicas share `llm.generate` through a queue group. Each owns the streams it accepted and
 routes each to an instance (scheduler + executor pair) its router picks (services/tokenizer/
-instances.py, engine/routing.py); the scheduler sends their tokens to the replica's own
+instances.py, engine/router/routing.py); the scheduler sends their tokens to the replica's own
 subject under that instance (the AddRequest's `reply_to`), and `llm.abort` reaches every
 replica, the owner acting on it.
 """
@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from transformers import PreTrainedTokenizerBase
 
-from engine.inputs import InputProcessor, RequestLimits
+from engine.frontend.inputs import InputProcessor
 from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import FinishRequest
 from schemas.tokenizer import SampleDelta, TokenBatch
@@ -28,6 +28,7 @@ from services.subjects import TOKENIZER_QUEUE, Subjects, is_inbox
 from services.tokenizer import info
 from services.tokenizer.dispatch import Dispatch, movable, typed_error
 from services.tokenizer.instances import Instances
+from services.tokenizer.limits import RequestLimits
 from services.tokenizer.requests import (
     admission_error,
     is_msgpack,
@@ -36,9 +37,10 @@ from services.tokenizer.requests import (
 )
 from services.tokenizer.streams import Stream, error_event
 from services.tokenizer.watch import StreamWatch
-from services.wire import encode_public, pack
+from services.wire import encode_public, pack, unpack
 
 log = structlog.get_logger(__name__)
+_batch_decoder = msgspec.msgpack.Decoder(TokenBatch)
 
 
 class TokenizerService:
@@ -49,8 +51,8 @@ class TokenizerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, vocab_size, RequestLimits.from_settings(settings))
-        self.limits = self.inputs.limits
+        self.inputs = InputProcessor(tokenizer, vocab_size)
+        self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
         self.instances = Instances(nc, settings)
@@ -100,7 +102,7 @@ class TokenizerService:
         await self.watch.check_reconnect()
         msgpack = is_msgpack(msg.headers)
         try:
-            prepared = prepare_body(msg.data, msgpack, self.inputs)
+            prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
@@ -113,7 +115,7 @@ class TokenizerService:
         self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
-        self._spawn(self.dispatch.submit(stream, prepared.prompt_token_ids, prepared.params))
+        self._spawn(self.dispatch.route(stream, prepared.prompt_token_ids, prepared.params))
 
     async def _refuse(self, reply_to, msgpack, request_id, error, prepared=None) -> None:
         log.info("request refused", request_id=request_id, error=error.type, message=error.message)
@@ -174,7 +176,9 @@ class TokenizerService:
             await msg.respond(b"")
             return
         await self.watch.check_reconnect()  # batches before this one may be lost
-        batch = msgspec.msgpack.decode(msg.data, type=TokenBatch)
+        batch = unpack(_batch_decoder, msg.data, msg.subject)
+        if batch is None:
+            return
         instance = msg.subject.rsplit(".", 3)[1]  # <prefix>.internal.<instance>.tokens.<id>
         for delta in batch.deltas:
             stream = self.streams.get(delta.request_id)

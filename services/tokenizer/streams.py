@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.migration import can_move, continuation
-from engine.output_processor import SampleOutput, SampleUpdate
+from engine.frontend.migration import can_move, continuation
+from engine.frontend.output_processor import SampleOutput, SampleUpdate
 from schemas.public import ErrorInfo, GenerateEvent, TokenLogprob, Usage
 from schemas.sampling import SamplingParams
 from schemas.scheduler import FinishRequest

@@ -4,7 +4,7 @@ appended to the prompt (what a migrated stream does) goes on with the very same 
 import pytest
 
 from engine import SamplingParams
-from engine.migration import can_move, continuation
+from engine.frontend.migration import can_move, continuation
 from schemas.errors import InvalidRequestError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 

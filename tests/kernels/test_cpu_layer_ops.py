@@ -5,7 +5,7 @@ import platform
 import pytest
 import torch
 
-from engine.host_malloc import retain_freed_memory
+from engine.worker.host_malloc import retain_freed_memory
 from kernels import cpu_layer_ops
 from kernels.reference import (
     add_rms_norm_ref,

@@ -92,3 +92,23 @@ async def test_no_kvpager_listening(services):
             await client.stats()
     finally:
         await client.close()
+
+
+async def test_length_penalty_overflow_is_refused_and_others_finish(client: Client):
+    """A public parameter that once overflowed inside the scheduler loop (and failed every stream
+    in flight) is refused at the edge; the streams beside it end normally."""
+
+    async def stream(prompt: str):
+        return [e async for e in client.generate(prompt=prompt, max_tokens=24, ignore_eos=True)]
+
+    running = [asyncio.ensure_future(stream(f"stream {i}")) for i in range(3)]
+    bad = [
+        e
+        async for e in client.generate(
+            prompt="x", beam_width=2, temperature=0.0, length_penalty=2000, max_tokens=8
+        )
+    ]
+    assert bad[-1].error.type == "invalid_request" and bad[-1].error.param == "length_penalty"
+    for events in await asyncio.gather(*running):
+        assert events[-1].finish_reason == "length" and events[-1].error is None
+        assert sum(len(e.token_ids) for e in events) == 24

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine.config import ExecutorConfig, ModelConfig
-from engine.executor import Executor
+from engine.worker.executor import Executor
 from schemas.executor import NewRequest, ScheduledStep
 from schemas.sampling import SamplingParams
 from services.client import Client

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import Buckets
+from engine.sched.metrics import Buckets
 from services import credentials
 from services.client import Client
 from services.http.metrics import render

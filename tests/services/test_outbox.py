@@ -1,7 +1,7 @@
 """The scheduler's Outbox routes the engine core's SampleDeltas: a request's route lasts while
 the core's SampleDeltas keep it open, and goes with the batch that closes it."""
 
-from engine.sample_deltas import SampleDeltas
+from engine.sched.sample_deltas import SampleDeltas
 from services.scheduler.outbox import Outbox
 
 

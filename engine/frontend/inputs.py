@@ -1,0 +1,46 @@
+"""The input path shared by both front doors: prompts in, checked token ids out.
+
+`InputProcessor` tokenizes a prompt, applies the chat template to messages, and checks the
+token ids against the vocabulary; the offline `LLM` and the tokenizer service both call it.
+A server's own caps on requests live with it (services/tokenizer/limits.py).
+"""
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from schemas.errors import InvalidRequestError
+
+
+class InputProcessor:
+    """Token ids for a prompt, a conversation or given ids, checked against the vocabulary."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def prompt_ids(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        """A text prompt tokenized as is, or given token ids, checked."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.checked(token_ids, param)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation rendered with the model's chat template, ready for a reply."""
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError("messages: this model has no chat template", "messages")
+        try:
+            token_ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # a template may raise on roles it does not know
+            raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
+        return self.checked(token_ids, "messages")
+
+    def checked(self, token_ids: list[int], param: str) -> list[int]:
+        """Non-empty, every id in the vocabulary."""
+        if not token_ids:
+            raise InvalidRequestError(f"{param}: must not be empty", param=param)
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab})", param)
+        return token_ids

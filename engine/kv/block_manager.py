@@ -1,0 +1,356 @@
+"""BlockManager: the device KV blocks' free list, ref counts, block tables and prefix cache.
+
+    logical block i of a request  --block table-->  physical block id
+    token at position p  ->  block table[p // block_size], offset p % block_size
+
+A block is either in use (ref_count > 0, listed in one or more block tables) or free (in
+`free_queue`, ref_count 0). A free block may still hold cached content (`block_hash` set): it is
+reused on a prefix hit until allocation needs it, oldest-freed first (LRU); with a CPU pool, the
+evicted content moves there and a later hit swaps it back in. Blocks shared by several tables
+(prefix hits, forks) are never written: a write into a shared partly filled block first copies
+it (copy-on-write). Copies and swaps are recorded as (src, dst) block-id pairs for the executor.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.kv.block_hash import update_block_hashes
+from engine.kv.cpu_pool import CpuBlockPool
+from engine.request import Request
+from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()  # content of a cached block, to verify hits
+
+
+class CachedBlock(NamedTuple):
+    """A prefix-cache hit: a device block, or a CPU block to swap back in."""
+
+    block_id: int
+    on_cpu: bool = False
+
+
+@dataclass
+class BlockOps:
+    """Data movement the executor carries out before a step's forward pass, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+
+
+class BlockManager:
+    """Owns all block accounting; hands out block ids and records block operations."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> device block id
+        self.block_tables: dict[str, list[int]] = {}
+        # swapped-out requests: (on_cpu, block id); shared device blocks stay referenced
+        self.swapped_tables: dict[str, list[CachedBlock]] = {}
+        self.cpu = CpuBlockPool(num_cpu_blocks)
+        self.ops = BlockOps()
+        self.num_evictions = 0
+        self.num_copies = 0  # copy-on-write block copies
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.kv_events: list[KvEvent] | None = None  # recorded once someone listens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def find_cached_prefix(self, request: Request) -> list[CachedBlock]:
+        """The longest cached prefix of the request's tokens, on device or CPU (no side effects).
+
+        The last token is never served from the cache, so at least one token is computed and
+        the step produces logits for it.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = update_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens = request.all_token_ids
+        hits: list[CachedBlock] = []
+        for block_idx, block_hash in enumerate(hashes[:max_blocks]):
+            start = block_idx * self.block_size
+            expected = tuple(tokens[start : start + self.block_size])
+            hit = self._lookup(block_hash, expected)
+            if hit is None:
+                break
+            hits.append(hit)
+        return hits
+
+    def _lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> CachedBlock | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is not None and self.blocks[block_id].token_ids == token_ids:
+            return CachedBlock(block_id)
+        cpu_block = self.cpu.lookup(block_hash, token_ids)
+        return None if cpu_block is None else CachedBlock(cpu_block, on_cpu=True)
+
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, hits: list[CachedBlock] = ()
+    ) -> int:
+        """Free device blocks that `allocate_slots(request, num_new_tokens, hits)` would take."""
+        table = self.block_tables.get(request.seq_id, [])
+        total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        grow = max(0, -(-total // self.block_size) - len(table) - len(hits))
+        num_cpu_hits = sum(hit.on_cpu for hit in hits)
+        return grow + num_cpu_hits + int(self._tail_needs_copy(table, request.num_computed_tokens))
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hits: list[CachedBlock] = ()
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more computed tokens; None when blocks run out.
+
+        `hits` are prefix-cache hits for a request that holds no blocks yet; they count as
+        computed. Returns the block ids new to the table (appended, or substituted by
+        copy-on-write of a shared tail).
+        """
+        hits = list(hits)
+        num_new = self.num_blocks_needed(request, num_new_tokens, hits)
+        evictable = sum(1 for h in hits if not h.on_cpu and self.blocks[h.block_id].ref_count == 0)
+        if num_new > self.num_free_blocks - evictable:
+            return None
+        table = self.block_tables.setdefault(request.seq_id, [])
+        table.extend(self._claim_hits(hits, request))
+        new_ids = self._copy_shared_tail(table, request.num_computed_tokens)
+        total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        grown = [self._pop_free() for _ in range(-(-total // self.block_size) - len(table))]
+        table.extend(grown)
+        self._cache_full_blocks(request, table, total)
+        return new_ids + grown
+
+    def _claim_hits(self, hits: list[CachedBlock], request: Request) -> list[int]:
+        # Take CPU hits out of the pool first, so device evictions below cannot drop them.
+        hashes = request.block_hashes
+        cpu_blocks = {i: self.cpu.take_cached(hashes[i]) for i, h in enumerate(hits) if h.on_cpu}
+        for hit in hits:
+            if not hit.on_cpu:
+                self._touch(hit.block_id)
+        block_ids = []
+        for block_idx, hit in enumerate(hits):
+            if not hit.on_cpu:
+                block_ids.append(hit.block_id)
+                continue
+            device_block = self._pop_free()
+            self.ops.swap_in.append((cpu_blocks[block_idx], device_block))
+            self.num_swapped_in_blocks += 1
+            block_ids.append(device_block)
+        return block_ids
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let `child` share all of `parent`'s blocks (parallel samples, beams)."""
+        table = list(self.block_tables[parent.seq_id])
+        for block_id in table:
+            self.blocks[block_id].ref_count += 1
+        self.block_tables[child.seq_id] = table
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; unreferenced blocks join the free queue's tail.
+
+        Tail blocks are freed first so that, among one request's blocks, the prefix (the part
+        most likely to be shared again) is evicted last.
+        """
+        table = self.block_tables.pop(request.seq_id, [])
+        for entry in self.swapped_tables.pop(request.seq_id, []):
+            if entry.on_cpu:
+                self.cpu.release(entry.block_id)
+            else:
+                table.append(entry.block_id)
+        for block_id in reversed(table):
+            self._unref(block_id)
+
+    def can_swap_out(self, request: Request) -> bool:
+        table = self.block_tables[request.seq_id]
+        return sum(self.blocks[b].ref_count == 1 for b in table) <= self.cpu.num_available
+
+    def swap_out(self, request: Request) -> None:
+        """Move the request's private blocks to the CPU pool; shared ones stay on device."""
+        entries = []
+        for block_id in self.block_tables.pop(request.seq_id):
+            if self.blocks[block_id].ref_count > 1:
+                entries.append(CachedBlock(block_id))
+                continue
+            cpu_block = self.cpu.allocate()
+            assert cpu_block is not None, "swap_out without can_swap_out"
+            self.ops.swap_out.append((block_id, cpu_block))
+            self.num_swapped_out_blocks += 1
+            self._unref(block_id)
+            entries.append(CachedBlock(cpu_block, on_cpu=True))
+        self.swapped_tables[request.seq_id] = entries
+
+    def num_blocks_to_resume(self, request: Request, num_new_tokens: int) -> int:
+        """Free device blocks that swap_in plus allocate_slots(num_new_tokens) will take."""
+        entries = self.swapped_tables[request.seq_id]
+        total = request.num_computed_tokens + num_new_tokens
+        grow = max(0, -(-total // self.block_size) - len(entries))
+        tail_idx = request.num_computed_tokens // self.block_size
+        shared_tail = (
+            request.num_computed_tokens % self.block_size != 0
+            and tail_idx < len(entries)
+            and not entries[tail_idx].on_cpu
+            and self.blocks[entries[tail_idx].block_id].ref_count > 1
+        )
+        return sum(e.on_cpu for e in entries) + grow + int(shared_tail)
+
+    def swap_in(self, request: Request) -> list[int]:
+        """Bring a swapped-out request's blocks back; returns its whole new block table."""
+        table = []
+        for entry in self.swapped_tables.pop(request.seq_id):
+            if not entry.on_cpu:
+                table.append(entry.block_id)
+                continue
+            device_block = self._pop_free()
+            self.ops.swap_in.append((entry.block_id, device_block))
+            self.num_swapped_in_blocks += 1
+            self.cpu.release(entry.block_id)
+            table.append(device_block)
+        self.block_tables[request.seq_id] = table
+        return table
+
+    def take_ops(self) -> BlockOps:
+        """This step's block operations; CPU blocks released during it become reusable."""
+        ops, self.ops = self.ops, BlockOps()
+        self.cpu.end_step()
+        return ops
+
+    def record_kv_events(self) -> None:
+        """From now on, record every block cached and uncached (for KV-aware routers)."""
+        self.kv_events = []
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The events since the last call, oldest first."""
+        if self.kv_events is None:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0 and block.block_hash is not None:
+                self._uncache(block)
+
+    def _tail_needs_copy(self, table: list[int], num_computed: int) -> bool:
+        """The next token lands in a partly filled block that other tables also hold."""
+        if num_computed % self.block_size == 0 or num_computed // self.block_size >= len(table):
+            return False
+        return self.blocks[table[num_computed // self.block_size]].ref_count > 1
+
+    def _copy_shared_tail(self, table: list[int], num_computed: int) -> list[int]:
+        if not self._tail_needs_copy(table, num_computed):
+            return []
+        idx = num_computed // self.block_size
+        src, dst = table[idx], self._pop_free()
+        self.blocks[src].ref_count -= 1
+        table[idx] = dst
+        self.ops.copy.append((src, dst))
+        self.num_copies += 1
+        return [dst]
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_count = 1
+        return block_id
+
+    def _evict(self, block: Block) -> None:
+        """Drop a free cached block's content from the device, keeping it on CPU if it fits."""
+        self.num_evictions += 1
+        if self.cpu.enabled:
+            cpu_block = self.cpu.cache(block.block_hash, block.token_ids)
+            if cpu_block is not None:
+                self.ops.swap_out.append((block.block_id, cpu_block))
+                self.num_swapped_out_blocks += 1
+        self._uncache(block)
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+
+    def _uncache(self, block: Block) -> None:
+        if self.cached.get(block.block_hash) == block.block_id:
+            del self.cached[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append(BlockRemoved(block.block_hash))
+        block.block_hash, block.token_ids = None, ()
+
+    def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
+        """Register blocks that this step fills completely under their chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        tokens = request.all_token_ids
+        for block_idx in range(min(num_tokens // self.block_size, len(hashes))):
+            block = self.blocks[table[block_idx]]
+            if block.block_hash is not None or hashes[block_idx] in self.cached:
+                continue  # already registered, or the same content lives in another block
+            start = block_idx * self.block_size
+            block.block_hash = hashes[block_idx]
+            block.token_ids = tuple(tokens[start : start + self.block_size])
+            self.cached[block.block_hash] = block.block_id
+            if self.kv_events is not None:
+                parent = hashes[block_idx - 1] if block_idx else None
+                self.kv_events.append(BlockStored(block.block_hash, parent))
+
+    def check_invariants(self) -> None:
+        """free + used == total; ref counts equal table references; caches point at live data."""
+        refs = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            for block_id in table:
+                refs[block_id] += 1
+        for entries in self.swapped_tables.values():
+            for entry in entries:
+                if not entry.on_cpu:
+                    refs[entry.block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), (
+                f"block {block.block_id}: free-queue membership disagrees with ref count"
+            )
+        assert self.num_free_blocks + sum(r > 0 for r in refs) == self.num_blocks
+        for block_hash, block_id in self.cached.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"stale cache entry {block_id}"
+        owned = {e.block_id for t in self.swapped_tables.values() for e in t if e.on_cpu}
+        assert owned == self.cpu.owned, "CPU blocks owned by no swapped request, or twice"
+        self.cpu.check_invariants()

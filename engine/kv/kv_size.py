@@ -1,0 +1,109 @@
+"""KV-cache sizing: bytes per token and sequence, and how many sequences a budget holds.
+
+Contiguous serving reserves `max_tokens` slots per sequence up front; paging allocates blocks as
+tokens arrive, so a sequence of average length L holds ceil(L / block_size) blocks and wastes
+less than one block. Under tensor parallelism every rank holds its share of every sequence's KV
+heads, so the sequences that fit are one rank's KV budget over one rank's bytes per sequence;
+GPUs beyond one group make replicas, each with sequences of its own.
+"""
+
+import re
+from dataclasses import dataclass
+
+from engine.config import ModelConfig, dtype_bytes
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80 GB', '1.5e9' -> bytes (GB = 10^9, GiB = 2^30)."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in UNITS:
+        raise ValueError(f"{text!r} is not a size such as 80GiB or 80GB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> int:
+    """Bytes of the weights one of `size` ranks holds (engine/model/sharding.py): 1/N of every
+    sharded matrix, the vocab padded to a multiple of N, KV heads replicated past their count,
+    the norms whole."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q, kv = config.num_heads // size * head_dim, config.kv_heads_per_rank(size) * head_dim
+    per_layer = (q + 2 * kv) * hidden + hidden * q + 3 * hidden * (config.intermediate_size // size)
+    per_layer += 2 * hidden + ((q + 2 * kv) if config.attention_bias else 0)
+    vocab = -(-config.vocab_size // size) * hidden
+    embeddings = vocab * (1 if config.tie_word_embeddings else 2)
+    element = dtype_bytes(dtype)
+    return (config.num_layers * per_layer + embeddings + hidden) * element
+
+
+def gpu_kv_budget(
+    config: ModelConfig, weight_dtype: object, gpu_bytes: int, utilization: float, size: int
+) -> int:
+    """KV bytes on one GPU of a group of `size`: its usable memory less its weights."""
+    return int(gpu_bytes * utilization) - weight_bytes_per_rank(config, weight_dtype, size)
+
+
+@dataclass(frozen=True)
+class KvSizeReport:
+    bytes_per_token: int  # on one rank
+    bytes_per_sequence: int  # at max_tokens, on one rank
+    total_bytes: int  # users x bytes_per_sequence x ranks
+    budget_bytes: int  # on one rank
+    contiguous_sequences: int  # fit when each reserves max_tokens
+    paged_sequences: int  # fit when each holds blocks for avg_tokens
+    paged_utilisation: float  # stored tokens / allocated slots under paging
+    users: int
+    tensor_parallel_size: int = 1
+    replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
+
+    def lines(self) -> list[str]:
+        gib, ranks, replicas = 1024**3, self.tensor_parallel_size, self.replicas
+        per = " per rank" if ranks > 1 else ""
+        fits = self.paged_sequences * replicas
+        lines = [
+            f"KV bytes per token:        {self.bytes_per_token:,}{per}",
+            f"KV bytes per sequence:     {self.bytes_per_sequence:,}{per} "
+            f"({self.bytes_per_sequence / gib:.2f} GiB)",
+            f"KV bytes for all users:    {self.total_bytes:,} ({self.total_bytes / gib:.2f} GiB)",
+            f"budget:                    {self.budget_bytes:,}{per} "
+            f"({self.budget_bytes / gib:.2f} GiB)",
+            f"sequences that fit, contiguous max-length reservation: "
+            f"{self.contiguous_sequences * replicas}",
+            f"sequences that fit, paged at the average length:       {fits} "
+            f"(slot utilisation {self.paged_utilisation:.1%})",
+        ]
+        if replicas > 1:
+            lines.append(f"({replicas} replicas of {ranks} ranks; the counts are their sum)")
+        verdict = "fit" if fits >= self.users else "do not fit"
+        return lines + [f"{self.users} users {verdict} paged at the average length"]
+
+
+def kv_size(
+    config: ModelConfig,
+    dtype: object,
+    max_tokens: int,
+    users: int,
+    budget_bytes: int,
+    avg_tokens: int,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    replicas: int = 1,
+) -> KvSizeReport:
+    """`budget_bytes`: the KV memory of one rank (all of it without tensor parallelism)."""
+    per_token = config.kv_bytes_per_token(dtype, tensor_parallel_size)
+    blocks_per_avg = -(-avg_tokens // block_size)
+    budget = max(0, budget_bytes)
+    return KvSizeReport(
+        bytes_per_token=per_token,
+        bytes_per_sequence=per_token * max_tokens,
+        total_bytes=per_token * max_tokens * users * tensor_parallel_size,
+        budget_bytes=budget_bytes,
+        contiguous_sequences=budget // (per_token * max_tokens),
+        paged_sequences=budget // (per_token * blocks_per_avg * block_size),
+        paged_utilisation=avg_tokens / (blocks_per_avg * block_size),
+        users=users,
+        tensor_parallel_size=tensor_parallel_size,
+        replicas=replicas,
+    )

@@ -1,0 +1,3 @@
+"""Routing requests across replicas: the KV-aware index of which instance caches which
+blocks, and the routers over it.
+"""

@@ -1,0 +1,88 @@
+"""Each request's samples as SampleDeltas: new tokens, final deltas, whole beams.
+
+The engine core's one output form, read by both front doors: the offline `LLM` feeds them to
+its output processor in-process, the scheduler service routes them to tokenizer replicas. A
+request's samples stay open until their final delta (the one with a `finish_reason`).
+"""
+
+from collections.abc import Callable
+
+from engine.request import Request
+from engine.sched.beam_search import FinishedBeam
+from schemas.public import ErrorInfo
+from schemas.scheduler import TokenLogprobs
+from schemas.tokenizer import SampleDelta
+
+
+class SampleDeltas:
+    """Deltas collected since the last `take()`, and the samples still open per request."""
+
+    def __init__(self, on_close: Callable[[str], None]) -> None:
+        self.open: dict[str, set[int]] = {}  # request id -> samples without a final delta
+        self._deltas: list[SampleDelta] = []
+        self._on_close = on_close  # called with a request's id after its last final delta
+
+    def track(self, request_id: str, num_samples: int) -> None:
+        self.open[request_id] = set(range(num_samples))
+
+    def take(self) -> list[SampleDelta]:
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def add_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
+        """The request's newest token; a final delta too if it has finished."""
+        delta = SampleDelta(
+            request.request_id,
+            request.sample_index,
+            request.output_token_ids[-1:],
+            logprobs=None if logprobs is None else [logprobs],
+        )
+        if request.is_finished:
+            delta.finish_reason = request.status.value
+            delta.stop_reason = request.stop_reason
+            delta.num_cached_tokens = request.num_cached_tokens
+        self._push(delta)
+
+    def add_beams(self, request_id: str, beams: list[FinishedBeam]) -> None:
+        """A beam search's result, whole: the best `n` beams as final deltas, best first."""
+        for index, beam in zip(sorted(self.open.get(request_id, ())), beams):
+            delta = SampleDelta(
+                request_id,
+                index,
+                beam.token_ids,
+                finish_reason=beam.finish_reason,
+                cumulative_score=float(beam.score),
+            )
+            self._push(delta)
+
+    def add_finals(
+        self,
+        request_id: str,
+        finish_reason: str,
+        indices: list[int] | None = None,
+        error: ErrorInfo | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Final deltas for the open samples among `indices` (None: every open sample)."""
+        open_indices = self.open.get(request_id, set())
+        chosen = sorted(open_indices if indices is None else open_indices & set(indices))
+        for index in chosen:
+            delta = SampleDelta(
+                request_id,
+                index,
+                finish_reason=finish_reason,
+                num_cached_tokens=num_cached_tokens,
+                error=error,
+            )
+            self._push(delta)
+
+    def _push(self, delta: SampleDelta) -> None:
+        open_indices = self.open.get(delta.request_id)
+        if open_indices is None:
+            return  # ended already (failed, aborted): late tokens are dropped
+        self._deltas.append(delta)
+        if delta.finish_reason is not None:
+            open_indices.discard(delta.index)
+            if not open_indices:
+                del self.open[delta.request_id]
+                self._on_close(delta.request_id)

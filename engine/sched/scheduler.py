@@ -1,0 +1,422 @@
+"""Scheduler: continuous batching under one rule, with the block manager's accounting.
+
+Every request has `num_computed_tokens` and a target, `num_tokens` (prompt + outputs so far)
+plus the tokens still being sampled by steps in flight. Each step hands out a token budget,
+running requests first, until computed catches up; a request whose computed tokens reach its
+target this step gets a sampled token. Prefill, chunked prefill, prefix hits and decode all
+fall out of that rule. When blocks run out, the newest running request is preempted: swapped to
+the CPU pool or freed and recomputed later.
+
+`schedule()` counts the tokens it schedules as computed at once, and a sampling request gets a
+placeholder for its coming token, so the engine core can plan the next step before this one's
+output arrives (engine/core.py, as vLLM's async scheduling). `update_from_output()` then only
+appends tokens; a request that stops has one extra step computed, whose token is dropped.
+"""
+
+from collections import deque
+
+import msgspec
+import structlog
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sched.beam_scheduler import BeamScheduler
+from engine.sched.beam_search import FinishedBeam
+from engine.sched.request_checks import check_request_fits
+from engine.sched.step_plan import SchedulerStats, StepPlan
+from schemas.errors import InvalidRequestError, OverloadedError
+from schemas.executor import ForkRequest, ScheduledStep
+from schemas.public import ErrorInfo
+from schemas.scheduler import StepOutput
+
+log = structlog.get_logger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockManager(
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.num_cpu_blocks,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.seqs: dict[str, Request] = {}  # seq id -> its sample
+        self.groups: dict[str, list[Request]] = {}  # request id -> its parallel samples
+        self.beams = BeamScheduler()
+        self.at_executor: set[str] = set()  # requests whose state the executor holds
+        self.finished_seq_ids: list[str] = []  # to tell the executor next step
+        self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
+        self.failed: dict[str, ErrorInfo] = {}  # request id -> why it failed, for the core
+        self.stats = SchedulerStats()
+        self.step_id = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (n > 1 samples fork from it later), or raise a typed error."""
+        self.check_request(request)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise OverloadedError(f"the waiting queue is full ({self.config.max_waiting})")
+        params = request.sampling_params
+        request.num_pending_forks = max(params.n, params.beam_width) - 1
+        self.seqs[request.seq_id] = request
+        self.groups[request.request_id] = [request]
+        if params.is_beam_search:
+            self.beams.start(request)
+        self.waiting.append(request)
+        self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.waiting))
+
+    def check_request(self, request: Request) -> None:
+        """Raise a typed error if the request can never run; no side effects."""
+        if request.seq_id in self.seqs or request.request_id in self.groups:
+            raise InvalidRequestError(
+                f"request_id: {request.seq_id!r} is already in flight", param="request_id"
+            )
+        check_request_fits(request, self.config, self.cache_config)
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """Whether the next step may be planned before this one's output arrives. Not during a
+        beam search: its beams advance only when the search has chosen their tokens."""
+        return not self.beams.groups
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose blocks wait in the CPU pool (the block manager keeps their tables)."""
+        return len(self.block_manager.swapped_tables)
+
+    @property
+    def _num_seqs_in_use(self) -> int:
+        """Running and swapped sequences plus the samples running parents will fork."""
+        pending = sum(r.num_pending_forks for r in self.running)
+        return len(self.running) + self.num_swapped + pending
+
+    def schedule(self) -> ScheduledStep:
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        self.step_id += 1
+        self._sampling[self.step_id] = plan.sampling
+        self.stats.record_step(self.block_manager.num_used_blocks, len(self.running))
+        ops = self.block_manager.take_ops()
+        step = ScheduledStep(
+            step_id=self.step_id,
+            new_requests=plan.new_requests,
+            cached_requests=plan.cached_requests,
+            num_scheduled_tokens=plan.num_scheduled,
+            finished_seq_ids=self.finished_seq_ids,
+            blocks_to_copy=ops.copy,
+            blocks_to_swap_out=ops.swap_out,
+            blocks_to_swap_in=ops.swap_in,
+            forks=self.beams.take_forks() + plan.forks,
+        )
+        self.finished_seq_ids = []
+        return step
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        idx = 0
+        while idx < len(self.running) and plan.budget > 0:
+            request = self.running[idx]
+            if request.seq_id in plan.forked:
+                idx += 1  # made from its parent's logits in this step: nothing to compute
+                continue
+            num_new = min(self._num_unscheduled(request), plan.budget)
+            if num_new == 0:  # a beam waiting for its siblings, or the last token in flight
+                idx += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if new_block_ids is None:
+                break  # the request itself was preempted: nothing newer is left to run
+            self._note_running(request, num_new, new_block_ids, plan)
+            idx += 1
+
+    @staticmethod
+    def _num_unscheduled(request: Request) -> int:
+        """Tokens neither computed nor scheduled: the known ones plus those being sampled."""
+        in_flight = request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        if in_flight and request.num_output_tokens + in_flight >= max_tokens:
+            return 0  # it finishes by length once the tokens in flight arrive
+        return request.num_tokens + in_flight - request.num_computed_tokens
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan):
+        while True:
+            new_block_ids = self.block_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _preemption_mode(self, request: Request) -> str:
+        """ "swap" or "recompute" for this request, by the configured mode and the CPU pool."""
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            # Recomputing a forked sample loses the prompt blocks it shared: swap those. On a
+            # device cache, recomputing a lone request beats the copies (vLLM's choice too).
+            forked = len(self.groups.get(request.request_id, ())) > 1
+            mode = "swap" if forked or self.cache_config.swap_is_cheap else "recompute"
+        manager = self.block_manager
+        if mode == "swap" and not (manager.cpu.enabled and manager.can_swap_out(request)):
+            mode = "recompute"
+        return mode
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Swap the request's blocks out, or free them to recompute its tokens later; either way
+        it goes back to the head of the waiting queue."""
+        # Victims come from the end of `running`. Samples forked in this step sit behind
+        # their parent, and every request behind the parent was admitted after its last
+        # prompt chunk, which takes the whole budget unless it completes: none can need blocks.
+        assert request.seq_id not in plan.forked, f"{request.seq_id}: forked this step"
+        mode = self._preemption_mode(request)
+        if mode == "swap":
+            self.block_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.stats.num_swap_preemptions += 1
+        else:
+            self._free_to_recompute(request)
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted", request_id=request.seq_id, mode=mode)
+
+    def _free_to_recompute(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.forget_at_executor(request.seq_id)
+
+    def _note_running(self, request: Request, num_new: int, new_block_ids, plan) -> None:
+        plan.budget -= num_new
+        plan.num_scheduled[request.seq_id] = num_new
+        new_token_ids = self.beams.pop_token(request.seq_id)
+        table = self.block_manager.get_block_table(request.seq_id)
+        if request.seq_id not in self.at_executor:
+            plan.add_new(request, table)
+            self.at_executor.add(request.seq_id)
+        else:
+            plan.add_cached(request, table, new_block_ids, new_token_ids)
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens < request.num_tokens + request.num_output_placeholders:
+            return  # a prefill chunk short of the prompt's end: nothing is sampled
+        plan.sampling.append(request)
+        if self._is_beam(request):
+            return  # beams get their tokens from the beam search, after the step
+        request.num_output_placeholders += 1
+        if request.num_pending_forks:
+            self._fork_samples(request, plan)
+
+    @staticmethod
+    def _is_beam(request: Request) -> bool:
+        return request.sampling_params.is_beam_search
+
+    def _fork_samples(self, parent: Request, plan: StepPlan) -> None:
+        """The parent's prompt completes this step: its other samples share its blocks."""
+        params = parent.sampling_params
+        for index in range(1, parent.num_pending_forks + 1):
+            # wraps, so a seed near the top of its range still gives each sample a valid one
+            seed = None if params.seed is None else (params.seed + index) % 2**63
+            # the child copies the parent's computed prompt and its token in flight, so it is
+            # not scheduled again in this step when the loop reaches it
+            child = parent.fork(
+                f"{parent.seq_id}#{index}",
+                sampling_params=msgspec.structs.replace(params, seed=seed),
+                sample_index=index,
+            )
+            child.num_output_placeholders = 1  # its first token: from the parent's logits
+            self.add_forked(parent, child)
+            plan.forks.append(ForkRequest(parent.seq_id, child.seq_id, seed))
+            plan.sampling.append(child)
+            plan.forked.add(child.seq_id)
+        parent.num_pending_forks = 0
+
+    def add_forked(self, parent: Request, child: Request) -> None:
+        """Register a running child that shares all of its parent's blocks."""
+        self.block_manager.fork(parent, child)
+        self.seqs[child.seq_id] = child
+        self.groups[parent.request_id].append(child)
+        self.running.append(child)
+        self.at_executor.add(child.seq_id)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        while self.waiting and plan.budget > 0:
+            if self._resume_or_admit(self.waiting[0], plan):
+                continue
+            if self.running or plan.num_scheduled or not self.num_swapped:
+                break
+            # Nothing runs, yet the head cannot start: swapped requests hold shared device
+            # blocks. Let them recompute instead, so the head always fits.
+            for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
+                self._free_to_recompute(request)  # its CPU and shared device blocks
+
+    def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
+        if request.num_output_placeholders:
+            return False  # preempted with a token in flight: resume once it has arrived
+        if request.status is RequestStatus.SWAPPED:
+            return self._swap_in(request, plan)
+        room = self.config.max_num_seqs - self._num_seqs_in_use
+        return room >= 1 + request.num_pending_forks and self._admit(request, plan)
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        hits = self.block_manager.find_cached_prefix(request)
+        num_hit_tokens = len(hits) * self.cache_config.block_size
+        num_new = request.num_tokens - num_hit_tokens
+        if num_new > plan.budget and not self.config.enable_chunked_prefill:
+            return False
+        num_new = min(num_new, plan.budget)
+        if self.block_manager.allocate_slots(request, num_new, hits) is None:
+            return False
+        self.waiting.popleft()
+        self._note_prefix_hits(request, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._note_running(request, num_new, [], plan)
+        return True
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
+        num_new = min(self._num_unscheduled(request), plan.budget)
+        if self.block_manager.num_blocks_to_resume(request, num_new) > (
+            self.block_manager.num_free_blocks
+        ):
+            return False
+        self.waiting.popleft()
+        self.block_manager.swap_in(request)
+        grown = self.block_manager.allocate_slots(request, num_new)
+        assert grown is not None, "swap-in reserved too little"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        # the executor's row replaces its whole table
+        full_table = self.block_manager.get_block_table(request.seq_id)
+        self._note_running(request, num_new, list(full_table), plan)
+        return True
+
+    def _note_prefix_hits(self, request: Request, num_hit_tokens: int) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit_tokens
+            self.stats.prefix_queried_tokens += request.num_tokens
+            self.stats.prefix_hit_tokens += num_hit_tokens
+
+    def forget_at_executor(self, request_id: str) -> None:
+        self.beams.pop_token(request_id)  # a resumed request sends all its tokens
+        if request_id in self.at_executor:
+            self.at_executor.discard(request_id)
+            self.finished_seq_ids.append(request_id)
+
+    def update_from_output(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
+        """Append sampled tokens and finish requests that stop (computed counts moved already).
+
+        Returns the requests that got a new token this step (finished ones included). A token
+        for a request preempted since the step was planned is kept: it was computed from the
+        right context. One for a finished request is dropped.
+        """
+        assert output.step_id == step.step_id, f"step {output.step_id} != {step.step_id}"
+        sampled = dict(zip(output.seq_ids, output.sampled_token_ids))
+        for abandoned in [s for s in self._sampling if s < step.step_id]:
+            del self._sampling[abandoned]  # outputs come in order: theirs never will
+        updated = []
+        for request in self._sampling.pop(step.step_id, []):
+            try:
+                updated += self._update_one(request, output, sampled)
+            except Exception as exc:  # one request's failure ends that request alone
+                self.fail(request.request_id, exc)
+        return [request for request in updated if request.request_id not in self.failed]
+
+    def _update_one(self, request: Request, output: StepOutput, sampled: dict[str, int]):
+        if self._is_beam(request):
+            if request.status is RequestStatus.RUNNING:
+                self._report_beam(request, output.beam_candidates.get(request.seq_id))
+            return []
+        request.num_output_placeholders -= 1
+        if request.is_finished:
+            return []
+        return self._append_sampled(request, sampled)
+
+    def fail(self, request_id: str, exc: Exception) -> None:
+        """End every sample of a request whose output, parameters or beams raised: its blocks
+        are freed, and `take_failed()` hands its error to the engine core."""
+        log.exception("request failed", request_id=request_id)
+        self.abort(request_id)
+        message = f"the request failed while its output was processed: {exc!r}"
+        self.failed[request_id] = ErrorInfo(getattr(exc, "type", "internal_error"), message)
+
+    def take_failed(self) -> dict[str, ErrorInfo]:
+        """Requests failed since the last call: request id -> its error."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def _report_beam(self, beam: Request, candidates: list[tuple[int, float]] | None) -> None:
+        """Apply a beam group's selection once all its live beams have reported."""
+        selection = self.beams.report(beam, candidates, self.groups[beam.request_id])
+        if selection is None:
+            return
+        for source, child in selection.forks:
+            self.add_forked(source, child)
+        for ended in selection.ended:
+            self.finish(ended, RequestStatus.FINISHED_STOPPED)
+
+    def _append_sampled(self, request: Request, sampled: dict[str, int]) -> list[Request]:
+        token_id = sampled.get(request.seq_id)
+        assert token_id is not None, f"step output lacks {request.seq_id}'s token"
+        request.output_token_ids.append(token_id)
+        status = request.check_stop()
+        if status is not None:
+            self.finish(request, status)
+        return [request]
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish one sequence (stop, length, stop string or abort) and free its blocks."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.num_pending_forks = 0
+        self.block_manager.free(request)
+        self.forget_at_executor(request.seq_id)
+        self.seqs.pop(request.seq_id, None)
+        group = self.groups.get(request.request_id, [])
+        if all(r.is_finished for r in group):
+            self.groups.pop(request.request_id, None)
+            self.beams.groups.pop(request.request_id, None)
+        self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
+
+    def take_beam_results(self) -> dict[str, list[FinishedBeam]]:
+        """Finished beam searches since the last call: request id -> best beams, best first."""
+        return self.beams.take_results()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort every sample of a request; False if it is unknown or already finished."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for request in list(group):
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def check_invariants(self) -> None:
+        manager = self.block_manager
+        manager.check_invariants()
+        for request in self.running:
+            assert request.seq_id in manager.block_tables, request.seq_id
+            assert request.num_output_placeholders >= 0, request.seq_id
+        for request in self.waiting:
+            assert request.seq_id not in manager.block_tables, request.seq_id
+            swapped = request.status is RequestStatus.SWAPPED
+            assert swapped == (request.seq_id in manager.swapped_tables), request.seq_id

@@ -1,0 +1,47 @@
+"""The Stats of one engine (a scheduler and its executor), read off the scheduler, its block
+manager and the core's metrics: `llm.stats` over NATS and `LLM.stats()` offline alike."""
+
+from engine.sched.metrics import EngineMetrics
+from engine.sched.scheduler import Scheduler
+from schemas.public import Stats
+
+
+def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats:
+    manager, stats = core.block_manager, core.stats
+    queried = stats.prefix_queried_tokens
+    return Stats(
+        instance=instance,
+        peak_used_blocks=stats.peak_used_blocks,
+        peak_running=stats.peak_running,
+        peak_waiting=stats.peak_waiting,
+        num_cpu_blocks=manager.cpu.num_blocks,
+        num_swapped_out_blocks=manager.num_swapped_out_blocks,
+        num_swapped_in_blocks=manager.num_swapped_in_blocks,
+        num_evictions=manager.num_evictions,
+        num_block_copies=manager.num_copies,
+        num_blocks=manager.num_blocks,
+        block_size=manager.block_size,
+        num_used_blocks=manager.num_used_blocks,
+        num_free_blocks=manager.num_free_blocks,
+        num_cached_blocks=manager.num_cached_blocks,
+        num_running=len(core.running),
+        num_waiting=len(core.waiting),
+        num_preemptions=stats.num_preemptions,
+        num_swap_preemptions=stats.num_swap_preemptions,
+        num_steps=stats.num_steps,
+        num_finished=dict(stats.finished),
+        prefix_cache_queried_tokens=queried,
+        prefix_cache_hit_tokens=stats.prefix_hit_tokens,
+        prefix_cache_hit_rate=round(stats.prefix_hit_tokens / queried, 4) if queried else 0.0,
+        num_generated_tokens=metrics.throughput.total,
+        tokens_per_s=metrics.throughput.per_second(),
+        ttft_ms=metrics.ttft.percentiles(),
+        itl_ms=metrics.itl.percentiles(),
+        step_ms=metrics.step.percentiles(),
+        executor_wait_ms=metrics.executor_wait.percentiles(),
+        num_prompt_tokens=metrics.num_prompt_tokens,
+        ttft_s=metrics.ttft.buckets.histogram(),
+        itl_s=metrics.itl.buckets.histogram(),
+        e2e_s=metrics.e2e.histogram(),
+        queue_s=metrics.queue.histogram(),
+    )

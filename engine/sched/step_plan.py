@@ -1,0 +1,71 @@
+"""The scheduler's counters and one step's plan while it is being made."""
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from schemas.executor import CachedRequest, ForkRequest, NewRequest
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    peak_used_blocks: int = 0
+    peak_running: int = 0
+    peak_waiting: int = 0  # the queue at its longest, as requests were added
+    finished: dict[str, int] = field(default_factory=dict)
+
+    def record_step(self, num_used_blocks: int, num_running: int) -> None:
+        self.num_steps += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, num_used_blocks)
+        self.peak_running = max(self.peak_running, num_running)
+
+
+@dataclass
+class StepPlan:
+    """What one `Scheduler.schedule()` call decided, before it becomes a ScheduledStep."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    forks: list[ForkRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    sampling: list[Request] = field(default_factory=list)  # get a token (beams: candidates)
+    forked: set[str] = field(default_factory=set)  # samples forked in this step
+
+    def add_new(self, request: Request, block_table: list[int]) -> None:
+        """A request the executor does not hold: all its tokens and blocks."""
+        self.new_requests.append(
+            NewRequest(
+                seq_id=request.seq_id,
+                token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=list(block_table),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+
+    def add_cached(
+        self,
+        request: Request,
+        block_table: list[int],
+        new_block_ids: list[int],
+        new_token_ids: list[int],
+    ) -> None:
+        """A request the executor holds: what changed since the last step."""
+        # Copy-on-write may replace the shared tail block and a swap-in the whole table, so
+        # new ids overwrite the table from this index rather than always appending.
+        self.cached_requests.append(
+            CachedRequest(
+                seq_id=request.seq_id,
+                num_computed_tokens=request.num_computed_tokens,
+                new_block_ids=new_block_ids,
+                new_token_ids=new_token_ids,
+                replace_from=len(block_table) - len(new_block_ids),
+            )
+        )

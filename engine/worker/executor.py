@@ -1,0 +1,333 @@
+"""Executor: the model weights, the paged cache tensors, and one step's forward + sampling.
+
+It owns every tensor; the scheduler owns every block id. `execute(step)` applies the step's
+deltas to the persistent request table, carries out block copies and swaps, runs one forward
+over the flat batch and samples the sequences whose computed tokens caught up.
+"""
+
+import time
+
+import msgspec
+import structlog
+import torch
+
+from engine.config import ExecutorConfig, ModelConfig
+from engine.memory import (
+    blocks_that_fit,
+    cpu_blocks_that_fit,
+    resolve_device,
+    resolve_dtype,
+    torch_dtype,
+)
+from engine.model.attention import PagedAttention
+from engine.model.loader import load_model
+from engine.model.sharding import Shard
+from engine.parallel.group import TensorParallel
+from engine.parallel.ranks import Ranks
+from engine.worker.beam_candidates import top_continuations
+from engine.worker.host_malloc import retain_freed_memory
+from engine.worker.input_batch import InputBatch
+from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.worker.step_check import Capacity, StepCheck
+from kernels.backend import default_backend_name, get_kernel_ops
+from schemas.errors import ConfigError
+from schemas.executor import RankReset, RankStep, ScheduledStep
+from schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
+
+log = structlog.get_logger(__name__)
+
+
+class Executor:
+    """One rank's executor. Alone, `group` and `ranks` are None. In a tensor-parallel group
+    every rank builds one with its `group` (its shard of the weights and cache, the same block
+    count); rank 0 also holds `ranks`, through which each step reaches the others first."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        model_config: ModelConfig,
+        group: TensorParallel | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.group, self.ranks = group, ranks
+        rank, size = (group.rank, group.world_size) if group else (0, 1)
+        self.shard = Shard.of(model_config, rank, size)
+        self._pick_device_and_kernels()
+        started = time.perf_counter()
+        self.model = load_model(
+            config.model_path,
+            model_config,
+            self.dtype,
+            self.device,
+            config.max_model_len,
+            self.ops,
+            self.shard,
+            group,
+        )
+        self._allocate_caches()
+        self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
+        self.batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size, self.device
+        )
+        # unseeded requests draw from one engine-wide generator seeded by `seed`
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.step_check = StepCheck(self.capacity)
+        self._log_ready(rank, size, time.perf_counter() - started)
+
+    def _pick_device_and_kernels(self) -> None:
+        config = self.config
+        self.device = rank_device(config.device, self.group)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.backend = config.attention_backend
+        if self.backend == "auto":
+            self.backend = default_backend_name()
+        self.ops = get_kernel_ops(self.backend)
+        self.kv_dtype = self._kv_dtype()
+        if self.device.type == "cpu":
+            retain_freed_memory()
+
+    def _log_ready(self, rank: int, size: int, load_s: float) -> None:
+        log.info(
+            "executor ready",
+            device=str(self.device),
+            dtype=str(self.dtype),
+            kv_cache_dtype=str(self.kv_dtype),
+            num_blocks=self.num_blocks,
+            backend=self.backend,
+            rank=rank,
+            world_size=size,
+            num_threads=torch.get_num_threads(),  # on CPU: OMP_NUM_THREADS, or every core
+            load_s=round(load_s, 2),
+        )
+
+    def _allocate_caches(self) -> None:
+        """The device KV cache, sized to what fits, and the CPU pool for swapped blocks."""
+        config, model_config = self.config, self.model_config
+        self.num_blocks = blocks_that_fit(config, model_config, self.kv_dtype, self.device)
+        if self.group is not None:  # the same block ids everywhere: the smallest rank's cache
+            self.num_blocks = self.group.smallest(self.num_blocks)
+        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            (
+                model_config.num_layers,
+                2,
+                self.num_blocks,
+                config.block_size,
+                self.shard.num_kv_heads,
+                model_config.head_dim,
+            ),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        self.num_cpu_blocks = cpu_blocks_that_fit(
+            config, model_config, self.kv_dtype, self.device, self.num_blocks
+        )
+        if self.group is not None:
+            self.num_cpu_blocks = self.group.smallest(self.num_cpu_blocks)
+        pin = self.device.type == "cuda"
+        cpu_shape = list(self.kv_cache.shape)
+        cpu_shape[2] = self.num_cpu_blocks
+        # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
+
+    @property
+    def capacity(self) -> Capacity:
+        config = self.config
+        return Capacity(
+            num_blocks=self.num_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+        )
+
+    def ready(self, executor_id: str, model: str) -> ExecutorReady:
+        """What this executor holds, for the scheduler to be built with."""
+        config = self.config
+        return ExecutorReady(
+            executor_id=executor_id,
+            num_blocks=self.num_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            vocab_size=self.model_config.vocab_size,
+            model=model,
+            kv_on_host=self.device.type == "cpu",
+            world_size=self.shard.world_size,
+        )
+
+    def _kv_dtype(self) -> torch.dtype:
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        try:
+            kv_dtype = torch_dtype(self.config.kv_cache_dtype)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_cache_{exc}") from None  # "kv_cache_dtype: unknown ..."
+        if kv_dtype != self.dtype and self.backend == "triton":
+            raise ConfigError(
+                "kv_cache_dtype: a cache dtype other than the model's runs on the cpu and torch "
+                "attention backends only"
+            )
+        return kv_dtype
+
+    def reset(self) -> None:
+        """Forget every request (a new scheduler took over); weights and caches stay as they are.
+
+        The new scheduler starts with every block free, so stale cache contents are never read.
+        """
+        if self.ranks is not None:
+            with self.ranks.running(RankReset()):
+                self._reset()
+        else:
+            self._reset()
+
+    def _reset(self) -> None:
+        config = self.config
+        self.batch = InputBatch(
+            config.max_num_seqs, config.max_model_len, config.block_size, self.device
+        )
+
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        """Run one step; on rank 0 of a group, every other rank runs it too (their outputs,
+        identical, are dropped: the logits are gathered, so each rank samples the same).
+
+        A step that does not fit this executor raises InvalidStepError before anything of it
+        is applied (and before other ranks see it)."""
+        if self.ranks is not None:
+            self.ranks.check_alive()  # a lost group says so, whatever the step
+        self.step_check.check(step, self.batch)
+        if self.ranks is None:
+            return self._execute(step)
+        with self.ranks.running(RankStep(step)):
+            return self._execute(step)
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks. Alone: nothing to do."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    @torch.inference_mode()
+    def _execute(self, step: ScheduledStep) -> StepOutput:
+        self._apply_deltas(step)
+        self._move_blocks(step)
+        if not step.num_scheduled_tokens:
+            return StepOutput(step_id=step.step_id)
+        inputs = self.batch.prepare(step.num_scheduled_tokens)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta
+        )
+        states, logits_indices = self._with_forks(step, inputs)
+        if not states:
+            return StepOutput(step_id=step.step_id)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        beam_rows = [i for i, s in enumerate(states) if s.params.is_beam_search]
+        beam_candidates = top_continuations(
+            logits, states, beam_rows, self.model_config.eos_token_ids
+        )
+        if beam_rows:
+            keep = [i for i, s in enumerate(states) if not s.params.is_beam_search]
+            states, logits = [states[i] for i in keep], logits[keep]
+        output = self._step_output(step.step_id, states, logits)
+        output.beam_candidates = beam_candidates
+        return output
+
+    def _move_blocks(self, step: ScheduledStep) -> None:
+        """Swap-outs first (they save content that swap-ins and copies may overwrite)."""
+        if step.blocks_to_swap_out:
+            self.ops.swap_blocks(self.kv_cache, self.cpu_cache, _pairs(step.blocks_to_swap_out))
+        if step.blocks_to_swap_in:
+            self.ops.swap_blocks(self.cpu_cache, self.kv_cache, _pairs(step.blocks_to_swap_in))
+        if step.blocks_to_copy:
+            self.ops.copy_blocks(self.kv_cache, _pairs(step.blocks_to_copy).to(self.device))
+
+    def _with_forks(self, step: ScheduledStep, inputs) -> tuple[list, torch.Tensor]:
+        """Sampled rows plus forked samples, which sample from their parent's logits row."""
+        states, indices = list(inputs.sampled_states), inputs.logits_indices
+        forks = [fork for fork in step.forks if fork.sample]
+        if not forks:
+            return states, indices
+        row_of = {state.seq_id: i for i, state in enumerate(states)}
+        extra = []
+        for fork in forks:
+            parent = self.batch.states[fork.parent_id]
+            params = msgspec.structs.replace(parent.params, seed=fork.seed)
+            states.append(self.batch.fork(fork.parent_id, fork.child_id, params))
+            extra.append(row_of[fork.parent_id])
+        return states, torch.cat([indices, indices[torch.tensor(extra, device=self.device)]])
+
+    def _apply_deltas(self, step: ScheduledStep) -> None:
+        for fork in step.forks:  # before removals: parents may go too
+            if not fork.sample:
+                parent = self.batch.states[fork.parent_id]
+                self.batch.fork(fork.parent_id, fork.child_id, parent.params)
+        for seq_id in step.finished_seq_ids:
+            self.batch.remove(seq_id)
+        for new in step.new_requests:
+            self.batch.add(new)
+        for cached in step.cached_requests:
+            self.batch.update(cached)
+            for token_id in cached.new_token_ids:
+                self.batch.append_token(self.batch.states[cached.seq_id], token_id)
+
+    def _sampling_batch(self, states) -> SamplingBatch:
+        return SamplingBatch.build(
+            params=[s.params for s in states],
+            seed_positions=[self.batch.seed_position(s) for s in states],
+            prompt_token_ids=[self.batch.prompt_token_ids(s) for s in states]
+            if any(s.params.repetition_penalty != 1.0 for s in states)
+            else [[] for _ in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+
+    def _step_output(self, step_id: int, states, logits: torch.Tensor) -> StepOutput:
+        if not states:
+            return StepOutput(step_id=step_id)
+        sampled = self.sampler(logits, self._sampling_batch(states))
+        token_ids = sampled.sampled_token_ids.tolist()
+        for state, token_id in zip(states, token_ids):
+            self.batch.append_token(state, token_id)
+        return StepOutput(
+            step_id=step_id,
+            seq_ids=[s.seq_id for s in states],
+            sampled_token_ids=token_ids,
+            logprobs=_logprobs(sampled, states),
+        )
+
+
+def rank_device(name: str, group: TensorParallel | None) -> torch.device:
+    """The device, and on CUDA in a group the rank's own (`cuda:<local rank>`)."""
+    device = resolve_device(name)
+    if group is not None and device.type == "cuda":
+        return torch.device("cuda", group.local_rank)
+    return device
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+
+def _logprobs(sampled: SamplerOutput, states) -> list[TokenLogprobs] | None:
+    if sampled.logprobs is None:
+        return None
+    values = sampled.logprobs.tolist()
+    top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
+    top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+    out = []
+    for i, state in enumerate(states):
+        k = state.params.logprobs or 0
+        out.append(
+            TokenLogprobs(
+                logprob=values[i],
+                top_token_ids=top_ids[i][:k] if top_ids else [],
+                top_logprobs=top_values[i][:k] if top_values else [],
+            )
+        )
+    return out

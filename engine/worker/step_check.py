@@ -1,0 +1,177 @@
+"""The executor's check of a step against its own capacity, before anything is applied.
+
+The scheduler owns the block ids, but a step comes over the wire: an id past the cache would
+make a kernel write into another request's blocks, or outside the cache. `StepCheck.check`
+walks the step in the order the executor applies it (forks to copy, finished, new, cached,
+the scheduled tokens, forks that sample) over a shadow of the request table, so a bad step is
+refused whole and the executor's state stays as it was. Ranges are checked once per step over
+every id at once (numpy), the rest is a few integer comparisons per request.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.worker.input_batch import InputBatch
+from schemas.errors import InvalidStepError
+from schemas.executor import CachedRequest, NewRequest, ScheduledStep
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the executor holds; every id and count in a step must fit inside it."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    vocab_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass
+class _Row:
+    """The shadow of one request's row while the check walks a step."""
+
+    num_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidStepError(message)
+
+
+def _in_range(values: list[int], limit: int, what: str) -> None:
+    """Every value in [0, limit): one vectorised pass (steps carry up to thousands of ids)."""
+    if values:
+        array = np.asarray(values, dtype=np.int64)
+        _require(0 <= int(array.min()) and int(array.max()) < limit, f"{what} outside [0, {limit})")
+
+
+class StepCheck:
+    """Checks steps for one executor; `check(step, batch)` raises InvalidStepError or returns."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+
+    def check(self, step: ScheduledStep, batch: InputBatch) -> None:
+        self._check_ranges(step)
+        shadow = _Shadow(batch)
+        for fork in step.forks:
+            if not fork.sample:
+                shadow.fork(fork.parent_id, fork.child_id)
+        for seq_id in step.finished_seq_ids:
+            shadow.remove(seq_id)
+        for new in step.new_requests:
+            self._check_new(new, shadow)
+        for cached in step.cached_requests:
+            self._check_cached(cached, shadow)
+        sampled = self._check_scheduled(step.num_scheduled_tokens, shadow)
+        for fork in step.forks:
+            if fork.sample:
+                _require(fork.parent_id in sampled, f"fork of {fork.parent_id!r}: not sampled")
+                shadow.fork(fork.parent_id, fork.child_id)
+
+    def _check_ranges(self, step: ScheduledStep) -> None:
+        """Every block id, token id and block pair of the step, at once."""
+        cap = self.capacity
+        device_ids = [b for new in step.new_requests for b in new.block_ids]
+        device_ids += [b for cached in step.cached_requests for b in cached.new_block_ids]
+        device_ids += [b for pair in step.blocks_to_copy for b in pair]
+        device_ids += [pair[0] for pair in step.blocks_to_swap_out]
+        device_ids += [pair[1] for pair in step.blocks_to_swap_in]
+        _in_range(device_ids, cap.num_blocks, "block ids")
+        cpu_ids = [pair[1] for pair in step.blocks_to_swap_out]
+        cpu_ids += [pair[0] for pair in step.blocks_to_swap_in]
+        _in_range(cpu_ids, cap.num_cpu_blocks, "cpu block ids")
+        token_ids = [t for new in step.new_requests for t in new.token_ids]
+        token_ids += [t for cached in step.cached_requests for t in cached.new_token_ids]
+        _in_range(token_ids, cap.vocab_size, "token ids")
+
+    def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:
+        cap, num_tokens = self.capacity, len(new.token_ids)
+        name = f"new request {new.seq_id!r}"
+        _require(1 <= num_tokens <= cap.max_model_len, f"{name}: {num_tokens} tokens")
+        _require(0 <= new.num_prompt_tokens <= num_tokens, f"{name}: num_prompt_tokens")
+        _require(0 <= new.num_computed_tokens <= num_tokens, f"{name}: num_computed_tokens")
+        _require(len(new.block_ids) <= cap.max_blocks_per_seq, f"{name}: too many blocks")
+        shadow.add(new.seq_id, _Row(num_tokens, new.num_computed_tokens, len(new.block_ids)))
+
+    def _check_cached(self, cached: CachedRequest, shadow: "_Shadow") -> None:
+        row, cap = shadow.get(cached.seq_id), self.capacity
+        name = f"cached request {cached.seq_id!r}"
+        _require(
+            cached.num_computed_tokens == row.num_computed_tokens,
+            f"{name}: {cached.num_computed_tokens} computed tokens, the executor has "
+            f"{row.num_computed_tokens}",
+        )
+        end = cached.replace_from + len(cached.new_block_ids)
+        _require(0 <= cached.replace_from <= row.num_blocks, f"{name}: replace_from")
+        _require(end <= cap.max_blocks_per_seq, f"{name}: too many blocks")
+        num_tokens = row.num_tokens + len(cached.new_token_ids)
+        _require(num_tokens <= cap.max_model_len, f"{name}: more than max_model_len tokens")
+        shadow.put(
+            cached.seq_id, _Row(num_tokens, row.num_computed_tokens, max(row.num_blocks, end))
+        )
+
+    def _check_scheduled(self, num_scheduled: dict[str, int], shadow: "_Shadow") -> set[str]:
+        """The tokens to compute lie inside each row's known tokens and blocks; returns who
+        samples (their next token must fit in the row)."""
+        block_size, sampled = self.capacity.block_size, set()
+        for seq_id, count in num_scheduled.items():
+            row = shadow.get(seq_id)
+            end = row.num_computed_tokens + count
+            name = f"scheduled request {seq_id!r}"
+            _require(1 <= count and end <= row.num_tokens, f"{name}: {count} tokens to compute")
+            _require(-(-end // block_size) <= row.num_blocks, f"{name}: tokens past its blocks")
+            if end == row.num_tokens:
+                _require(row.num_tokens < self.capacity.max_model_len, f"{name}: row is full")
+                sampled.add(seq_id)
+            shadow.put(seq_id, _Row(row.num_tokens, end, row.num_blocks))
+        return sampled
+
+
+class _Shadow:
+    """The request table as the step would leave it, over the batch, without touching it."""
+
+    def __init__(self, batch: InputBatch) -> None:
+        self._batch = batch
+        self._rows: dict[str, _Row | None] = {}  # None: removed by this step
+        self.num_free_rows = len(batch.free_rows)
+
+    def find(self, seq_id: str) -> _Row | None:
+        if seq_id in self._rows:
+            return self._rows[seq_id]
+        state = self._batch.states.get(seq_id)
+        if state is None:
+            return None
+        return _Row(state.num_tokens, state.num_computed_tokens, state.num_blocks)
+
+    def get(self, seq_id: str) -> _Row:
+        row = self.find(seq_id)
+        _require(row is not None, f"unknown request {seq_id!r}")
+        return row
+
+    def put(self, seq_id: str, row: _Row) -> None:
+        self._rows[seq_id] = row
+
+    def add(self, seq_id: str, row: _Row) -> None:
+        _require(self.find(seq_id) is None, f"request {seq_id!r} added twice")
+        _require(self.num_free_rows > 0, "more requests than max_num_seqs")
+        self.num_free_rows -= 1
+        self._rows[seq_id] = row
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        parent = self.get(parent_id)
+        self.add(child_id, _Row(parent.num_tokens, parent.num_computed_tokens, parent.num_blocks))
+
+    def remove(self, seq_id: str) -> None:
+        if self.find(seq_id) is not None:
+            self.num_free_rows += 1
+            self._rows[seq_id] = None

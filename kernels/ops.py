@@ -1,0 +1,84 @@
+"""One contract per kernel op: the torch twin (kernels/reference.py), the C kernels
+(kernels/cpu_*.py) and the Triton kernels (kernels/kv_write.py, paged_attention.py,
+block_ops.py) all satisfy these, positional parameters by the same names and in the same order
+(tests/kernels/test_ops.py checks every implementation against them), so a backend can be
+swapped without the engine knowing. Extra parameters an implementation takes must have
+defaults (a twin's `decode` hook, Triton's `num_splits`).
+
+Layouts: caches are [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and V;
+a slot is `block_id * block_size + offset`; block mappings are int64 [n, 2] (src, dst).
+"""
+
+from typing import Protocol
+
+import torch
+
+
+class ReshapeAndCache(Protocol):
+    def __call__(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative: padding, not written
+    ) -> None:
+        """Write each token's K/V row into its slot of the caches."""
+
+
+class PagedAttention(Protocol):
+    def __call__(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        cu_seqlens_q: torch.Tensor,  # int32 [num_seqs + 1]: query offsets
+        seq_lens: torch.Tensor,  # int32 [num_seqs]: context lengths, new tokens included
+        scale: float,
+        max_seqlen_q: int,
+    ) -> torch.Tensor:
+        """Causal attention of a mixed batch over paged K/V: [num_tokens, num_heads, head_dim]
+        in query's dtype. The new tokens' K/V are in the cache already."""
+
+
+class CopyBlocks(Protocol):
+    def __call__(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        """Copy whole blocks within a cache [layers, 2, num_blocks, ...] (copy-on-write)."""
+
+
+class SwapBlocks(Protocol):
+    def __call__(
+        self, src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor
+    ) -> None:
+        """Copy blocks between a device cache and the CPU pool, either way."""
+
+
+class Rotary(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated by the positions' cos/sin (may work in place: use what it returns)."""
+
+
+class AddRmsNorm(Protocol):
+    def __call__(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, new residual): residual + delta (delta None: residual alone), RMS-normed."""
+
+
+class SiluAndMul(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up over the two halves of the last dimension."""
+
+
+CONTRACTS: dict[str, type] = {
+    "reshape_and_cache": ReshapeAndCache,
+    "paged_attention": PagedAttention,
+    "copy_blocks": CopyBlocks,
+    "swap_blocks": SwapBlocks,
+    "rotary": Rotary,
+    "add_rms_norm": AddRmsNorm,
+    "silu_and_mul": SiluAndMul,
+}

@@ -1,0 +1,77 @@
+"""The planning tool's arithmetic, checked on the seed's example (Llama 3.1 70B)."""
+
+import json
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv.kv_size import kv_size, weight_bytes_per_rank
+
+LLAMA_31_70B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_llama_70b_sequence_is_about_1_3_gb():
+    config = ModelConfig.from_dict(LLAMA_31_70B)
+    report = kv_size(
+        config,
+        torch.bfloat16,
+        max_tokens=4096,
+        users=256,
+        budget_bytes=80 * 1024**3,
+        avg_tokens=1000,
+    )
+    assert report.bytes_per_token == 2 * 80 * 8 * 128 * 2  # K and V, layers, heads, dim, bf16
+    assert report.bytes_per_sequence == 327_680 * 4096  # 1.34 GB
+    assert report.total_bytes == 256 * report.bytes_per_sequence
+    assert report.contiguous_sequences == (80 * 1024**3) // (327_680 * 4096) == 64
+    assert report.paged_sequences == (80 * 1024**3) // (327_680 * 1008)  # 63 blocks of 16
+    assert abs(report.paged_utilisation - 1000 / 1008) < 1e-9
+
+
+def test_kv_size_command(tmp_path, capsys):
+    from services.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_70B))
+    assert main(["kv-size", str(tmp_path), "--tokens", "4096", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes per token:        327,680" in out
+    assert "contiguous max-length reservation: 64" in out
+    assert main(["kv-size", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_the_seed_example_on_four_80gib_gpus(tmp_path, capsys):
+    """70B in bf16 is 70,553,706,496 parameters; four ranks each hold 1/4 of every matrix (the
+    norms whole), 2 of the 8 KV heads, and 90% of 80 GiB less their weights for the cache."""
+    from services.cli import main
+
+    config = ModelConfig.from_dict(LLAMA_31_70B)
+    assert weight_bytes_per_rank(config, torch.bfloat16) == 2 * 70_553_706_496
+    per_rank = weight_bytes_per_rank(config, torch.bfloat16, 4)
+    assert per_rank == 2 * (80 * (855_638_016 // 4 + 16_384) + 2 * 32_064 * 8192 + 8192)
+    budget = int(80 * 1024**3 * 0.9) - per_rank
+    assert budget == 42_030_579_712
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_70B))
+    args = ["kv-size", str(tmp_path), "--tokens", "4096", "--users", "256", "--gpus", "4"]
+    assert main([*args, "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "weights per rank:          35,278,831,616 (32.86 GiB, bfloat16)" in out
+    assert "KV bytes per token:        81,920 per rank" in out  # 327,680 / 4
+    assert "KV bytes for all users:    343,597,383,680 (320.00 GiB)" in out
+    # 42,030,579,712 // (81,920 x 4,096) and // (81,920 x 2,048): the average is half the max
+    assert "contiguous max-length reservation: 125" in out
+    assert "paged at the average length:       250" in out
+    assert "256 users do not fit" in out
+    assert main([*args, "--gpu-memory", "80GiB", "--gpu-utilization", "1.0"]) == 0
+    assert "paged at the average length:       301" in capsys.readouterr().out
+    assert main([*args, "--tensor-parallel-size", "3"]) == 2
+    assert "gpus: 4 is not a multiple of tensor_parallel_size 3" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""The router's KV index and costs, fed hand-made events (no NATS)."""
+
+import pytest
+
+from engine.kv.block_hash import prompt_block_hashes
+from engine.router.routing import Router, RouterConfig
+from schemas.errors import ConfigError, ModelNotFoundError, NoInstanceError
+from schemas.tokenizer import BlockRemoved, BlockStored, CacheCleared, InstanceLoad, KvEvents
+
+BLOCK = 4
+LOAD = InstanceLoad(model="m", num_blocks=100, num_free_blocks=100, block_size=BLOCK)
+PROMPT = list(range(10, 22))  # 3 full blocks
+
+
+def stored(token_ids: list[int]) -> list[BlockStored]:
+    hashes = prompt_block_hashes(token_ids, BLOCK)
+    return [BlockStored(h, hashes[i - 1] if i else None) for i, h in enumerate(hashes)]
+
+
+def router(mode: str = "kv", *names: str) -> Router:
+    r = Router(RouterConfig(mode=mode, predict_s=0.0))
+    for name in names or ("a", "b"):
+        r.observe(name, LOAD)
+    return r
+
+
+def test_kv_picks_the_instance_holding_the_prefix_and_resyncs_on_a_gap():
+    r = router()
+    r.apply(KvEvents("b", "s1", 0, stored(PROMPT), LOAD))
+    assert r.index.overlaps(prompt_block_hashes(PROMPT + [1, 2], BLOCK)) == {"b": 3}
+    assert r.pick(PROMPT + [1, 2]) == "b"
+    assert r.pick([99] * 12) == "a"  # no overlap anywhere: name order breaks the tie
+    r.apply(KvEvents("b", "s1", 1, [BlockRemoved(stored(PROMPT)[2].block_hash)], LOAD))
+    assert r.index.overlaps(prompt_block_hashes(PROMPT, BLOCK)) == {"b": 2}
+    r.apply(KvEvents("b", "s1", 3, [], LOAD))  # seq 2 lost: b's blocks are forgotten
+    assert r.index.num_resyncs == 1 and not r.index.overlaps(prompt_block_hashes(PROMPT, BLOCK))
+    r.apply(KvEvents("b", "s1", 4, stored(PROMPT[:4]), LOAD))
+    assert r.index.overlaps(prompt_block_hashes(PROMPT, BLOCK)) == {"b": 1}
+    r.apply(KvEvents("b", "s1", 5, [CacheCleared()], LOAD))
+    assert not r.index.holders
+
+
+def test_a_new_scheduler_starts_its_instance_afresh():
+    r = router()
+    r.apply(KvEvents("a", "s1", 0, stored(PROMPT), LOAD))
+    r.apply(KvEvents("a", "s2", 0, [], LOAD))
+    assert not r.index.holders and r.index.num_resyncs == 1
+
+
+def test_load_outweighs_a_small_overlap():
+    r = router()
+    r.apply(KvEvents("a", "s", 0, stored(PROMPT[:4]), LOAD))  # one block cached on a
+    busy = InstanceLoad(model="m", num_blocks=100, num_free_blocks=90, block_size=BLOCK)
+    r.observe("a", busy)
+    costs = r.costs(list(r.instances.values()), PROMPT)
+    w = r.config.overlap_weight  # weight x blocks to prefill + blocks in use + the request's
+    assert costs == {"a": w * 2 + 10 + 4, "b": w * 3 + 0 + 4}
+    assert r.pick(PROMPT) == "b"
+
+
+def test_requests_in_flight_predict_their_blocks():
+    r = Router(RouterConfig(predict_s=60.0))
+    r.observe("a", LOAD)
+    r.observe("b", LOAD)
+    first = r.pick(PROMPT + [1])
+    r.routed("r0", first, PROMPT + [1])
+    assert r.pick(PROMPT + [2]) == first  # its prefix is predicted there
+    r.release("r0")
+    assert not r.instances[first].in_flight
+
+
+def test_round_robin_and_least_loaded():
+    r = router("round-robin", "a", "b", "c")
+    assert [r.pick(PROMPT) for _ in range(4)] == ["b", "c", "a", "b"]
+    r = router("least-loaded")
+    r.routed("r0", "a", PROMPT)
+    assert r.pick(PROMPT) == "b"
+
+
+def test_errors_are_typed_and_instances_expire():
+    r = router()
+    with pytest.raises(ModelNotFoundError, match="other"):
+        r.pick(PROMPT, model="other")
+    with pytest.raises(NoInstanceError):
+        r.pick(PROMPT, exclude=frozenset({"a", "b"}))
+    r.observe("a", LOAD, now=0.0)
+    r.observe("b", LOAD, now=100.0)
+    assert r.expire(now=105.0) == ["a"]
+    assert r.pick(PROMPT) == "b"
+    with pytest.raises(ConfigError):
+        RouterConfig(mode="random")

@@ -1,0 +1,70 @@
+"""Every backend's implementation of a kernel op satisfies its contract in kernels/ops.py:
+the same positional parameters, by name and in order; anything extra has a default."""
+
+import inspect
+
+import pytest
+
+from kernels import (
+    backend,
+    block_ops,
+    cpu_decode,
+    cpu_layer_ops,
+    kv_write,
+    ops,
+    paged_attention,
+    reference,
+)
+
+IMPLEMENTATIONS = {
+    "reshape_and_cache": [
+        reference.reshape_and_cache_ref,
+        cpu_layer_ops.reshape_and_cache,
+        kv_write.reshape_and_cache,
+    ],
+    "paged_attention": [
+        reference.paged_attention_ref,
+        cpu_decode.paged_attention_cpu,
+        paged_attention.paged_attention,
+    ],
+    "copy_blocks": [reference.copy_blocks_ref, block_ops.copy_blocks],
+    "swap_blocks": [reference.swap_blocks_ref, block_ops.swap_blocks],
+    "rotary": [reference.rotary_ref, cpu_layer_ops.rotary],
+    "add_rms_norm": [reference.add_rms_norm_ref, cpu_layer_ops.add_rms_norm],
+    "silu_and_mul": [reference.silu_and_mul_ref, cpu_layer_ops.silu_and_mul],
+}
+
+
+def _contract_params(name: str) -> list[str]:
+    params = inspect.signature(ops.CONTRACTS[name].__call__).parameters
+    return [p for p in params if p != "self"]
+
+
+def _satisfies(function, expected: list[str]) -> str | None:
+    """Why `function` breaks the contract, or None."""
+    params = list(inspect.signature(function).parameters.values())
+    names = [p.name for p in params[: len(expected)]]
+    if names != expected:
+        return f"parameters {names}, the contract has {expected}"
+    extra = [p.name for p in params[len(expected) :] if p.default is inspect.Parameter.empty]
+    return f"extra parameters without defaults: {extra}" if extra else None
+
+
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_every_implementation_satisfies_its_contract(name):
+    expected = _contract_params(name)
+    for function in IMPLEMENTATIONS[name]:
+        problem = _satisfies(function, expected)
+        assert problem is None, f"{function.__module__}.{function.__name__}: {problem}"
+
+
+def test_the_contracts_cover_every_op_of_a_backend():
+    fields = {f.name for f in backend.KernelOps.__dataclass_fields__.values()}
+    assert fields == set(ops.CONTRACTS) == set(IMPLEMENTATIONS)
+
+
+def test_a_broken_signature_is_caught():
+    def swapped(key, value, value_cache, key_cache, slot_mapping):
+        pass
+
+    assert _satisfies(swapped, _contract_params("reshape_and_cache")) is not None
