@@ -17,6 +17,9 @@
 # Exits non-zero with a message at the first failure; every wait is bounded.
 # Variables:
 #   KVPAGER_NATS_PORT, KVPAGER_NATS_MONITOR_PORT, KVPAGER_HTTP_PORT  default: free ports
+#   KVPAGER_SERVICE_PASSWORD, KVPAGER_GATEWAY_PASSWORD, KVPAGER_CLIENT_PASSWORD
+#                         the NATS users' passwords (deploy/nats.conf; default: random); the
+#                         host's commands connect as the client user
 #   KVPAGER_BASE_IMAGE    image to build on (default kvpager-base:bookworm, made if missing;
 #                         python:3.11-slim where a registry is reachable)
 #   KVPAGER_DEBIAN_MIRROR debootstrap's mirror (default http://deb.debian.org/debian)
@@ -186,6 +189,18 @@ port_is_free() {
 }
 
 # Host networking: the containers bind the host's own ports, so take ones nothing else holds.
+# compose.yaml requires the passwords; the host side connects as deploy/nats.conf's client.
+choose_passwords() {
+  local role name
+  for role in SERVICE GATEWAY CLIENT; do
+    name=KVPAGER_${role}_PASSWORD
+    [[ -n ${!name:-} ]] || export "$name=$(python3 -c 'import secrets; print(secrets.token_urlsafe(24))')"
+  done
+  export KVPAGER_NATS_USER=client KVPAGER_NATS_PASSWORD=$KVPAGER_CLIENT_PASSWORD
+  export KVPAGER_NATS_INBOX_PREFIX=_INBOX_client
+  log "NATS users kvpager-service, gateway, client (random passwords); the host is client"
+}
+
 choose_ports() {
   step "ports on 127.0.0.1"
   if ((REPLICAS)); then
@@ -336,7 +351,10 @@ import asyncio, os, sys
 from services.client import Client
 from services.http.metrics import gather_stats
 async def main():
-    client = await Client.connect(os.environ["KVPAGER_NATS_URL"])
+    client = await Client.connect(
+        os.environ["KVPAGER_NATS_URL"], user=os.environ["KVPAGER_NATS_USER"],
+        password=os.environ["KVPAGER_NATS_PASSWORD"],
+        inbox_prefix=os.environ["KVPAGER_NATS_INBOX_PREFIX"])
     try:
         stats = await gather_stats(client.nc, "llm.stats", 2.0)
     finally:
@@ -353,7 +371,10 @@ streams_survive_kill() {
 import asyncio, os, signal, sys
 from services.client import Client
 async def main(pid):
-    client = await Client.connect(os.environ["KVPAGER_NATS_URL"])
+    client = await Client.connect(
+        os.environ["KVPAGER_NATS_URL"], user=os.environ["KVPAGER_NATS_USER"],
+        password=os.environ["KVPAGER_NATS_PASSWORD"],
+        inbox_prefix=os.environ["KVPAGER_NATS_INBOX_PREFIX"])
     counts, killed = [0] * 16, asyncio.Event()
     async def one(i):
         events = []
@@ -440,6 +461,7 @@ main() {
   trust_host_certificates
   build_image
   choose_ports
+  choose_passwords
   bring_up
   generate_over_nats "first"
   generate_over_http

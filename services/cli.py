@@ -93,6 +93,22 @@ def _cmd_health(args: argparse.Namespace) -> int:
     return asyncio.run(terminal.health(Settings.from_args(args), args.timeout))
 
 
+def _cmd_credentials(args: argparse.Namespace) -> int:
+    from services import credentials
+
+    path, existed = credentials.add_client(args.name, args.prefix)
+    identity = credentials.load(path)
+    reloaded = credentials.reload_servers()
+    print(f"{'kept' if existed else 'created'} {path} (mode 0600): NATS user {identity.user!r}, "
+          f"inbox prefix {identity.inbox_prefix}")  # fmt: skip
+    print(f"use it with: KVPAGER_NATS_IDENTITY={path} kvpager generate 'Hello'")
+    if reloaded:
+        print(f"reloaded the running embedded nats-server (pid {', '.join(map(str, reloaded))})")
+    else:
+        print("no embedded nats-server runs: the next `kvpager serve` accepts it")
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from services.schema import render
 
@@ -128,8 +144,17 @@ def _add_service_parsers(sub) -> dict[str, Callable]:
         add_arguments(parser)
         add_arguments(parser, HttpSettings)
     sub.add_parser("schema", help="print the JSON Schema of the public NATS API")
+    creds = sub.add_parser(
+        "credentials",
+        help="NATS identities of the embedded server (under the cache dir)",
+        description="add NAME: a client identity of its own (publishes the public subjects, "
+        "receives on _INBOX_NAME.> only); running embedded servers reload their config.",
+    )
+    creds.add_argument("action", choices=["add"])
+    creds.add_argument("name", help="letters, digits and '-'")
+    add_arguments(creds, names=("prefix",))
     commands = {**dict.fromkeys(SERVICES, _cmd_service), **dict.fromkeys(HTTP_SERVICES, _cmd_http)}
-    return {**commands, "serve": _cmd_serve, "schema": _cmd_schema}
+    return {**commands, "serve": _cmd_serve, "schema": _cmd_schema, "credentials": _cmd_credentials}
 
 
 def _add_client_parsers(sub) -> dict[str, Callable]:

@@ -13,6 +13,7 @@ raises StreamGapError.
 """
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,12 +34,15 @@ from schemas.public import (
     Stats,
     Usage,
 )
+from services import credentials
 from services.subjects import Subjects
 from services.wire import MSGPACK_HEADERS
 
 DEFAULT_IDLE_TIMEOUT_S = 30.0  # services send a keepalive about every second
 POLL_S = 0.5  # how often a waiting stream looks at the connection
 KEEPALIVE_HEADER = "Kvpager-Keepalive"
+# nats.connect options that authenticate: given any, no local identity is looked up
+AUTH_OPTIONS = {"user", "password", "token", "user_credentials", "nkeys_seed", "signature_cb"}
 _event_json = msgspec.json.Decoder(GenerateEvent)
 _event_msgpack = msgspec.msgpack.Decoder(GenerateEvent)
 
@@ -62,6 +66,7 @@ class Client:
         self.nc = nc
         self.subjects = Subjects(prefix)
         self.idle_timeout = idle_timeout
+        self._abort_tokens: dict[str, str] = {}  # request id -> what its llm.abort carries
 
     @classmethod
     async def connect(
@@ -72,8 +77,14 @@ class Client:
         **connect_options: Any,
     ) -> "Client":
         """Connect to `url` (comma-separated or a list: a cluster's nodes, failed over in turn);
-        `connect_options` go to `nats.connect` (auth, TLS, reconnect policy)."""
+        `connect_options` go to `nats.connect` (auth, TLS, reconnect policy). Given no
+        credentials, the client uses this host's default identity if `kvpager serve` made one
+        (services/credentials.py)."""
         servers = [u.strip() for u in url.split(",")] if isinstance(url, str) else list(url)
+        if not AUTH_OPTIONS & connect_options.keys():
+            local = credentials.local_client()
+            if local is not None:
+                connect_options = {**credentials.options_of(str(local)), **connect_options}
         nc = await nats.connect(servers, **{"name": "kvpager-client", **connect_options})
         return cls(nc, prefix, idle_timeout)
 
@@ -90,19 +101,28 @@ class Client:
             request = msgspec.structs.replace(request, **fields)
         if request.request_id is None:
             request = msgspec.structs.replace(request, request_id=uuid.uuid4().hex)
+        if request.abort_token is None:  # only we and the services see it: our aborts alone
+            request = msgspec.structs.replace(request, abort_token=secrets.token_urlsafe(16))
         encode = msgspec.msgpack.encode if msgpack else msgspec.json.encode
         payload = encode(request)
-        return self._events(payload, MSGPACK_HEADERS if msgpack else None, request.request_id)
+        headers = MSGPACK_HEADERS if msgpack else None
+        return self._events(payload, headers, request.request_id, request.abort_token)
 
     def generate_raw(
         self, payload: bytes, headers: dict[str, str] | None = None
     ) -> AsyncIterator[GenerateEvent]:
         """Send bytes as they are (tools, tests); no abort on close before an event names it."""
-        return self._events(payload, headers, None)
+        return self._events(payload, headers, None, None)
 
     async def _events(
-        self, payload: bytes, headers: dict[str, str] | None, request_id: str | None
+        self,
+        payload: bytes,
+        headers: dict[str, str] | None,
+        request_id: str | None,
+        abort_token: str | None,
     ) -> AsyncIterator[GenerateEvent]:
+        if request_id is not None and abort_token is not None:  # the first of an id keeps it
+            self._abort_tokens.setdefault(request_id, abort_token)
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         reconnects = self.nc.stats["reconnects"]
@@ -115,21 +135,29 @@ class Client:
                 if event is None:
                     lost = True
                     event = _lost_event(request_id or "", seq, num_tokens, self.idle_timeout)
+                elif request_id is not None and event.request_id != request_id:
+                    continue  # not this stream's: someone publishing into our inbox
                 elif event.seq != seq:
                     raise StreamGapError(f"{event.request_id}: seq {event.seq}, expected {seq}")
                 request_id = request_id or event.request_id  # raw requests: learnt here
+                if event.abort_token is not None:  # a request sent without one
+                    abort_token = event.abort_token
+                    self._abort_tokens.setdefault(request_id, abort_token)
                 seq, num_tokens = seq + 1, num_tokens + len(event.token_ids)
                 finished = event.is_final
                 yield event
         finally:
-            await self._close_stream(sub, request_id if lost or not finished else None)
+            abort_id = request_id if lost or not finished else None
+            await self._close_stream(sub, abort_id, abort_token)
+            if abort_token is not None and self._abort_tokens.get(request_id) == abort_token:
+                del self._abort_tokens[request_id]
 
-    async def _close_stream(self, sub, abort_id: str | None) -> None:
+    async def _close_stream(self, sub, abort_id: str | None, abort_token: str | None) -> None:
         if self.nc.is_closed:
             return
         await sub.unsubscribe()
         if abort_id is not None:  # while reconnecting, the abort waits in nats-py's buffer
-            await self.abort(abort_id)
+            await self.abort(abort_id, abort_token)
 
     async def _next_event(self, sub, reconnects: int) -> GenerateEvent | None:
         """The next event; None when it may never come (connection dropped, stream silent)."""
@@ -156,8 +184,11 @@ class Client:
                 return (_event_msgpack if msgpack else _event_json).decode(msg.data)
         return None
 
-    async def abort(self, request_id: str) -> None:
-        await self.nc.publish(self.subjects.abort, msgspec.json.encode(AbortRequest(request_id)))
+    async def abort(self, request_id: str, abort_token: str | None = None) -> None:
+        """Abort a request of this client's (its token is known), or of another's with
+        `abort_token`; the services ignore an abort without the request's token."""
+        abort = AbortRequest(request_id, abort_token or self._abort_tokens.get(request_id))
+        await self.nc.publish(self.subjects.abort, msgspec.json.encode(abort))
 
     async def health(self, timeout: float = 5.0) -> Health:
         return await self._query(self.subjects.health, Health, timeout)

@@ -6,6 +6,7 @@ configures them all.
 """
 
 import asyncio
+import dataclasses
 import ssl
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from schemas.errors import ConfigError, KvpagerError
+from services import credentials
 from services.settings import Settings
 
 CONNECT_TIMEOUT_S = 2.0
@@ -42,6 +44,8 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     if settings.nats_nkey is not None:
         _require_nkeys()
         options["nkeys_seed"] = settings.nats_nkey
+    if settings.nats_identity is not None:  # user, password and inbox prefix
+        options.update(credentials.options_of(settings.nats_identity))
     if settings.nats_inbox_prefix is not None:  # permissions can then confine replies
         options["inbox_prefix"] = settings.nats_inbox_prefix
     context = tls_context(settings)
@@ -51,7 +55,8 @@ def connect_options(settings: Settings) -> dict[str, Any]:
 
 
 def _check_files(settings: Settings) -> None:
-    for name in ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+    files = ("nats_creds", "nats_nkey", "nats_identity", "nats_tls_ca", "nats_tls_cert")
+    for name in (*files, "nats_tls_key"):
         path = getattr(settings, name)
         if path is not None and not Path(path).expanduser().is_file():
             raise ConfigError(f"{name}: {path} is not a file")
@@ -92,11 +97,22 @@ async def flush_sent(nc: NATS, timeout_s: float = 10.0) -> None:
         await nc.flush(timeout=timeout_s)
 
 
+def with_local_identity(settings: Settings, name: str = credentials.DEFAULT_CLIENT) -> Settings:
+    """Settings without credentials get this host's identity `name` (the default client's),
+    when a `kvpager serve` made one (its server refuses anonymous clients); else as given."""
+    if settings.has_nats_auth:
+        return settings
+    path = credentials.local_client(name)
+    return settings if path is None else dataclasses.replace(settings, nats_identity=str(path))
+
+
 async def open_connection(settings: Settings, name: str) -> NATS:
     """Connect for a command: two quick tries, then a ConnectError that names the cause.
 
+    Without credentials in the settings, the local default identity (`with_local_identity`).
     Services retry for ever instead (`services.runtime.connect`): they may start before NATS.
     """
+    settings = with_local_identity(settings)
     errors = _ErrorReport()
 
     async def on_error(exc: Exception) -> None:  # nats-py wants a coroutine function

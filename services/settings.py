@@ -79,6 +79,11 @@ class Settings:
     nats_tls_cert: str | None = _opt("client certificate file (TLS client auth)", default=None)
     nats_tls_key: str | None = _opt("client private key file (TLS client auth)", default=None)
     nats_inbox_prefix: str | None = _opt("reply subjects' prefix (default _INBOX)", default=None)
+    nats_identity: str | None = _opt(
+        "kvpager identity file: NATS user, password and inbox prefix (`kvpager credentials "
+        "add`); client commands use the local default one when given no credentials",
+        default=None,
+    )
     heartbeat_interval: float = _opt("seconds between liveness pings and keepalives", default=1.0)
     liveness_timeout: float = _opt("seconds before a silent peer counts as gone", default=10.0)
     max_request_bytes: int = _opt("largest request body, checked unread", default=1 << 20)
@@ -135,10 +140,18 @@ class Settings:
         if (self.nats_user is None) != (self.nats_password is None):
             raise ConfigError("nats_user and nats_password: give both or neither")
         methods = [self.nats_token, self.nats_user, self.nats_creds, self.nats_nkey]
-        if sum(method is not None for method in methods) > 1:
-            raise ConfigError("NATS auth: give one of token, user/password, creds or nkey")
+        if sum(method is not None for method in [*methods, self.nats_identity]) > 1:
+            raise ConfigError(
+                "NATS auth: give one of token, user/password, creds, nkey or identity"
+            )
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ConfigError("nats_tls_cert and nats_tls_key: give both or neither")
+
+    @property
+    def has_nats_auth(self) -> bool:
+        """Credentials are configured (else: anonymous, or the local identity for clients)."""
+        methods = (self.nats_token, self.nats_user, self.nats_creds, self.nats_nkey)
+        return any(method is not None for method in (*methods, self.nats_identity))
 
     @property
     def nats_servers(self) -> list[str]:
@@ -228,6 +241,7 @@ CONNECTION_FIELDS = (
     "nats_tls_cert",
     "nats_tls_key",
     "nats_inbox_prefix",
+    "nats_identity",
 )
 
 
@@ -239,6 +253,11 @@ class ServeSettings:
     nats_config: str | None = _opt("nats-server config file for the embedded server", default=None)
     nats_server_cert: str | None = _opt("TLS certificate of the embedded server", default=None)
     nats_server_key: str | None = _opt("TLS private key of the embedded server", default=None)
+    nats_insecure: bool = _opt(
+        "embedded server without authentication: every local process may read every stream "
+        "and reach the internal subjects",
+        default=False,
+    )
     ready_timeout: float = _opt("seconds to wait for the services to answer", default=600.0)
     replicas: int = _opt("scheduler-and-executor instances to start", default=1)
 

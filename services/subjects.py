@@ -22,6 +22,21 @@ $SRV.STATS.kvpager-scheduler          tokenizers -> every scheduler (nats.micro)
 from dataclasses import dataclass
 
 TOKENIZER_QUEUE = "kvpager-tokenizer"
+INBOX = "_INBOX"  # nats-py's inbox prefix; client identities have `_INBOX_<name>`
+
+
+def is_inbox(subject: str) -> bool:
+    """A reply subject the services may answer on: a client's inbox (`_INBOX.<id>...`, or
+    `_INBOX_<name>.<id>...` under an identity's prefix), never a service subject.
+
+    Clients choose their reply subjects, and the services may publish anywhere: answering on
+    `llm.internal.>` or `$SRV.>` would let a client forge internal messages through them.
+    Whose inbox it is, NATS does not say; the server lets only that identity subscribe there.
+    """
+    first, _, rest = subject.partition(".")
+    if not rest or not (first == INBOX or first.startswith(INBOX + "_")):
+        return False
+    return all(token and token not in ("*", ">") for token in subject.split("."))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import uvloop
 
 from schemas.errors import ConfigError
 from services.client import Client
+from services.connection import with_local_identity
+from services.credentials import GATEWAY
 from services.discovery import Discovery
 from services.http.app import Gateway, build_app
 from services.runtime import connect, setup_logging
@@ -67,6 +69,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, metrics_only: bool):
     name = "metrics" if metrics_only else "http"
+    settings = with_local_identity(settings, GATEWAY)  # a client of the API, not a service
     nc = await connect(settings, name)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"

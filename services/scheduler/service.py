@@ -42,7 +42,7 @@ from services.scheduler.link import ExecutorLink
 from services.scheduler.outbox import Outbox
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
-from services.subjects import Subjects
+from services.subjects import Subjects, is_inbox
 from services.wire import encode_public, pack, unpack
 
 log = structlog.get_logger(__name__)
@@ -277,8 +277,8 @@ class SchedulerService:
         await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor)))
 
     async def _on_stats(self, msg: Msg) -> None:
-        if self.core is None:
-            return  # no answer until the executor attaches: the client times out
+        if self.core is None or not is_inbox(msg.reply):
+            return  # no answer until the executor attaches; never on a service subject
         stats = self.core.stats(self.settings.instance)
         await msg.respond(encode_public(stats, msgpack=False)[0])
 

@@ -29,8 +29,16 @@ def ready_banner(
         f"            nats req {subjects.generate} '{request}' --server {url}",
         "            kvpager stats   (KV cache and queues)",
     ]
-    if _has_auth(settings):
+    if settings.nats_identity is not None:
+        lines.append(
+            "  auth:     on; clients on this host use the default identity by themselves; "
+            "`kvpager credentials add NAME` issues another (nats CLI: --user default "
+            "--password <identities/default.json's> --inbox-prefix _INBOX_default)"
+        )
+    elif settings.has_nats_auth:
         lines.append("  clients need the same NATS credentials (KVPAGER_NATS_* or --nats-* flags)")
+    else:
+        lines.append("  auth:     OFF: every local process can read and forge every stream")
     return (
         lines
         + http_lines(http or HttpSettings())
@@ -52,8 +60,3 @@ def http_lines(http: HttpSettings) -> list[str]:
     if http.metrics_port is not None:
         lines.append(f"  metrics:  http://{http.http_host}:{http.metrics_port}/metrics")
     return lines
-
-
-def _has_auth(settings: Settings) -> bool:
-    secrets = (settings.nats_token, settings.nats_user, settings.nats_creds, settings.nats_nkey)
-    return any(secret is not None for secret in secrets)

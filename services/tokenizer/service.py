@@ -24,7 +24,7 @@ from schemas.tokenizer import SampleDelta, TokenBatch
 from services.discovery import Discovery
 from services.liveness import repeat
 from services.settings import Settings
-from services.subjects import TOKENIZER_QUEUE, Subjects
+from services.subjects import TOKENIZER_QUEUE, Subjects, is_inbox
 from services.tokenizer import info
 from services.tokenizer.dispatch import Dispatch, movable, typed_error
 from services.tokenizer.instances import Instances
@@ -94,8 +94,8 @@ class TokenizerService:
     # --- requests in ------------------------------------------------------------------
 
     async def _on_generate(self, msg: Msg) -> None:
-        if not msg.reply:
-            log.warning("generate request without a reply subject: dropped")
+        if not is_inbox(msg.reply):
+            log.warning("generate request without an inbox reply subject: dropped")
             return
         # A reconnect not yet noticed ends the streams it may have cut, before this one joins
         # them (it came after the reconnect, so it lost nothing).
@@ -135,9 +135,13 @@ class TokenizerService:
             log.warning("bad abort request", error=str(exc))
             return
         stream = self.streams.get(abort.request_id)
-        if stream is not None:  # another replica owns it otherwise
-            log.info("abort", request_id=abort.request_id)
-            await self._abort(stream)
+        if stream is None:  # another replica owns it, or it ended
+            return
+        if not stream.may_abort(abort.abort_token):
+            log.warning("abort refused: not the stream's token", request_id=abort.request_id)
+            return
+        log.info("abort", request_id=abort.request_id)
+        await self._abort(stream)
 
     def _on_deadline(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
@@ -247,6 +251,8 @@ class TokenizerService:
         await self._answer(msg, info.models)
 
     async def _answer(self, msg: Msg, build) -> None:
+        if not is_inbox(msg.reply):
+            return  # a request or a publish aimed at a service subject: no answer
         serving = [i.name for i in self.instances.router.instances.values() if i.load.model]
         instance = min(serving, default=self.settings.instance)
         state = await info.scheduler_info(

@@ -6,6 +6,8 @@ strings); a stop string makes the stream ask the scheduler to finish the sample
 follows the freeing of the request's blocks.
 """
 
+import hmac
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -53,12 +55,21 @@ class Stream:
         self.num_migrations = 0
         self.failed_instances: set[str] = set()
         self.aborting = False
+        # what an llm.abort must carry; one made here goes to the client in the first event
+        self.abort_token = prepared.abort_token or secrets.token_urlsafe(16)
+        self._announce_token = prepared.abort_token is None
         self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
         self._samples = [
             _Sample(SampleOutput(tokenizer, prepared.prompt_token_ids, prepared.params))
             for _ in range(prepared.params.n)
         ]
+
+    def may_abort(self, abort_token: str | None) -> bool:
+        """An abort comes from the stream's owner: it carries the stream's token."""
+        return abort_token is not None and hmac.compare_digest(
+            abort_token.encode(), self.abort_token.encode()
+        )
 
     @property
     def done(self) -> bool:
@@ -119,6 +130,8 @@ class Stream:
         final = self.done
         if fields["finish_reason"] is not None and self.error is not None:
             fields["error"] = self.error
+        if self._seq == 0 and self._announce_token:
+            fields["abort_token"] = self.abort_token
         event = GenerateEvent(
             request_id=self.request_id,
             seq=self._seq,

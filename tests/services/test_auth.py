@@ -12,6 +12,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from services import credentials
 from services.connection import ConnectError, connect_options, flush_sent, open_connection
 from services.runtime import connect
 from services.serve.embedded import EmbeddedNats
@@ -20,12 +21,16 @@ from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, start, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
-PASSWORDS = {"KVPAGER_SERVICE_PASSWORD": "svc-secret", "KVPAGER_CLIENT_PASSWORD": "cli-secret"}
-SERVICE_USER = {"nats_user": "kvpager", "nats_password": "svc-secret"}
+PASSWORDS = {
+    "KVPAGER_SERVICE_PASSWORD": "svc-secret",
+    "KVPAGER_GATEWAY_PASSWORD": "gw-secret",
+    "KVPAGER_CLIENT_PASSWORD": "cli-secret",
+}
+SERVICE_USER = {"nats_user": "kvpager-service", "nats_password": "svc-secret"}
 CLIENT_USER = {
     "nats_user": "client",
     "nats_password": "cli-secret",
-    "nats_inbox_prefix": "_INBOX.client",
+    "nats_inbox_prefix": "_INBOX_client",
 }
 
 
@@ -150,11 +155,27 @@ async def test_example_config_confines_clients(monkeypatch):
     assert 'permissions violation for publish to "llm.internal.default' in found, found
 
 
+def test_the_example_config_has_the_generated_permissions():
+    """deploy/nats.conf (compose) and `kvpager serve`'s generated config: one scheme."""
+    config = (ROOT / "deploy" / "nats.conf").read_text()
+    for name, kind in (("service", "service"), ("gateway", "gateway"), ("client", "client")):
+        generated = credentials.permissions(credentials.Identity(name, kind, "-"), "llm")
+        assert f"{kind.upper()} = {generated}\n" in config, kind
+    for user, role in (
+        ("kvpager-service", "SERVICE"),
+        ("gateway", "GATEWAY"),
+        ("client", "CLIENT"),
+    ):
+        line = f"{{user: {user}, password: $KVPAGER_{role}_PASSWORD, permissions: ${role}}}"
+        assert line in config, line
+
+
 def test_serve_with_the_example_config(tiny_llama, tmp_path):
-    """Services authenticate as "kvpager"; the client user streams; no credentials, no entry."""
+    """Services authenticate as "kvpager-service"; the client user streams; no credentials, no
+    entry."""
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    service_env = {**PASSWORDS, "KVPAGER_NATS_USER": "kvpager"}
+    service_env = {**PASSWORDS, "KVPAGER_NATS_USER": "kvpager-service"}
     service_env["KVPAGER_NATS_PASSWORD"] = PASSWORDS["KVPAGER_SERVICE_PASSWORD"]
     args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port)]
     process = start(*args, "--nats-config", str(ROOT / "deploy" / "nats.conf"),

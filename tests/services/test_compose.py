@@ -12,6 +12,7 @@ import fnmatch
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,11 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
 import pytest
 import yaml
 
 from services.cli import build_parser
 from services.client import Client
+from services.connection import flush_sent
 from tests.nats_server import free_port, nats_server_binary
 from tests.services.kvpager_cli import KVPAGER
 
@@ -37,15 +40,40 @@ SERVICES = COMPOSE["services"]
 # `kvpager http` (the OpenAI gateway) is run once this tree has the command.
 HAS_GATEWAY = "http" in build_parser()[1]
 LONG_RUNNING = ("tokenizer", "scheduler", "executor", *(("http",) if HAS_GATEWAY else ()))
-# ${NAME} or ${NAME:-default}, as compose interpolates them
-VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+# ${NAME}, ${NAME:-default} or ${NAME:?error}, as compose interpolates them
+VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
+# the NATS users' passwords (deploy/nats.conf), which compose requires
+PASSWORDS = {
+    f"KVPAGER_{role}_PASSWORD": secrets.token_urlsafe(24)
+    for role in ("SERVICE", "GATEWAY", "CLIENT")
+}
+CLIENT = {
+    "user": "client",
+    "password": PASSWORDS["KVPAGER_CLIENT_PASSWORD"],
+    "inbox_prefix": "_INBOX_client",
+}
+# bind mounts ("./deploy/nats.conf:/etc/nats/kvpager.conf:ro"): container path -> ours
+MOUNTS = {
+    volume.split(":")[1]: str(ROOT / volume.split(":")[0])
+    for spec in SERVICES.values()
+    for volume in spec.get("volumes", [])
+    if volume.startswith("./")
+}
 # What a container runs by name, and what runs it here.
 PROGRAMS = {"kvpager": KVPAGER, "python3": [sys.executable]}
 
 
 def interpolate(text: str, variables: dict[str, str]) -> str:
-    """`text` with compose's variables substituted (unset or empty: the default)."""
-    text = VARIABLE.sub(lambda m: variables.get(m[1]) or m[2] or "", text)
+    """`text` with compose's variables substituted (unset or empty: the default, or for
+    `:?`, compose's error)."""
+
+    def value(match: re.Match) -> str:
+        given = variables.get(match[1])
+        if not given and match[2] == "?":
+            raise ValueError(f"{match[1]} is required: {match[3]}")
+        return given or (match[3] if match[2] == "-" else "") or ""
+
+    text = VARIABLE.sub(value, text)
     assert "$" not in text, f"unsupported interpolation in {text!r}"
     return text
 
@@ -74,13 +102,20 @@ class Local:
                 "KVPAGER_NATS_PORT": str(self.nats_port),
                 "KVPAGER_NATS_MONITOR_PORT": str(self.monitor_port),
                 "KVPAGER_HTTP_PORT": str(self.http_port),
+                **PASSWORDS,  # as a user's .env file sets them
             },
         )
 
     def argv(self, command: list[str]) -> list[str]:
         program, *args = command
         local = [str(nats_server_binary())] if program == "nats-server" else PROGRAMS[program]
-        return [*local, *(self.localize(arg) for arg in args)]
+        return [*local, *(self._mounted(self.localize(arg)) for arg in args)]
+
+    @staticmethod
+    def _mounted(arg: str) -> str:
+        for inside, here in MOUNTS.items():
+            arg = arg.replace(inside, here)
+        return arg
 
     def env(self, service: str) -> dict[str, str]:
         compose_env = SERVICES[service].get("environment", {})
@@ -105,7 +140,8 @@ class Local:
 def _start_nats(local: Local) -> subprocess.Popen:
     """The nats service's own command: its ports come from the variables."""
     argv = local.argv(SERVICES["nats"]["command"])
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = local.env("nats")  # the passwords its config reads
+    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(500):
         assert server.poll() is None, "nats-server exited at start-up"
         try:
@@ -139,7 +175,7 @@ def local(tiny_llama, tmp_path_factory) -> Iterator[Local]:
 
 
 async def _wait_healthy(local: Local, timeout_s: float = 120.0) -> None:
-    client = await Client.connect(local.url)
+    client = await Client.connect(local.url, **CLIENT)
     try:
         for _ in range(int(timeout_s / 0.2)):
             for name, process in local.processes.items():
@@ -245,8 +281,27 @@ def test_health_checks_pass(local):
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+async def test_nats_takes_the_users_of_deploy_nats_conf(local):
+    """Anonymous clients are refused; the client user may not reach the internal subjects."""
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(local.url, allow_reconnect=False, connect_timeout=2)
+    errors = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    client = await nats.connect(local.url, error_cb=on_error, **CLIENT)
+    await client.subscribe("llm.internal.>")
+    await flush_sent(client)
+    await asyncio.sleep(0.2)  # the -ERR comes asynchronously
+    await client.close()
+    assert any('subscription to "llm.internal.>"' in error for error in errors), errors
+    with pytest.raises(ValueError, match="KVPAGER_SERVICE_PASSWORD is required"):
+        interpolate(SERVICES["scheduler"]["environment"]["KVPAGER_NATS_PASSWORD"], {})
+
+
 async def test_a_streamed_request(local):
-    client = await Client.connect(local.url)
+    client = await Client.connect(local.url, **CLIENT)
     try:
         stream = client.generate(prompt="Once upon a time", max_tokens=8, temperature=0)
         events = [event async for event in stream]

@@ -6,10 +6,13 @@ import asyncio
 import json
 
 import httpx
+import nats
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sched.metrics import Buckets
+from services import credentials
 from services.client import Client
 from services.http.metrics import render
 from tests.services.http_fixture import NUM_BLOCKS, nats_client, served  # noqa: F401
@@ -97,9 +100,18 @@ def test_buckets_are_cumulative():
 # --- NATS service discovery -------------------------------------------------------------------
 
 
-async def _gather(client: Client, subject: str, wait_s: float = 1.0) -> list[dict]:
+@pytest.fixture
+async def operator(served):  # noqa: F811
+    """`nats micro` as an operator runs it: discovery ($SRV) is open to the services' user
+    alone (services/credentials.py), whose identity `kvpager serve` made here."""
+    service = credentials.load(credentials.identity_path(credentials.SERVICE))
+    nc = await nats.connect(served.nats_url, **service.connect_options())
+    yield nc
+    await nc.close()
+
+
+async def _gather(nc, subject: str, wait_s: float = 1.0) -> list[dict]:
     """Every answer to one request (the way `nats micro` asks), for `wait_s` seconds."""
-    nc = client.nc
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subject, b"", reply=inbox)
@@ -114,8 +126,8 @@ async def _gather(client: Client, subject: str, wait_s: float = 1.0) -> list[dic
     return answers
 
 
-async def test_services_answer_srv_ping(nats_client):  # noqa: F811
-    pings = await _gather(nats_client, "$SRV.PING")
+async def test_services_answer_srv_ping(operator):
+    pings = await _gather(operator, "$SRV.PING")
     assert sorted(ping["name"] for ping in pings) == sorted(f"kvpager-{k}" for k in KINDS)
     assert all(ping["type"] == "io.nats.micro.v1.ping_response" for ping in pings)
     assert all(ping["metadata"]["instance"] == "default" for ping in pings)
@@ -123,10 +135,10 @@ async def test_services_answer_srv_ping(nats_client):  # noqa: F811
     assert http[0]["metadata"]["url"].startswith("http://127.0.0.1:")
 
 
-async def test_srv_info_lists_the_endpoints(nats_client):  # noqa: F811
+async def test_srv_info_lists_the_endpoints(operator):
     endpoints = {}
     for kind in ("tokenizer", "scheduler", "executor"):
-        (info,) = await _gather(nats_client, f"$SRV.INFO.kvpager-{kind}", wait_s=0.5)
+        (info,) = await _gather(operator, f"$SRV.INFO.kvpager-{kind}", wait_s=0.5)
         endpoints[kind] = {e["name"]: (e["subject"], e["queue_group"]) for e in info["endpoints"]}
     tokenizer = endpoints["tokenizer"]
     assert tokenizer["generate"] == ("llm.generate", "kvpager-tokenizer")  # the queue group kept
@@ -136,9 +148,9 @@ async def test_srv_info_lists_the_endpoints(nats_client):  # noqa: F811
     assert endpoints["executor"]["steps"][0] == "llm.internal.default.executor.steps"
 
 
-async def test_srv_stats_count_requests(nats_client):  # noqa: F811
+async def test_srv_stats_count_requests(nats_client, operator):  # noqa: F811
     async def generates() -> int:
-        (stats,) = await _gather(nats_client, "$SRV.STATS.kvpager-tokenizer", wait_s=0.5)
+        (stats,) = await _gather(operator, "$SRV.STATS.kvpager-tokenizer", wait_s=0.5)
         return next(e["num_requests"] for e in stats["endpoints"] if e["name"] == "generate")
 
     before = await generates()

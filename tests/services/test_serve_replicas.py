@@ -9,9 +9,11 @@ import subprocess
 import time
 
 import msgspec
+import nats
 import psutil
 
 from schemas.scheduler import SchedulerInfo
+from services import credentials
 from services.client import Client
 from services.http.metrics import gather_stats
 from tests.nats_server import free_port
@@ -65,18 +67,20 @@ def test_serve_starts_two_instances(tiny_llama, tmp_path):
 
 
 async def _executor_ids(url: str) -> list[str]:
-    """Each instance's attached executor ("" while none is)."""
-    client = await Client.connect(url, "llm")
+    """Each instance's attached executor ("" while none is), asked as the services' user
+    (the internal subjects are its alone)."""
+    service = credentials.load(credentials.identity_path(credentials.SERVICE))
+    nc = await nats.connect(url, **service.connect_options())
     try:
         ids = []
         for instance in ("default-0", "default-1"):
             subject = f"llm.internal.{instance}.scheduler.info"
-            reply = await client.nc.request(subject, b"", timeout=2.0)
+            reply = await nc.request(subject, b"", timeout=2.0)
             info = msgspec.msgpack.decode(reply.data, type=SchedulerInfo)
             ids.append(info.executor_id if info.executor_attached else "")
         return ids
     finally:
-        await client.close()
+        await nc.close()
 
 
 async def _until_attached(url: str, before: list[str], timeout_s: float = 60.0) -> None:

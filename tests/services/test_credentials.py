@@ -1,0 +1,104 @@
+"""The local NATS identities: files, the server config they make, reloads, the opt-out."""
+
+import asyncio
+import stat
+import subprocess
+
+import nats
+import pytest
+
+from services import credentials
+from services.connection import open_connection
+from services.serve.embedded import EmbeddedNats
+from services.serve.launcher import _start_server
+from services.settings import ServeSettings, Settings
+from services.subjects import is_inbox
+from tests.nats_server import free_port, nats_server_binary
+from tests.services.kvpager_cli import kvpager
+
+
+@pytest.fixture
+def nats_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPAGER_CACHE_DIR", str(tmp_path))
+    return tmp_path / "nats"
+
+
+def test_identities_are_private_and_kept(nats_dir):
+    config = credentials.prepare_server("llm")
+    first = credentials.load(credentials.identity_path("default"))
+    credentials.prepare_server("llm")  # a second serve: the same passwords
+    assert credentials.load(credentials.identity_path("default")) == first
+    for path in [config, *nats_dir.glob("identities/*.json")]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    for folder in (nats_dir, nats_dir / "identities"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    names = sorted(identity.name for identity in credentials.identities())
+    assert names == ["default", "gateway", "service"]
+    assert first.inbox_prefix == "_INBOX_default" and len(first.password) >= 32
+
+
+def test_the_config_is_valid_for_nats_server(nats_dir):
+    credentials.prepare_server("llm")
+    credentials.add_client("alice", "llm")
+    config = (nats_dir / "auth.conf").read_text()
+    assert '"_INBOX_alice.>"' in config and config.count("{user:") == 4
+    checked = subprocess.run(
+        [str(nats_server_binary()), "-t", "-c", str(nats_dir / "auth.conf")],
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_reserved_and_bad_names_are_refused(nats_dir):
+    for name in ("service", "gateway", "a.b", "*", "", "-x"):
+        with pytest.raises(credentials.ConfigError):
+            credentials.add_client(name, "llm")
+
+
+def test_inbox_subjects():
+    for subject in ("_INBOX.abc", "_INBOX_alice.abc.def", "_INBOX.x.*x"):
+        assert is_inbox(subject), subject
+    for subject in (None, "", "_INBOX", "_INBOX.", "_INBOX.a..b", "_INBOX.>", "_INBOX_a.*",
+                    "llm.internal.default.scheduler.attach", "$SRV.PING", "llm.abort",
+                    "_INBOXES.a", "x._INBOX.a"):  # fmt: skip
+        assert not is_inbox(subject or ""), subject
+
+
+async def test_credentials_add_reloads_a_running_server(nats_dir):
+    server = EmbeddedNats(Settings(), ServeSettings(nats_port=free_port()))
+    server.start()
+    try:
+        assert (nats_dir / "servers" / f"{server.port}.pid").is_file()
+        done = kvpager("credentials", "add", "bob")
+        assert done.returncode == 0, done.stderr
+        assert f"pid {server.process.pid}" in done.stdout and "0600" in done.stdout
+        bob = Settings(nats_url=server.url, nats_identity=str(credentials.identity_path("bob")))
+        nc = await open_connection(bob, "bob")  # accepted without a restart
+        await nc.close()
+    finally:
+        server.stop()
+    assert not (nats_dir / "servers" / f"{server.port}.pid").exists()
+    done = kvpager("credentials", "add", "carol")
+    assert "the next `kvpager serve` accepts it" in done.stdout
+
+
+async def test_anonymous_clients_are_refused_unless_insecure(nats_dir, capsys):
+    settings = Settings()
+    secure = EmbeddedNats(settings, ServeSettings(nats_port=free_port()))
+    insecure = EmbeddedNats(settings, ServeSettings(nats_port=free_port(), nats_insecure=True))
+    try:
+        services, gateway = _start_server(secure, settings, ServeSettings())
+        assert services.nats_identity.endswith("service.json")
+        assert gateway.nats_identity.endswith("gateway.json")
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(secure.url, allow_reconnect=False, connect_timeout=2)
+        assert "WARNING" not in capsys.readouterr().err
+        services, _ = _start_server(insecure, settings, insecure.options)
+        assert services.nats_identity is None
+        assert "WARNING: --nats-insecure" in capsys.readouterr().err
+        nc = await asyncio.wait_for(nats.connect(insecure.url, allow_reconnect=False), 5)
+        await nc.close()
+    finally:
+        secure.stop()
+        insecure.stop()
