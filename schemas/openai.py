@@ -3,17 +3,32 @@
 The fields of OpenAI's API that kvpager serves, and vLLM's extras (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, ...), with OpenAI's names. Types are checked
 here; ranges are checked once the request is mapped onto a `GenerateRequest` (the same checks
-as over NATS). Unknown fields are an error, as at OpenAI.
+as over NATS). Unknown fields are an error, as at OpenAI, unless the gateway runs with
+`--allow-unknown-fields` (vLLM's behaviour: logged and ignored). The fields that clients send by
+default and that mean nothing to a local server (`IGNORED`) are accepted and ignored.
 """
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+IGNORED = ("metadata", "store", "service_tier", "user", "reasoning_effort")
+Role = Literal["system", "user", "assistant", "tool"]  # others could forge template turns
+
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: Annotated[bool, Meta(description="a last chunk with the usage")] = False
+    continuous_usage_stats: Annotated[
+        bool, Meta(description="vLLM's: with include_usage, usage in every chunk")
+    ] = False
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """Only `{"type": "text"}` is served: structured outputs are not supported yet."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -24,7 +39,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -43,7 +58,13 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: Annotated[str, Meta(description="accepted, unused")] | None = None
+    response_format: ResponseFormat | None = None
+    # OpenAI's fields that a local server has no use for: accepted, ignored (IGNORED)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None

@@ -170,6 +170,9 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
         float | None,
         Meta(description="beam search: the beam's length-penalised log-probability"),
     ] = None
+    num_prompt_tokens: (
+        Annotated[int, Meta(description="on a stream's first event: the prompt's length")] | None
+    ) = None
 
     @property
     def is_final(self) -> bool:

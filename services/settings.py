@@ -284,6 +284,11 @@ class HttpSettings:
         "max_tokens of a chat completion that gives none (completions: 16)", default=1024
     )
     stats_timeout: float = _opt("seconds a scrape waits for every instance's stats", default=1.0)
+    allow_unknown_fields: bool = _opt(
+        "log and ignore request fields the gateway does not know (vLLM's behaviour) instead of "
+        "a 400 naming them",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         for name in ("http_port", "metrics_port"):

@@ -76,7 +76,7 @@ async def _complete(request: Request, kind: Kind) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
         body = await _body(request, gateway.settings.max_request_bytes)
-        openai_request = decode(body, kind)
+        openai_request = decode(body, kind, gateway.http.allow_unknown_fields)
         card = await gateway.models.resolve(openai_request.model)
         default = COMPLETION_MAX_TOKENS
         if kind == "chat":  # at most half the context: the prompt must fit beside it

@@ -120,9 +120,12 @@ async def _sse(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIte
 
 async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIterator[bytes]:
     """Role chunks (chat), a chunk per event, the usage chunk; an error event ends it."""
+    running = responses.RunningUsage(job)
+    if first is not None:
+        running.prompt[first[0]] = first[1].num_prompt_tokens or 0
     if job.kind == "chat":
         for index in range(len(job.requests) * job.n):
-            yield _data(responses.role_chunk(job, index))
+            yield _data(responses.role_chunk(job, index, running.of(index)))
     usages: list[Usage] = []
     offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
     async for item in _items(streams, first):
@@ -134,8 +137,10 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
         else:
             index, event = item
             choice = job.choice_index(index, event.index)
-            chunk = _event_chunk(job, choice, event, texts, offsets.get(choice, 0))
-            offsets[choice] = offsets.get(choice, 0) + responses.num_chars(event, texts)
+            running.add(index, event)
+            offset = offsets.get(choice, 0)
+            chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice))
+            offsets[choice] = offset + responses.num_chars(event, texts)
             if chunk is not None:
                 yield chunk
             if event.error is not None:
@@ -165,9 +170,11 @@ async def _items(streams: Streams, first) -> AsyncIterator:
         yield item
 
 
-def _event_chunk(job: Job, choice: int, event: GenerateEvent, texts, offset: int) -> bytes | None:
+def _event_chunk(
+    job: Job, choice: int, event: GenerateEvent, texts, offset: int, running
+) -> bytes | None:
     if event.error is not None:
         return _data(HttpError.from_info(event.error).body())
     if not (event.text or event.finish_reason or event.logprobs):
         return None
-    return _data(responses.chunk(job, choice, event, texts, offset))
+    return _data(responses.chunk(job, choice, event, texts, offset, running))

@@ -123,6 +123,7 @@ class Stream:
             request_id=self.request_id,
             seq=self._seq,
             usage=self.usage() if final else None,
+            num_prompt_tokens=None if self._seq else self.num_prompt_tokens,
             **fields,
         )
         self._seq += 1
