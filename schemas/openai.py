@@ -94,3 +94,23 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /tokenize` (vLLM's): a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: (
+        Annotated[bool, Meta(description="default: true for a prompt, false for messages")]
+        | None
+    ) = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /detokenize` (vLLM's): token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -6,7 +6,9 @@ it as `GenerateEvent`s, in the request's encoding. While a stream has nothing to
 keepalive comes every second or so: an empty message with the header `Kvpager-Keepalive`;
 skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` takes an
 `AbortRequest`; `llm.health`, `llm.stats` and `llm.models` answer any (empty) request with
-`Health`, `Stats` and `ModelList`. `kvpager schema` prints the JSON Schema of these structs.
+`Health`, `Stats` and `ModelList`; `llm.tokenize` and `llm.detokenize` answer a
+`TokenizeRequest` / `DetokenizeRequest` with a `TokenizeResult` / `DetokenizeResult`.
+`kvpager schema` prints the JSON Schema of these structs.
 """
 
 from typing import Annotated, Literal
@@ -131,6 +133,36 @@ class ErrorInfo(msgspec.Struct):
     type: str
     message: str
     param: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`llm.tokenize`: a prompt or a conversation to the token ids `llm.generate` would use."""
+
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_special_tokens: (
+        Annotated[bool, Meta(description="default: true for a prompt, false for messages")]
+        | None
+    ) = None
+    add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = (
+        True
+    )
+
+
+class TokenizeResult(msgspec.Struct):
+    token_ids: list[int] = []
+    error: ErrorInfo | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`llm.detokenize`: token ids to text, special tokens included."""
+
+    token_ids: list[NonNegInt]
+
+
+class DetokenizeResult(msgspec.Struct):
+    text: str = ""
+    error: ErrorInfo | None = None
 
 
 class Usage(msgspec.Struct):

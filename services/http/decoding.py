@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from starlette.requests import Request
 
 from services.http.errors import HttpError
 
@@ -19,6 +20,20 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`")
 _NAMED = re.compile(r"field `([^`]+)`")
 _UNKNOWN = re.compile(r"^Object contains unknown field `([^`]+)`(?: - at `\$([^`]*)`)?$")
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused unread past `limit` bytes."""
+    size = int(request.headers.get("content-length") or 0)
+    if size > limit:
+        raise HttpError(413, f"the request body is over {limit} bytes", "invalid_request")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"the request body is over {limit} bytes", "invalid_request")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def decode(body: bytes, kind: type, allow_unknown: bool = False) -> Any:

@@ -14,7 +14,8 @@ import uvloop
 from schemas.errors import ConfigError
 from services.client import Client
 from services.discovery import Discovery
-from services.http.app import Gateway, build_app
+from services.http.app import build_app
+from services.http.gateway import Gateway
 from services.runtime import connect, setup_logging
 from services.settings import HttpSettings, Settings
 

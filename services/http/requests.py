@@ -13,7 +13,13 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from schemas.openai import IGNORED, ChatCompletionRequest, CompletionRequest, SamplingFields
+from schemas.openai import (
+    IGNORED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Message,
+    SamplingFields,
+)
 from schemas.public import GenerateRequest
 from services.http import decoding
 from services.http.decoding import param_of
@@ -150,13 +156,17 @@ def _generate_request(fields: dict[str, Any], request: Any, kind: Kind) -> Gener
 
 
 def _chat_prompt(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not request.messages:
+    return [{"messages": chat_messages(request.messages)}]
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """OpenAI's messages as kvpager's: role and text."""
+    if not messages:
         raise HttpError.invalid("messages: must not be empty", "messages")
-    messages = [
+    return [
         {"role": message.role, "content": _text(message.content, f"messages[{i}].content")}
-        for i, message in enumerate(request.messages)
+        for i, message in enumerate(messages)
     ]
-    return [{"messages": messages}]
 
 
 def _text(content: Any, param: str) -> str:

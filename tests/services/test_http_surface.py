@@ -1,12 +1,15 @@
-"""What clients send by default, against `kvpager serve --http-port`: vLLM's
-`continuous_usage_stats`, `response_format: text`, OpenAI's no-op fields (ignored, logged), and
-unknown fields: refused, or with `--allow-unknown-fields` (a gateway of its own) ignored."""
+"""What clients send by default and the routes they call, against `kvpager serve --http-port`:
+vLLM's `continuous_usage_stats`, `response_format: text`, OpenAI's no-op fields (ignored,
+logged), unknown fields (refused, or with `--allow-unknown-fields`, a gateway of its own,
+ignored); /tokenize, /detokenize against the model's own tokenizer, /version, /v1/models/{id}."""
 
 import json
+from functools import partial
 
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from tests.services.http_fixture import gateway, nats_client, nats_text, served  # noqa: F401
 
@@ -123,3 +126,54 @@ def test_allow_unknown_fields_logs_and_ignores_them(served, tiny_llama, tmp_path
     assert ignored and ignored[0]["fields"] == ["messages[0].mood", "frobnicate"], ignored
     no_ops = [r for r in records if r.get("event") == "fields ignored"]
     assert no_ops and no_ops[0]["fields"] == ["store"] and no_ops[0]["level"] == "debug"
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_llama):
+    return AutoTokenizer.from_pretrained(str(tiny_llama))
+
+
+async def test_tokenize_agrees_with_the_model_tokenizer(served, api, model, hf_tokenizer):  # noqa: F811
+    prompt = "The paged cache holds blocks"
+    card = (await api.models.retrieve(model)).model_extra
+    async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
+        done = (await http.post("/tokenize", json={"model": model, "prompt": prompt})).json()
+        bare = await http.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False})
+        chat = (await http.post("/tokenize", json={"messages": MESSAGES})).json()
+        open_turn = await http.post(
+            "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}
+        )
+    assert done["tokens"] == hf_tokenizer.encode(prompt)
+    assert done["count"] == len(done["tokens"])
+    assert done["max_model_len"] == card["max_model_len"]
+    assert bare.json()["tokens"] == hf_tokenizer.encode(prompt, add_special_tokens=False)
+    template = partial(hf_tokenizer.apply_chat_template, MESSAGES, return_dict=False)
+    assert chat["tokens"] == template(add_generation_prompt=True)
+    assert open_turn.json()["tokens"] == template(add_generation_prompt=False) != chat["tokens"]
+    reply = await api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
+    assert reply.usage.prompt_tokens == chat["count"]  # what generation counts
+
+
+async def test_detokenize_agrees_with_the_model_tokenizer(served, hf_tokenizer):  # noqa: F811
+    ids = hf_tokenizer.encode("Blocks of sixteen tokens")
+    async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
+        done = await http.post("/detokenize", json={"tokens": ids})
+        bad = await http.post("/detokenize", json={"tokens": [len(hf_tokenizer) + 10**6]})
+        neither = await http.post("/tokenize", json={})
+    assert done.json() == {"prompt": hf_tokenizer.decode(ids)}
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
+
+
+async def test_version_and_one_model(served, api, model, tiny_llama):  # noqa: F811
+    async with httpx.AsyncClient(base_url=served.base_url, timeout=30) as http:
+        version = (await http.get("/version")).json()
+        by_path = (await http.get(f"/v1/models/{tiny_llama}")).json()
+    assert version == {"version": "0.1.0"}
+    one = await api.models.retrieve(model)
+    assert one.id == model == by_path["id"] and one.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        await api.models.retrieve("no-such-model")
+    error = caught.value.body
+    assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
