@@ -14,6 +14,7 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,6 +25,7 @@ from services.http.completions import as_http_error, respond
 from services.http.decoding import read_body
 from services.http.errors import HttpError, error_body
 from services.http.gateway import Gateway
+from services.http.guard import Guard
 from services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
 
 log = structlog.get_logger(__name__)
@@ -45,7 +47,8 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
             Route("/health", _health, methods=["GET"]),
         ]
     handlers = {HTTPException: _http_exception, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    guard = Middleware(Guard, api_keys=gateway.http.api_keys)
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
     app.state.gateway = gateway
     return app
 

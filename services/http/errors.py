@@ -22,9 +22,11 @@ STATUS_OF_TYPE = {
 }
 OPENAI_TYPE_OF_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's, for a missing or wrong API key
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable_error",
@@ -55,7 +57,9 @@ class HttpError(Exception):
         return error_body(self.status, self.message, self.code, self.param)
 
 
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
     kind = OPENAI_TYPE_OF_STATUS.get(status, "invalid_request_error" if status < 500 else "")
     error = {"message": message, "type": kind or "server_error", "param": param, "code": code}
     return {"error": error}

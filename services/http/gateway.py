@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 from services.client import Client
 from services.http.models import Models
+from services.http.settings import HttpSettings
 from services.http.tokens import TokenTexts
-from services.settings import HttpSettings, Settings
+from services.settings import Settings
 
 
 @dataclass

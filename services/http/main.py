@@ -16,8 +16,9 @@ from services.client import Client
 from services.discovery import Discovery
 from services.http.app import build_app
 from services.http.gateway import Gateway
+from services.http.settings import HttpSettings
 from services.runtime import connect, setup_logging
-from services.settings import HttpSettings, Settings
+from services.settings import Settings
 
 log = structlog.get_logger(__name__)
 
