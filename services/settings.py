@@ -85,7 +85,9 @@ class Settings:
     heartbeat_interval: float = option("seconds between liveness pings and keepalives", default=1.0)
     liveness_timeout: float = option("seconds before a silent peer counts as gone", default=10.0)
     max_request_bytes: int = option("largest request body, checked unread", default=1 << 20)
-    max_prompt_tokens: int | None = option("longest prompt (default: no cap)", default=None)
+    max_prompt_tokens: int | None = option(
+        "longest prompt (default: the model's context length)", default=None
+    )
     max_output_tokens: int | None = option("largest max_tokens (default: no cap)", default=None)
     max_n: int = option("most samples (n) per request", default=16)
     max_beam_width: int = option("widest beam search per request", default=16)

@@ -47,7 +47,7 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
             Route("/health", _health, methods=["GET"]),
         ]
     handlers = {HTTPException: _http_exception, Exception: _internal_error}
-    guard = Middleware(Guard, api_keys=gateway.http.api_keys)
+    guard = Middleware(Guard, api_keys=gateway.http.api_keys, hosts=gateway.http.hosts)
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
     app.state.gateway = gateway
     return app
@@ -68,14 +68,17 @@ async def _chat_completions(request: Request) -> Response:
 async def _complete(request: Request, kind: Kind) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
-        body = await read_body(request, gateway.settings.max_request_bytes)
+        body = await read_body(
+            request, gateway.settings.max_request_bytes, gateway.http.http_header_timeout
+        )
         openai_request = decode(body, kind, gateway.http.allow_unknown_fields)
         card = await gateway.models.resolve(openai_request.model)
         default = COMPLETION_MAX_TOKENS
         if kind == "chat":  # at most half the context: the prompt must fit beside it
             default = max(1, min(gateway.http.default_max_tokens, card.max_model_len // 2))
         job = build_job(openai_request, kind, _request_id(request), default)
-        return await respond(gateway.client, job, gateway.tokens, request)
+        buffered = gateway.http.stream_buffer_events
+        return await respond(gateway.client, job, gateway.tokens, request, buffered)
     except HttpError as exc:
         log.info("request refused", path=request.url.path, status=exc.status, code=exc.code)
         return _error(exc)

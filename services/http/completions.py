@@ -13,14 +13,14 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from schemas.public import GenerateEvent, Usage
 from services.client import NoKvpagerError, StreamGapError
 from services.http import responses
 from services.http.errors import HttpError
 from services.http.requests import Job
-from services.http.streams import Streams
+from services.http.streams import CutOffResponse, Streams
 from services.http.tokens import TokenTexts
 
 ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
@@ -38,10 +38,13 @@ def as_http_error(exc: Exception) -> HttpError:
     return HttpError(502, f"the NATS stream failed: {exc!r}", "connection_lost")
 
 
-async def respond(client, job: Job, texts: TokenTexts, request: Request) -> Response:
+async def respond(
+    client, job: Job, texts: TokenTexts, request: Request, max_buffered: int | None = None
+) -> Response:
+    """`max_buffered`: events a stream may hold for a client that does not read."""
     if job.top_logprobs is not None:
         await texts.load()
-    streams = Streams(client, job.requests)
+    streams = Streams(client, job.requests, max_buffered if job.stream else None)
     try:
         if not job.stream:
             return await _whole(job, streams, texts, request)
@@ -51,7 +54,7 @@ async def respond(client, job: Job, texts: TokenTexts, request: Request) -> Resp
         raise
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     events = _sse(job, streams, first, texts)
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return CutOffResponse(events, streams, media_type="text/event-stream", headers=headers)
 
 
 async def _first(streams: Streams) -> tuple[int, GenerateEvent] | None:

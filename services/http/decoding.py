@@ -4,6 +4,7 @@ Unknown fields are refused (400 naming the field), as at OpenAI; with `--allow-u
 they are logged and dropped wherever they are (top level or nested), as vLLM does.
 """
 
+import asyncio
 import re
 from typing import Any
 
@@ -22,11 +23,20 @@ _UNKNOWN = re.compile(r"^Object contains unknown field `([^`]+)`(?: - at `\$([^`
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused unread past `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, refused unread past `limit` bytes, and with a 408 if it takes over
+    `timeout_s` (a client trickling its body holds a connection and a task)."""
     size = int(request.headers.get("content-length") or 0)
     if size > limit:
         raise HttpError(413, f"the request body is over {limit} bytes", "invalid_request")
+    try:
+        return await asyncio.wait_for(_read(request, limit), timeout_s)
+    except asyncio.TimeoutError as exc:
+        message = f"the request body took over {timeout_s} s"
+        raise HttpError(408, message, "request_timeout") from exc
+
+
+async def _read(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

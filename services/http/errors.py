@@ -25,6 +25,7 @@ OPENAI_TYPE_OF_STATUS = {
     401: "invalid_request_error",  # OpenAI's, for a missing or wrong API key
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     500: "server_error",
@@ -47,7 +48,10 @@ class HttpError(Exception):
     @classmethod
     def from_info(cls, error: ErrorInfo) -> "HttpError":
         status = STATUS_OF_TYPE.get(error.type, 500)
-        return cls(status, error.message, error.type, error.param)
+        param, message = error.param, error.message
+        if param == "prompt_token_ids":  # OpenAI's token-id prompts are `prompt`
+            param, message = "prompt", message.replace("prompt_token_ids", "prompt")
+        return cls(status, message, error.type, param)
 
     @classmethod
     def invalid(cls, message: str, param: str | None) -> "HttpError":

@@ -41,6 +41,26 @@ class HttpSettings:
         "a 400 naming them",
         default=False,
     )
+    allowed_hosts: str | None = option(
+        "Host header values the gateway answers, comma-separated (a name, an address, "
+        "*.domain or *); others get a 400 (DNS rebinding); default: any",
+        default=None,
+        repeated=True,
+    )
+    http_header_timeout: float = option(
+        "seconds a connection has to send a request's head (and then its body)", default=10.0
+    )
+    http_keep_alive_timeout: float = option(
+        "seconds an idle keep-alive connection stays open", default=5.0
+    )
+    http_max_concurrency: int = option(
+        "most connections and requests at once; past it, 503", default=1024
+    )
+    stream_buffer_events: int = option(
+        "events one stream may have waiting for a client that does not read; past it, the "
+        "client is cut off and the request aborted",
+        default=1024,
+    )
 
     def __post_init__(self) -> None:
         for name in ("http_port", "metrics_port"):
@@ -53,12 +73,24 @@ class HttpSettings:
             raise ConfigError("stats_timeout: must be positive")
         if self.api_key is not None and not self.api_keys:
             raise ConfigError("api_key: give at least one non-empty key")
+        for name in ("http_header_timeout", "http_keep_alive_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive")
+        for name in ("http_max_concurrency", "stream_buffer_events"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
         """The keys in `api_key`; none: the gateway is open."""
         keys = (key.strip() for key in (self.api_key or "").split(","))
         return tuple(key for key in keys if key)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The names in `allowed_hosts`, lower case; none: any Host is answered."""
+        names = (name.strip().lower() for name in (self.allowed_hosts or "").split(","))
+        return tuple(name for name in names if name)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "HttpSettings":

@@ -55,7 +55,9 @@ async def show_version(request: Request) -> Response:
 
 
 async def _decoded(request: Request, gateway: Gateway, kind: type):
-    body = await read_body(request, gateway.settings.max_request_bytes)
+    body = await read_body(
+        request, gateway.settings.max_request_bytes, gateway.http.http_header_timeout
+    )
     return decode(body, kind, gateway.http.allow_unknown_fields)
 
 
