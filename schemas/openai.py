@@ -103,8 +103,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: (
-        Annotated[bool, Meta(description="default: true for a prompt, false for messages")]
-        | None
+        Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
     ) = None
     add_generation_prompt: bool = True
 

@@ -141,12 +141,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     add_special_tokens: (
-        Annotated[bool, Meta(description="default: true for a prompt, false for messages")]
-        | None
+        Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
     ) = None
-    add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = (
-        True
-    )
+    add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = True
 
 
 class TokenizeResult(msgspec.Struct):
