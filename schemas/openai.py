@@ -74,6 +74,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: (
+        Annotated[str, Meta(min_length=1, max_length=128, description="prefix-cache scope")] | None
+    ) = None
     # kvpager's own
     timeout: Annotated[float, Meta(description="seconds, then 504 (or an error event)")] | None = (
         None

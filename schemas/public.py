@@ -51,6 +51,18 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         | None
     ) = None
     model: Annotated[str, Meta(description="served model name; none: any instance's")] | None = None
+    cache_salt: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                max_length=256,
+                description="prefix-cache entries are shared only among requests with the "
+                "same salt (vLLM's); the HTTP gateway sets one per API key",
+            ),
+        ]
+        | None
+    ) = None
     prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
     messages: (
         Annotated[

@@ -76,7 +76,8 @@ async def _complete(request: Request, kind: Kind) -> Response:
         default = COMPLETION_MAX_TOKENS
         if kind == "chat":  # at most half the context: the prompt must fit beside it
             default = max(1, min(gateway.http.default_max_tokens, card.max_model_len // 2))
-        job = build_job(openai_request, kind, _request_id(request), default)
+        key_salt = request.scope.get("state", {}).get("key_salt")
+        job = build_job(openai_request, kind, _request_id(request), default, key_salt)
         buffered = gateway.http.stream_buffer_events
         return await respond(gateway.client, job, gateway.tokens, request, buffered)
     except HttpError as exc:

@@ -76,10 +76,16 @@ def decode(
     return decoding.decode(body, _TYPES[kind], allow_unknown)
 
 
-def build_job(request: Any, kind: Kind, request_id: str | None, max_tokens: int) -> Job:
-    """`max_tokens`: the default when the request gives none."""
+def build_job(
+    request: Any, kind: Kind, request_id: str | None, max_tokens: int, key_salt: str | None = None
+) -> Job:
+    """`max_tokens`: the default when the request gives none; `key_salt`: the API key's
+    prefix-cache salt (services/http/guard.py), None without keys."""
     base_id = request_id or uuid.uuid4().hex
     fields = _sampling(request, kind, max_tokens)
+    salt = cache_salt(key_salt, request.cache_salt)
+    if salt is not None:
+        fields["cache_salt"] = salt
     prompts = _chat_prompt(request) if kind == "chat" else _completion_prompts(request)
     requests = [
         _generate_request({**fields, **prompt, "request_id": f"{base_id}-{i}"}, request, kind)
@@ -103,6 +109,13 @@ def build_job(request: Any, kind: Kind, request_id: str | None, max_tokens: int)
         continuous_usage=include_usage and options.continuous_usage_stats,
         top_logprobs=_top_logprobs(request, kind),
     )
+
+
+def cache_salt(key_salt: str | None, given: str | None) -> str | None:
+    """The request's prefix-cache salt: the key's, then the client's own within it, so that a
+    client's chosen salt can never reach another key's cache entries."""
+    parts = [part for part in (key_salt, given) if part is not None]
+    return ":".join(parts) if parts else None
 
 
 def _check_unserved(request: SamplingFields) -> None:

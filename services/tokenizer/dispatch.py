@@ -120,9 +120,8 @@ class Dispatch:
         for start in range(0, num_head, size):
             piece = PromptPiece(stream.request_id, ids[start : start + size])
             await self.nc.publish(subjects.scheduler_requests, pack(piece))
-        add = AddRequest(
-            stream.request_id, ids[num_head:], params, subjects.tokens(self.replica_id)
-        )
+        reply_to = subjects.tokens(self.replica_id)
+        add = AddRequest(stream.request_id, ids[num_head:], params, reply_to, stream.cache_salt)
         try:
             return await self._request_add(subjects.scheduler_requests, add)
         except nats.errors.NoRespondersError:

@@ -31,6 +31,7 @@ class Prepared:
     stream: bool
     timeout_s: float | None  # from now; None: no deadline
     model: str | None = None  # None: any instance's
+    cache_salt: str | None = None
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:
@@ -87,6 +88,7 @@ def prepare(request: GenerateRequest, request_id: str, inputs: InputProcessor) -
         stream=request.stream,
         timeout_s=_timeout_s(request),
         model=request.model,
+        cache_salt=request.cache_salt,
     )
 
 

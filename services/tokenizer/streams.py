@@ -49,6 +49,7 @@ class Stream:
         self.prompt_token_ids = prepared.prompt_token_ids
         self.params = prepared.params
         self.model = prepared.model
+        self.cache_salt = prepared.cache_salt
         self.generated: list[int] = []
         self.num_migrations = 0
         self.failed_instances: set[str] = set()

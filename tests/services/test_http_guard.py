@@ -252,3 +252,43 @@ async def test_only_known_chat_roles(guarded, tiny_llama, role):
         with pytest.raises(openai.BadRequestError) as caught:
             await api.chat.completions.create(model=tiny_llama.name, messages=messages)
     assert caught.value.body["param"] == "messages[0].role"
+
+
+# --- prefix-cache isolation ---------------------------------------------------------------------
+
+
+async def _cached_tokens(guarded, key: str, model: str, prompt: list[int], **extra) -> int:
+    async with _api(guarded, key) as api:
+        done = await api.completions.create(
+            model=model, prompt=prompt, max_tokens=1, extra_body=extra or None
+        )
+    return done.usage.prompt_tokens_details.cached_tokens
+
+
+async def test_prefix_cache_hits_never_cross_api_keys(guarded, tiny_llama, nats_client):  # noqa: F811
+    """The side channel of #23: a guess of another key's prompt gets no hit (cached 0), while
+    the same key's repeat does; a client's own cache_salt scopes within its key."""
+    model, prompt = tiny_llama.name, list(range(200, 300))  # 6 full blocks of 16
+    assert await _cached_tokens(guarded, KEYS[0], model, prompt) == 0
+    assert await _cached_tokens(guarded, KEYS[0], model, prompt) == 96
+    assert await _cached_tokens(guarded, KEYS[1], model, prompt) == 0
+    assert await _cached_tokens(guarded, KEYS[1], model, prompt) == 96
+    salted = {"cache_salt": "tenant-7"}
+    assert await _cached_tokens(guarded, KEYS[1], model, prompt, **salted) == 0
+    assert await _cached_tokens(guarded, KEYS[1], model, prompt, **salted) == 96
+    assert await _cached_tokens(guarded, KEYS[0], model, prompt, **salted) == 0
+
+
+async def test_cache_salt_without_keys(served, tiny_llama, nats_client):  # noqa: F811
+    """On a gateway without keys, vLLM's cache_salt alone scopes the prefix cache."""
+    body = {"model": tiny_llama.name, "prompt": list(range(300, 340)), "max_tokens": 1}
+
+    async def cached(**extra) -> int:
+        async with httpx.AsyncClient(timeout=60) as http:
+            done = await http.post(f"{served.api_url}/completions", json=body | extra)
+        assert done.status_code == 200, done.text
+        return done.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [await cached(), await cached()] == [0, 32]
+    assert [await cached(cache_salt="a"), await cached(cache_salt="a")] == [0, 32]
+    assert await cached(cache_salt="b") == 0
