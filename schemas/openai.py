@@ -3,17 +3,32 @@
 The fields of OpenAI's API that kvpager serves, and vLLM's extras (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, ...), with OpenAI's names. Types are checked
 here; ranges are checked once the request is mapped onto a `GenerateRequest` (the same checks
-as over NATS). Unknown fields are an error, as at OpenAI.
+as over NATS). Unknown fields are an error, as at OpenAI, unless the gateway runs with
+`--allow-unknown-fields` (vLLM's behaviour: logged and ignored). The fields that clients send by
+default and that mean nothing to a local server (`IGNORED`) are accepted and ignored.
 """
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+IGNORED = ("metadata", "store", "service_tier", "user", "reasoning_effort")
+Role = Literal["system", "user", "assistant", "tool"]  # others could forge template turns
+
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: Annotated[bool, Meta(description="a last chunk with the usage")] = False
+    continuous_usage_stats: Annotated[
+        bool, Meta(description="vLLM's: with include_usage, usage in every chunk")
+    ] = False
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """Only `{"type": "text"}` is served: structured outputs are not supported yet."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -24,7 +39,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -43,7 +58,13 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: Annotated[str, Meta(description="accepted, unused")] | None = None
+    response_format: ResponseFormat | None = None
+    # OpenAI's fields that a local server has no use for: accepted, ignored (IGNORED)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -53,6 +74,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: (
+        Annotated[str, Meta(min_length=1, max_length=128, description="prefix-cache scope")] | None
+    ) = None
     # kvpager's own
     timeout: Annotated[float, Meta(description="seconds, then 504 (or an error event)")] | None = (
         None
@@ -73,3 +97,22 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /tokenize` (vLLM's): a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: (
+        Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
+    ) = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /detokenize` (vLLM's): token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]

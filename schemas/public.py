@@ -6,7 +6,9 @@ it as `GenerateEvent`s, in the request's encoding. While a stream has nothing to
 keepalive comes every second or so: an empty message with the header `Kvpager-Keepalive`;
 skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` takes an
 `AbortRequest`; `llm.health`, `llm.stats` and `llm.models` answer any (empty) request with
-`Health`, `Stats` and `ModelList`. `kvpager schema` prints the JSON Schema of these structs.
+`Health`, `Stats` and `ModelList`; `llm.tokenize` and `llm.detokenize` answer a
+`TokenizeRequest` / `DetokenizeRequest` with a `TokenizeResult` / `DetokenizeResult`.
+`kvpager schema` prints the JSON Schema of these structs.
 """
 
 from typing import Annotated, Literal
@@ -57,6 +59,18 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 max_length=256,
                 description="a secret that an llm.abort of this request must carry; none: "
                 "the stream's first event brings one",
+            ),
+        ]
+        | None
+    ) = None
+    cache_salt: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                max_length=256,
+                description="prefix-cache entries are shared only among requests with the "
+                "same salt (vLLM's); the HTTP gateway sets one per API key",
             ),
         ]
         | None
@@ -149,6 +163,33 @@ class ErrorInfo(msgspec.Struct):
     param: str | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`llm.tokenize`: a prompt or a conversation to the token ids `llm.generate` would use."""
+
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_special_tokens: (
+        Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
+    ) = None
+    add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = True
+
+
+class TokenizeResult(msgspec.Struct):
+    token_ids: list[int] = []
+    error: ErrorInfo | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`llm.detokenize`: token ids to text, special tokens included."""
+
+    token_ids: list[NonNegInt]
+
+
+class DetokenizeResult(msgspec.Struct):
+    text: str = ""
+    error: ErrorInfo | None = None
+
+
 class Usage(msgspec.Struct):
     num_prompt_tokens: int
     num_completion_tokens: int
@@ -190,6 +231,9 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
         str | None,
         Meta(description="first event of a request sent without one: what llm.abort needs"),
     ] = None
+    num_prompt_tokens: (
+        Annotated[int, Meta(description="on a stream's first event: the prompt's length")] | None
+    ) = None
 
     @property
     def is_final(self) -> bool:

@@ -46,6 +46,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     reply_to: str
+    cache_salt: str | None = None  # into the first block's prefix-cache hash
 
 
 class FinishRequest(msgspec.Struct, tag="finish", array_like=True):

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 from schemas.errors import ConfigError, KvpagerError
 from services.client import ClientError
+from services.http.settings import HttpSettings
 from services.settings import (
     CONNECTION_FIELDS,
     DEFAULT_MODEL,
-    HttpSettings,
     ServeSettings,
     Settings,
     add_arguments,

@@ -26,12 +26,16 @@ from nats.aio.client import Client as NATS
 
 from schemas.public import (
     AbortRequest,
+    DetokenizeRequest,
+    DetokenizeResult,
     ErrorInfo,
     GenerateEvent,
     GenerateRequest,
     Health,
     ModelList,
     Stats,
+    TokenizeRequest,
+    TokenizeResult,
     Usage,
 )
 from services import credentials
@@ -199,9 +203,18 @@ class Client:
     async def models(self, timeout: float = 5.0) -> ModelList:
         return await self._query(self.subjects.models, ModelList, timeout)
 
-    async def _query(self, subject: str, kind: type, timeout: float):
+    async def tokenize(self, request: TokenizeRequest, timeout: float = 5.0) -> TokenizeResult:
+        """The token ids `generate` would use for the prompt or messages (an error, if bad)."""
+        payload = msgspec.json.encode(request)
+        return await self._query(self.subjects.tokenize, TokenizeResult, timeout, payload)
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 5.0) -> DetokenizeResult:
+        payload = msgspec.json.encode(DetokenizeRequest(token_ids))
+        return await self._query(self.subjects.detokenize, DetokenizeResult, timeout, payload)
+
+    async def _query(self, subject: str, kind: type, timeout: float, payload: bytes = b""):
         try:
-            msg = await self.nc.request(subject, b"", timeout=timeout)
+            msg = await self.nc.request(subject, payload, timeout=timeout)
         except nats.errors.NoRespondersError as exc:
             raise NoKvpagerError(f"no kvpager listens on {subject!r}") from exc
         return msgspec.json.decode(msg.data, type=kind)

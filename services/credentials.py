@@ -124,6 +124,7 @@ def permissions(identity: Identity, prefix: str) -> str:
         return f'{{publish: [">"], subscribe: {_quoted(subscribe)}}}'
     public = Subjects(prefix)
     publish = [public.generate, public.abort, public.health, public.models, public.stats]
+    publish += [public.tokenize, public.detokenize]
     subscribe = [f"{identity.inbox_prefix}.>"]
     if identity.kind == "client":
         return f"{{publish: {_quoted(publish)}, subscribe: {_quoted(subscribe)}}}"

@@ -15,6 +15,8 @@ SUBJECTS = {
     "health": (None, "Health"),
     "stats": (None, "Stats"),
     "models": (None, "ModelList"),
+    "tokenize": ("TokenizeRequest", "TokenizeResult"),
+    "detokenize": ("DetokenizeRequest", "DetokenizeResult"),
 }
 PUBLIC_TYPES = (
     public.GenerateRequest,
@@ -23,6 +25,10 @@ PUBLIC_TYPES = (
     public.Health,
     public.Stats,
     public.ModelList,
+    public.TokenizeRequest,
+    public.TokenizeResult,
+    public.DetokenizeRequest,
+    public.DetokenizeResult,
 )
 
 

@@ -19,88 +19,93 @@ ENV_PREFIX = "KVPAGER_"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _opt(help_text: str, **extra: Any) -> Any:
+def option(help_text: str, **extra: Any) -> Any:
+    """A settings field: its flag's help, its default, and `secret` / `repeated` marks."""
     return field(default=extra.pop("default"), metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True)
 class Settings:
-    nats_url: str = _opt(
+    nats_url: str = option(
         "NATS server URL; several, comma-separated, for the nodes of a cluster",
         default="nats://127.0.0.1:4222",
     )
-    prefix: str = _opt("subject prefix of the public API", default="llm")
-    instance: str = _opt("name of this scheduler/executor pair", default="default")
-    model: str = _opt("checkpoint folder or known model name", default=DEFAULT_MODEL)
-    dtype: str = _opt("float32 | bfloat16 | float16 | auto", default="auto")
-    kv_cache_dtype: str = _opt(
+    prefix: str = option("subject prefix of the public API", default="llm")
+    instance: str = option("name of this scheduler/executor pair", default="default")
+    model: str = option("checkpoint folder or known model name", default=DEFAULT_MODEL)
+    dtype: str = option("float32 | bfloat16 | float16 | auto", default="auto")
+    kv_cache_dtype: str = option(
         "KV cache dtype: auto (the model's) | bfloat16 | float16", default="auto"
     )
-    device: str = _opt("cpu | cuda | cuda:N | auto", default="auto")
-    attention_backend: str = _opt("torch | cpu | triton | auto", default="auto")
-    block_size: int = _opt("tokens per KV block", default=16)
-    num_blocks: int | None = _opt("KV blocks (default: what fits)", default=None)
-    kv_cache_memory: int | None = _opt("bytes for the KV cache", default=None)
-    swap_space: int | None = _opt(
+    device: str = option("cpu | cuda | cuda:N | auto", default="auto")
+    attention_backend: str = option("torch | cpu | triton | auto", default="auto")
+    block_size: int = option("tokens per KV block", default=16)
+    num_blocks: int | None = option("KV blocks (default: what fits)", default=None)
+    kv_cache_memory: int | None = option("bytes for the KV cache", default=None)
+    swap_space: int | None = option(
         "bytes of host memory for swapped-out blocks (default: a quarter of the KV cache on "
         "CPU, none on CUDA)",
         default=None,
     )
-    max_num_seqs: int = _opt("most requests running at once", default=256)
-    max_num_batched_tokens: int = _opt("token budget of one step", default=2048)
-    max_model_len: int | None = _opt("prompt + output limit (default: the model's)", default=None)
-    max_waiting: int = _opt("waiting-queue bound; past it, 'overloaded'", default=1024)
-    enable_prefix_caching: bool = _opt("share full prompt blocks", default=True)
-    enable_chunked_prefill: bool = _opt("split long prompts across steps", default=True)
-    preemption_mode: str = _opt("auto | recompute | swap", default="auto")
-    plan_ahead: int = _opt("steps planned ahead of the executor (0: lockstep)", default=1)
-    seed: int = _opt("seed of unseeded sampling", default=0)
-    tensor_parallel_size: int = _opt(
+    max_num_seqs: int = option("most requests running at once", default=256)
+    max_num_batched_tokens: int = option("token budget of one step", default=2048)
+    max_model_len: int | None = option("prompt + output limit (default: the model's)", default=None)
+    max_waiting: int = option("waiting-queue bound; past it, 'overloaded'", default=1024)
+    enable_prefix_caching: bool = option("share full prompt blocks", default=True)
+    enable_chunked_prefill: bool = option("split long prompts across steps", default=True)
+    preemption_mode: str = option("auto | recompute | swap", default="auto")
+    plan_ahead: int = option("steps planned ahead of the executor (0: lockstep)", default=1)
+    seed: int = option("seed of unseeded sampling", default=0)
+    tensor_parallel_size: int = option(
         "ranks sharing the model, one process and device each (torchrun: WORLD_SIZE)", default=1
     )
-    tensor_parallel_timeout: float = _opt(
+    tensor_parallel_timeout: float = option(
         "seconds a tensor-parallel rank waits on another before the executor fails", default=10.0
     )
-    piece_tokens: int = _opt("most token ids in one internal message", default=65536)
-    step_timeout: float = _opt("seconds the scheduler waits for one step", default=300.0)
-    finish_timeout: float = _opt("seconds a stream waits for an abort to land", default=10.0)
-    drain_timeout: float = _opt("seconds to finish streams on shutdown", default=10.0)
-    check_invariants: bool = _opt("check block accounting after every step", default=False)
-    log_level: str = _opt("debug | info | warning | error", default="info")
-    log_json: bool | None = _opt("JSON log lines (default: when not a tty)", default=None)
-    nats_token: str | None = _opt("NATS authentication token", default=None, secret=True)
-    nats_user: str | None = _opt("NATS user name (with a password)", default=None)
-    nats_password: str | None = _opt(
+    piece_tokens: int = option("most token ids in one internal message", default=65536)
+    step_timeout: float = option("seconds the scheduler waits for one step", default=300.0)
+    finish_timeout: float = option("seconds a stream waits for an abort to land", default=10.0)
+    drain_timeout: float = option("seconds to finish streams on shutdown", default=10.0)
+    check_invariants: bool = option("check block accounting after every step", default=False)
+    log_level: str = option("debug | info | warning | error", default="info")
+    log_json: bool | None = option("JSON log lines (default: when not a tty)", default=None)
+    nats_token: str | None = option("NATS authentication token", default=None, secret=True)
+    nats_user: str | None = option("NATS user name (with a password)", default=None)
+    nats_password: str | None = option(
         "NATS password (prefer the env variable)", default=None, secret=True
     )
-    nats_creds: str | None = _opt("NATS credentials file (JWT + nkey; needs nkeys)", default=None)
-    nats_nkey: str | None = _opt("NATS nkey seed file (needs the nkeys package)", default=None)
-    nats_tls_ca: str | None = _opt("CA file to verify the NATS server's certificate", default=None)
-    nats_tls_cert: str | None = _opt("client certificate file (TLS client auth)", default=None)
-    nats_tls_key: str | None = _opt("client private key file (TLS client auth)", default=None)
-    nats_inbox_prefix: str | None = _opt("reply subjects' prefix (default _INBOX)", default=None)
-    nats_identity: str | None = _opt(
+    nats_creds: str | None = option("NATS credentials file (JWT + nkey; needs nkeys)", default=None)
+    nats_nkey: str | None = option("NATS nkey seed file (needs the nkeys package)", default=None)
+    nats_tls_ca: str | None = option(
+        "CA file to verify the NATS server's certificate", default=None
+    )
+    nats_tls_cert: str | None = option("client certificate file (TLS client auth)", default=None)
+    nats_tls_key: str | None = option("client private key file (TLS client auth)", default=None)
+    nats_inbox_prefix: str | None = option("reply subjects' prefix (default _INBOX)", default=None)
+    nats_identity: str | None = option(
         "kvpager identity file: NATS user, password and inbox prefix (`kvpager credentials "
         "add`); client commands use the local default one when given no credentials",
         default=None,
     )
-    heartbeat_interval: float = _opt("seconds between liveness pings and keepalives", default=1.0)
-    liveness_timeout: float = _opt("seconds before a silent peer counts as gone", default=10.0)
-    max_request_bytes: int = _opt("largest request body, checked unread", default=1 << 20)
-    max_prompt_tokens: int | None = _opt("longest prompt (default: no cap)", default=None)
-    max_output_tokens: int | None = _opt("largest max_tokens (default: no cap)", default=None)
-    max_n: int = _opt("most samples (n) per request", default=16)
-    max_beam_width: int = _opt("widest beam search per request", default=16)
-    max_stop_strings: int = _opt("most stop strings per request", default=16)
-    max_stop_string_chars: int = _opt("longest stop string (characters)", default=256)
-    router: str = _opt(
+    heartbeat_interval: float = option("seconds between liveness pings and keepalives", default=1.0)
+    liveness_timeout: float = option("seconds before a silent peer counts as gone", default=10.0)
+    max_request_bytes: int = option("largest request body, checked unread", default=1 << 20)
+    max_prompt_tokens: int | None = option(
+        "longest prompt (default: the model's context length)", default=None
+    )
+    max_output_tokens: int | None = option("largest max_tokens (default: no cap)", default=None)
+    max_n: int = option("most samples (n) per request", default=16)
+    max_beam_width: int = option("widest beam search per request", default=16)
+    max_stop_strings: int = option("most stop strings per request", default=16)
+    max_stop_string_chars: int = option("longest stop string (characters)", default=256)
+    router: str = option(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )
-    router_overlap_weight: float = _opt(
+    router_overlap_weight: float = option(
         "kv router: weight of a block to prefill against a block in use (Dynamo's cost)",
         default=RouterConfig.overlap_weight,
     )
-    migration_limit: int = _opt(
+    migration_limit: int = option(
         "times a stream moves to another instance after its own failed, then an error", default=3
     )
 
@@ -187,7 +192,10 @@ def add_arguments(
         default = _from_env(env_name, kind, spec.default)
         shown = "(set)" if spec.metadata.get("secret") and default is not None else default
         help_text = f"{spec.metadata['help']} [env {env_name}; default {shown}]"
-        if kind is bool:
+        if spec.metadata.get("repeated"):  # each flag adds one; from_args joins them with ","
+            first = None if default is None else [default]
+            parser.add_argument(flag, action="append", default=first, help=help_text)
+        elif kind is bool:
             parser.add_argument(
                 flag, default=default, help=help_text, action=argparse.BooleanOptionalAction
             )
@@ -197,7 +205,7 @@ def add_arguments(
 
 def environment(settings: Any) -> dict[str, str]:
     """The `KVPAGER_*` variables that reproduce `settings` (a Settings, ServeSettings or
-    HttpSettings) in a child process (launchers)."""
+    services.http.settings.HttpSettings) in a child process (launchers)."""
     env = {}
     for spec in dataclasses.fields(settings):
         value = getattr(settings, spec.name)
@@ -249,17 +257,19 @@ CONNECTION_FIELDS = (
 class ServeSettings:
     """What only `kvpager serve` needs: the embedded nats-server and the start-up wait."""
 
-    nats_port: int = _opt("port of the embedded nats-server (loopback)", default=4222)
-    nats_config: str | None = _opt("nats-server config file for the embedded server", default=None)
-    nats_server_cert: str | None = _opt("TLS certificate of the embedded server", default=None)
-    nats_server_key: str | None = _opt("TLS private key of the embedded server", default=None)
-    nats_insecure: bool = _opt(
+    nats_port: int = option("port of the embedded nats-server (loopback)", default=4222)
+    nats_config: str | None = option(
+        "nats-server config file for the embedded server", default=None
+    )
+    nats_server_cert: str | None = option("TLS certificate of the embedded server", default=None)
+    nats_server_key: str | None = option("TLS private key of the embedded server", default=None)
+    nats_insecure: bool = option(
         "embedded server without authentication: every local process may read every stream "
         "and reach the internal subjects",
         default=False,
     )
-    ready_timeout: float = _opt("seconds to wait for the services to answer", default=600.0)
-    replicas: int = _opt("scheduler-and-executor instances to start", default=1)
+    ready_timeout: float = option("seconds to wait for the services to answer", default=600.0)
+    replicas: int = option("scheduler-and-executor instances to start", default=1)
 
     def __post_init__(self) -> None:
         if not 0 < self.nats_port < 65536:
@@ -281,40 +291,3 @@ def configured(name: str) -> Any:
     """`KVPAGER_<NAME>` as the type of the `Settings` field `name`, or None when unset."""
     kind = _base_type(get_type_hints(Settings)[name])
     return _from_env(ENV_PREFIX + name.upper(), kind, None)
-
-
-@dataclass(frozen=True)
-class HttpSettings:
-    """The HTTP side: the OpenAI-compatible gateway (`kvpager http`) and Prometheus metrics."""
-
-    http_host: str = _opt("address the HTTP gateway and metrics listen on", default="127.0.0.1")
-    http_port: int | None = _opt(
-        "port of the OpenAI-compatible gateway (kvpager http: 8000 if unset; kvpager serve: "
-        "no gateway if unset)",
-        default=None,
-    )
-    metrics_port: int | None = _opt(
-        "port of a Prometheus /metrics server without the gateway (kvpager serve)", default=None
-    )
-    served_model_name: str | None = _opt(
-        "model name of the OpenAI API (default: the model folder's name)", default=None
-    )
-    default_max_tokens: int = _opt(
-        "max_tokens of a chat completion that gives none (completions: 16)", default=1024
-    )
-    stats_timeout: float = _opt("seconds a scrape waits for every instance's stats", default=1.0)
-
-    def __post_init__(self) -> None:
-        for name in ("http_port", "metrics_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 < port < 65536:
-                raise ConfigError(f"{name}: {port} is not a TCP port")
-        if self.default_max_tokens < 1:
-            raise ConfigError("default_max_tokens: must be at least 1")
-        if self.stats_timeout <= 0:
-            raise ConfigError("stats_timeout: must be positive")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "HttpSettings":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -3,6 +3,7 @@
 llm.generate                          client -> tokenizer (queue group), reply: events
 llm.abort                             client -> every tokenizer (the owner acts)
 llm.health | llm.models               client -> tokenizer (queue group), request-reply
+llm.tokenize | llm.detokenize         client -> tokenizer (queue group), request-reply
 llm.stats                             client -> scheduler, request-reply
 llm.internal.<instance>.scheduler.requests   tokenizer -> scheduler: AddRequest (reply:
                                       AddResult), PromptPiece, FinishRequest
@@ -63,6 +64,14 @@ class Subjects:
     @property
     def models(self) -> str:
         return f"{self.prefix}.models"
+
+    @property
+    def tokenize(self) -> str:
+        return f"{self.prefix}.tokenize"
+
+    @property
+    def detokenize(self) -> str:
+        return f"{self.prefix}.detokenize"
 
     @property
     def _internal(self) -> str:

@@ -19,21 +19,35 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
 
-    def prompt_ids(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
-        """A text prompt tokenized as is, or given token ids, checked."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def prompt_ids(
+        self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
+        """A text prompt tokenized as is (with the tokenizer's BOS etc. unless told not to), or
+        given token ids, checked."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            token_ids = list(prompt)
         return self.checked(token_ids, param)
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation rendered with the model's chat template, ready for a reply."""
+    def chat_ids(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """A conversation rendered with the model's chat template, by default ready for a
+        reply; the template writes its own special tokens, `add_special_tokens` adds the
+        tokenizer's on top (vLLM's /tokenize option)."""
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", "messages")
         try:
-            token_ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # a template may raise on roles it does not know
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return self.checked(token_ids, "messages")
 
     def checked(self, token_ids: list[int], param: str) -> list[int]:

@@ -1,6 +1,9 @@
 """Chained, stable hashes of full KV blocks for the prefix cache.
 
-hash(block i) = sha256(hash(block i-1) | extra keys | token ids of block i). A 256-bit digest
+hash(block i) = sha256(hash(block i-1) | token ids of block i); block 0's parent is ROOT_HASH
+and, when the request has a `cache_salt`, the salt goes into block 0's hash alone (as vLLM
+does): the chain carries it into every later block, so requests with different salts (API
+keys) never share a cached block, and those with the same salt share as before. A 256-bit digest
 makes accidental collisions negligible, and the block manager also compares token ids on every
 hit, so a collision can never serve another prompt's K/V. Python's `hash()` is salted per
 process and would break across the scheduler's restarts, so it is not used.
@@ -31,7 +34,8 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
         for block_idx in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else ROOT_HASH
             block_tokens = tokens[block_idx * block_size : (block_idx + 1) * block_size]
-            hashes.append(hash_block(parent, block_tokens, request.cache_salt))
+            salt = request.cache_salt if block_idx == 0 else None  # the chain carries it on
+            hashes.append(hash_block(parent, block_tokens, salt))
     return hashes
 
 

@@ -1,48 +1,36 @@
-"""The gateway's routes: OpenAI's completions, chat completions and models, health, metrics.
+"""The gateway's routes: OpenAI's completions, chat completions and models, vLLM's tokenize,
+detokenize and version, health, metrics.
 
 POST /v1/completions, /v1/chat/completions  ->  GenerateRequests on `llm.generate`
-GET  /v1/models  ->  llm.models      GET /health  ->  llm.health
+GET  /v1/models, /v1/models/{id}  ->  llm.models      GET /health  ->  llm.health
+POST /tokenize, /detokenize  ->  llm.tokenize, llm.detokenize      GET /version
 GET  /metrics    ->  llm.stats of every instance, Prometheus text format
 """
 
 import re
 import time
-from dataclasses import dataclass
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.client import Client
-from services.http import metrics
+from schemas.public import ModelCard
+from services.http import metrics, tokenize
 from services.http.completions import as_http_error, respond
+from services.http.decoding import read_body
 from services.http.errors import HttpError, error_body
-from services.http.models import Models
+from services.http.gateway import Gateway
+from services.http.guard import Guard
 from services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
-from services.http.tokens import TokenTexts
-from services.settings import HttpSettings, Settings
 
 log = structlog.get_logger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
-
-
-@dataclass
-class Gateway:
-    client: Client
-    settings: Settings
-    http: HttpSettings
-    models: Models
-    tokens: TokenTexts
-
-    @classmethod
-    def create(cls, client: Client, settings: Settings, http: HttpSettings) -> "Gateway":
-        models = Models(client, http.served_model_name)
-        return cls(client, settings, http, models, TokenTexts(settings.model))
 
 
 def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
@@ -52,10 +40,15 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
             Route("/v1/completions", _completions, methods=["POST"]),
             Route("/v1/chat/completions", _chat_completions, methods=["POST"]),
             Route("/v1/models", _models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", _model, methods=["GET"]),
+            Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+            Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+            Route("/version", tokenize.show_version, methods=["GET"]),
             Route("/health", _health, methods=["GET"]),
         ]
     handlers = {HTTPException: _http_exception, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    guard = Middleware(Guard, api_keys=gateway.http.api_keys, hosts=gateway.http.hosts)
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
     app.state.gateway = gateway
     return app
 
@@ -75,31 +68,21 @@ async def _chat_completions(request: Request) -> Response:
 async def _complete(request: Request, kind: Kind) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
-        body = await _body(request, gateway.settings.max_request_bytes)
-        openai_request = decode(body, kind)
+        body = await read_body(
+            request, gateway.settings.max_request_bytes, gateway.http.http_header_timeout
+        )
+        openai_request = decode(body, kind, gateway.http.allow_unknown_fields)
         card = await gateway.models.resolve(openai_request.model)
         default = COMPLETION_MAX_TOKENS
         if kind == "chat":  # at most half the context: the prompt must fit beside it
             default = max(1, min(gateway.http.default_max_tokens, card.max_model_len // 2))
-        job = build_job(openai_request, kind, _request_id(request), default)
-        return await respond(gateway.client, job, gateway.tokens, request)
+        key_salt = request.scope.get("state", {}).get("key_salt")
+        job = build_job(openai_request, kind, _request_id(request), default, key_salt)
+        buffered = gateway.http.stream_buffer_events
+        return await respond(gateway.client, job, gateway.tokens, request, buffered)
     except HttpError as exc:
         log.info("request refused", path=request.url.path, status=exc.status, code=exc.code)
         return _error(exc)
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The body, refused unread past `limit` bytes."""
-    size = int(request.headers.get("content-length") or 0)
-    if size > limit:
-        raise HttpError(413, f"the request body is over {limit} bytes", "invalid_request")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"the request body is over {limit} bytes", "invalid_request")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _request_id(request: Request) -> str | None:
@@ -116,18 +99,29 @@ async def _models(request: Request) -> Response:
         cards = await gateway.models.cards(fresh=True)
     except HttpError as exc:
         return _error(exc)
-    data = [
-        {
-            "id": gateway.models.name(card),
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "kvpager",
-            "root": card.id,
-            "max_model_len": card.max_model_len,
-        }
-        for card in cards
-    ]
+    data = [_model_object(gateway, card) for card in cards]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def _model(request: Request) -> Response:
+    """One model by its OpenAI name (or full path); 404 with OpenAI's error object if none."""
+    gateway: Gateway = request.app.state.gateway
+    try:
+        card = await gateway.models.resolve(request.path_params["model_id"])
+    except HttpError as exc:
+        return _error(exc)
+    return JSONResponse(_model_object(gateway, card))
+
+
+def _model_object(gateway: Gateway, card: ModelCard) -> dict:
+    return {
+        "id": gateway.models.name(card),
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "kvpager",
+        "root": card.id,
+        "max_model_len": card.max_model_len,
+    }
 
 
 async def _health(request: Request) -> Response:

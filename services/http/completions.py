@@ -13,14 +13,14 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from schemas.public import GenerateEvent, Usage
 from services.client import NoKvpagerError, StreamGapError
 from services.http import responses
 from services.http.errors import HttpError
 from services.http.requests import Job
-from services.http.streams import Streams
+from services.http.streams import CutOffResponse, Streams
 from services.http.tokens import TokenTexts
 
 ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
@@ -38,10 +38,13 @@ def as_http_error(exc: Exception) -> HttpError:
     return HttpError(502, f"the NATS stream failed: {exc!r}", "connection_lost")
 
 
-async def respond(client, job: Job, texts: TokenTexts, request: Request) -> Response:
+async def respond(
+    client, job: Job, texts: TokenTexts, request: Request, max_buffered: int | None = None
+) -> Response:
+    """`max_buffered`: events a stream may hold for a client that does not read."""
     if job.top_logprobs is not None:
         await texts.load()
-    streams = Streams(client, job.requests)
+    streams = Streams(client, job.requests, max_buffered if job.stream else None)
     try:
         if not job.stream:
             return await _whole(job, streams, texts, request)
@@ -51,7 +54,7 @@ async def respond(client, job: Job, texts: TokenTexts, request: Request) -> Resp
         raise
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     events = _sse(job, streams, first, texts)
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return CutOffResponse(events, streams, media_type="text/event-stream", headers=headers)
 
 
 async def _first(streams: Streams) -> tuple[int, GenerateEvent] | None:
@@ -120,9 +123,12 @@ async def _sse(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIte
 
 async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIterator[bytes]:
     """Role chunks (chat), a chunk per event, the usage chunk; an error event ends it."""
+    running = responses.RunningUsage(job)
+    if first is not None:
+        running.prompt[first[0]] = first[1].num_prompt_tokens or 0
     if job.kind == "chat":
         for index in range(len(job.requests) * job.n):
-            yield _data(responses.role_chunk(job, index))
+            yield _data(responses.role_chunk(job, index, running.of(index)))
     usages: list[Usage] = []
     offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
     async for item in _items(streams, first):
@@ -134,8 +140,10 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
         else:
             index, event = item
             choice = job.choice_index(index, event.index)
-            chunk = _event_chunk(job, choice, event, texts, offsets.get(choice, 0))
-            offsets[choice] = offsets.get(choice, 0) + responses.num_chars(event, texts)
+            running.add(index, event)
+            offset = offsets.get(choice, 0)
+            chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice))
+            offsets[choice] = offset + responses.num_chars(event, texts)
             if chunk is not None:
                 yield chunk
             if event.error is not None:
@@ -165,9 +173,11 @@ async def _items(streams: Streams, first) -> AsyncIterator:
         yield item
 
 
-def _event_chunk(job: Job, choice: int, event: GenerateEvent, texts, offset: int) -> bytes | None:
+def _event_chunk(
+    job: Job, choice: int, event: GenerateEvent, texts, offset: int, running
+) -> bytes | None:
     if event.error is not None:
         return _data(HttpError.from_info(event.error).body())
     if not (event.text or event.finish_reason or event.logprobs):
         return None
-    return _data(responses.chunk(job, choice, event, texts, offset))
+    return _data(responses.chunk(job, choice, event, texts, offset, running))

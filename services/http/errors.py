@@ -22,9 +22,12 @@ STATUS_OF_TYPE = {
 }
 OPENAI_TYPE_OF_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's, for a missing or wrong API key
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable_error",
@@ -45,7 +48,10 @@ class HttpError(Exception):
     @classmethod
     def from_info(cls, error: ErrorInfo) -> "HttpError":
         status = STATUS_OF_TYPE.get(error.type, 500)
-        return cls(status, error.message, error.type, error.param)
+        param, message = error.param, error.message
+        if param == "prompt_token_ids":  # OpenAI's token-id prompts are `prompt`
+            param, message = "prompt", message.replace("prompt_token_ids", "prompt")
+        return cls(status, message, error.type, param)
 
     @classmethod
     def invalid(cls, message: str, param: str | None) -> "HttpError":
@@ -55,7 +61,9 @@ class HttpError(Exception):
         return error_body(self.status, self.message, self.code, self.param)
 
 
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
     kind = OPENAI_TYPE_OF_STATUS.get(status, "invalid_request_error" if status < 500 else "")
     error = {"message": message, "type": kind or "server_error", "param": param, "code": code}
     return {"error": error}

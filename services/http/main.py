@@ -16,9 +16,12 @@ from services.client import Client
 from services.connection import with_local_identity
 from services.credentials import GATEWAY
 from services.discovery import Discovery
-from services.http.app import Gateway, build_app
+from services.http.app import build_app
+from services.http.gateway import Gateway
+from services.http.protocol import with_header_timeout
+from services.http.settings import HttpSettings
 from services.runtime import connect, setup_logging
-from services.settings import HttpSettings, Settings
+from services.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -78,9 +81,12 @@ async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, me
     app = build_app(Gateway.create(Client(nc, settings.prefix), settings, http), metrics_only)
     config = uvicorn.Config(
         app,
+        http=with_header_timeout(http.http_header_timeout),
         log_config=None,
         access_log=False,
         lifespan="off",
+        timeout_keep_alive=http.http_keep_alive_timeout,  # type: ignore[arg-type]  (a float works)
+        limit_concurrency=http.http_max_concurrency,
         timeout_graceful_shutdown=int(settings.drain_timeout),
     )
     log.info("listening", url=url, nats_url=settings.nats_url)

@@ -5,17 +5,27 @@ GenerateRequest's own constraints) and OpenAI's rules; what needs the tokenizer 
 the service's caps) comes back as an error event from the tokenizer.
 """
 
-import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
+import structlog
 
-from schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from schemas.openai import (
+    IGNORED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Message,
+    SamplingFields,
+)
 from schemas.public import GenerateRequest
+from services.http import decoding
+from services.http.decoding import param_of
 from services.http.errors import HttpError
+
+log = structlog.get_logger(__name__)
 
 Kind = Literal["chat", "completion"]
 MAX_PROMPTS = 256  # prompts in one completion request
@@ -38,12 +48,7 @@ PASSED = (  # same name and meaning in both APIs; None: the engine's default
     "skip_special_tokens",
     "timeout",
 )
-_AT = re.compile(r" - at `\$\.?([^`]*)`")
-_NAMED = re.compile(r"field `([^`]+)`")
-_decoders = {
-    "chat": msgspec.json.Decoder(ChatCompletionRequest),
-    "completion": msgspec.json.Decoder(CompletionRequest),
-}
+_TYPES = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 
 
 @dataclass(frozen=True)
@@ -58,36 +63,29 @@ class Job:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
     top_logprobs: int | None  # None: no logprobs
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
 
 
-def decode(body: bytes, kind: Kind) -> ChatCompletionRequest | CompletionRequest:
-    if not body.strip():
-        raise HttpError.invalid("empty request body: expected a JSON object", None)
-    try:
-        return _decoders[kind].decode(body)
-    except msgspec.ValidationError as exc:
-        raise HttpError.invalid(str(exc), param_of(str(exc))) from exc
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise HttpError.invalid(f"malformed JSON: {exc}", None) from exc
+def decode(
+    body: bytes, kind: Kind, allow_unknown: bool = False
+) -> ChatCompletionRequest | CompletionRequest:
+    return decoding.decode(body, _TYPES[kind], allow_unknown)
 
 
-def param_of(message: str) -> str | None:
-    """The field a msgspec error names: its path, or the missing or unknown field."""
-    match = _AT.search(message)
-    if match and match.group(1):
-        return match.group(1)
-    match = _NAMED.search(message)
-    return match.group(1) if match else None
-
-
-def build_job(request: Any, kind: Kind, request_id: str | None, max_tokens: int) -> Job:
-    """`max_tokens`: the default when the request gives none."""
+def build_job(
+    request: Any, kind: Kind, request_id: str | None, max_tokens: int, key_salt: str | None = None
+) -> Job:
+    """`max_tokens`: the default when the request gives none; `key_salt`: the API key's
+    prefix-cache salt (services/http/guard.py), None without keys."""
     base_id = request_id or uuid.uuid4().hex
     fields = _sampling(request, kind, max_tokens)
+    salt = cache_salt(key_salt, request.cache_salt)
+    if salt is not None:
+        fields["cache_salt"] = salt
     prompts = _chat_prompt(request) if kind == "chat" else _completion_prompts(request)
     requests = [
         _generate_request({**fields, **prompt, "request_id": f"{base_id}-{i}"}, request, kind)
@@ -97,6 +95,8 @@ def build_job(request: Any, kind: Kind, request_id: str | None, max_tokens: int)
     options = request.stream_options
     if options is not None and not request.stream:
         raise HttpError.invalid("stream_options: only with stream: true", "stream_options")
+    _check_unserved(request)
+    include_usage = options is not None and options.include_usage
     return Job(
         kind=kind,
         response_id=f"{prefix}-{base_id}",
@@ -105,9 +105,31 @@ def build_job(request: Any, kind: Kind, request_id: str | None, max_tokens: int)
         requests=requests,
         n=request.n,
         stream=request.stream,
-        include_usage=options is not None and options.include_usage,
+        include_usage=include_usage,
+        continuous_usage=include_usage and options.continuous_usage_stats,
         top_logprobs=_top_logprobs(request, kind),
     )
+
+
+def cache_salt(key_salt: str | None, given: str | None) -> str | None:
+    """The request's prefix-cache salt: the key's, then the client's own within it, so that a
+    client's chosen salt can never reach another key's cache entries."""
+    parts = [part for part in (key_salt, given) if part is not None]
+    return ":".join(parts) if parts else None
+
+
+def _check_unserved(request: SamplingFields) -> None:
+    """Refuse what kvpager cannot honour yet; note what it ignores."""
+    form = request.response_format
+    if form is not None and form.type != "text":
+        message = (
+            f"response_format: {form.type!r} is not served; structured outputs are not supported "
+            'yet (only {"type": "text"})'
+        )
+        raise HttpError.invalid(message, "response_format")
+    ignored = [name for name in IGNORED if getattr(request, name) is not None]
+    if ignored:
+        log.debug("fields ignored", fields=ignored)
 
 
 def _sampling(request: SamplingFields, kind: Kind, default_max_tokens: int) -> dict[str, Any]:
@@ -147,13 +169,17 @@ def _generate_request(fields: dict[str, Any], request: Any, kind: Kind) -> Gener
 
 
 def _chat_prompt(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not request.messages:
+    return [{"messages": chat_messages(request.messages)}]
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """OpenAI's messages as kvpager's: role and text."""
+    if not messages:
         raise HttpError.invalid("messages: must not be empty", "messages")
-    messages = [
+    return [
         {"role": message.role, "content": _text(message.content, f"messages[{i}].content")}
-        for i, message in enumerate(request.messages)
+        for i, message in enumerate(messages)
     ]
-    return [{"messages": messages}]
 
 
 def _text(content: Any, param: str) -> str:

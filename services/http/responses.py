@@ -22,6 +22,32 @@ def usage(usages: list[Usage]) -> dict[str, Any]:
     }
 
 
+class RunningUsage:
+    """Usage of each choice so far, for vLLM's `continuous_usage_stats` (None without it)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.prompt: dict[int, int] = {}  # by prompt index, from each stream's first event
+        self.completion: dict[int, int] = {}  # by choice
+
+    def add(self, prompt_index: int, event: GenerateEvent) -> None:
+        if event.num_prompt_tokens is not None:
+            self.prompt[prompt_index] = event.num_prompt_tokens
+        choice = self.job.choice_index(prompt_index, event.index)
+        self.completion[choice] = self.completion.get(choice, 0) + len(event.token_ids)
+
+    def of(self, choice: int) -> dict[str, int] | None:
+        if not self.job.continuous_usage:
+            return None
+        prompt = self.prompt.get(choice // self.job.n, 0)
+        completion = self.completion.get(choice, 0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
 def _head(job: Job, chunk: bool) -> dict[str, Any]:
     if job.kind == "chat":
         kind = "chat.completion.chunk" if chunk else "chat.completion"
@@ -49,7 +75,12 @@ def _choice(job: Job, index: int, event: GenerateEvent, texts: TokenTexts) -> di
 
 
 def chunk(
-    job: Job, index: int, event: GenerateEvent, texts: TokenTexts, text_offset: int = 0
+    job: Job,
+    index: int,
+    event: GenerateEvent,
+    texts: TokenTexts,
+    text_offset: int = 0,
+    running: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One stream event as a chunk of one choice; `text_offset`: the choice's text so far."""
     choice: dict[str, Any] = {"index": index}
@@ -61,23 +92,24 @@ def chunk(
     choice["finish_reason"] = event.finish_reason
     if event.finish_reason is not None:
         choice["stop_reason"] = event.stop_reason
-    return _chunk(job, [choice])
+    return _chunk(job, [choice], running)
 
 
-def role_chunk(job: Job, index: int) -> dict[str, Any]:
+def role_chunk(job: Job, index: int, running: dict[str, int] | None = None) -> dict[str, Any]:
     """A chat stream's first chunk of each choice (OpenAI's shape)."""
     delta = {"role": "assistant", "content": ""}
-    return _chunk(job, [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    return _chunk(job, [choice], running)
 
 
 def usage_chunk(job: Job, usages: list[Usage]) -> dict[str, Any]:
     return {**_head(job, chunk=True), "choices": [], "usage": usage(usages)}
 
 
-def _chunk(job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def _chunk(job: Job, choices: list[dict[str, Any]], running: dict[str, int] | None):
     body = {**_head(job, chunk=True), "choices": choices}
-    if job.include_usage:
-        body["usage"] = None  # OpenAI: null on every chunk but the last
+    if job.include_usage:  # OpenAI: null on every chunk but the last; vLLM: the usage so far
+        body["usage"] = running
     return body
 
 

@@ -5,20 +5,37 @@ a handler whose client disconnected through an anyio cancel scope, which cancels
 after it as well, so the client library's clean-up (unsubscribe, `llm.abort`) would be cut
 short. `close()` cancels the readers once, the plain asyncio way; each reader's stream then
 sends its abort and the request's blocks are freed.
+
+At most `max_buffered` events wait for the handler. A client that stops reading blocks the
+handler in uvicorn's flow control; the events pile up here, and past the bound the requests
+are aborted and `overflowed` is set: `CutOffResponse` then drops the connection.
 """
 
 import asyncio
+import contextlib
+
+import anyio
+import structlog
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from schemas.public import GenerateEvent, GenerateRequest
 from services.client import Client
 
+log = structlog.get_logger(__name__)
+
+ABORT_EXTENSION = "kvpager.abort_connection"  # scope["extensions"]: services/http/protocol.py
 _END = None  # a reader's last item
 
 
 class Streams:
-    def __init__(self, client: Client, requests: list[GenerateRequest]) -> None:
+    def __init__(
+        self, client: Client, requests: list[GenerateRequest], max_buffered: int | None = None
+    ) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(requests)
+        self._max_buffered = max_buffered
+        self.overflowed = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._readers = [
             loop.create_task(self._read(client, index, request))
@@ -27,12 +44,24 @@ class Streams:
 
     async def _read(self, client: Client, index: int, request: GenerateRequest) -> None:
         try:
-            async for event in client.generate(request):
-                self._queue.put_nowait((index, event))
+            async with contextlib.aclosing(client.generate(request)) as events:
+                async for event in events:
+                    if self._full():
+                        self._overflow(request.request_id)
+                        return  # closing the stream aborts the request
+                    self._queue.put_nowait((index, event))
         except Exception as exc:  # no tokenizer, a lost event, the connection: for the handler
             self._queue.put_nowait((index, exc))
         finally:
             self._queue.put_nowait((index, _END))
+
+    def _full(self) -> bool:
+        return self._max_buffered is not None and self._queue.qsize() >= self._max_buffered
+
+    def _overflow(self, request_id: str) -> None:
+        log.warning("stream cut off: its client does not read", request_id=request_id)
+        self.overflowed.set()
+        self.close()
 
     async def next(self, timeout: float | None = None) -> tuple[int, GenerateEvent] | None:
         """The next (request index, event); None once every stream has ended. TimeoutError
@@ -50,4 +79,31 @@ class Streams:
     def close(self) -> None:
         """Stop reading: streams that have not ended are aborted."""
         for reader in self._readers:
-            reader.cancel()
+            if reader is not asyncio.current_task():
+                reader.cancel()
+
+
+class CutOffResponse(StreamingResponse):
+    """Server-sent events that stop, and drop the connection, when `streams` overflow."""
+
+    def __init__(self, content, streams: Streams, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def cut_off() -> None:
+                await self.streams.overflowed.wait()
+                group.cancel_scope.cancel()
+                # closing would wait for a client that never reads to take the buffered rest
+                abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+                if abort is not None:
+                    abort()
+
+            group.start_soon(cut_off)
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                group.cancel_scope.cancel()
+                self.streams.close()

@@ -187,6 +187,7 @@ class SchedulerService:
             prompt_token_ids=token_ids,
             sampling_params=add.sampling_params,
             eos_token_ids=tuple(self.executor.eos_token_ids),
+            cache_salt=add.cache_salt,
         )
         try:
             self.core.add(request)

@@ -3,7 +3,8 @@
 import json
 
 from schemas.public import Stats
-from services.settings import HttpSettings, Settings
+from services.http.settings import HttpSettings
+from services.settings import Settings
 from services.subjects import Subjects
 
 EXAMPLE_REQUEST = {"prompt": "Hello", "max_tokens": 32, "stream": False}

@@ -30,11 +30,12 @@ from engine.logs import configure_logging
 from schemas.errors import ConfigError, KvpagerError
 from services.client import Client, ClientError
 from services.connection import open_connection
+from services.http.settings import HttpSettings
 from services.serve import processes
 from services.serve.banner import ready_banner, starting_lines
 from services.serve.embedded import EmbeddedNats
 from services.serve.supervisor import Child, Spawn, Supervisor
-from services.settings import HttpSettings, ServeSettings, Settings, environment
+from services.settings import ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
 HTTP_COMMANDS = ("http", "metrics")  # clients of the API: the gateway identity

@@ -122,7 +122,8 @@ class Dispatch:
             await self.nc.publish(
                 subjects.scheduler_requests, pack(PromptPiece(stream.request_id, piece))
             )
-        add = AddRequest(stream.request_id, tail, params, subjects.tokens(self.replica_id))
+        reply_to = subjects.tokens(self.replica_id)
+        add = AddRequest(stream.request_id, tail, params, reply_to, stream.cache_salt)
         try:
             return await self._request_add(subjects.scheduler_requests, add)
         except nats.errors.NoRespondersError:

@@ -1,8 +1,11 @@
 """Entry point of `kvpager tokenizer`."""
 
+import dataclasses
+from pathlib import Path
+
 from transformers import AutoTokenizer
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from services.runtime import run_service, setup_logging
 from services.settings import Settings
 from services.tokenizer.service import TokenizerService
@@ -13,6 +16,16 @@ def run(settings: Settings) -> int:
     path = settings.model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     vocab_size = ModelConfig.from_path(path).vocab_size
+    settings = with_prompt_cap(settings, path)
     return run_service(
         "tokenizer", settings, lambda nc: TokenizerService(nc, settings, tokenizer, vocab_size)
     )
+
+
+def with_prompt_cap(settings: Settings, path: Path) -> Settings:
+    """`--max-prompt-tokens`, by default the context length the executor will have: a longer
+    prompt is refused here, before it is routed or sent anywhere."""
+    if settings.max_prompt_tokens is not None:
+        return settings
+    context_len = EngineConfig.pick(settings).model_len(ModelConfig.from_path(path))
+    return dataclasses.replace(settings, max_prompt_tokens=context_len)

@@ -33,6 +33,7 @@ class Prepared:
     timeout_s: float | None  # from now; None: no deadline
     model: str | None = None  # None: any instance's
     abort_token: str | None = None  # the client's; None: the stream makes one
+    cache_salt: str | None = None
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:
@@ -96,6 +97,7 @@ def prepare(
         timeout_s=_timeout_s(request),
         model=request.model,
         abort_token=request.abort_token,
+        cache_salt=request.cache_salt,
     )
 
 

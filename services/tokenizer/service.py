@@ -25,7 +25,7 @@ from services.discovery import Discovery
 from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects, is_inbox
-from services.tokenizer import info
+from services.tokenizer import info, tokenize
 from services.tokenizer.dispatch import Dispatch, movable, typed_error
 from services.tokenizer.instances import Instances
 from services.tokenizer.limits import RequestLimits
@@ -87,6 +87,9 @@ class TokenizerService:
         await discovery.subscribe("generate", subjects.generate, self._on_generate, TOKENIZER_QUEUE)
         await discovery.subscribe("health", subjects.health, self._on_health, TOKENIZER_QUEUE)
         await discovery.subscribe("models", subjects.models, self._on_models, TOKENIZER_QUEUE)
+        for name, answer in (("tokenize", tokenize.tokenize), ("detokenize", tokenize.detokenize)):
+            handler = self._query_handler(answer)
+            await discovery.subscribe(name, getattr(subjects, name), handler, TOKENIZER_QUEUE)
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         self._discover_task = repeat(self.settings.heartbeat_interval, self.instances.discover)
         log.info("tokenizer ready", replica=self.replica_id, generate=subjects.generate)
@@ -249,6 +252,13 @@ class TokenizerService:
 
     async def _on_models(self, msg: Msg) -> None:
         await self._answer(msg, info.models)
+
+    def _query_handler(self, answer):
+        async def handle(msg: Msg) -> None:
+            if is_inbox(msg.reply):  # answers go to inboxes only (see _answer)
+                await msg.respond(answer(msg.data, msg.headers, self.inputs, self.limits))
+
+        return handle
 
     async def _answer(self, msg: Msg, build) -> None:
         if not is_inbox(msg.reply):

@@ -51,6 +51,7 @@ class Stream:
         self.prompt_token_ids = prepared.prompt_token_ids
         self.params = prepared.params
         self.model = prepared.model
+        self.cache_salt = prepared.cache_salt
         self.generated: list[int] = []
         self.num_migrations = 0
         self.failed_instances: set[str] = set()
@@ -136,6 +137,7 @@ class Stream:
             request_id=self.request_id,
             seq=self._seq,
             usage=self.usage() if final else None,
+            num_prompt_tokens=None if self._seq else self.num_prompt_tokens,
             **fields,
         )
         self._seq += 1

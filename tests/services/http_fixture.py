@@ -1,11 +1,15 @@
 """`kvpager serve --http-port --metrics-port` on a tiny model, for the HTTP tests."""
 
 import asyncio
+import contextlib
+import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
+import httpx
 import pytest
 
 from services.client import Client
@@ -88,3 +92,53 @@ async def nats_text(client: Client, **fields) -> tuple[str, object]:
 
 async def settle() -> None:
     await asyncio.sleep(0.05)
+
+
+@dataclass
+class Gateway:
+    """A `kvpager http` of its own (its own flags) in front of the `served` stack."""
+
+    process: Popen
+    base_url: str
+    log_dir: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log_records(self) -> list[dict]:
+        """Its JSON log lines so far."""
+        lines = (self.log_dir / "err.txt").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+@contextlib.contextmanager
+def gateway(served: Served, model: Path, log_dir: Path, **env: str) -> Iterator[Gateway]:
+    """Start `kvpager http` on a free port with `env` (KVPAGER_* settings); stop it after."""
+    port = free_port()
+    args = ["http", "--model", str(model), "--nats-url", served.nats_url]
+    env = {"KVPAGER_LOG_LEVEL": "debug", **env}
+    process = start(*args, "--http-port", str(port), log_dir=log_dir, env=env)
+    found = Gateway(process, f"http://127.0.0.1:{port}", log_dir)
+    try:
+        _wait_answering(found)
+        yield found
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except Exception:
+            process.kill()
+            process.wait()
+
+
+def _wait_answering(found: Gateway, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert found.process.poll() is None, (found.log_dir / "err.txt").read_text()[-3000:]
+        try:
+            httpx.get(f"{found.base_url}/version", timeout=1.0)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise TimeoutError("the gateway did not answer")

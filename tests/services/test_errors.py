@@ -32,7 +32,9 @@ INVALID = [  # (body, headers, error type, param)
     (b'{"messages": [{"role": "user"}]}', None, "invalid_request", "messages"),
     (b'{"messages": []}', None, "invalid_request", "messages"),
     (b'{"prompt": "x", "max_tokens": 5000}', None, "request_too_long", "max_tokens"),
-    (TOO_LONG, None, "request_too_long", "prompt"),
+    # past the context length: refused by the tokenizer (its default --max-prompt-tokens),
+    # naming the field sent
+    (TOO_LONG, None, "request_too_long", "prompt_token_ids"),
 ]
 
 

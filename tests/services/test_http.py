@@ -286,7 +286,10 @@ def test_fuzzed_bad_input_gets_one_4xx_each(served, model):  # noqa: F811
     def check(case) -> None:
         path, body = case
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        response = httpx.post(f"{served.api_url}/{path}", content=content, timeout=60)
+        headers = {"Content-Type": "application/json"}
+        response = httpx.post(
+            f"{served.api_url}/{path}", content=content, headers=headers, timeout=60
+        )
         assert 400 <= response.status_code < 500, (body, response.status_code, response.text)
         error = response.json()["error"]
         assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"

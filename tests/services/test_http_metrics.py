@@ -142,7 +142,7 @@ async def test_srv_info_lists_the_endpoints(operator):
         endpoints[kind] = {e["name"]: (e["subject"], e["queue_group"]) for e in info["endpoints"]}
     tokenizer = endpoints["tokenizer"]
     assert tokenizer["generate"] == ("llm.generate", "kvpager-tokenizer")  # the queue group kept
-    assert set(tokenizer) == {"generate", "health", "models"}
+    assert set(tokenizer) == {"generate", "health", "models", "tokenize", "detokenize"}
     assert endpoints["scheduler"]["stats"][0] == "llm.stats"
     assert endpoints["scheduler"]["stats"][1].startswith("kvpager-scheduler-")  # its own group
     assert endpoints["executor"]["steps"][0] == "llm.internal.default.executor.steps"

@@ -124,3 +124,23 @@ def test_hash_collision_guard_compares_tokens():
     manager.blocks[0].token_ids = (99, 99, 99, 99)
     b = make_request("b", list(range(9)))
     assert manager.find_cached_prefix(b) == []
+
+
+def test_cache_salt_separates_prefixes():
+    """A salt enters the first block's hash only; the chain carries it: other salts (and no
+    salt) never hit, the same salt does, and block hashes past the first differ too."""
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(9))
+    alpha = Request("alpha", prompt, SamplingParams(max_tokens=2), cache_salt="alpha")
+    assert manager.allocate_slots(alpha, 9) == [0, 1, 2]
+    computed(alpha, 9)
+    for salt in ("beta", None):
+        other = Request(f"other-{salt}", prompt, SamplingParams(max_tokens=2), cache_salt=salt)
+        assert manager.find_cached_prefix(other) == []
+    plain = make_request("plain", prompt)
+    assert len(manager.find_cached_prefix(plain)) == 0
+    assert all(a != b for a, b in zip(alpha.block_hashes, plain.block_hashes))
+    again = Request("again", prompt[:8] + [99], SamplingParams(max_tokens=2), cache_salt="alpha")
+    assert manager.find_cached_prefix(again) == [CachedBlock(0), CachedBlock(1)]
+    manager.free(alpha)
+    manager.check_invariants()

@@ -1,0 +1,123 @@
+"""The gateway's door, an ASGI middleware in front of every route, in this order:
+- the Host header, against `--allowed-hosts` when given (a 400 otherwise: a DNS-rebinding
+  page cannot reach a gateway on loopback under its own name);
+- API keys on the model routes (/v1/*, /tokenize, /detokenize), while /health, /metrics and
+  /version stay open (401 with OpenAI's error object);
+- `Content-Type: application/json` on every POST (a 415 otherwise: a web page can send
+  text/plain or a form across origins without asking, never JSON).
+
+Keys are compared in constant time: the sha256 of what the client sent against the sha256 of
+every key, each compared with `hmac.compare_digest`, all of them whatever matched. The key
+that matched gives the request its prefix-cache salt (`scope["state"]["key_salt"]`), so that
+prefix-cache hits never cross API keys.
+"""
+
+import hashlib
+import hmac
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.http.errors import error_body
+
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_MISSING = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+
+
+def key_salt(key: str) -> str:
+    """The prefix-cache salt of one API key: derived, so the key itself never travels."""
+    return hashlib.sha256(b"kvpager-cache-salt\0" + key.encode()).hexdigest()[:32]
+
+
+class Guard:
+    def __init__(
+        self, app: ASGIApp, api_keys: tuple[str, ...] = (), hosts: tuple[str, ...] = ()
+    ) -> None:
+        self.app = app
+        self._digests = [(hashlib.sha256(key.encode()).digest(), key_salt(key)) for key in api_keys]
+        self._hosts = hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        if self._hosts and not host_allowed(_header(scope, b"host"), self._hosts):
+            return _refuse(400, "Host: not a name this server answers to", "invalid_host")
+        if self._digests and _guarded(scope["path"]):
+            refusal = self._key_refusal(scope)
+            if refusal is not None:
+                return refusal
+        if scope["method"] == "POST":
+            media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                message = f"Content-Type: {media_type or 'none'}; expected application/json"
+                return _refuse(415, message, "unsupported_media_type")
+        return None
+
+    def _key_refusal(self, scope: Scope) -> JSONResponse | None:
+        header = _header(scope, b"authorization")
+        if not header:
+            return _unauthorized(_MISSING, None)
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return _unauthorized(_MISSING, None)
+        salt = self._match(token.strip())
+        if salt is None:
+            return _unauthorized("Incorrect API key provided.", "invalid_api_key")
+        scope.setdefault("state", {})["key_salt"] = salt
+        return None
+
+    def _match(self, token: str) -> str | None:
+        """The salt of the key `token` is, in time independent of which key (if any)."""
+        sent = hashlib.sha256(token.encode()).digest()
+        found = None
+        for digest, salt in self._digests:
+            if hmac.compare_digest(sent, digest):
+                found = salt
+        return found
+
+
+def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
+    """`host` (a Host header, port and all) is one of `allowed`: a name or address, `*.domain`
+    (the domain's subdomains), or `*`."""
+    if host is None:
+        return False
+    name = host.strip().lower()
+    if name.startswith("["):  # [IPv6]:port
+        name = name[1 : name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.split(":")[0]
+    for pattern in allowed:
+        if pattern == "*" or name == pattern:
+            return True
+        if pattern.startswith("*.") and name.endswith(pattern[1:]):
+            return True
+    return False
+
+
+def _guarded(path: str) -> bool:
+    return path == "/v1" or path.startswith(GUARDED_PREFIXES)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _unauthorized(message: str, code: str | None) -> JSONResponse:
+    return _refuse(401, message, code, {"WWW-Authenticate": "Bearer"})
+
+
+def _refuse(
+    status: int, message: str, code: str | None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)

@@ -1,0 +1,100 @@
+"""The settings of `kvpager http` and `kvpager metrics` (also taken by `kvpager serve`, which
+hands them to its gateway child); flags and `KVPAGER_*` variables as in services/settings.py."""
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from schemas.errors import ConfigError
+from services.settings import option
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP side: the OpenAI-compatible gateway (`kvpager http`) and Prometheus metrics."""
+
+    http_host: str = option("address the HTTP gateway and metrics listen on", default="127.0.0.1")
+    http_port: int | None = option(
+        "port of the OpenAI-compatible gateway (kvpager http: 8000 if unset; kvpager serve: "
+        "no gateway if unset)",
+        default=None,
+    )
+    metrics_port: int | None = option(
+        "port of a Prometheus /metrics server without the gateway (kvpager serve)", default=None
+    )
+    served_model_name: str | None = option(
+        "model name of the OpenAI API (default: the model folder's name)", default=None
+    )
+    default_max_tokens: int = option(
+        "max_tokens of a chat completion that gives none (completions: 16)", default=1024
+    )
+    stats_timeout: float = option("seconds a scrape waits for every instance's stats", default=1.0)
+    api_key: str | None = option(
+        "API keys clients must send (Authorization: Bearer KEY) on /v1/* and /tokenize, "
+        "/detokenize: comma-separated, or the flag repeated",
+        default=None,
+        secret=True,
+        repeated=True,
+    )
+    allow_unknown_fields: bool = option(
+        "log and ignore request fields the gateway does not know (vLLM's behaviour) instead of "
+        "a 400 naming them",
+        default=False,
+    )
+    allowed_hosts: str | None = option(
+        "Host header values the gateway answers, comma-separated (a name, an address, "
+        "*.domain or *); others get a 400 (DNS rebinding); default: any",
+        default=None,
+        repeated=True,
+    )
+    http_header_timeout: float = option(
+        "seconds a connection has to send a request's head (and then its body)", default=10.0
+    )
+    http_keep_alive_timeout: float = option(
+        "seconds an idle keep-alive connection stays open", default=5.0
+    )
+    http_max_concurrency: int = option(
+        "most connections and requests at once; past it, 503", default=1024
+    )
+    stream_buffer_events: int = option(
+        "events one stream may have waiting for a client that does not read; past it, the "
+        "client is cut off and the request aborted",
+        default=1024,
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ConfigError(f"{name}: {port} is not a TCP port")
+        if self.default_max_tokens < 1:
+            raise ConfigError("default_max_tokens: must be at least 1")
+        if self.stats_timeout <= 0:
+            raise ConfigError("stats_timeout: must be positive")
+        if self.api_key is not None and not self.api_keys:
+            raise ConfigError("api_key: give at least one non-empty key")
+        for name in ("http_header_timeout", "http_keep_alive_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive")
+        for name in ("http_max_concurrency", "stream_buffer_events"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys in `api_key`; none: the gateway is open."""
+        keys = (key.strip() for key in (self.api_key or "").split(","))
+        return tuple(key for key in keys if key)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The names in `allowed_hosts`, lower case; none: any Host is answered."""
+        names = (name.strip().lower() for name in (self.allowed_hosts or "").split(","))
+        return tuple(name for name in names if name)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "HttpSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        joined = {k: ",".join(v) for k, v in values.items() if isinstance(v, list)}
+        return cls(**{**values, **joined})
