@@ -28,6 +28,8 @@ class KernelOps:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.rotary_ref
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.add_rms_norm_ref
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul_ref
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = reference.gelu_tanh_and_mul_ref
+    fused_moe: Callable[..., torch.Tensor] = reference.fused_moe_ref
 
 
 def _torch_ops() -> KernelOps:

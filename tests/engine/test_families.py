@@ -1,0 +1,117 @@
+"""Every family beyond Llama / Qwen2 greedy-equal to transformers' `generate`, token for token:
+roomy, on the CPU backend's C kernels, under preemption and under chunked prefill. Windows of
+8 tokens and prompts of up to 41 make the sliding layers slide."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from schemas.errors import CheckpointError
+from tests import model_families
+from tests.engine.test_parity import (
+    MAX_TOKENS,
+    assert_all_free,
+    hf_greedy,
+    make_prompts,
+    run_engine,
+)
+
+FAMILIES = {
+    "qwen3": model_families.build_qwen3,
+    "gemma2": model_families.build_gemma2,
+    "gemma3_text": model_families.build_gemma3,
+    "mistral": model_families.build_mistral,
+    "phi3": model_families.build_phi3,
+    "mixtral": model_families.build_mixtral,
+    "qwen3_moe": model_families.build_qwen3_moe,
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+    prompts = make_prompts()
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_one_batch_matches_transformers(family):
+    path, prompts, expected = family
+    llm, got = run_engine(path, prompts, num_blocks=128)
+    assert got == expected
+    assert_all_free(llm)
+
+
+def test_cpu_backend_matches_transformers(family):
+    path, prompts, expected = family
+    llm, got = run_engine(path, prompts, num_blocks=128, attention_backend="cpu")
+    assert got == expected
+    assert_all_free(llm)
+
+
+def test_preemption_keeps_tokens_exact(family):
+    path, prompts, expected = family
+    llm, got = run_engine(path, prompts, num_blocks=10, enable_prefix_caching=False)
+    assert llm.stats()["num_preemptions"] > 0
+    assert got == expected
+    assert_all_free(llm)
+
+
+def test_chunked_prefill_keeps_tokens_exact(family):
+    path, prompts, expected = family
+    llm, got = run_engine(path, prompts, num_blocks=128, max_num_batched_tokens=6, max_num_seqs=4)
+    assert got == expected
+    assert_all_free(llm)
+
+
+def test_phi3_longrope_short_and_long_sequences_in_one_batch(tmp_path):
+    """A 32-token pre-training length: prompts of 33 and 41 tokens run on the long factors,
+    sequences that end within 32 tokens on the short ones, side by side in one batch. (One
+    growing across 32 is not exact: transformers recomputes its cache there; rope.py.)"""
+    path = model_families.build_phi3(tmp_path, original_length=32)
+    prompts = [p for p in make_prompts() if len(p) + 12 <= 32 or len(p) > 32]
+    assert len(prompts) == 12  # 1-17 tokens, and 33 and 41
+    llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=64, attention_backend="cpu")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 12)
+    assert_all_free(llm)
+
+
+def test_gemma2_logprobs_match_the_soft_capped_logits(tmp_path):
+    """Final soft-capping never moves the argmax, so greedy tokens cannot see it: the
+    first token's top log-probs are transformers' log_softmax of the capped logits."""
+    path = model_families.build_gemma2(tmp_path, final_logit_softcapping=2.0)
+    prompt = make_prompts()[-1]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    assert logits.abs().max() < 2.0  # the cap is active
+    want = torch.log_softmax(logits, dim=-1).topk(5)
+    llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=32, attention_backend="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    first = llm.generate([prompt], params)[0].outputs[0].logprobs[0]
+    assert first.top_token_ids == want.indices.tolist()
+    torch.testing.assert_close(torch.tensor(first.top_logprobs), want.values, atol=1e-5, rtol=0)
+    assert_all_free(llm)
+
+
+def test_mistral_window_no_longer_caps_the_model_length(tmp_path):
+    """The window (8) used to cap max_model_len; now the model's 1024 positions are served."""
+    path = model_families.build_mistral(tmp_path)
+    assert ModelConfig.from_path(path).sliding_window == model_families.WINDOW
+    llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=64, attention_backend="torch")
+    assert llm.executor.config.max_model_len == 1024
+    prompt = make_prompts()[-1]  # 41 tokens, then 40 more: ten windows
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40))
+    assert out[0].outputs[0].token_ids == hf_greedy(path, [prompt], 40)[0]
+    assert_all_free(llm)
+
+
+def test_unknown_family_is_a_typed_error_naming_the_supported_ones(tmp_path):
+    raw = {"model_type": "falcon", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 1}  # fmt: skip
+    with pytest.raises(CheckpointError, match="'falcon' is not supported; supported: llama,"):
+        ModelConfig.from_dict(raw)
+    with pytest.raises(CheckpointError, match="gemma3_text, phi3, mixtral"):
+        ModelConfig.from_dict(raw)
