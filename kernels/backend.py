@@ -61,6 +61,7 @@ def _triton_ops() -> KernelOps:
     try:
         from kernels.block_ops import copy_blocks, swap_blocks
         from kernels.kv_write import reshape_and_cache
+        from kernels.moe import fused_moe
         from kernels.paged_attention import paged_attention
     except ImportError as error:
         raise ConfigError(f"the triton kernel backend cannot be imported: {error}") from error
@@ -70,6 +71,7 @@ def _triton_ops() -> KernelOps:
         paged_attention=paged_attention,
         copy_blocks=copy_blocks,
         swap_blocks=swap_blocks,
+        fused_moe=fused_moe,
     )
 
 

@@ -108,7 +108,7 @@ def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
             "down_proj": (experts.down, 0)}  # fmt: skip
     if proj not in rows:
         return None
-    return [Target(*rows[proj], shard.layer_part(kind), expert)]
+    return [Target(*rows[proj], shard.layer_part(f"mlp.{kind}"), expert)]
 
 
 def _norm_targets(layer, kind: str, gemma: bool) -> list[Target] | None:

@@ -8,6 +8,11 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.kv_size import weight_bytes_per_rank
+from engine.model.decoder import Decoder
+from engine.model.loader import load_weights
+from engine.model.sharding import Shard
+from kernels.backend import get_kernel_ops
 from schemas.errors import CheckpointError
 from tests import model_families
 from tests.engine.test_parity import (
@@ -115,3 +120,30 @@ def test_unknown_family_is_a_typed_error_naming_the_supported_ones(tmp_path):
         ModelConfig.from_dict(raw)
     with pytest.raises(CheckpointError, match="gemma3_text, phi3, mixtral"):
         ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("build", [model_families.build_gemma2, model_families.build_qwen3_moe])
+def test_triton_backend_windows_soft_caps_and_experts(build, tmp_path):
+    """The Triton kernels (interpreted on CPU) in the engine: Gemma 2's window and attention
+    soft-cap in paged attention, Qwen3-MoE's experts in the grouped MoE kernel; chunked."""
+    path = build(tmp_path)
+    prompts = make_prompts()[-5:-1]  # 23-33 tokens: past the 8-token window
+    llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=64,
+              attention_backend="triton", max_num_batched_tokens=16)  # fmt: skip
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_rank_holds_what_kv_size_counts(name, tmp_path):
+    """kv-size's weight bytes per rank equal what a rank of 1 and of 2 holds and reads."""
+    path = FAMILIES[name](tmp_path)
+    config = ModelConfig.from_path(path)
+    for rank, size in ((0, 1), (1, 2)):
+        decoder = Decoder(
+            config, torch.float32, 64, get_kernel_ops("torch"), Shard.of(config, rank, size)
+        )
+        read = load_weights(decoder, path)
+        held = sum(p.numel() * p.element_size() for p in decoder.parameters())
+        assert read == held == weight_bytes_per_rank(config, torch.float32, size)
