@@ -147,3 +147,33 @@ def test_each_rank_holds_what_kv_size_counts(name, tmp_path):
         read = load_weights(decoder, path)
         held = sum(p.numel() * p.element_size() for p in decoder.parameters())
         assert read == held == weight_bytes_per_rank(config, torch.float32, size)
+
+
+def test_hub_style_configs_parse_as_transformers_reads_them():
+    """Checkpoints on the Hub predate transformers 5's rope_parameters / layer_types: Gemma 3
+    with rope_local_base_freq, sliding_window_pattern and a global linear scaling; Qwen3 with
+    a window only past max_window_layers; Phi-3-mini-4k's window of 2047 on every layer."""
+    base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+            "num_hidden_layers": 7}  # fmt: skip
+    gemma3 = ModelConfig.from_dict({
+        **base, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "sliding_window_pattern": 6, "sliding_window": 512, "query_pre_attn_scalar": 4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "attn_logit_softcapping": 50.0,
+    })  # fmt: skip
+    assert gemma3.layer_windows == (512,) * 5 + (0, 512)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert gemma3.attn_logit_softcapping is None  # transformers' Gemma 3 never applies it
+    assert gemma3.attention_scale == 0.5 and gemma3.qk_norm and gemma3.gemma_norms
+    qwen3 = ModelConfig.from_dict({**base, "model_type": "qwen3", "use_sliding_window": True,
+                                   "sliding_window": 64, "max_window_layers": 4})  # fmt: skip
+    assert qwen3.layer_windows == (0,) * 4 + (64,) * 3
+    phi3 = ModelConfig.from_dict({**base, "model_type": "phi3", "sliding_window": 2047})
+    assert phi3.layer_windows == (2047,) * 7 and phi3.rope_scaling is None
+    moe = ModelConfig.from_dict({**base, "model_type": "qwen3_moe", "num_experts": 4,
+                                 "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                                 "moe_intermediate_size": 4})  # fmt: skip
+    assert moe.sparse_layers == (False, True, False, False, False, True, False)
+    assert not moe.norm_topk_prob
+    mixtral = ModelConfig.from_dict({**base, "model_type": "mixtral", "num_local_experts": 4})
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 8
