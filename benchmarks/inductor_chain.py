@@ -28,7 +28,7 @@ from benchmarks.cpu_kernels import best_ms  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
-from engine.model.decoder import DecoderLayer  # noqa: E402
+from engine.model.decoder import DecoderLayer, RopeRows  # noqa: E402
 from engine.model.sharding import Shard  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.backend import KernelOps, get_kernel_ops  # noqa: E402
@@ -64,7 +64,7 @@ class TorchChain(nn.Module):
         return x, delta
 
 
-def _query_as_output(q, k, v, layer_cache, meta) -> torch.Tensor:
+def _query_as_output(q, k, v, layer_cache, meta, window=0, softcap=0.0) -> torch.Tensor:
     """Stands in for paged attention: q, rotated, as the layer's attention output."""
     return q
 
@@ -73,14 +73,14 @@ def kvpager_chain(layers: list[DecoderLayer], x, cos, sin):
     """The executor's own DecoderLayer.forward, with q standing in for attention."""
     delta = None
     for layer in layers:
-        x, delta = layer(x, delta, cos, sin, _query_as_output, None, None)
+        x, delta = layer(x, delta, RopeRows((cos, sin), None), _query_as_output, None, None)
     return x, delta
 
 
 def build_layers(config: ModelConfig, dtype: torch.dtype, ops: KernelOps) -> list[DecoderLayer]:
     shard, layers = Shard.of(config), []
-    for _ in range(config.num_layers):
-        layer = DecoderLayer(config, dtype, ops, shard, None)
+    for layer_idx in range(config.num_layers):
+        layer = DecoderLayer(config, layer_idx, dtype, ops, shard, None)
         for param in layer.parameters():
             param.data.normal_(0, 0.02)
         layer.input_norm.data.fill_(1)

@@ -6,9 +6,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from schemas.errors import CheckpointError, ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # dtypes by name, with the bytes of one element: configuration and sizing need no torch (the
 # worker turns a name into a torch.dtype, engine/memory.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,7 +49,22 @@ class ModelConfig:
     attention_bias: bool
     checkpoint_dtype: str
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # the engine caps max_model_len to it
+    sliding_window: int | None = None  # the window of the sliding layers (layer_windows)
+    # the per-family switches (engine/model_families.py); the defaults are Llama's
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    gemma_norms: bool = False  # (1 + w) norms, sandwich norms, embeddings * sqrt(hidden)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not head_dim
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = full
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, where it differs
+    partial_rotary_factor: float = 1.0
+    sparse_layers: tuple[bool, ...] = ()  # per layer: routed experts instead of one MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -59,6 +74,24 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
+        if self.partial_rotary_factor != 1.0:
+            raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
+        for name in ("layer_windows", "sparse_layers"):
+            if len(getattr(self, name)) not in (0, self.num_layers):
+                raise CheckpointError(f"{name}: one entry per layer ({self.num_layers})")
+
+    def window(self, layer_idx: int) -> int:
+        """The layer's sliding window in tokens; 0: full attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows else 0
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -85,6 +118,7 @@ class ModelConfig:
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(raw),
+            **family_fields(raw),
         )
 
     @classmethod
@@ -122,24 +156,26 @@ class ModelConfig:
                 f"tensor_parallel_size: {size} neither divides nor is a multiple of the KV "
                 f"heads ({heads})"
             )
-        if self.intermediate_size % size:
-            raise ConfigError(
-                f"tensor_parallel_size: {size} does not divide intermediate_size "
-                f"{self.intermediate_size}"
-            )
+        for name in ("intermediate_size", "moe_intermediate_size"):
+            if getattr(self, name) % size:
+                raise ConfigError(
+                    f"tensor_parallel_size: {size} does not divide {name} {getattr(self, name)}"
+                )
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints `rope_theta`
-    params = raw.get("rope_parameters") or {}
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    default = 1_000_000.0 if raw.get("model_type") == "gemma3_text" else 10000.0
+    return float(rope_params(raw).get("rope_theta", raw.get("rope_theta", default)))
 
 
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = raw.get("rope_parameters") or raw.get("rope_scaling")
+    scaling = rope_params(raw) or raw.get("rope_scaling")
     if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         return None
-    return scaling
+    # Phi-3 keeps the pre-training length beside the scaling, not inside it
+    original = raw.get("original_max_position_embeddings")
+    return {"original_max_position_embeddings": original, **scaling} if original else scaling
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
@@ -266,7 +302,7 @@ class EngineConfig:
     swap_space: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's, at most 8192 and its window
+    max_model_len: int | None = None  # None: the model's, at most 8192
     max_waiting: int = 100_000
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -288,11 +324,9 @@ class EngineConfig:
         return cls(**{name: getattr(source, name) for name in names})
 
     def model_len(self, model_config: ModelConfig) -> int:
-        """The configured limit, or the model's (at most 8192, and at most its window)."""
-        max_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
-        if model_config.sliding_window:  # full attention is exact up to the window
-            max_len = min(max_len, model_config.sliding_window)
-        return max_len
+        """The configured limit, or the model's (at most 8192). Sliding windows do not cap it:
+        every attention kernel masks each layer's window."""
+        return self.max_model_len or min(model_config.max_position_embeddings, 8192)
 
     def executor_config(self, model_path: Path, model_config: ModelConfig) -> ExecutorConfig:
         names = {spec.name for spec in fields(ExecutorConfig)} & {

@@ -27,6 +27,8 @@ class KernelOps:
     rotary: ops.Rotary = reference.rotary_ref
     add_rms_norm: ops.AddRmsNorm = reference.add_rms_norm_ref
     silu_and_mul: ops.SiluAndMul = reference.silu_and_mul_ref
+    gelu_tanh_and_mul: ops.GeluTanhAndMul = reference.gelu_tanh_and_mul_ref
+    fused_moe: ops.FusedMoe = reference.fused_moe_ref
 
 
 def _torch_ops() -> KernelOps:
@@ -58,6 +60,7 @@ def _triton_ops() -> KernelOps:
     try:
         from kernels.block_ops import copy_blocks, swap_blocks
         from kernels.kv_write import reshape_and_cache
+        from kernels.moe import fused_moe
         from kernels.paged_attention import paged_attention
     except ImportError as error:
         raise ConfigError(f"the triton kernel backend cannot be imported: {error}") from error
@@ -67,6 +70,7 @@ def _triton_ops() -> KernelOps:
         paged_attention=paged_attention,
         copy_blocks=copy_blocks,
         swap_blocks=swap_blocks,
+        fused_moe=fused_moe,
     )
 
 

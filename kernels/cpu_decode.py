@@ -15,7 +15,7 @@ import torch
 from kernels.cpu_build import FLOAT, I64, PTR, load_library
 from kernels.reference import chunk_attention_ref, decode_attention_ref, paged_attention_ref
 
-_ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT,)
+_ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
 _SIGNATURES = (("paged_decode_f32", _ARGTYPES), ("paged_decode_bf16", _ARGTYPES))
 
 
@@ -31,9 +31,12 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """One query token per sequence over paged K/V: fp32 [num_seqs, heads, d], or None when the
-    kernel does not take these inputs (then the caller uses the torch twin)."""
+    kernel does not take these inputs (then the caller uses the torch twin). window, softcap:
+    as kernels/reference.py's."""
     library = load()
     if library is None or key_cache.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -66,15 +69,18 @@ def paged_decode(
         block_size,
         torch.get_num_threads(),
         scale,
+        window or 0,
+        softcap or 0.0,
     )
     return out if status == 0 else None
 
 
-def _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-    out = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    if out is None:
-        return decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    return out
+def _decode_rows(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0
+) -> torch.Tensor:
+    args = (query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
+    out = paged_decode(*args)
+    return decode_attention_ref(*args) if out is None else out
 
 
 # Prefill chunks this long or longer go to SDPA (blocked matmuls over a gathered copy of the
@@ -108,26 +114,32 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
     in place through the block tables (bf16 caches without widening), and chunks of
     SDPA_MIN_CHUNK tokens or more on the twin's SDPA. Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
+    masking = dict(window=window, softcap=softcap)
     if max_seqlen_q == 1:
-        out = _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap)
         return out.to(query.dtype)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
     short = torch.nonzero((q_lens < SDPA_MIN_CHUNK)[seq_of_token]).flatten()
     if short.numel() == 0:
-        return paged_attention_ref(query, *args, decode=_decode_rows)
+        return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
     tables = block_tables.index_select(0, seq_of_token[short])
-    rows = paged_decode(query[short], key_cache, value_cache, tables, context[short], scale)
+    rows = paged_decode(
+        query[short], key_cache, value_cache, tables, context[short], scale, window, softcap
+    )
     if rows is None:
-        return paged_attention_ref(query, *args, decode=_decode_rows)
+        return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
     if short.numel() == query.shape[0]:
         return rows.to(query.dtype)
     out = torch.empty(query.shape, dtype=torch.float32)
     out[short] = rows
-    chunk_attention_ref(query, *args[:-1], q_lens >= SDPA_MIN_CHUNK, out)
+    chunk_attention_ref(query, *args[:-1], q_lens >= SDPA_MIN_CHUNK, out, window, softcap)
     return out.to(query.dtype)

@@ -37,6 +37,9 @@ class PagedAttention(Protocol):
         seq_lens: torch.Tensor,  # int32 [num_seqs]: context lengths, new tokens included
         scale: float,
         max_seqlen_q: int,
+        *,
+        window: int = 0,  # a key at j is seen from i iff i - window < j <= i; 0: every key
+        softcap: float = 0.0,  # scores become softcap * tanh(score / softcap); 0: none
     ) -> torch.Tensor:
         """Causal attention of a mixed batch over paged K/V: [num_tokens, num_heads, head_dim]
         in query's dtype. The new tokens' K/V are in the cache already."""
@@ -73,6 +76,23 @@ class SiluAndMul(Protocol):
         """silu(gate) * up over the two halves of the last dimension."""
 
 
+class GeluTanhAndMul(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up over the two halves of the last dimension (GeGLU)."""
+
+
+class FusedMoe(Protocol):
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+        down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k]
+        topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    ) -> torch.Tensor:
+        """Routed experts: each token's top-k experts' MLPs, weighted and summed."""
+
+
 CONTRACTS: dict[str, type] = {
     "reshape_and_cache": ReshapeAndCache,
     "paged_attention": PagedAttention,
@@ -81,4 +101,6 @@ CONTRACTS: dict[str, type] = {
     "rotary": Rotary,
     "add_rms_norm": AddRmsNorm,
     "silu_and_mul": SiluAndMul,
+    "gelu_tanh_and_mul": GeluTanhAndMul,
+    "fused_moe": FusedMoe,
 }

@@ -11,10 +11,12 @@ them (rows padded to a power of 2 and masked when GROUP is not one):
                          cache[block, pos % BLOCK_SIZE, kv_head, :]
 
 The key tile (BLOCK_N positions) is gathered through the block table position by position, so
-BLOCK_N is independent of the cache block size. Split-KV (flash-decoding) runs the same kernel
-with the context cut into `num_splits` partitions along grid axis 2: each program writes its
-unnormalised partial output with its running max and sum, and `_reduce_splits_kernel`
-combines them.
+BLOCK_N is independent of the cache block size. A sliding window (WINDOW > 0 keys: query at
+q_pos sees q_pos - WINDOW < pos <= q_pos) starts the tile's key loop at its first query's
+window and masks per row; soft-capping (SOFTCAP > 0) squashes each score with tanh first.
+Split-KV (flash-decoding) runs the same kernel with the context cut into `num_splits`
+partitions along grid axis 2: each program writes its unnormalised partial output with its
+running max and sum, and `_reduce_splits_kernel` combines them.
 """
 
 import functools
@@ -63,6 +65,8 @@ def _attend_range(
     block_table_ptr,
     kv_head,
     qk_scale,
+    softcap,
+    window,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -71,8 +75,11 @@ def _attend_range(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over keys kv_start..kv_end (causal).
+    """Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over keys kv_start..kv_end (causal, and
+    within `window` keys of each row's position when WINDOW).
 
     Returns the unnormalised fp32 output, the running max (log2 domain) and the running sum.
     Rows that see no key keep max -1e30 and sum 0 (finite, so no NaN reaches the reducer).
@@ -93,8 +100,14 @@ def _attend_range(
             k, v = k.to(tl.float32), v.to(tl.float32)
         # "ieee" only matters for fp32 caches (no tf32); bf16/fp16 use tensor cores anyway
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFTCAP:  # qk_scale is scale * log2(e): cap in natural units, back to log2's
+            capped = scores / (LOG2E * softcap)
+            # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for any x
+            scores = softcap * LOG2E * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
         pos = start + tl.arange(0, BLOCK_N)
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
+        if WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -118,6 +131,8 @@ def _paged_attention_kernel(
     partial_m_ptr,
     partial_l_ptr,
     qk_scale,
+    softcap,
+    window,
     num_splits,
     partition_size,
     stride_query_token,
@@ -139,6 +154,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     seq_idx, q_tile = tl.program_id(0), tl.program_id(1)
     kv_head, split_idx = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
@@ -162,11 +179,13 @@ def _paged_attention_kernel(
     if SPLIT:
         kv_start = split_idx * partition_size
         kv_end = tl.minimum(kv_end, kv_start + partition_size)
+    if WINDOW:  # nothing left of the tile's first query's window (a split may hold none)
+        kv_start = tl.maximum(kv_start, seq_len - q_len + q_tile * BLOCK_Q - window + 1)
     acc, m_i, l_i = _attend_range(
         q, seq_len - q_len + token, kv_start, kv_end, key_cache_ptr, value_cache_ptr,
-        block_tables_ptr + seq_idx * stride_block_tables_seq, kv_head, qk_scale,
+        block_tables_ptr + seq_idx * stride_block_tables_seq, kv_head, qk_scale, softcap, window,
         stride_cache_block, stride_cache_slot, stride_cache_head,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32, SOFTCAP, WINDOW,
     )  # fmt: skip
     if SPLIT:
         # partials: [num_tokens, num_heads, num_splits] (+ [head_dim] for the output)
@@ -262,6 +281,8 @@ def paged_attention(
     max_seqlen_q: int,
     *,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -275,21 +296,19 @@ def paged_attention(
 
     num_splits: None lets `choose_num_splits` decide (split-KV for small decode batches with
     long contexts, judged by block_tables.shape[1] * block_size); 1 forces the single pass,
-    > 1 forces split-KV with that many context partitions (any batch, also prefill).
-    """
+    > 1 forces split-KV with that many context partitions (any batch, also prefill). window,
+    softcap: as kernels/ops.py's contract (0: off)."""
     _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
     if num_splits is None:
-        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 0
-        num_seqs, max_context = block_tables.shape[0], block_tables.shape[1] * key_cache.shape[1]
-        num_kv_heads = key_cache.shape[2]
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context, num_sms)
+        num_splits = _auto_num_splits(query, key_cache, block_tables, max_seqlen_q)
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    masking = (window or 0, softcap or 0.0)
     if num_splits == 1:
         unused = torch.empty(0, dtype=torch.float32, device=query.device)
-        _launch_attention(*args, (unused, unused, unused), 1, scale, max_seqlen_q)
+        _launch_attention(*args, (unused, unused, unused), 1, scale, max_seqlen_q, masking)
         return out
     num_tokens, num_heads, head_dim = query.shape
     partial_m = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
@@ -298,14 +317,20 @@ def paged_attention(
         (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32
     )
     partials = (partial_out, partial_m, partial_l)
-    _launch_attention(*args, partials, num_splits, scale, max_seqlen_q)
+    _launch_attention(*args, partials, num_splits, scale, max_seqlen_q, masking)
     _launch_reduce(out, partials)
     return out
 
 
+def _auto_num_splits(query, key_cache, block_tables, max_seqlen_q: int) -> int:
+    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 0
+    num_seqs, max_context = block_tables.shape[0], block_tables.shape[1] * key_cache.shape[1]
+    return choose_num_splits(num_seqs, key_cache.shape[2], max_seqlen_q, max_context, num_sms)
+
+
 def _launch_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out, partials,
-    num_splits, scale, max_seqlen_q,
+    num_splits, scale, max_seqlen_q, masking,
 ):  # fmt: skip
     """The main kernel; with num_splits > 1 it fills partials (out, m, l) instead of out."""
     num_heads, head_dim = query.shape[1:]
@@ -315,11 +340,12 @@ def _launch_attention(
     max_context = block_tables.shape[1] * block_size
     partition_size = triton.cdiv(max_context, num_splits * block_n) * block_n
     group_pad, block_q = _tile_sizes(num_heads // num_kv_heads, max_seqlen_q)
+    window, softcap = masking
     grid = (num_seqs, triton.cdiv(max_seqlen_q, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
         out, partial_out, partial_m, partial_l,
-        scale * LOG2E, num_splits, partition_size,
+        scale * LOG2E, softcap, window, num_splits, partition_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads * num_splits, num_splits,
@@ -328,6 +354,7 @@ def _launch_attention(
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         # the interpreter (CPU) multiplies bf16 bit patterns in tl.dot: upcast there only
         DOT_FP32=not query.is_cuda and key_cache.dtype == torch.bfloat16,
+        SOFTCAP=softcap > 0, WINDOW=window > 0,
     )  # fmt: skip
 
 

@@ -1,7 +1,11 @@
 """Pure-torch twins of the Triton kernels: obviously right, computed in fp32.
 
 They share the launchers' signatures so tests can compare the two directly, and the engine's
-torch attention backend (CPU serving) calls them. Cache layout everywhere:
+torch attention backend (CPU serving) calls them. Attention takes a per-layer `window` (0:
+full; else a key at position j is visible to the query at position i iff
+i - window < j <= i, transformers' sliding-window mask) and a
+`softcap` (0: none; else scores become softcap * tanh(scores / softcap) before masking, as
+Gemma 2 does). Cache layout everywhere:
 
     kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     key_cache = kv_cache[layer, 0]   value_cache = kv_cache[layer, 1]
@@ -13,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# (query [S, heads, d], key_cache, value_cache, block_tables, seq_lens, scale) -> fp32 [S, heads, d]
+# (query [S, heads, d], key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
+# -> fp32 [S, heads, d]
 DecodeFn = Callable[..., torch.Tensor]
 
 
@@ -55,6 +60,12 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] -> gelu_tanh(gate) * up, Gemma's GeGLU (gate half first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def reshape_and_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -85,16 +96,29 @@ def _gather_context(
     return cache.index_select(0, blocks).flatten(0, 1)[:num_tokens]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """fp32 softmax attention. q [B, heads, q_len, d], k/v [B, kv_heads, kv_len, d] (any
-    strides), mask bool broadcastable to [B, heads, q_len, kv_len]; GQA by head groups."""
-    out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out  # [B, heads, q_len, d]
+    strides), mask bool broadcastable to [B, heads, q_len, kv_len]; GQA by head groups.
+    SDPA has no soft-capping, so a capped layer takes the written-out path."""
+    q, k, v = q.float(), k.float(), v.float()
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v  # [B, heads, q_len, d]
 
 
-def decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale):
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [..., q, k]: causal, and inside the window when there is one."""
+    visible = k_pos <= q_pos
+    return visible & (k_pos > q_pos - window) if window else visible
+
+
+def decode_attention_ref(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0
+):
     """All sequences have one query token: one batched gather and attention, no Python loop."""
     num_seqs = query.shape[0]
     block_size = key_cache.shape[1]
@@ -106,19 +130,22 @@ def decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, 
     k = key_cache.index_select(0, blocks).view(num_seqs, -1, *key_cache.shape[2:]).transpose(1, 2)
     v = value_cache.index_select(0, blocks).view(num_seqs, -1, *key_cache.shape[2:]).transpose(1, 2)
     positions = torch.arange(num_blocks * block_size, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, -1)
-    return _attend(query.unsqueeze(2), k, v, mask, scale).squeeze(2)
+    mask = _visible(seq_lens[:, None] - 1, positions[None, :], window).view(num_seqs, 1, 1, -1)
+    return _attend(query.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
 
 
-def _sequence_attention(q_seq, key_cache, value_cache, block_table, seq_len, scale):
+def _sequence_attention(
+    q_seq, key_cache, value_cache, block_table, seq_len, scale, window=0, softcap=0.0
+):
     """Causal attention of one sequence's query chunk over its whole cached context."""
     q_len = q_seq.shape[0]
     k = _gather_context(key_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
     v = _gather_context(value_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
     # query i sits at position seq_len - q_len + i and sees keys 0..that position
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q_seq.device)
-    mask = torch.arange(seq_len, device=q_seq.device)[None, :] <= q_pos[:, None]
-    out = _attend(q_seq.transpose(0, 1).unsqueeze(0), k, v, mask, scale)  # [1, heads, q_len, d]
+    mask = _visible(q_pos[:, None], torch.arange(seq_len, device=q_seq.device)[None, :], window)
+    # [1, heads, q_len, d]
+    out = _attend(q_seq.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)
     return out[0].transpose(0, 1)
 
 
@@ -132,6 +159,9 @@ def paged_attention_ref(
     scale: float,
     max_seqlen_q: int,
     decode: DecodeFn = decode_attention_ref,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -141,10 +171,11 @@ def paged_attention_ref(
     seq_lens: int32 [num_seqs] context length of each sequence *including* its new tokens,
     whose K/V must already be in the cache. num_heads is a multiple of num_kv_heads (GQA).
     Returns [num_tokens, num_heads, head_dim] in query's dtype. The one-token rows go to
-    `decode` in one batch (the CPU backend passes its C kernel there).
+    `decode` in one batch (the CPU backend passes its C kernel there). window, softcap: see
+    the module docstring.
     """
     if max_seqlen_q == 1:
-        out = decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        out = decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
         return out.to(query.dtype)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
@@ -152,11 +183,13 @@ def paged_attention_ref(
     if one.numel():  # the decode rows of a mixed batch still go in one batch
         rows = cu_seqlens_q[one].long()
         out[rows] = decode(
-            query[rows], key_cache, value_cache, block_tables[one], seq_lens[one], scale
-        )
+            query[rows], key_cache, value_cache, block_tables[one], seq_lens[one], scale,
+            window, softcap,
+        )  # fmt: skip
     chunk_attention_ref(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens > 1, out
-    )
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens > 1,
+        out, window, softcap,
+    )  # fmt: skip
     return out.to(query.dtype)
 
 
@@ -170,6 +203,8 @@ def chunk_attention_ref(
     scale: float,
     chosen: torch.Tensor,
     out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The query chunks of the sequences `chosen` (bool [num_seqs]), each attending causally
     over its cached context, into their rows of `out` (fp32 [num_tokens, heads, d])."""
@@ -177,8 +212,9 @@ def chunk_attention_ref(
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end = starts[seq_idx], starts[seq_idx + 1]
         out[start:end] = _sequence_attention(
-            query[start:end], key_cache, value_cache, block_tables[seq_idx], lens[seq_idx], scale
-        )
+            query[start:end], key_cache, value_cache, block_tables[seq_idx], lens[seq_idx], scale,
+            window, softcap,
+        )  # fmt: skip
 
 
 def copy_blocks_ref(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -207,3 +243,34 @@ def swap_blocks_ref(
     src = block_mapping[:, 0].to(src_cache.device)
     dst = block_mapping[:, 1].to(dst_cache.device)
     dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref,
+) -> torch.Tensor:
+    """Routed experts: each token's top-k experts' gated MLPs, weighted and summed.
+
+    hidden [T, H]; gate_up [E, 2 * I, H] (gate rows first); down [E, H, I]; topk_weights
+    [T, k] in hidden's dtype; topk_ids int [T, k]. Returns [T, H] in hidden's dtype. The
+    (token, slot) pairs are sorted by expert, so each expert runs two matmuls over all its
+    tokens at once; results are added back into their tokens' rows (index_add_)."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + slot
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k
+        rows = activation(hidden[tokens] @ gate_up[expert].t()) @ down[expert].t()
+        out.index_add_(0, tokens, rows * topk_weights.flatten()[pairs, None])
+    return out

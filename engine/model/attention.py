@@ -36,8 +36,11 @@ class PagedAttention:
         v: torch.Tensor,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """q [T, heads, d], k/v [T, kv_heads, d], layer_cache [2, num_blocks, bs, kv_heads, d]."""
+        """q [T, heads, d], k/v [T, kv_heads, d], layer_cache [2, num_blocks, bs, kv_heads, d];
+        the layer's sliding window (0: full) and attention soft-cap (0: none)."""
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return self.ops.paged_attention(
@@ -49,4 +52,6 @@ class PagedAttention:
             meta.seq_lens,
             self.scale,
             meta.max_seqlen_q,
+            window=window,
+            softcap=softcap,
         )

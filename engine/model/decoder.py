@@ -1,10 +1,14 @@
-"""One decoder for Llama, Mistral and Qwen2; the families differ only by config switches.
+"""One decoder for every supported family; they differ only by config switches
+(engine/model_families.py): q/k norms, Gemma's sandwich norms and GeGLU, a window and a
+soft-cap per layer, a second RoPE table for sliding layers, routed experts for MoE layers.
 
 Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls. Under
 tensor parallelism each rank holds its Shard (engine/model/sharding.py) and the decoder adds
 the collectives: an all-reduce after o, after down and after the embedding, an all-gather of
 the logits. Alone (`group` None) there are none.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +17,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import make_linear
-from engine.model.rope import cos_sin_table
+from engine.model.moe import RoutedExperts
+from engine.model.rope import cos_sin_table, longrope_original_length
 from engine.model.sharding import Shard
 from engine.parallel.group import TensorParallel
 from kernels.backend import KernelOps
@@ -44,6 +49,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        layer_idx: int,
         dtype: torch.dtype,
         ops: KernelOps,
         shard: Shard,
@@ -57,32 +63,50 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
+        self.window = config.window(layer_idx)
+        self.softcap = config.attn_logit_softcapping or 0.0
+        self.local_rope = self.window > 0 and config.local_rope_theta is not None
+        self.activation = (
+            ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
+        )
 
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
+        def optional(on: bool, *shape: int) -> nn.Parameter | None:
+            return param(*shape) if on else None
+
         self.input_norm = param(hidden)
         self.qkv_weight = param(self.q_size + 2 * self.kv_size, hidden)
-        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.qkv_bias = optional(config.attention_bias, self.q_size + 2 * self.kv_size)
+        self.q_norm = optional(config.qk_norm, self.head_dim)  # one weight for every head
+        self.k_norm = optional(config.qk_norm, self.head_dim)
         self.o_weight = param(hidden, self.q_size)
-        self.post_attention_norm = param(hidden)
-        self.gate_up_weight = param(2 * intermediate, hidden)
-        self.down_weight = param(hidden, intermediate)
+        # Gemma's sandwich norms: on the attention output and the MLP output, before the adds
+        self.attn_output_norm = optional(config.gemma_norms, hidden)
+        self.post_attention_norm = param(hidden)  # the MLP's input norm
+        self.mlp_output_norm = optional(config.gemma_norms, hidden)
+        self.experts = None
+        if config.is_sparse(layer_idx):
+            self.experts = RoutedExperts(config, shard.expert_intermediate_size, dtype)
+        else:
+            self.gate_up_weight = param(2 * intermediate, hidden)
+            self.down_weight = param(hidden, intermediate)
         self.build_matmuls(pack=False)
 
     def build_matmuls(self, pack: bool) -> None:
         """The four matmuls; once packed, the plain weights are released (they are copies)."""
         self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
         self.o_proj = _matmul(self.o_weight, None, pack)
-        self.gate_up = _matmul(self.gate_up_weight, None, pack)
-        self.down = _matmul(self.down_weight, None, pack)
+        if self.experts is None:
+            self.gate_up = _matmul(self.gate_up_weight, None, pack)
+            self.down = _matmul(self.down_weight, None, pack)
 
     def forward(
         self,
         x: torch.Tensor,
         delta: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: "RopeRows",
         attention: PagedAttention,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -92,25 +116,44 @@ class DecoderLayer(nn.Module):
         ops = self.ops
         num_tokens = x.shape[0]
         h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
-        qkv = self.qkv(h)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = ops.rotary(
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            cos,
-            sin,
-        )
+        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self._head_norm(q.view(num_tokens, self.num_heads, self.head_dim), self.q_norm)
+        k = self._head_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm)
+        q, k = ops.rotary(q, k, *(rope.local if self.local_rope else rope.full))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attention(q, k, v, layer_cache, meta).reshape(num_tokens, self.q_size)
-        attn = _all_reduce(self.group, self.o_proj(attn))
-        h, x = ops.add_rms_norm(x, attn, self.post_attention_norm, self.eps)
+        attn = attention(q, k, v, layer_cache, meta, self.window, self.softcap)
+        attn = _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
+        h, x = ops.add_rms_norm(
+            x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps
+        )
         if num_tokens <= MLP_CHUNK_TOKENS:
-            return x, _all_reduce(self.group, self._mlp(h, ops))
-        mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
-        return x, _all_reduce(self.group, mlp)
+            mlp = self._mlp(h, ops)
+        else:
+            mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
+        return x, self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm)
+
+    def _head_norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
+        """Per-head RMSNorm of [T, heads, d] (Qwen3, Gemma 3), as rows of head_dim."""
+        if weight is None:
+            return x
+        return self.ops.add_rms_norm(x.reshape(-1, self.head_dim), None, weight, self.eps)[0].view(
+            x.shape
+        )
+
+    def _norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
+        return x if weight is None else self.ops.add_rms_norm(x, None, weight, self.eps)[0]
 
     def _mlp(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.down(ops.silu_and_mul(self.gate_up(h)))
+        if self.experts is not None:
+            return self.experts(h, ops.fused_moe, self.activation)
+        return self.down(self.activation(self.gate_up(h)))
+
+
+class RopeRows(NamedTuple):
+    """The batch's rows of the cos/sin tables: (cos, sin) each [T, head_dim], model dtype."""
+
+    full: tuple[torch.Tensor, torch.Tensor]
+    local: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class Decoder(nn.Module):
@@ -136,7 +179,7 @@ class Decoder(nn.Module):
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, ops, shard, group) for _ in range(config.num_layers)
+            DecoderLayer(config, idx, dtype, ops, shard, group) for idx in range(config.num_layers)
         )
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
@@ -148,6 +191,16 @@ class Decoder(nn.Module):
         cos, sin = cos_sin_table(config, max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.has_local_rope = config.local_rope_theta is not None
+        if self.has_local_rope:  # Gemma 3's sliding layers
+            local_cos, local_sin = cos_sin_table(config, max_positions, local=True)
+            self.register_buffer("local_cos", local_cos, persistent=False)
+            self.register_buffer("local_sin", local_sin, persistent=False)
+        self.longrope_length = longrope_original_length(config)
+        if self.longrope_length is not None:  # Phi-3's LongRoPE: cos / sin hold the short one
+            long_cos, long_sin = cos_sin_table(config, max_positions, long=True)
+            self.register_buffer("long_cos", long_cos, persistent=False)
+            self.register_buffer("long_sin", long_sin, persistent=False)
 
     def build_matmuls(self, pack: bool = True) -> None:
         """Call once the weights are loaded and on their device: packs them where that is faster."""
@@ -170,11 +223,32 @@ class Decoder(nn.Module):
         """input_ids, positions int64 [T]; kv_cache [layers, 2, blocks, bs, kv_heads, d]."""
         x = self._embed(input_ids)
         dtype = self.embed_tokens.dtype
-        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-        delta = None
+        if self.config.gemma_norms:  # the scale rounded to the model's dtype, as transformers does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
+        delta, rope = None, self._rope_rows(positions, meta, dtype)
         for layer_idx, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, attention, kv_cache[layer_idx], meta)
+            x, delta = layer(x, delta, rope, attention, kv_cache[layer_idx], meta)
         return self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
+
+    def _rope_rows(
+        self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype
+    ) -> RopeRows:
+        full = (self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+        if self.longrope_length is not None:
+            # tokens of sequences whose context reaches past the pre-training length: long
+            q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
+            long_seq = meta.seq_lens.to(q_lens.device) > self.longrope_length
+            long = torch.repeat_interleave(long_seq, q_lens, output_size=positions.shape[0])
+            long = long.to(positions.device)[:, None]
+            full = (
+                torch.where(long, self.long_cos[positions].to(dtype), full[0]),
+                torch.where(long, self.long_sin[positions].to(dtype), full[1]),
+            )
+        if not self.has_local_rope:
+            return RopeRows(full, None)
+        return RopeRows(
+            full, (self.local_cos[positions].to(dtype), self.local_sin[positions].to(dtype))
+        )
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -189,6 +263,9 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> fp32 [num_sampled, vocab] (gathered from every rank)."""
         logits = self.lm_head_matmul(hidden)
-        if self.group is None:
-            return logits.float()
-        return self.group.all_gather(logits)[:, : self.config.vocab_size].float()
+        if self.group is not None:
+            logits = self.group.all_gather(logits)[:, : self.config.vocab_size]
+        logits = logits.float()
+        if cap := self.config.final_logit_softcapping:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits

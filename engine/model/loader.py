@@ -8,13 +8,14 @@ columns of each tensor (`get_slice`), so no rank ever holds a whole sharded matr
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.model.decoder import Decoder
-from engine.model.sharding import Part, Shard
+from engine.model.sharding import MIXTRAL_NAMES, Part, Shard
 from engine.parallel.group import TensorParallel
 from kernels.backend import KernelOps
 from schemas.errors import CheckpointError
@@ -51,61 +52,126 @@ def _reader(tensor_slice) -> Callable[[Part], torch.Tensor]:
     return read
 
 
-def _layer_targets(layer, name: str):
-    """(parameter, row offset) for a per-layer HF weight name, or None if it is not ours."""
+class Target(NamedTuple):
+    """Where (part of) a checkpoint tensor goes: `param` rows from `offset` (of `expert`'s
+    slice of a stacked expert parameter), read as `part` of the checkpoint tensor."""
+
+    param: torch.Tensor | None
+    offset: int
+    part: Part
+    expert: int | None = None
+
+
+def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
     q, kv = layer.q_size, layer.kv_size
-    targets = {
-        "self_attn.q_proj.weight": (layer.qkv_weight, 0),
-        "self_attn.k_proj.weight": (layer.qkv_weight, q),
-        "self_attn.v_proj.weight": (layer.qkv_weight, q + kv),
-        "self_attn.q_proj.bias": (layer.qkv_bias, 0),
-        "self_attn.k_proj.bias": (layer.qkv_bias, q),
-        "self_attn.v_proj.bias": (layer.qkv_bias, q + kv),
-        "self_attn.o_proj.weight": (layer.o_weight, 0),
-        "mlp.gate_proj.weight": (layer.gate_up_weight, 0),
-        "mlp.up_proj.weight": (layer.gate_up_weight, layer.gate_up_weight.shape[0] // 2),
-        "mlp.down_proj.weight": (layer.down_weight, 0),
-        "input_layernorm.weight": (layer.input_norm, 0),
-        "post_attention_layernorm.weight": (layer.post_attention_norm, 0),
-    }
-    return targets.get(name)
+    if kind == "qkv_proj.weight":  # Phi-3's fused q|k|v
+        return [Target(layer.qkv_weight, row, shard.fused_part("qkv_proj", i))
+                for i, row in enumerate((0, q, q + kv))]  # fmt: skip
+    proj, _, tensor = kind.partition(".")
+    rows = {"q_proj": 0, "k_proj": q, "v_proj": q + kv}
+    if proj in rows:
+        param = layer.qkv_weight if tensor == "weight" else layer.qkv_bias
+        return [Target(param, rows[proj], shard.layer_part(f"self_attn.{kind}"))]
+    params = {"o_proj.weight": layer.o_weight, "q_norm.weight": layer.q_norm,
+              "k_norm.weight": layer.k_norm}  # fmt: skip
+    if kind in params:
+        return [Target(params[kind], 0, shard.layer_part(f"self_attn.{kind}"))]
+    return None
 
 
-def _target(model: Decoder, name: str) -> tuple[torch.Tensor | None, int, Part] | None:
-    """(parameter, row offset, the part of the tensor this rank reads) for a checkpoint name."""
+def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
+    if layer.experts is not None:
+        return _expert_targets(layer.experts, kind, shard)
+    half = layer.gate_up_weight.shape[0] // 2
+    if kind == "gate_up_proj.weight":  # Phi-3's fused gate|up
+        return [Target(layer.gate_up_weight, i * half, shard.fused_part("gate_up_proj", i))
+                for i in range(2)]  # fmt: skip
+    rows = {"gate_proj.weight": (layer.gate_up_weight, 0),
+            "up_proj.weight": (layer.gate_up_weight, half),
+            "down_proj.weight": (layer.down_weight, 0)}  # fmt: skip
+    if kind not in rows:
+        return None
+    return [Target(*rows[kind], shard.layer_part(f"mlp.{kind}"))]
+
+
+def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
+    """`gate.weight` (the router) and `experts.<e>.<proj>.weight` (Qwen3-MoE's names, or
+    Mixtral's w1 / w3 / w2)."""
+    if kind == "gate.weight":
+        return [Target(experts.router, 0, None)]
+    parts = kind.split(".")
+    if len(parts) != 4 or parts[0] != "experts":
+        return None
+    expert, proj = int(parts[1]), MIXTRAL_NAMES.get(parts[2], parts[2])
+    half = experts.gate_up.shape[1] // 2
+    rows = {"gate_proj": (experts.gate_up, 0), "up_proj": (experts.gate_up, half),
+            "down_proj": (experts.down, 0)}  # fmt: skip
+    if proj not in rows:
+        return None
+    return [Target(*rows[proj], shard.layer_part(f"mlp.{kind}"), expert)]
+
+
+def _norm_targets(layer, kind: str, gemma: bool) -> list[Target] | None:
+    # Gemma's post_attention_layernorm is on the attention output; its pre_feedforward one is
+    # what the other families call post_attention (the MLP's input norm)
+    norms = {"input_layernorm.weight": layer.input_norm,
+             "post_attention_layernorm.weight":
+                 layer.attn_output_norm if gemma else layer.post_attention_norm,
+             "pre_feedforward_layernorm.weight": layer.post_attention_norm if gemma else None,
+             "post_feedforward_layernorm.weight": layer.mlp_output_norm}  # fmt: skip
+    param = norms.get(kind)
+    return None if param is None else [Target(param, 0, None)]
+
+
+def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] | None:
+    """Targets of a per-layer HF weight name (after `layers.<i>.`), or None if it is not ours."""
+    group, _, kind = name.partition(".")
+    if group == "self_attn":
+        return _attention_targets(layer, kind, shard)
+    if group in ("mlp", "block_sparse_moe"):
+        return _mlp_targets(layer, kind, shard)
+    return _norm_targets(layer, name, gemma)
+
+
+def _targets(model: Decoder, name: str) -> list[Target] | None:
+    """Where a checkpoint tensor goes (this rank's parts of it); None: not one of ours."""
     name = name.removeprefix("model.")
     shard = model.shard
     vocab = shard.vocab_part(model.config.vocab_size) if shard.is_sharded else None
     if name == "embed_tokens.weight":
-        return model.embed_tokens, 0, vocab
+        return [Target(model.embed_tokens, 0, vocab)]
     if name == "norm.weight":
-        return model.norm, 0, None
+        return [Target(model.norm, 0, None)]
     if name == "lm_head.weight":
-        return (None if model.config.tie_word_embeddings else model.lm_head), 0, vocab
+        return [Target(None if model.config.tie_word_embeddings else model.lm_head, 0, vocab)]
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
-        target = _layer_targets(model.layers[int(idx)], rest)
-        return None if target is None else (*target, shard.layer_part(rest))
+        return _layer_targets(model.layers[int(idx)], rest, shard, model.config.gemma_norms)
     return None
 
 
 def load_weights(model: Decoder, path: Path) -> int:
     """Copy every checkpoint tensor (this rank's part of it) into its (possibly fused)
-    parameter slice; returns the bytes read."""
+    parameter slice; returns the bytes read. Gemma's norms scale by (1 + w): the 1 is added
+    here, once, so every norm kernel computes w * x (exact in fp32)."""
     expected = {id(p): p.numel() for p in model.parameters()}
     filled = _vocab_padding(model)
     num_bytes = 0
     for name, read in iter_slices(path):
-        target = _target(model, name)
-        if target is None or target[0] is None:
-            continue  # rotary buffers, tied lm_head, and the like
-        param, offset, part = target
-        tensor = read(part)
-        num_bytes += tensor.numel() * tensor.element_size()
-        if tensor.shape[1:] != param.shape[1:] or offset + tensor.shape[0] > param.shape[0]:
-            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit the config")
-        param.data[offset : offset + tensor.shape[0]].copy_(tensor)
-        filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
+        for param, offset, part, expert in _targets(model, name) or ():
+            if param is None:
+                continue  # the tied lm_head
+            tensor = read(part)
+            num_bytes += tensor.numel() * tensor.element_size()
+            dest = param.data if expert is None else param.data[expert]
+            if tensor.shape[1:] != dest.shape[1:] or offset + tensor.shape[0] > dest.shape[0]:
+                raise CheckpointError(
+                    f"{name}: shape {tuple(tensor.shape)} does not fit the config"
+                )
+            dest[offset : offset + tensor.shape[0]].copy_(tensor)
+            if model.config.gemma_norms and "norm" in name:
+                dest[offset : offset + tensor.shape[0]] += 1.0
+            filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
     missing = [n for n, p in model.named_parameters() if filled.get(id(p)) != expected[id(p)]]
     if missing:
         raise CheckpointError(f"{path}: weights missing or incomplete for {missing[:5]}")

@@ -1,4 +1,13 @@
-"""Rotary position embeddings, with Llama 3.1's frequency scaling, as one cos/sin table."""
+"""Rotary position embeddings as cos/sin tables: default, linear, Llama 3.1's frequency scaling,
+and Phi-3's LongRoPE; Gemma 3's sliding layers get a second table with their own base.
+
+LongRoPE has two tables: the long one for a sequence whose context is past the pre-training
+length, the short one before. The engine picks per sequence, each step, by its context length
+after the step, as transformers picks per forward call. One difference is left: when a
+sequence grows across that length, transformers' generate drops its KV cache and recomputes
+every key with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation), while the
+engine keeps the keys it cached with the short ones. Sequences that stay within the length,
+and prompts already past it, are exact."""
 
 import math
 
@@ -24,25 +33,59 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def longrope_original_length(config: ModelConfig) -> int | None:
+    """The pre-training length past which LongRoPE switches to its long factors; None when
+    the model has no LongRoPE."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return None
+    return scaling["original_max_position_embeddings"]
+
+
+def _longrope(
+    config: ModelConfig, scaling: dict, exponents: torch.Tensor, theta: float, long: bool
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency divisors (short or long ones) and a cos/sin scale."""
+    original = scaling["original_max_position_embeddings"]
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return 1.0 / (factors * theta**exponents), attention_factor
+
+
+def inverse_frequencies(
+    config: ModelConfig, local: bool = False, long: bool = False
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], cos/sin scale). `local`: Gemma 3's sliding layers (their own
+    base, no scaling: a checkpoint's rope_scaling applies to the global layers). `long`:
+    LongRoPE's long factors."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling or {}
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta**exponents)
+    scaling = {} if local else (config.rope_scaling or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type in ("longrope", "su"):
+        return _longrope(config, scaling, exponents, theta, long)
     raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported")
 
 
-def cos_sin_table(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin_table(
+    config: ModelConfig, max_positions: int, local: bool = False, long: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos and sin, each [max_positions, head_dim] (the half-dim angles repeated)."""
-    inv_freq = inverse_frequencies(config)
+    inv_freq, scale = inverse_frequencies(config, local, long)
     positions = torch.arange(max_positions, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale

@@ -7,7 +7,10 @@ tensor that is (Megatron-style sharding, as vLLM and SGLang do it).
                      to N * V_r; the embedding is all-reduced, the logits all-gathered
 
 KV heads split across the ranks; when the ranks outnumber them, rank r holds the one head its
-query heads use (head r // (N / num_kv_heads)), replicated on N / num_kv_heads ranks.
+query heads use (head r // (N / num_kv_heads)), replicated on N / num_kv_heads ranks. Routed
+experts shard like the dense MLP, each expert's intermediate dimension split over the ranks
+(the router is replicated). Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are read
+as their q, k, v (gate, up) row ranges, so a rank still reads only its rows.
 """
 
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ class Shard:
     vocab_per_rank: int  # rows of the padded vocab this rank holds
     head_dim: int
     first_kv_head: int
+    total_kv_heads: int = 0  # the model's, for the row ranges inside a fused qkv_proj
+    expert_intermediate_size: int = 0  # each routed expert's rows on this rank
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int = 0, world_size: int = 1) -> "Shard":
@@ -47,6 +52,8 @@ class Shard:
             vocab_per_rank=-(-config.vocab_size // world_size),
             head_dim=config.head_dim,
             first_kv_head=rank // replicas * num_kv_heads,
+            total_kv_heads=config.num_kv_heads,
+            expert_intermediate_size=config.moe_intermediate_size // world_size,
         )
 
     @property
@@ -71,19 +78,38 @@ class Shard:
         return (0, start, min(start + self.vocab_per_rank, vocab_size))
 
     def layer_part(self, name: str) -> Part:
-        """The part of a per-layer checkpoint tensor (name after `layers.<i>.`) this rank reads."""
-        if not self.is_sharded or "norm" in name:
+        """The part of a per-layer checkpoint tensor (name after `layers.<i>.`) this rank reads:
+        None for norms and the (replicated) router."""
+        kind = name.rsplit(".", 2)[-2]
+        if not self.is_sharded or "norm" in name or kind == "gate":
             return None
-        head_dim, kind = self.head_dim, name.rsplit(".", 2)[-2]
-        q_start, kv_start = self.rank * self.q_size, self.first_kv_head * head_dim
-        mlp_start = self.rank * self.intermediate_size
+        width = self.expert_intermediate_size if ".experts." in name else self.intermediate_size
+        mlp_start = self.rank * width
+        q_start, kv_start = self.rank * self.q_size, self.first_kv_head * self.head_dim
         parts = {
             "q_proj": (0, q_start, q_start + self.q_size),
             "k_proj": (0, kv_start, kv_start + self.kv_size),
             "v_proj": (0, kv_start, kv_start + self.kv_size),
             "o_proj": (1, q_start, q_start + self.q_size),
-            "gate_proj": (0, mlp_start, mlp_start + self.intermediate_size),
-            "up_proj": (0, mlp_start, mlp_start + self.intermediate_size),
-            "down_proj": (1, mlp_start, mlp_start + self.intermediate_size),
+            "gate_proj": (0, mlp_start, mlp_start + width),
+            "up_proj": (0, mlp_start, mlp_start + width),
+            "down_proj": (1, mlp_start, mlp_start + width),
         }
-        return parts[kind]
+        return parts[MIXTRAL_NAMES.get(kind, kind)]
+
+    def fused_part(self, kind: str, index: int) -> Part:
+        """This rank's rows of q, k or v (index 0-2) in a fused qkv_proj, or of gate or up
+        (0-1) in a fused gate_up_proj."""
+        if kind == "gate_up_proj":
+            total = self.intermediate_size * self.world_size
+            start = index * total + self.rank * self.intermediate_size
+            return (0, start, start + self.intermediate_size)
+        q_total, kv_total = self.q_size * self.world_size, self.total_kv_heads * self.head_dim
+        if index == 0:
+            return (0, self.rank * self.q_size, (self.rank + 1) * self.q_size)
+        start = q_total + (index - 1) * kv_total + self.first_kv_head * self.head_dim
+        return (0, start, start + self.kv_size)
+
+
+# Mixtral's expert weights: w1 gate, w3 up, w2 down
+MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -67,7 +67,7 @@ class Executor:
             group,
         )
         self._allocate_caches()
-        self.attention = PagedAttention(self.ops, model_config.head_dim**-0.5)
+        self.attention = PagedAttention(self.ops, model_config.attention_scale)
         self.batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
         )

@@ -11,6 +11,7 @@ from kernels import (
     cpu_decode,
     cpu_layer_ops,
     kv_write,
+    moe,
     ops,
     paged_attention,
     reference,
@@ -32,21 +33,33 @@ IMPLEMENTATIONS = {
     "rotary": [reference.rotary_ref, cpu_layer_ops.rotary],
     "add_rms_norm": [reference.add_rms_norm_ref, cpu_layer_ops.add_rms_norm],
     "silu_and_mul": [reference.silu_and_mul_ref, cpu_layer_ops.silu_and_mul],
+    "gelu_tanh_and_mul": [reference.gelu_tanh_and_mul_ref],
+    "fused_moe": [reference.fused_moe_ref, moe.fused_moe],
 }
 
 
-def _contract_params(name: str) -> list[str]:
-    params = inspect.signature(ops.CONTRACTS[name].__call__).parameters
-    return [p for p in params if p != "self"]
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
-def _satisfies(function, expected: list[str]) -> str | None:
-    """Why `function` breaks the contract, or None."""
+def _contract_params(name: str) -> list[inspect.Parameter]:
+    params = inspect.signature(ops.CONTRACTS[name].__call__).parameters.values()
+    return [p for p in params if p.name != "self"]
+
+
+def _satisfies(function, contract: list[inspect.Parameter]) -> str | None:
+    """Why `function` breaks the contract, or None: the contract's positional parameters by
+    name and in order, its keyword-only ones by name, anything else with a default."""
+    positional = [p.name for p in contract if p.kind != KEYWORD]
+    keywords = {p.name for p in contract if p.kind == KEYWORD}
     params = list(inspect.signature(function).parameters.values())
-    names = [p.name for p in params[: len(expected)]]
-    if names != expected:
-        return f"parameters {names}, the contract has {expected}"
-    extra = [p.name for p in params[len(expected) :] if p.default is inspect.Parameter.empty]
+    names = [p.name for p in params if p.kind != KEYWORD][: len(positional)]
+    if names != positional:
+        return f"parameters {names}, the contract has {positional}"
+    missing = keywords - {p.name for p in params}
+    if missing:
+        return f"lacks the contract's keywords {sorted(missing)}"
+    known = set(positional) | keywords
+    extra = [p.name for p in params if p.name not in known and p.default is inspect.Parameter.empty]
     return f"extra parameters without defaults: {extra}" if extra else None
 
 
@@ -68,3 +81,10 @@ def test_a_broken_signature_is_caught():
         pass
 
     assert _satisfies(swapped, _contract_params("reshape_and_cache")) is not None
+
+    def no_window(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q
+    ):
+        pass
+
+    assert "window" in _satisfies(no_window, _contract_params("paged_attention"))

@@ -23,6 +23,7 @@ from kernels.backend import get_kernel_ops
 from schemas.errors import ConfigError, ExecutorUnavailableError
 from tests.engine.helpers import assert_all_free, hf_generate, random_prompts
 from tests.engine.kv.test_kv_size import LLAMA_31_70B
+from tests.model_families import build_gemma2, build_phi3, build_qwen3_moe
 from tests.models import build_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -168,3 +169,23 @@ def test_bad_sizes_are_typed_errors(tiny_llama):
     with pytest.raises(ConfigError, match=f"{count + 1} CUDA devices, {count} found"):
         check_devices(torch.device("cuda"), count + 1)
     check_devices(torch.device("cpu"), 8)  # CPU ranks share the host
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3"])
+def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
+    """Qwen3-MoE: each expert's intermediate dimension halves (32 -> 16 rows a rank), the
+    router and the dense layer as usual; Gemma 2: window 8 and soft-caps on each rank's heads;
+    Phi-3: each rank reads its q, k, v (gate, up) rows out of the fused tensors. Roomy, then
+    under recompute preemption."""
+    builders = {"qwen3_moe": build_qwen3_moe, "gemma2": build_gemma2, "phi3": build_phi3}
+    path = builders[family](tmp_path)
+    expected = hf_greedy(path, PROMPTS)
+    with tp_llm(path, num_blocks=10, preemption_mode="recompute") as llm:
+        if family == "qwen3_moe":
+            experts = llm.executor.model.layers[0].experts
+            assert tuple(experts.gate_up.shape) == (6, 2 * 16, 64)
+            assert tuple(experts.down.shape) == (6, 64, 16)
+        assert greedy(llm, PROMPTS[:3]) == expected[:3]
+        assert greedy(llm, PROMPTS) == expected
+        assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)

@@ -1,0 +1,48 @@
+"""Routed experts (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, the
+backend's `fused_moe` runs them (kernels/reference.py's twin: one matmul pair per expert over
+the tokens routed to it; kernels/moe.py on CUDA).
+
+Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
+(engine/model/sharding.py) and the whole router, so the routing is the same on every rank and
+the decoder all-reduces the output as it does a dense MLP's.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, expert ids [T, k]) as transformers routes: softmax
+    in fp32, top k, optionally renormalised over those k."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+class RoutedExperts(nn.Module):
+    """A layer's router and experts; `gate_up` [E, 2 * I_rank, H], `down` [E, H, I_rank]."""
+
+    def __init__(self, config: ModelConfig, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = config.norm_topk_prob
+        num_experts, hidden = config.num_experts, config.hidden_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.router = param(num_experts, hidden)
+        self.gate_up = param(num_experts, 2 * intermediate, hidden)
+        self.down = param(num_experts, hidden, intermediate)
+
+    def forward(self, h: torch.Tensor, fused_moe, activation) -> torch.Tensor:
+        """h [T, H] -> [T, H] (this rank's partial sum under tensor parallelism)."""
+        weights, ids = route(F.linear(h, self.router), self.top_k, self.renormalise)
+        return fused_moe(h, self.gate_up, self.down, weights, ids, activation)

@@ -1,0 +1,109 @@
+"""Tiny seeded checkpoints of the families beyond Llama / Qwen2 (tests/models.py has those):
+2 layers, hidden 64, the shared BPE tokenizer, every field a family switches on set so that it
+matters (random norm weights where transformers starts them at 0 or 1, short windows, active
+soft-caps, a query_pre_attn_scalar that is not head_dim, distinct RoPE bases)."""
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from tests.models import _common, train_tokenizer
+
+WINDOW = 8  # tokens: prompts of up to 41 and 20 new tokens slide far past it
+
+
+def _save(model, path: Path, norm_center: float) -> Path:
+    """Norm weights drawn around `norm_center` (1 for w * x norms, 0 for Gemma's (1 + w) * x)
+    so they matter; transformers initialises them to exactly that."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(norm_center + 0.3 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _build(path: Path, seed: int, config_cls, model_cls, norm_center: float, **fields) -> Path:
+    tokenizer = train_tokenizer(path)
+    config = config_cls(**{**_common(tokenizer), **fields})
+    torch.manual_seed(seed)
+    return _save(model_cls(config), path, norm_center)
+
+
+def build_qwen3(path: Path, seed: int = 2, **overrides) -> Path:
+    """q/k norms, head_dim 32 with 4 heads (not hidden / heads = 16), GQA 2:1, tied."""
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  tie_word_embeddings=True, rope_theta=1000000.0)  # fmt: skip
+    return _build(path, seed, Qwen3Config, Qwen3ForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_gemma2(path: Path, seed: int = 3, **overrides) -> Path:
+    """Sliding then full layer, window 8, attention and final soft-caps that bite."""
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                  final_logit_softcapping=8.0, tie_word_embeddings=False)  # fmt: skip
+    return _build(path, seed, Gemma2Config, Gemma2ForCausalLM, 0.0, **{**fields, **overrides})
+
+
+def build_gemma3(path: Path, seed: int = 4, **overrides) -> Path:
+    """Sliding then full layer; q/k norms; local base 10^4, global 10^6 with linear scaling."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+    }
+    fields = dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                  query_pre_attn_scalar=32, sliding_window=WINDOW, rope_parameters=rope,
+                  layer_types=["sliding_attention", "full_attention"],
+                  final_logit_softcapping=8.0, tie_word_embeddings=False)  # fmt: skip
+    return _build(path, seed, Gemma3TextConfig, Gemma3ForCausalLM, 0.0, **{**fields, **overrides})
+
+
+def build_mistral(path: Path, seed: int = 5, **overrides) -> Path:
+    """A window of 8 on every layer."""
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW)
+    return _build(path, seed, MistralConfig, MistralForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_phi3(path: Path, seed: int = 6, original_length: int = 64, **overrides) -> Path:
+    """Fused qkv_proj / gate_up_proj, LongRoPE with a pre-training length of
+    `original_length` tokens (64: the parity tests' sequences stay within it, on the short
+    factors; 32: they cross it), a window of 2047 as Phi-3-mini-4k has (never reached here)."""
+    half = 8  # head_dim 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 0.5 * i for i in range(half)]}  # fmt: skip
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                  sliding_window=2047)  # fmt: skip
+    fields["original_max_position_embeddings"] = original_length
+    return _build(path, seed, Phi3Config, Phi3ForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_mixtral(path: Path, seed: int = 7, **overrides) -> Path:
+    """4 experts, top 2 (always renormalised)."""
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                  num_experts_per_tok=2, intermediate_size=64)  # fmt: skip
+    return _build(path, seed, MixtralConfig, MixtralForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_qwen3_moe(path: Path, seed: int = 8, **overrides) -> Path:
+    """6 experts, top 2, not renormalised; layer 1 dense (mlp_only_layers); q/k norms."""
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                  num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                  mlp_only_layers=[1], decoder_sparse_step=1)  # fmt: skip
+    return _build(path, seed, Qwen3MoeConfig, Qwen3MoeForCausalLM, 1.0, **{**fields, **overrides})
