@@ -21,7 +21,7 @@ MAX_FUNCTION_LINES = 50
 def test_the_scheduler_side_imports_no_torch():
     heavy = "('torch', 'transformers', 'engine.worker', 'engine.model')"
     code = f"import sys; import {', '.join(SCHEDULER_SIDE)}; "
-    code += f"print(' '.join(m for m in sys.modules if (m + '.').startswith(tuple(h + '.' "
+    code += "print(' '.join(m for m in sys.modules if (m + '.').startswith(tuple(h + '.' "
     code += f"for h in {heavy}))))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -4,11 +4,11 @@ roomy, on the CPU backend's C kernels, under preemption and under chunked prefil
 
 import pytest
 import torch
-from engine.kv.kv_size import weight_bytes_per_rank
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.kv.kv_size import weight_bytes_per_rank
 from engine.model.decoder import Decoder
 from engine.model.loader import load_weights
 from engine.model.sharding import Shard
