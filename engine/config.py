@@ -220,6 +220,8 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap"
     max_waiting: int = 100_000
     vocab_size: int = 0  # the executor's; 0: token ids are not checked
+    # a prefill chunk's most tokens while other requests run or wait; 0: the whole budget
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -232,6 +234,8 @@ class SchedulerConfig:
             raise ConfigError(
                 "max_num_batched_tokens: must be >= max_model_len without chunked prefill"
             )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold: must be >= 0 (0: off)")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError("preemption_mode: must be 'auto', 'recompute' or 'swap'")
 
@@ -306,6 +310,7 @@ class EngineConfig:
     max_waiting: int = 100_000
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # vLLM's: 0 is off offline; `kvpager serve`: 512
     preemption_mode: str = "auto"
     seed: int = 0
     plan_ahead: int = 1  # steps planned beyond the one the executor runs (0: lockstep)
@@ -349,4 +354,5 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             max_waiting=self.max_waiting,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )

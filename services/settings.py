@@ -53,6 +53,10 @@ class Settings:
     max_waiting: int = option("waiting-queue bound; past it, 'overloaded'", default=1024)
     enable_prefix_caching: bool = option("share full prompt blocks", default=True)
     enable_chunked_prefill: bool = option("split long prompts across steps", default=True)
+    long_prefill_token_threshold: int = option(
+        "most tokens of one prompt a step while others run or wait (0: the whole budget)",
+        default=512,
+    )
     preemption_mode: str = option("auto | recompute | swap", default="auto")
     plan_ahead: int = option("steps planned ahead of the executor (0: lockstep)", default=1)
     seed: int = option("seed of unseeded sampling", default=0)

@@ -132,7 +132,7 @@ class Scheduler:
             if request.seq_id in plan.forked:
                 idx += 1  # made from its parent's logits in this step: nothing to compute
                 continue
-            num_new = min(self._num_unscheduled(request), plan.budget)
+            num_new = self._chunk(request, self._num_unscheduled(request), plan.budget)
             if num_new == 0:  # a beam waiting for its siblings, or the last token in flight
                 idx += 1
                 continue
@@ -141,6 +141,21 @@ class Scheduler:
                 break  # the request itself was preempted: nothing newer is left to run
             self._note_running(request, num_new, new_block_ids, plan)
             idx += 1
+
+    def _chunk(self, request: Request, num_new: int, budget: int) -> int:
+        """The tokens `request` computes this step: at most the budget, and while others run
+        or wait, at most `long_prefill_token_threshold`, so one long prompt cannot hold the
+        whole budget for many steps (vLLM's rule). A parent whose samples fork from it is not
+        capped: its chunks take the budget until its prompt completes, so nothing admitted
+        behind it can need the blocks of samples forked in the same step (see _preempt)."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new and not request.num_pending_forks and self._others(request):
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _others(self, request: Request) -> bool:
+        """Whether any request besides `request` runs or waits."""
+        return len(self.running) + len(self.waiting) > 1
 
     @staticmethod
     def _num_unscheduled(request: Request) -> int:
@@ -277,7 +292,7 @@ class Scheduler:
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.budget and not self.config.enable_chunked_prefill:
             return False
-        num_new = min(num_new, plan.budget)
+        num_new = self._chunk(request, num_new, plan.budget)
         if self.block_manager.allocate_slots(request, num_new, hits) is None:
             return False
         self.waiting.popleft()

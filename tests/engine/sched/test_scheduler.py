@@ -133,3 +133,40 @@ def test_auto_preemption_swaps_lone_requests_only_where_swapping_is_cheap():
         run_step(scheduler)  # a needs a third block: b is preempted
         assert b.status is expected
         assert scheduler.stats.num_swap_preemptions == int(cheap)
+
+
+def test_a_long_prefill_leaves_room_for_short_requests():
+    """vLLM's long_prefill_token_threshold: while others wait, a long prompt gets at most the
+    threshold a step, so a short request starts in the first step instead of after it."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=256,
+            long_prefill_token_threshold=16,
+        ),
+        CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
+    )
+    add(scheduler, "long", 120)
+    add(scheduler, "short", 6)
+    step = run_step(scheduler)
+    assert step.num_scheduled_tokens == {"long": 16, "short": 6}
+    run_step(scheduler)  # the short one decodes beside the long one's next chunk
+    assert scheduler.seqs["long"].num_computed_tokens == 32
+
+
+def test_a_lone_long_prefill_takes_the_whole_budget():
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=256,
+            long_prefill_token_threshold=16,
+        ),
+        CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
+    )
+    add(scheduler, "long", 120)
+    assert run_step(scheduler).num_scheduled_tokens == {"long": 64}
+    add(scheduler, "parent", 40, n=2)  # samples fork from it: never capped
+    step = run_step(scheduler)
+    assert step.num_scheduled_tokens == {"long": 16, "parent": 40}
