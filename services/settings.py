@@ -55,6 +55,12 @@ class Settings:
     preemption_mode: str = _opt("auto | recompute | swap", default="auto")
     plan_ahead: int = _opt("steps planned ahead of the executor (0: lockstep)", default=1)
     seed: int = _opt("seed of unseeded sampling", default=0)
+    speculative_config: str | None = _opt(
+        'speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
+        '"max_num_seqs_to_speculate": 8} (default: off)',
+        default=None,
+    )
     tensor_parallel_size: int = _opt(
         "ranks sharing the model, one process and device each (torchrun: WORLD_SIZE)", default=1
     )
