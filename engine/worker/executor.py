@@ -29,7 +29,7 @@ from engine.worker.host_malloc import retain_freed_memory
 from engine.worker.input_batch import InputBatch
 from engine.worker.ngram_proposer import NgramProposer
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
-from engine.worker.spec_verify import VerifyRows, accept
+from engine.worker.spec_verify import VerifyRows, accept, step_output
 from engine.worker.step_check import Capacity, StepCheck
 from kernels.backend import default_backend_name, get_kernel_ops
 from schemas.errors import ConfigError
@@ -314,23 +314,7 @@ class Executor:
         emitted = accept(states, rows, sampled.sampled_token_ids.tolist())
         for state, token_ids in zip(states, emitted):
             self.batch.accept(state, token_ids)
-        output = StepOutput(
-            step_id=step_id,
-            seq_ids=[s.seq_id for s in states],
-            sampled_token_ids=[tokens[0] for tokens in emitted],
-        )
-        output.extra_token_ids = {
-            s.seq_id: tokens[1:] for s, tokens in zip(states, emitted) if len(tokens) > 1
-        }
-        row_logprobs = _logprobs(sampled, rows.params)
-        if row_logprobs is not None:
-            output.logprobs = [row_logprobs[offset] for offset in rows.offsets]
-            output.extra_logprobs = {
-                s.seq_id: row_logprobs[offset + 1 : offset + len(tokens)]
-                for s, offset, tokens in zip(states, rows.offsets, emitted)
-                if len(tokens) > 1
-            }
-        return output
+        return step_output(step_id, states, rows, emitted, _logprobs(sampled, rows.params))
 
 
 def rank_device(name: str, group: TensorParallel | None) -> torch.device:

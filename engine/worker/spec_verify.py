@@ -26,6 +26,7 @@ import torch
 
 from engine.worker.input_batch import InputBatch, RequestState
 from schemas.sampling import SamplingParams
+from schemas.scheduler import StepOutput, TokenLogprobs
 
 
 @dataclass
@@ -84,3 +85,29 @@ def accept(states: list[RequestState], rows: VerifyRows, sampled: list[int]) -> 
             tokens.append(sampled[offset + len(state.draft_token_ids)])
         emitted.append(tokens)
     return emitted
+
+
+def step_output(
+    step_id: int,
+    states: list[RequestState],
+    rows: VerifyRows,
+    emitted: list[list[int]],
+    row_logprobs: list[TokenLogprobs] | None,
+) -> StepOutput:
+    """The tokens each state emitted (the first in `sampled_token_ids`, the rest in
+    `extra_token_ids`), with the logprobs of their rows when any were asked for."""
+    output = StepOutput(
+        step_id=step_id,
+        seq_ids=[s.seq_id for s in states],
+        sampled_token_ids=[tokens[0] for tokens in emitted],
+    )
+    several = [(s, offset, tokens) for s, offset, tokens in zip(states, rows.offsets, emitted)]
+    several = [entry for entry in several if len(entry[2]) > 1]
+    output.extra_token_ids = {s.seq_id: tokens[1:] for s, _, tokens in several}
+    if row_logprobs is not None:
+        output.logprobs = [row_logprobs[offset] for offset in rows.offsets]
+        output.extra_logprobs = {
+            s.seq_id: row_logprobs[offset + 1 : offset + len(tokens)]
+            for s, offset, tokens in several
+        }
+    return output
