@@ -234,7 +234,7 @@ def test_executor_reset_forgets_every_request(tiny_llama):
     executor.reset()
     assert executor.batch.states == {} and len(executor.batch.free_rows) == 2
     output = executor.execute(ScheduledStep(1, new_requests=[new], num_scheduled_tokens={"r": 3}))
-    assert output.req_ids == ["r"]  # the same id is new again
+    assert output.seq_ids == ["r"]  # the same id is new again
 
 
 def _kill(process) -> None:
