@@ -184,6 +184,67 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return raw.get("sliding_window")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names: `method` "ngram" (prompt lookup) proposes up to
+    `num_speculative_tokens` tokens a step from the longest suffix n-gram (`prompt_lookup_max`
+    down to `prompt_lookup_min` tokens) found earlier in the sequence. Speculation steps aside
+    for a step when more than `max_num_seqs_to_speculate` sequences run."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # Measured on SmolLM2 (CPU, benchmarks/spec_decode.py) is left to the lead; 8 is cautious.
+    max_num_seqs_to_speculate: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ConfigError(
+                f"speculative_config.method: {self.method!r} is not supported; supported: "
+                f"{', '.join(SPECULATIVE_METHODS)} (draft models are not built yet)"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("speculative_config.num_speculative_tokens: must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ConfigError(
+                "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64"
+            )
+        if self.max_num_seqs_to_speculate < 1:
+            raise ConfigError("speculative_config.max_num_seqs_to_speculate: must be >= 1")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict of its fields, a JSON object, or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config: not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config: give an object of its fields")
+        if value.get("method", "ngram") not in SPECULATIVE_METHODS:
+            cls(method=str(value["method"]))  # raises, naming what is supported
+        names = {spec.name for spec in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown fields {unknown}; known {sorted(names)}"
+            )
+        ints = [k for k, v in value.items() if k != "method" and type(v) is not int]
+        if ints:
+            raise ConfigError(f"speculative_config: {ints} must be integers")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps({spec.name: getattr(self, spec.name) for spec in fields(self)})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry: `num_blocks` blocks of `block_size` token slots each."""
@@ -222,6 +283,7 @@ class SchedulerConfig:
     vocab_size: int = 0  # the executor's; 0: token ids are not checked
     # a prefill chunk's most tokens while other requests run or wait; 0: the whole budget
     long_prefill_token_threshold: int = 0
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -273,9 +335,14 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     # seconds any rank waits in a collective (a step, a keepalive) before the group fails
     tensor_parallel_timeout: float = 10.0
+    # the proposer's n-gram sizes; also as JSON (how tensor-parallel ranks receive it)
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError("num_blocks: must be at least 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -316,10 +383,16 @@ class EngineConfig:
     plan_ahead: int = 1  # steps planned beyond the one the executor runs (0: lockstep)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) sharing the model
     tensor_parallel_timeout: float = 10.0
+    # speculative decoding (None: off): a SpeculativeConfig, its fields as a dict, or JSON
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
+        # normalised once, here: every reader sees a SpeculativeConfig or None
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
 
     @classmethod
@@ -355,4 +428,5 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             max_waiting=self.max_waiting,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            speculative_config=self.speculative_config,
         )

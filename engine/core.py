@@ -168,7 +168,10 @@ class EngineCore:
         output, now = done.output, time.monotonic()
         scheduler = self.scheduler
         updated = scheduler.update_from_output(step, output)
-        logprobs = dict(zip(output.seq_ids, output.logprobs or ()))
+        logprobs = {
+            seq_id: [first, *output.extra_logprobs.get(seq_id, ())]
+            for seq_id, first in zip(output.seq_ids, output.logprobs or ())
+        }
         for request in updated:
             self._for_one(request.request_id, self._add_token, request, logprobs)
         for request_id, beams in scheduler.take_beam_results().items():

@@ -46,6 +46,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # speculative decoding: the executor's proposals after the last token, to verify next step
+    spec_token_ids: list[int] = field(default_factory=list)
     # Parallel samples: every sample of a request shares `request_id` (the client's id, and
     # the parent's seq_id); `num_pending_forks` samples are forked from the parent when its
     # prompt completes.
@@ -109,5 +111,6 @@ class Request:
             num_pending_forks=0,
             num_preemptions=0,
             num_output_placeholders=0,
+            spec_token_ids=[],
             **changes,
         )

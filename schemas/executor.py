@@ -31,6 +31,9 @@ class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # table[replace_from:] = new_block_ids. Usually an append; copy-on-write of a shared
     # partly filled tail replaces the last block too.
     replace_from: int = 0
+    # speculative decoding: proposed tokens after the last known one, verified in this step
+    # (the step computes 1 + len(spec_token_ids) tokens of this request)
+    spec_token_ids: list[int] = []
 
 
 class ForkRequest(msgspec.Struct, array_like=True):
@@ -59,6 +62,9 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_to_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
     forks: list[ForkRequest] = []
+    # speculative decoding: after this step, propose up to this many tokens for these
+    # sampling sequences (they come back in StepOutput.draft_token_ids)
+    num_spec_tokens: dict[str, int] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

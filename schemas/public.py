@@ -317,6 +317,13 @@ class Stats(msgspec.Struct, kw_only=True):
     executor_wait_ms: Annotated[
         Percentiles, Meta(description="executor idle between back-to-back steps")
     ]
+    spec_decode_num_drafts: Annotated[
+        int, Meta(description="speculative decoding: sequences whose proposals a step verified")
+    ] = 0
+    spec_decode_num_draft_tokens: Annotated[int, Meta(description="proposed tokens verified")] = 0
+    spec_decode_num_accepted_tokens: Annotated[
+        int, Meta(description="proposed tokens accepted (rate: / num_draft_tokens)")
+    ] = 0
     ttft_s: Annotated[Histogram, Meta(description="as ttft_ms")] = msgspec.field(
         default_factory=Histogram
     )

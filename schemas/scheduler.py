@@ -20,6 +20,18 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # aligned with seq_ids when any asked
     # Beam search: per beam, its best next tokens as (token id, log-prob), best first.
     beam_candidates: dict[str, list[tuple[int, float]]] = {}
+    # Speculative decoding. A sequence whose proposed tokens were verified emits its
+    # `sampled_token_ids` entry and then `extra_token_ids[seq_id]`, one per accepted proposal
+    # (the last token emitted is always the model's own); `extra_logprobs` aligned with them.
+    extra_token_ids: dict[str, list[int]] = {}
+    extra_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # proposals for the next step, for the sequences the step asked (num_spec_tokens)
+    draft_token_ids: dict[str, list[int]] = {}
+
+    def emitted_token_ids(self, idx: int) -> list[int]:
+        """Every token row `idx`'s sequence emitted in this step, in order."""
+        extra = self.extra_token_ids.get(self.seq_ids[idx], [])
+        return [self.sampled_token_ids[idx], *extra]
 
 
 # --- Over NATS: what the scheduler service receives -------------------------------------

@@ -60,6 +60,12 @@ class Settings:
     preemption_mode: str = option("auto | recompute | swap", default="auto")
     plan_ahead: int = option("steps planned ahead of the executor (0: lockstep)", default=1)
     seed: int = option("seed of unseeded sampling", default=0)
+    speculative_config: str | None = option(
+        'speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
+        '"max_num_seqs_to_speculate": 8} (default: off)',
+        default=None,
+    )
     tensor_parallel_size: int = option(
         "ranks sharing the model, one process and device each (torchrun: WORLD_SIZE)", default=1
     )

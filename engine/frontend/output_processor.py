@@ -58,15 +58,25 @@ class SampleOutput:
             return None
         update = SampleUpdate("", [], None)
         if self.stop_string is None:  # tokens after a stop string are not output
-            update.text = self.detokenizer.add_tokens(delta.token_ids)
-            update.token_ids, update.logprobs = delta.token_ids, delta.logprobs
-            self.num_tokens += len(delta.token_ids)
+            num_shown = self._add_text(update, delta.token_ids)
+            update.token_ids = delta.token_ids[:num_shown]
+            update.logprobs = None if delta.logprobs is None else delta.logprobs[:num_shown]
+            self.num_tokens += num_shown
             self.stop_string = self.detokenizer.stopped
             update.stop_matched = self.stop_string is not None and bool(delta.token_ids)
         if delta.finish_reason is not None:
             update.text += self._finish(delta)
             update.stop_matched = False
         return update
+
+    def _add_text(self, update: SampleUpdate, token_ids: list[int]) -> int:
+        """Detokenize a delta's tokens one by one (a delta holds several when proposals were
+        accepted), so a stop string ends the output at its token; returns the tokens shown."""
+        for num_shown, token_id in enumerate(token_ids, start=1):
+            update.text += self.detokenizer.add_tokens([token_id])
+            if self.detokenizer.stopped is not None:
+                return num_shown
+        return len(token_ids)
 
     def _finish(self, delta: SampleDelta) -> str:
         self.finish_reason = "stop" if self.stop_string else delta.finish_reason

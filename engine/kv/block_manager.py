@@ -188,6 +188,15 @@ class BlockManager:
         for block_id in reversed(table):
             self._unref(block_id)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Drop the table's blocks past its first `num_tokens` slots: lookahead blocks that
+        only rejected proposals reached (private and never cached: no known token is there)."""
+        table = self.block_tables.get(request.seq_id, [])
+        while len(table) > -(-num_tokens // self.block_size):
+            block_id = table.pop()
+            assert self.blocks[block_id].ref_count == 1, f"block {block_id}: shared lookahead"
+            self._unref(block_id)
+
     def can_swap_out(self, request: Request) -> bool:
         table = self.block_tables[request.seq_id]
         return sum(self.blocks[b].ref_count == 1 for b in table) <= self.cpu.num_available

@@ -21,6 +21,7 @@ class SampleDeltas:
         self.open: dict[str, set[int]] = {}  # request id -> samples without a final delta
         self._deltas: list[SampleDelta] = []
         self._on_close = on_close  # called with a request's id after its last final delta
+        self._num_sent: dict[tuple[str, int], int] = {}  # (request id, index) -> tokens sent
 
     def track(self, request_id: str, num_samples: int) -> None:
         self.open[request_id] = set(range(num_samples))
@@ -29,13 +30,18 @@ class SampleDeltas:
         deltas, self._deltas = self._deltas, []
         return deltas
 
-    def add_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
-        """The request's newest token; a final delta too if it has finished."""
+    def add_token(self, request: Request, logprobs: list[TokenLogprobs] | None) -> None:
+        """The request's tokens since its last delta (several when proposals were accepted),
+        with their logprobs; a final delta too if it has finished."""
+        key = (request.request_id, request.sample_index)
+        start = self._num_sent.get(key, 0)
+        token_ids = request.output_token_ids[start:]
+        self._num_sent[key] = request.num_output_tokens
         delta = SampleDelta(
             request.request_id,
             request.sample_index,
-            request.output_token_ids[-1:],
-            logprobs=None if logprobs is None else [logprobs],
+            token_ids,
+            logprobs=None if logprobs is None else logprobs[: len(token_ids)],
         )
         if request.is_finished:
             delta.finish_reason = request.status.value
@@ -78,6 +84,8 @@ class SampleDeltas:
 
     def _push(self, delta: SampleDelta) -> None:
         open_indices = self.open.get(delta.request_id)
+        if delta.finish_reason is not None or open_indices is None:
+            self._num_sent.pop((delta.request_id, delta.index), None)
         if open_indices is None:
             return  # ended already (failed, aborted): late tokens are dropped
         self._deltas.append(delta)

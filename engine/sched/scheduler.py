@@ -23,6 +23,7 @@ from engine.kv.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sched.beam_scheduler import BeamScheduler
 from engine.sched.beam_search import FinishedBeam
+from engine.sched.lookahead import Lookahead
 from engine.sched.request_checks import check_request_fits
 from engine.sched.step_plan import SchedulerStats, StepPlan
 from schemas.errors import InvalidRequestError, OverloadedError
@@ -48,6 +49,7 @@ class Scheduler:
         self.seqs: dict[str, Request] = {}  # seq id -> its sample
         self.groups: dict[str, list[Request]] = {}  # request id -> its parallel samples
         self.beams = BeamScheduler()
+        self.lookahead = Lookahead(scheduler_config.speculative_config)
         self.at_executor: set[str] = set()  # requests whose state the executor holds
         self.finished_seq_ids: list[str] = []  # to tell the executor next step
         self._sampling: dict[int, list[Request]] = {}  # step id -> who samples in it
@@ -80,8 +82,9 @@ class Scheduler:
     @property
     def can_plan_ahead(self) -> bool:
         """Whether the next step may be planned before this one's output arrives. Not during a
-        beam search: its beams advance only when the search has chosen their tokens."""
-        return not self.beams.groups
+        beam search: its beams advance only when the search has chosen their tokens. Nor after
+        a step that verifies or asks for proposals (engine/sched/lookahead.py)."""
+        return not self.beams.groups and not self.lookahead.lockstep
 
     @property
     def has_unfinished(self) -> bool:
@@ -109,6 +112,9 @@ class Scheduler:
             self._schedule_waiting(plan)
         self.step_id += 1
         self._sampling[self.step_id] = plan.sampling
+        asks = self.lookahead.asks(plan.sampling, len(self.running))
+        verified = {seq_id: len(drafts) for seq_id, drafts in plan.spec_token_ids.items()}
+        self.lookahead.planned(self.step_id, verified, asks)
         self.stats.record_step(self.block_manager.num_used_blocks, len(self.running))
         ops = self.block_manager.take_ops()
         step = ScheduledStep(
@@ -121,6 +127,7 @@ class Scheduler:
             blocks_to_swap_out=ops.swap_out,
             blocks_to_swap_in=ops.swap_in,
             forks=self.beams.take_forks() + plan.forks,
+            num_spec_tokens=asks,
         )
         self.finished_seq_ids = []
         return step
@@ -136,9 +143,15 @@ class Scheduler:
             if num_new == 0:  # a beam waiting for its siblings, or the last token in flight
                 idx += 1
                 continue
+            drafts = self.lookahead.drafts_to_verify(
+                request, num_new, plan.budget, len(self.running)
+            )
+            num_new += len(drafts)
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is None:
                 break  # the request itself was preempted: nothing newer is left to run
+            if drafts:
+                plan.spec_token_ids[request.seq_id] = drafts
             self._note_running(request, num_new, new_block_ids, plan)
             idx += 1
 
@@ -198,6 +211,7 @@ class Scheduler:
         # prompt chunk, which takes the whole budget unless it completes: none can need blocks.
         assert request.seq_id not in plan.forked, f"{request.seq_id}: forked this step"
         mode = self._preemption_mode(request)
+        request.spec_token_ids = []  # resumed, it decodes one token before proposing again
         if mode == "swap":
             self.block_manager.swap_out(request)
             request.status = RequestStatus.SWAPPED
@@ -340,18 +354,19 @@ class Scheduler:
         right context. One for a finished request is dropped.
         """
         assert output.step_id == step.step_id, f"step {output.step_id} != {step.step_id}"
-        sampled = dict(zip(output.seq_ids, output.sampled_token_ids))
+        emitted = {seq_id: output.emitted_token_ids(i) for i, seq_id in enumerate(output.seq_ids)}
         for abandoned in [s for s in self._sampling if s < step.step_id]:
             del self._sampling[abandoned]  # outputs come in order: theirs never will
         updated = []
         for request in self._sampling.pop(step.step_id, []):
             try:
-                updated += self._update_one(request, output, sampled)
+                updated += self._update_one(request, output, emitted)
             except Exception as exc:  # one request's failure ends that request alone
                 self.fail(request.request_id, exc)
+        self.lookahead.end_step(step.step_id)
         return [request for request in updated if request.request_id not in self.failed]
 
-    def _update_one(self, request: Request, output: StepOutput, sampled: dict[str, int]):
+    def _update_one(self, request: Request, output: StepOutput, emitted: dict[str, list[int]]):
         if self._is_beam(request):
             if request.status is RequestStatus.RUNNING:
                 self._report_beam(request, output.beam_candidates.get(request.seq_id))
@@ -359,7 +374,7 @@ class Scheduler:
         request.num_output_placeholders -= 1
         if request.is_finished:
             return []
-        return self._append_sampled(request, sampled)
+        return self._append_sampled(request, output, emitted)
 
     def fail(self, request_id: str, exc: Exception) -> None:
         """End every sample of a request whose output, parameters or beams raised: its blocks
@@ -384,13 +399,19 @@ class Scheduler:
         for ended in selection.ended:
             self.finish(ended, RequestStatus.FINISHED_STOPPED)
 
-    def _append_sampled(self, request: Request, sampled: dict[str, int]) -> list[Request]:
-        token_id = sampled.get(request.seq_id)
-        assert token_id is not None, f"step output lacks {request.seq_id}'s token"
-        request.output_token_ids.append(token_id)
-        status = request.check_stop()
-        if status is not None:
-            self.finish(request, status)
+    def _append_sampled(self, request: Request, output: StepOutput, emitted) -> list[Request]:
+        """Append the step's tokens one by one: a stop or max_tokens in the middle of an
+        accepted run finishes the request there and drops the tokens after it."""
+        token_ids = emitted.get(request.seq_id)
+        assert token_ids, f"step output lacks {request.seq_id}'s token"
+        self.lookahead.roll_back(output.step_id, request, len(token_ids), self.block_manager)
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            status = request.check_stop()
+            if status is not None:
+                self.finish(request, status)
+                return [request]
+        self.lookahead.take_drafts(request, output.draft_token_ids.get(request.seq_id))
         return [request]
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -405,6 +426,7 @@ class Scheduler:
         request.num_pending_forks = 0
         self.block_manager.free(request)
         self.forget_at_executor(request.seq_id)
+        self.lookahead.forget(request.seq_id)
         self.seqs.pop(request.seq_id, None)
         group = self.groups.get(request.request_id, [])
         if all(r.is_finished for r in group):

@@ -44,4 +44,7 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         itl_s=metrics.itl.buckets.histogram(),
         e2e_s=metrics.e2e.histogram(),
         queue_s=metrics.queue.histogram(),
+        spec_decode_num_drafts=core.lookahead.stats.num_drafts,
+        spec_decode_num_draft_tokens=core.lookahead.stats.num_draft_tokens,
+        spec_decode_num_accepted_tokens=core.lookahead.stats.num_accepted_tokens,
     )

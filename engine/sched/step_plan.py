@@ -36,6 +36,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     sampling: list[Request] = field(default_factory=list)  # get a token (beams: candidates)
     forked: set[str] = field(default_factory=set)  # samples forked in this step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals verified
 
     def add_new(self, request: Request, block_table: list[int]) -> None:
         """A request the executor does not hold: all its tokens and blocks."""
@@ -67,5 +68,6 @@ class StepPlan:
                 new_block_ids=new_block_ids,
                 new_token_ids=new_token_ids,
                 replace_from=len(block_table) - len(new_block_ids),
+                spec_token_ids=self.spec_token_ids.get(request.seq_id, []),
             )
         )

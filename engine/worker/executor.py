@@ -11,7 +11,7 @@ import msgspec
 import structlog
 import torch
 
-from engine.config import ExecutorConfig, ModelConfig
+from engine.config import ExecutorConfig, ModelConfig, SpeculativeConfig
 from engine.memory import (
     blocks_that_fit,
     cpu_blocks_that_fit,
@@ -27,7 +27,9 @@ from engine.parallel.ranks import Ranks
 from engine.worker.beam_candidates import top_continuations
 from engine.worker.host_malloc import retain_freed_memory
 from engine.worker.input_batch import InputBatch
+from engine.worker.ngram_proposer import NgramProposer
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.worker.spec_verify import VerifyRows, accept, step_output
 from engine.worker.step_check import Capacity, StepCheck
 from kernels.backend import default_backend_name, get_kernel_ops
 from schemas.errors import ConfigError
@@ -74,6 +76,8 @@ class Executor:
         # unseeded requests draw from one engine-wide generator seeded by `seed`
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.step_check = StepCheck(self.capacity)
+        spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._log_ready(rank, size, time.perf_counter() - started)
 
     def _pick_device_and_kernels(self) -> None:
@@ -225,6 +229,9 @@ class Executor:
         if not states:
             return StepOutput(step_id=step.step_id)
         logits = self.model.compute_logits(hidden[logits_indices])
+        draft_logits = None
+        if inputs.draft_indices is not None:  # positions verifying proposals
+            draft_logits = self.model.compute_logits(hidden[inputs.draft_indices])
         beam_rows = [i for i, s in enumerate(states) if s.params.is_beam_search]
         beam_candidates = top_continuations(
             logits, states, beam_rows, self.model_config.eos_token_ids
@@ -232,9 +239,21 @@ class Executor:
         if beam_rows:
             keep = [i for i, s in enumerate(states) if not s.params.is_beam_search]
             states, logits = [states[i] for i in keep], logits[keep]
-        output = self._step_output(step.step_id, states, logits)
+        output = self._step_output(step.step_id, states, logits, draft_logits)
         output.beam_candidates = beam_candidates
+        output.draft_token_ids = self._propose(step.num_spec_tokens)
         return output
+
+    def _propose(self, num_spec_tokens: dict[str, int]) -> dict[str, list[int]]:
+        """N-gram proposals for the sequences the step asked, over their tokens so far."""
+        drafts = {}
+        for seq_id, k in num_spec_tokens.items():
+            state = self.batch.states.get(seq_id)
+            if state is not None:
+                tokens = self.batch.token_ids[state.row, : state.num_tokens]
+                if proposal := self.proposer.propose(tokens, k):
+                    drafts[seq_id] = proposal
+        return drafts
 
     def _move_blocks(self, step: ScheduledStep) -> None:
         """Swap-outs first (they save content that swap-ins and copies may overwrite)."""
@@ -274,32 +293,28 @@ class Executor:
             for token_id in cached.new_token_ids:
                 self.batch.append_token(self.batch.states[cached.seq_id], token_id)
 
-    def _sampling_batch(self, states) -> SamplingBatch:
+    def _sampling_batch(self, rows: VerifyRows) -> SamplingBatch:
         return SamplingBatch.build(
-            params=[s.params for s in states],
-            seed_positions=[self.batch.seed_position(s) for s in states],
-            prompt_token_ids=[self.batch.prompt_token_ids(s) for s in states]
-            if any(s.params.repetition_penalty != 1.0 for s in states)
-            else [[] for _ in states],
-            output_token_ids=[s.output_token_ids for s in states],
+            params=rows.params,
+            seed_positions=rows.seed_positions,
+            prompt_token_ids=rows.prompt_token_ids,
+            output_token_ids=rows.output_token_ids,
             eos_token_ids=list(self.model_config.eos_token_ids),
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
 
-    def _step_output(self, step_id: int, states, logits: torch.Tensor) -> StepOutput:
+    def _step_output(self, step_id: int, states, logits, draft_logits=None) -> StepOutput:
+        """Sample every row (one a state, plus one per proposal), accept, append."""
         if not states:
             return StepOutput(step_id=step_id)
-        sampled = self.sampler(logits, self._sampling_batch(states))
-        token_ids = sampled.sampled_token_ids.tolist()
-        for state, token_id in zip(states, token_ids):
-            self.batch.append_token(state, token_id)
-        return StepOutput(
-            step_id=step_id,
-            seq_ids=[s.seq_id for s in states],
-            sampled_token_ids=token_ids,
-            logprobs=_logprobs(sampled, states),
-        )
+        with_prompts = any(s.params.repetition_penalty != 1.0 for s in states)
+        rows = VerifyRows.build(states, self.batch, with_prompts)
+        sampled = self.sampler(rows.gather(logits, draft_logits), self._sampling_batch(rows))
+        emitted = accept(states, rows, sampled.sampled_token_ids.tolist())
+        for state, token_ids in zip(states, emitted):
+            self.batch.accept(state, token_ids)
+        return step_output(step_id, states, rows, emitted, _logprobs(sampled, rows.params))
 
 
 def rank_device(name: str, group: TensorParallel | None) -> torch.device:
@@ -314,15 +329,15 @@ def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
 
 
-def _logprobs(sampled: SamplerOutput, states) -> list[TokenLogprobs] | None:
+def _logprobs(sampled: SamplerOutput, params) -> list[TokenLogprobs] | None:
     if sampled.logprobs is None:
         return None
     values = sampled.logprobs.tolist()
     top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
     top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
     out = []
-    for i, state in enumerate(states):
-        k = state.params.logprobs or 0
+    for i, row_params in enumerate(params):
+        k = row_params.logprobs or 0
         out.append(
             TokenLogprobs(
                 logprob=values[i],

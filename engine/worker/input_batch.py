@@ -26,6 +26,8 @@ class RequestState:
     num_blocks: int
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    # proposed tokens verified in this step; they sit in the row past num_tokens until then
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +37,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampled]: last token of each sampled sequence
     sampled_states: list[RequestState]  # requests that get a token this step, in that order
+    # int64 [num_drafts]: the positions before each sampled sequence's last one that verify
+    # its proposals, sequence by sequence; None without proposals
+    draft_indices: torch.Tensor | None = None
 
 
 class InputBatch:
@@ -78,6 +83,9 @@ class InputBatch:
         end = cached.replace_from + len(cached.new_block_ids)
         self.block_table[state.row, cached.replace_from : end] = cached.new_block_ids
         state.num_blocks = max(state.num_blocks, end)
+        drafts = cached.spec_token_ids
+        self.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
+        state.draft_token_ids = list(drafts)
 
     def fork(
         self,
@@ -99,6 +107,7 @@ class InputBatch:
             row=row,
             params=params,
             output_token_ids=list(parent.output_token_ids),
+            draft_token_ids=[],
         )
         self.states[child_id] = child
         return child
@@ -112,6 +121,20 @@ class InputBatch:
         self.token_ids[state.row, state.num_tokens] = token_id
         state.num_tokens += 1
         state.output_token_ids.append(token_id)
+
+    def accept(self, state: RequestState, token_ids: list[int]) -> None:
+        """The tokens one step emitted for `state`; with proposals verified, the computed
+        count rolls back past the rejected ones (their K/V is overwritten later) and the
+        table forgets blocks that only they had reached, as the scheduler's does."""
+        num_rejected = len(state.draft_token_ids) + 1 - len(token_ids)
+        assert num_rejected >= 0, f"{state.seq_id}: more tokens than positions verified"
+        for token_id in token_ids:
+            self.append_token(state, token_id)
+        if state.draft_token_ids:
+            state.num_computed_tokens -= num_rejected
+            num_blocks = -(-state.num_computed_tokens // self.block_size)
+            state.num_blocks = min(state.num_blocks, num_blocks)
+            state.draft_token_ids = []
 
     @staticmethod
     def seed_position(state: RequestState) -> int:
@@ -137,7 +160,8 @@ class InputBatch:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = starts + counts
         max_blocks = int(-(-seq_lens.max() // self.block_size))
-        sampled = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+        ends = [s.num_tokens + len(s.draft_token_ids) for s in states]
+        sampled = [i for i, s in enumerate(states) if seq_lens[i] == ends[i]]
         for state, count in zip(states, counts.tolist()):
             state.num_computed_tokens += count
         meta = AttentionMetadata(
@@ -153,7 +177,13 @@ class InputBatch:
             meta=meta,
             logits_indices=self._to_device(cu_seqlens[1:][sampled] - 1),
             sampled_states=[states[i] for i in sampled],
+            draft_indices=self._draft_indices(states, sampled, cu_seqlens),
         )
+
+    def _draft_indices(self, states, sampled: list[int], cu_seqlens) -> torch.Tensor | None:
+        lasts = [(int(cu_seqlens[i + 1]) - 1, len(states[i].draft_token_ids)) for i in sampled]
+        indices = [last - num + j for last, num in lasts for j in range(num)]
+        return self._to_device(np.asarray(indices, dtype=np.int64)) if indices else None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)

@@ -40,6 +40,7 @@ class _Row:
     num_tokens: int
     num_computed_tokens: int
     num_blocks: int
+    num_drafts: int = 0  # proposals after num_tokens, verified this step
 
 
 def _require(ok: bool, message: str) -> None:
@@ -72,11 +73,16 @@ class StepCheck:
             self._check_new(new, shadow)
         for cached in step.cached_requests:
             self._check_cached(cached, shadow)
+            unverified = cached.spec_token_ids and cached.seq_id not in step.num_scheduled_tokens
+            _require(not unverified, f"proposals of {cached.seq_id!r}: not scheduled")
         sampled = self._check_scheduled(step.num_scheduled_tokens, shadow)
         for fork in step.forks:
             if fork.sample:
                 _require(fork.parent_id in sampled, f"fork of {fork.parent_id!r}: not sampled")
                 shadow.fork(fork.parent_id, fork.child_id)
+                sampled.add(fork.child_id)
+        for seq_id, k in step.num_spec_tokens.items():
+            _require(seq_id in sampled and 0 <= k <= 64, f"proposals for {seq_id!r}: {k}")
 
     def _check_ranges(self, step: ScheduledStep) -> None:
         """Every block id, token id and block pair of the step, at once."""
@@ -92,6 +98,7 @@ class StepCheck:
         _in_range(cpu_ids, cap.num_cpu_blocks, "cpu block ids")
         token_ids = [t for new in step.new_requests for t in new.token_ids]
         token_ids += [t for cached in step.cached_requests for t in cached.new_token_ids]
+        token_ids += [t for cached in step.cached_requests for t in cached.spec_token_ids]
         _in_range(token_ids, cap.vocab_size, "token ids")
 
     def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:
@@ -115,9 +122,13 @@ class StepCheck:
         _require(0 <= cached.replace_from <= row.num_blocks, f"{name}: replace_from")
         _require(end <= cap.max_blocks_per_seq, f"{name}: too many blocks")
         num_tokens = row.num_tokens + len(cached.new_token_ids)
-        _require(num_tokens <= cap.max_model_len, f"{name}: more than max_model_len tokens")
+        num_drafts = len(cached.spec_token_ids)
+        _require(
+            num_tokens + num_drafts <= cap.max_model_len, f"{name}: more than max_model_len tokens"
+        )
         shadow.put(
-            cached.seq_id, _Row(num_tokens, row.num_computed_tokens, max(row.num_blocks, end))
+            cached.seq_id,
+            _Row(num_tokens, row.num_computed_tokens, max(row.num_blocks, end), num_drafts),
         )
 
     def _check_scheduled(self, num_scheduled: dict[str, int], shadow: "_Shadow") -> set[str]:
@@ -128,10 +139,12 @@ class StepCheck:
             row = shadow.get(seq_id)
             end = row.num_computed_tokens + count
             name = f"scheduled request {seq_id!r}"
-            _require(1 <= count and end <= row.num_tokens, f"{name}: {count} tokens to compute")
+            last = row.num_tokens + row.num_drafts  # proposals are verified all at once
+            _require(1 <= count and end <= last, f"{name}: {count} tokens to compute")
+            _require(not row.num_drafts or end == last, f"{name}: proposals left unverified")
             _require(-(-end // block_size) <= row.num_blocks, f"{name}: tokens past its blocks")
-            if end == row.num_tokens:
-                _require(row.num_tokens < self.capacity.max_model_len, f"{name}: row is full")
+            if end == last:
+                _require(last < self.capacity.max_model_len, f"{name}: row is full")
                 sampled.add(seq_id)
             shadow.put(seq_id, _Row(row.num_tokens, end, row.num_blocks))
         return sampled

@@ -93,6 +93,8 @@ def _rank_zero(
     processes: list[subprocess.Popen],
 ) -> Executor:
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if config.speculative_config is not None:  # msgpack-friendly: as JSON
+        fields["speculative_config"] = config.speculative_config.to_json()
     group.send(RankConfig({**fields, "model_path": str(config.model_path)}), start_up=True)
     group.open(config.tensor_parallel_timeout, rank_device(config.device, group))
     ranks = Ranks(group, processes, keepalive_interval(config))

@@ -58,6 +58,20 @@ COUNTERS = {
     "prompt_tokens": ("prompt tokens of scheduled requests", lambda s: s.num_prompt_tokens),
     "generation_tokens": ("generated tokens", lambda s: s.num_generated_tokens),
     "engine_steps": ("model steps", lambda s: s.num_steps),
+    # vLLM's speculative-decoding counters: acceptance rate = accepted / draft tokens, mean
+    # accepted length = 1 + accepted / drafts
+    "spec_decode_num_drafts": (
+        "sequences whose proposed tokens a step verified",
+        lambda s: s.spec_decode_num_drafts,
+    ),
+    "spec_decode_num_draft_tokens": (
+        "proposed tokens verified",
+        lambda s: s.spec_decode_num_draft_tokens,
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "proposed tokens accepted",
+        lambda s: s.spec_decode_num_accepted_tokens,
+    ),
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("arrival at the scheduler to the first token", "ttft_s"),

@@ -1,0 +1,158 @@
+"""Speculative decoding (n-gram prompt lookup): the same tokens as without it, fewer steps.
+
+The tiny random Llama rarely repeats itself, so proposals would almost never be accepted; the
+`looping` checkpoint scales its attention and MLP outputs down (the residual stream, so the
+current token, dominates), and its greedy outputs fall into repeated phrases that prompt
+lookup predicts, while attention still shapes every token.
+"""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine import SamplingParams
+from schemas.errors import ConfigError
+from tests.engine.helpers import assert_all_free, make_llm, random_prompts
+from tests.models import build_llama
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def looping(tmp_path_factory):
+    path = build_llama(tmp_path_factory.mktemp("looping-llama"))
+    model = LlamaForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.003)
+            layer.mlp.down_proj.weight.mul_(0.003)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _prompts() -> list[list[int]]:
+    repetitive = [list(range(3, 14)) * 3, [40, 41, 42, 43, 44] * 5]
+    return repetitive + random_prompts([5, 20, 37], seed=3)
+
+
+def _tokens(llm, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def expected(looping):
+    llm = make_llm(looping)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    return _tokens(llm, _prompts(), params)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def test_greedy_identical_batched_and_alone(looping, expected):
+    llm = make_llm(looping, speculative_config=SPEC)
+    assert _tokens(llm, _prompts(), GREEDY) == expected
+    alone = [_tokens(llm, [prompt], GREEDY)[0] for prompt in _prompts()]
+    assert alone == expected
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 20, stats  # proposals were accepted
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
+    num_tokens = 2 * sum(map(len, expected))
+    assert stats["num_steps"] < num_tokens / len(expected) + 2 * len(expected) * 48  # sanity
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_identical_under_preemption(looping, expected, mode):
+    llm = make_llm(
+        looping, speculative_config=SPEC, num_blocks=20, preemption_mode=mode, plan_ahead=0
+    )
+    assert _tokens(llm, _prompts(), GREEDY) == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert_all_free(llm)
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(looping, expected):
+    llm = make_llm(looping, speculative_config=SPEC)
+    prompt, full = _prompts()[1], expected[1]
+    stop_at = full.index(full[30])  # the first occurrence of a token late in the output
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[full[30]])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[: stop_at + 1] and out.finish_reason == "stop"
+    for max_tokens in (1, 2, 7, 13):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full[:max_tokens] and out.finish_reason == "length"
+    assert_all_free(llm)
+
+
+def test_stop_string_inside_a_delta_of_several_tokens(looping, expected):
+    base, llm = make_llm(looping), make_llm(looping, speculative_config=SPEC)
+    prompt = _prompts()[0]
+    text = base.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop=[stop])
+    want = base.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    assert_all_free(llm)
+
+
+def test_logprobs_and_seeded_sampling_match(looping):
+    base, llm = make_llm(looping), make_llm(looping, speculative_config=SPEC)
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    want = base.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        w_lp, g_lp = w.outputs[0].logprobs, g.outputs[0].logprobs
+        assert len(g_lp) == len(w_lp) == 32
+        for a, b in zip(w_lp, g_lp):
+            assert a.top_token_ids == b.top_token_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    seeded = [
+        SamplingParams(temperature=0.6, seed=s, max_tokens=32, ignore_eos=True) for s in (1, 2)
+    ]
+    assert _tokens(llm, prompts, seeded) == _tokens(base, prompts, seeded)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_all_free(llm)
+
+
+def test_parallel_samples_and_prefix_sharing(looping, expected):
+    llm = make_llm(looping, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=3)
+    outs = llm.generate(_prompts()[:2], params, use_tqdm=False)
+    for out, want in zip(outs, expected):
+        assert [o.token_ids for o in out.outputs] == [want] * 3
+    assert_all_free(llm)
+
+
+def test_speculation_steps_aside_for_a_large_batch(looping, expected):
+    config = {**SPEC, "max_num_seqs_to_speculate": 2}
+    llm = make_llm(looping, speculative_config=config)
+    lengths = [48, 48, 12, 16, 20]  # 5 running: off until 2 are left
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [tokens[:n] for tokens, n in zip(expected, lengths)]
+    assert _tokens(llm, _prompts(), params) == want
+    assert llm.scheduler.lookahead.stats.num_drafts > 0
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"method": "draft_model", "model": "x"}, "supported: ngram"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"num_speculative_tokens": "4"}, "integers"),
+        ({"k": 3}, "unknown fields"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_bad_speculative_config(config, match):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(speculative_config=config)
