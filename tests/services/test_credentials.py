@@ -3,12 +3,13 @@
 import asyncio
 import stat
 import subprocess
+import time
 
 import nats
 import pytest
 
 from services import credentials
-from services.connection import open_connection
+from services.connection import ConnectError, open_connection
 from services.serve.embedded import EmbeddedNats
 from services.serve.launcher import _start_server
 from services.settings import ServeSettings, Settings
@@ -65,6 +66,19 @@ def test_inbox_subjects():
         assert not is_inbox(subject or ""), subject
 
 
+async def _connect_soon(settings: Settings, name: str, within_s: float = 10.0):
+    """The server reloads its config on SIGHUP asynchronously: a connection made the moment
+    `credentials add` returns may still meet the old user list."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await open_connection(settings, name)
+        except ConnectError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def test_credentials_add_reloads_a_running_server(nats_dir):
     server = EmbeddedNats(Settings(), ServeSettings(nats_port=free_port()))
     server.start()
@@ -74,7 +88,7 @@ async def test_credentials_add_reloads_a_running_server(nats_dir):
         assert done.returncode == 0, done.stderr
         assert f"pid {server.process.pid}" in done.stdout and "0600" in done.stdout
         bob = Settings(nats_url=server.url, nats_identity=str(credentials.identity_path("bob")))
-        nc = await open_connection(bob, "bob")  # accepted without a restart
+        nc = await _connect_soon(bob, "bob")  # accepted without a restart, once reloaded
         await nc.close()
     finally:
         server.stop()
