@@ -281,7 +281,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap"
     max_waiting: int = 100_000
     vocab_size: int = 0  # the executor's; 0: token ids are not checked
-    # a prefill chunk's most tokens while other requests run or wait; 0: the whole budget
+    # a prefill chunk's most tokens a step (vLLM's); 0: the whole budget
     long_prefill_token_threshold: int = 0
     speculative_config: SpeculativeConfig | None = None
 

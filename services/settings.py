@@ -54,7 +54,7 @@ class Settings:
     enable_prefix_caching: bool = option("share full prompt blocks", default=True)
     enable_chunked_prefill: bool = option("split long prompts across steps", default=True)
     long_prefill_token_threshold: int = option(
-        "most tokens of one prompt a step while others run or wait (0: the whole budget)",
+        "most tokens of one prompt's prefill a step (0: the whole budget)",
         default=512,
     )
     preemption_mode: str = option("auto | recompute | swap", default="auto")

@@ -156,19 +156,17 @@ class Scheduler:
             idx += 1
 
     def _chunk(self, request: Request, num_new: int, budget: int) -> int:
-        """The tokens `request` computes this step: at most the budget, and while others run
-        or wait, at most `long_prefill_token_threshold`, so one long prompt cannot hold the
-        whole budget for many steps (vLLM's rule). A parent whose samples fork from it is not
-        capped: its chunks take the budget until its prompt completes, so nothing admitted
-        behind it can need the blocks of samples forked in the same step (see _preempt)."""
+        """The tokens `request` computes this step: at most the budget and at most
+        `long_prefill_token_threshold`, so one long prompt cannot hold the whole budget for
+        many steps (vLLM's rule; capping only while others wait was measured to leave a
+        request arriving just after it behind the steps already planned at full budget). A
+        parent whose samples fork from it is not capped: its chunks take the budget until its
+        prompt completes, so nothing admitted behind it can need the blocks of samples forked
+        in the same step (see _preempt)."""
         threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < num_new and not request.num_pending_forks and self._others(request):
+        if 0 < threshold < num_new and not request.num_pending_forks:
             num_new = threshold
         return min(num_new, budget)
-
-    def _others(self, request: Request) -> bool:
-        """Whether any request besides `request` runs or waits."""
-        return len(self.running) + len(self.waiting) > 1
 
     @staticmethod
     def _num_unscheduled(request: Request) -> int:

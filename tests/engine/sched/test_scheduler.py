@@ -155,7 +155,7 @@ def test_a_long_prefill_leaves_room_for_short_requests():
     assert scheduler.seqs["long"].num_computed_tokens == 32
 
 
-def test_a_lone_long_prefill_takes_the_whole_budget():
+def test_a_forking_parent_is_not_capped():
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=8,
@@ -166,7 +166,7 @@ def test_a_lone_long_prefill_takes_the_whole_budget():
         CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
     )
     add(scheduler, "long", 120)
-    assert run_step(scheduler).num_scheduled_tokens == {"long": 64}
+    assert run_step(scheduler).num_scheduled_tokens == {"long": 16}
     add(scheduler, "parent", 40, n=2)  # samples fork from it: never capped
     step = run_step(scheduler)
     assert step.num_scheduled_tokens == {"long": 16, "parent": 40}
