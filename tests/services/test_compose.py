@@ -141,9 +141,11 @@ def _start_nats(local: Local) -> subprocess.Popen:
     """The nats service's own command: its ports come from the variables."""
     argv = local.argv(SERVICES["nats"]["command"])
     env = local.env("nats")  # the passwords its config reads
-    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(local.log_dir / "nats.log", "wb") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=log)
     for _ in range(500):
-        assert server.poll() is None, "nats-server exited at start-up"
+        if server.poll() is not None:
+            raise RuntimeError(f"nats-server exited at start-up:\n{local.log('nats')}")
         try:
             socket.create_connection(("127.0.0.1", local.nats_port), timeout=0.2).close()
             return server
@@ -152,10 +154,23 @@ def _start_nats(local: Local) -> subprocess.Popen:
     raise TimeoutError("nats-server did not listen")
 
 
+def _local_nats(tiny_llama, tmp_path_factory, tries: int = 3) -> tuple[Local, subprocess.Popen]:
+    """A Local and its nats-server. The free ports are picked, then released, before the
+    server binds them: in a loaded run an outgoing connection took one of them once, so a
+    server that cannot bind gets fresh ports (its log says why)."""
+    for attempt in range(tries):
+        logs = tmp_path_factory.mktemp("logs")
+        local = Local(tiny_llama, tmp_path_factory.mktemp("cache"), logs)
+        try:
+            return local, _start_nats(local)
+        except RuntimeError:
+            if attempt == tries - 1 or "address already in use" not in local.log("nats"):
+                raise
+
+
 @pytest.fixture(scope="module")
 def local(tiny_llama, tmp_path_factory) -> Iterator[Local]:
-    local = Local(tiny_llama, tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("logs"))
-    server = _start_nats(local)
+    local, server = _local_nats(tiny_llama, tmp_path_factory)
     try:
         local.start("model", "model")  # the one-shot download: first, as depends_on says
         assert local.processes.pop("model").wait(timeout=60) == 0, local.log("model")
