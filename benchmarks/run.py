@@ -258,8 +258,8 @@ def _hardware(dtypes: list[str], model_path: Path, workloads) -> dict:
     """ISA flags, the matmul peak per dtype (measured here, on the engines' threads) and each
     workload's roofline at that peak (benchmarks/roofline.py)."""
     from benchmarks import roofline
-    from engine.config import ModelConfig
     from engine.memory import torch_dtype
+    from engine.model_config import ModelConfig
 
     model_config = ModelConfig.from_path(model_path)
     peaks = {dtype: roofline.matmul_peak_gflops(torch_dtype(dtype)) for dtype in dtypes}

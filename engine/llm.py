@@ -16,7 +16,7 @@ import msgspec
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore, build_scheduler
 from engine.download import resolve_model
 from engine.frontend.event_loop import LoopThread
@@ -25,6 +25,7 @@ from engine.frontend.output_processor import SampleOutput
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.logs import ensure_logging
 from engine.memory import resolve_device
+from engine.model_config import ModelConfig
 from engine.request import Request
 from engine.worker.step_runner import InProcessExecutor
 from engine.worker.tensor_parallel import build_executor

@@ -2,7 +2,8 @@
 
 import torch
 
-from engine.config import ExecutorConfig, ModelConfig, dtype_name
+from engine.config import ExecutorConfig
+from engine.model_config import ModelConfig, dtype_name
 from schemas.errors import ConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3

@@ -189,8 +189,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:
-    from engine.config import ModelConfig, dtype_name
     from engine.kv.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
+    from engine.model_config import ModelConfig, dtype_name
 
     config = ModelConfig.from_path(args.model)
     dtype = dtype_name(args.dtype or config.checkpoint_dtype)

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import make_linear
 from engine.model.moe import RoutedExperts
 from engine.model.rope import cos_sin_table, longrope_original_length
 from engine.model.sharding import Shard
+from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
 from kernels.backend import KernelOps
 

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
 from engine.model.decoder import Decoder
 from engine.model.sharding import MIXTRAL_NAMES, Part, Shard
+from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
 from kernels.backend import KernelOps
 from schemas.errors import CheckpointError

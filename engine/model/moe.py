@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 
 def route(

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from schemas.errors import CheckpointError
 
 

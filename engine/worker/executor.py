@@ -11,7 +11,7 @@ import msgspec
 import structlog
 import torch
 
-from engine.config import ExecutorConfig, ModelConfig, SpeculativeConfig
+from engine.config import ExecutorConfig, SpeculativeConfig
 from engine.memory import (
     blocks_that_fit,
     cpu_blocks_that_fit,
@@ -22,6 +22,7 @@ from engine.memory import (
 from engine.model.attention import PagedAttention
 from engine.model.loader import load_model
 from engine.model.sharding import Shard
+from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
 from engine.parallel.ranks import Ranks
 from engine.worker.beam_candidates import top_continuations

@@ -23,9 +23,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from engine.config import ExecutorConfig, ModelConfig
+from engine.config import ExecutorConfig
 from engine.logs import ensure_logging
 from engine.memory import resolve_device
+from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
 from engine.parallel.ranks import Ranks
 from engine.parallel.spawn import check_devices, free_port, spawn_ranks, threads_per_rank

@@ -21,7 +21,8 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.worker.executor import Executor
 from engine.worker.step_runner import InProcessExecutor
 from engine.worker.tensor_parallel import build_executor

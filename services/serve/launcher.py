@@ -89,9 +89,10 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 
 def _check_checkpoint(settings: Settings, path: Path) -> None:
     """Fail before starting anything: unreadable config, no weights, too few blocks."""
-    from engine.config import EngineConfig, ModelConfig
+    from engine.config import EngineConfig
     from engine.memory import resolve_device
     from engine.model.loader import safetensors_files
+    from engine.model_config import ModelConfig
     from engine.parallel.spawn import check_devices
 
     model_config = ModelConfig.from_path(path)

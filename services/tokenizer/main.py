@@ -5,7 +5,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from services.runtime import run_service, setup_logging
 from services.settings import Settings
 from services.tokenizer.service import TokenizerService

@@ -4,7 +4,7 @@ compiles) computes what kvpager's DecoderLayer.forward computes, on a tiny model
 import torch
 
 from benchmarks.inductor_chain import TorchChain, build_layers, kvpager_chain, step_inputs
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from kernels.backend import get_kernel_ops
 
 

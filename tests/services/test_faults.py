@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from engine.config import ExecutorConfig, ModelConfig
+from engine.config import ExecutorConfig
+from engine.model_config import ModelConfig
 from engine.worker.executor import Executor
 from schemas.executor import NewRequest, ScheduledStep
 from schemas.sampling import SamplingParams

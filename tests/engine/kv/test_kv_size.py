@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from engine.config import ModelConfig
 from engine.kv.kv_size import kv_size, weight_bytes_per_rank
+from engine.model_config import ModelConfig
 
 LLAMA_31_70B = {
     "model_type": "llama",

@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.kv.kv_size import weight_bytes_per_rank
 from engine.model.decoder import Decoder
 from engine.model.loader import load_weights
 from engine.model.sharding import Shard
+from engine.model_config import ModelConfig
 from kernels.backend import get_kernel_ops
 from schemas.errors import CheckpointError
 from tests import model_families

@@ -7,12 +7,17 @@ from schemas.sampling import SamplingParams
 from schemas.scheduler import StepOutput
 
 
-def make_scheduler(num_blocks=8, budget=64, max_num_seqs=8, **cache) -> Scheduler:
+def make_scheduler(
+    num_blocks=8, budget=64, max_num_seqs=8, max_model_len=64, threshold=0, **cache
+) -> Scheduler:
     cache.setdefault("enable_prefix_caching", False)  # the prompts below share prefixes
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64),
-        CacheConfig(block_size=4, num_blocks=num_blocks, **cache),
+    limits = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=threshold,
     )
+    return Scheduler(limits, CacheConfig(block_size=4, num_blocks=num_blocks, **cache))
 
 
 def add(scheduler, request_id, num_prompt, max_tokens=4, **params) -> Request:
@@ -136,17 +141,9 @@ def test_auto_preemption_swaps_lone_requests_only_where_swapping_is_cheap():
 
 
 def test_a_long_prefill_leaves_room_for_short_requests():
-    """vLLM's long_prefill_token_threshold: while others wait, a long prompt gets at most the
-    threshold a step, so a short request starts in the first step instead of after it."""
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            max_model_len=256,
-            long_prefill_token_threshold=16,
-        ),
-        CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
-    )
+    """vLLM's long_prefill_token_threshold: a long prompt gets at most the threshold a step,
+    so a short request starts in the first step instead of after it."""
+    scheduler = make_scheduler(num_blocks=64, max_model_len=256, threshold=16)
     add(scheduler, "long", 120)
     add(scheduler, "short", 6)
     step = run_step(scheduler)
@@ -156,15 +153,7 @@ def test_a_long_prefill_leaves_room_for_short_requests():
 
 
 def test_a_forking_parent_is_not_capped():
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            max_model_len=256,
-            long_prefill_token_threshold=16,
-        ),
-        CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
-    )
+    scheduler = make_scheduler(num_blocks=64, max_model_len=256, threshold=16)
     add(scheduler, "long", 120)
     assert run_step(scheduler).num_scheduled_tokens == {"long": 16}
     add(scheduler, "parent", 40, n=2)  # samples fork from it: never capped

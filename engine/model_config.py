@@ -1,0 +1,185 @@
+"""A checkpoint's architecture as the decoder needs it (ModelConfig, read from config.json),
+and dtypes by name: everything the engine knows of a model before any weight is loaded.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
+from schemas.errors import CheckpointError, ConfigError
+
+# dtypes by name, with the bytes of one element: configuration and sizing need no torch (the
+# worker turns a name into a torch.dtype, engine/memory.py)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def dtype_name(dtype: object) -> str:
+    """The canonical name of a dtype given by name ("bf16") or as a torch.dtype."""
+    name = str(dtype).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        choices = sorted([*DTYPE_BYTES, *DTYPE_ALIASES])
+        raise ConfigError(f"dtype: unknown dtype {dtype!r}; choose one of {choices}")
+    return name
+
+
+def dtype_bytes(dtype: object) -> int:
+    return DTYPE_BYTES[dtype_name(dtype)]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture fields the decoder needs, read from a checkpoint's config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    checkpoint_dtype: str
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # the window of the sliding layers (layer_windows)
+    # the per-family switches (engine/model_families.py); the defaults are Llama's
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    gemma_norms: bool = False  # (1 + w) norms, sandwich norms, embeddings * sqrt(hidden)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not head_dim
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = full
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, where it differs
+    partial_rotary_factor: float = 1.0
+    sparse_layers: tuple[bool, ...] = ()  # per layer: routed experts instead of one MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"model_type {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
+        if self.partial_rotary_factor != 1.0:
+            raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
+        for name in ("layer_windows", "sparse_layers"):
+            if len(getattr(self, name)) not in (0, self.num_layers):
+                raise CheckpointError(f"{name}: one entry per layer ({self.num_layers})")
+
+    def window(self, layer_idx: int) -> int:
+        """The layer's sliding window in tokens; 0: full attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows else 0
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        model_type = raw.get("model_type", "")
+        num_heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(raw),
+            rope_scaling=_rope_scaling(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v bias; Llama/Mistral say so with attention_bias.
+            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+            eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(raw),
+            **family_fields(raw),
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        """Read `config.json` from a checkpoint folder (or the file itself)."""
+        path = Path(path)
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise CheckpointError(f"{path}: no config.json; is this a checkpoint folder?")
+        try:
+            raw = json.loads(config_file.read_text())
+            return cls.from_dict(raw)
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{config_file}: unreadable model config ({exc!r})") from exc
+
+    def kv_bytes_per_token(self, dtype: object, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V for one token across all layers (on one rank of a group); `dtype`
+        by name or as a torch.dtype."""
+        element = dtype_bytes(dtype)
+        num_kv_heads = self.kv_heads_per_rank(tensor_parallel_size)
+        return 2 * self.num_layers * num_kv_heads * self.head_dim * element
+
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads split across the ranks, or one replicated head each when ranks outnumber
+        them (as vLLM does)."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
+        heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
+        if self.num_heads % size:
+            raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size: {size} neither divides nor is a multiple of the KV "
+                f"heads ({heads})"
+            )
+        for name in ("intermediate_size", "moe_intermediate_size"):
+            if getattr(self, name) % size:
+                raise ConfigError(
+                    f"tensor_parallel_size: {size} does not divide {name} {getattr(self, name)}"
+                )
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    # transformers 5 writes `rope_parameters` (theta inside); older checkpoints `rope_theta`
+    default = 1_000_000.0 if raw.get("model_type") == "gemma3_text" else 10000.0
+    return float(rope_params(raw).get("rope_theta", raw.get("rope_theta", default)))
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = rope_params(raw) or raw.get("rope_scaling")
+    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return None
+    # Phi-3 keeps the pre-training length beside the scaling, not inside it
+    original = raw.get("original_max_position_embeddings")
+    return {"original_max_position_embeddings": original, **scaling} if original else scaling
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
+        return None
+    return raw.get("sliding_window")
