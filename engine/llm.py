@@ -172,6 +172,7 @@ class LLM:
     def _run(self, tracked: list[_Tracked], use_tqdm: bool) -> list[RequestOutput]:
         for item in tracked:  # everything is validated before anything is queued
             self.scheduler.check_request(item.request)
+            self.inputs.check_structured(item.request.sampling_params)
         for item in tracked:
             self.core.add(item.request)
             self._tracked[item.request.request_id] = item
