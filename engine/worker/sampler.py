@@ -5,7 +5,8 @@ temperature -> min_p -> top_k -> top_p -> sample. Sampling is an exponential rac
 `argmax(probs / q)` with `q ~ Exp(1)` (equivalent to Gumbel-max). A seeded row draws its `q`
 from a generator seeded by (seed, output position) alone, so a seeded request samples the same
 tokens whatever else shares its batch, and a request re-sent elsewhere with its outputs so far
-(a migrated stream) goes on drawing exactly what it would have drawn: no generator state has to outlive a process.
+(a migrated stream) goes on drawing exactly what it would have drawn: no generator state has
+to outlive a process.
 """
 
 from dataclasses import dataclass
