@@ -52,6 +52,14 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise _invalid("grammar", str(exc)) from exc
 
 
+def validate(spec: StructuredOutputsParams) -> None:
+    """Compile-check a spec without a tokenizer (what the HTTP gateway can do): raises
+    InvalidRequestError naming `structured_outputs.<field>`."""
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec))
+    if error and not error.startswith("WARNING"):
+        raise _invalid(spec.kind, error)
+
+
 def _invalid(kind: str, message: str) -> InvalidRequestError:
     param = f"structured_outputs.{kind}"
     return InvalidRequestError(f"{param}: cannot be compiled: {message}", param=param)
