@@ -218,3 +218,21 @@ async def test_auto_parses_hermes_calls(served, tiny_llama, tmp_path, nats_clien
         await client.close()
     assert len(calls) == 1 and calls[0][0] == "get_time"
     assert json.loads(calls[0][1])["zone"] in ("UTC", "CET")
+
+
+async def test_over_nats_a_bad_spec_is_an_error_event(nats_client):  # noqa: F811
+    """Past the gateway, the tokenizer service refuses it (naming the field) before the
+    scheduler; a good one is honoured."""
+    events = [
+        event
+        async for event in nats_client.generate(
+            prompt="hi", structured_outputs={"regex": "a(b"}, max_tokens=4
+        )
+    ]
+    assert events[-1].error.param == "structured_outputs.regex", events[-1]
+    text = ""
+    async for event in nats_client.generate(
+        prompt="hi", structured_outputs={"choice": ["alpha", "beta"]}, max_tokens=8
+    ):
+        text += event.text
+    assert text in ("alpha", "beta")

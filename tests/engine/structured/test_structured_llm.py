@@ -115,3 +115,18 @@ def test_spec_rules() -> None:
     assert caught.value.param == "min_tokens"
     spec = StructuredOutputsParams(json={"type": "object"})
     assert spec.json == '{"type": "object"}' and spec.kind == "json"
+
+
+def test_recomputed_requests_replay_their_grammar(tiny_llama) -> None:
+    """Preempted by recompute, a request comes back to the executor with its outputs so far:
+    its matcher is rebuilt and replays them, so the answer still matches."""
+    llm = make_llm(tiny_llama, num_blocks=36, block_size=4, preemption_mode="recompute")
+    try:
+        prompts = ["The quick brown fox jumps over", "Paged attention stores keys"] * 3
+        outputs = llm.generate(prompts, _params(json=SCHEMA), use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+        for output in outputs:
+            _check_schema(json.loads(output.outputs[0].text))
+        assert_all_free(llm)
+    finally:
+        llm.close()
