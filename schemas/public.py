@@ -30,7 +30,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     """One turn of a conversation, rendered with the model's chat template."""
 
     role: Annotated[str, Meta(min_length=1, description="e.g. system, user, assistant, tool")]
-    content: str = ""
+    content: Annotated[str, Meta(description='"" for an assistant turn of only tool_calls')]
     tool_calls: (
         Annotated[
             list[dict[str, Any]],
