@@ -52,6 +52,16 @@ class ForkRequest(msgspec.Struct, array_like=True):
     sample: bool = True
 
 
+class DiskBlock(msgspec.Struct, array_like=True):
+    """One full prefix block moving between the CPU tier and the disk tier: written from, or
+    read into, CPU block `cpu_block_id`. `token_ids` go into (and are checked against) the
+    file's header, so a hash collision or a wrong file is never served."""
+
+    block_hash: bytes  # the chained block hash (engine/kv/block_hash.py)
+    cpu_block_id: int
+    token_ids: list[int]
+
+
 class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     step_id: int
     new_requests: list[NewRequest] = []
@@ -65,6 +75,10 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     # speculative decoding: after this step, propose up to this many tokens for these
     # sampling sequences (they come back in StepOutput.draft_token_ids)
     num_spec_tokens: dict[str, int] = {}
+    # the disk tier: CPU blocks to snapshot and write (before this step's swap-outs reuse
+    # them), and files to read into reserved CPU blocks (StepOutput.disk_loaded says when)
+    blocks_to_disk: list[DiskBlock] = []
+    blocks_from_disk: list[DiskBlock] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -4,9 +4,13 @@ A CPU block is free, owned by a swapped-out request, or holds an evicted prefix-
 (kept in LRU order and dropped first when space is needed). Blocks released during a step
 become reusable only at the next step: the executor carries out a step's swap-outs before its
 swap-ins, so a block read by a swap-in must not be rewritten by a swap-out of the same step.
+With a disk tier, a block may also be reserved for a read from disk (`loading`), and a cached
+block evicted here is handed to `on_evict` (engine/kv/disk_index.py) unless it was cached in
+this very step: its content is written by this step's swap-outs, after the disk's snapshot.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class CpuBlockPool:
@@ -16,6 +20,9 @@ class CpuBlockPool:
         self.owned: set[int] = set()
         self.cached: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.released: list[int] = []
+        self.loading: set[int] = set()  # being filled from disk
+        self.filled: set[int] = set()  # cached in this step
+        self.on_evict: Callable[[bytes, int, tuple[int, ...]], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -41,7 +48,25 @@ class CpuBlockPool:
         block_id = self._take()
         if block_id is not None:
             self.cached[block_hash] = (block_id, token_ids)
+            self.filled.add(block_id)
         return block_id
+
+    def reserve(self) -> int | None:
+        """A block for a read from disk (evicting the oldest cached block if none is free)."""
+        block_id = self._take()
+        if block_id is not None:
+            self.loading.add(block_id)
+        return block_id
+
+    def finish_load(
+        self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...], ok: bool
+    ) -> None:
+        """A read finished: the block now holds a cached prefix block, or is free again."""
+        self.loading.remove(block_id)
+        if ok and block_hash not in self.cached:
+            self.cached[block_hash] = (block_id, token_ids)
+        else:
+            self.released.append(block_id)
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
         entry = self.cached.get(block_hash)
@@ -62,17 +87,20 @@ class CpuBlockPool:
     def end_step(self) -> None:
         self.free.extend(self.released)
         self.released = []
+        self.filled = set()
 
     def _take(self) -> int | None:
         if self.free:
             return self.free.pop()
         if self.cached:
-            _, (block_id, _) = self.cached.popitem(last=False)
+            block_hash, (block_id, token_ids) = self.cached.popitem(last=False)
+            if self.on_evict is not None and block_id not in self.filled:
+                self.on_evict(block_hash, block_id, token_ids)
             return block_id
         return None
 
     def check_invariants(self) -> None:
         cached = {block_id for block_id, _ in self.cached.values()}
-        groups = [set(self.free), self.owned, cached, set(self.released)]
+        groups = [set(self.free), self.owned, cached, set(self.released), self.loading]
         assert sum(len(g) for g in groups) == self.num_blocks, "CPU blocks lost or duplicated"
         assert len(set().union(*groups)) == self.num_blocks, "a CPU block is in two states"
