@@ -52,14 +52,18 @@ class ForkRequest(msgspec.Struct, array_like=True):
     sample: bool = True
 
 
-class DiskBlock(msgspec.Struct, array_like=True):
+class DiskBlock(msgspec.Struct, array_like=True, omit_defaults=True):
     """One full prefix block moving between the CPU tier and the disk tier: written from, or
-    read into, CPU block `cpu_block_id`. `token_ids` go into (and are checked against) the
-    file's header, so a hash collision or a wrong file is never served."""
+    read into, CPU block `block_id` (a device block with `on_device`). `token_ids` go into,
+    and are checked against, the file's header: a hash collision or a wrong file is never
+    served."""
 
     block_hash: bytes  # the chained block hash (engine/kv/block_hash.py)
-    cpu_block_id: int
+    block_id: int
     token_ids: list[int]
+    # a write of a block that reached the CPU pool in this very step: its bytes are still
+    # in device block `block_id` (the swap-out's source), not yet in the pool
+    on_device: bool = False
 
 
 class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -305,7 +305,7 @@ class BlockManager:
         """Drop a free cached block's content from the device, keeping it on CPU if it fits."""
         self.num_evictions += 1
         if self.cpu.enabled:
-            cpu_block = self.cpu.cache(block.block_hash, block.token_ids)
+            cpu_block = self.cpu.cache(block.block_hash, block.token_ids, block.block_id)
             if cpu_block is not None:
                 self.ops.swap_out.append((block.block_id, cpu_block))
                 self.num_swapped_out_blocks += 1

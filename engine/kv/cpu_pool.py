@@ -5,8 +5,9 @@ A CPU block is free, owned by a swapped-out request, or holds an evicted prefix-
 become reusable only at the next step: the executor carries out a step's swap-outs before its
 swap-ins, so a block read by a swap-in must not be rewritten by a swap-out of the same step.
 With a disk tier, a block may also be reserved for a read from disk (`loading`), and a cached
-block evicted here is handed to `on_evict` (engine/kv/disk_index.py) unless it was cached in
-this very step: its content is written by this step's swap-outs, after the disk's snapshot.
+block evicted here is handed to `on_evict` (engine/kv/disk_index.py); one cached in this very
+step comes with the device block it is swapped out of, as its content reaches the pool only
+with this step's swap-outs, after the disk's snapshot is taken.
 """
 
 from collections import OrderedDict
@@ -21,8 +22,9 @@ class CpuBlockPool:
         self.cached: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.released: list[int] = []
         self.loading: set[int] = set()  # being filled from disk
-        self.filled: set[int] = set()  # cached in this step
-        self.on_evict: Callable[[bytes, int, tuple[int, ...]], None] | None = None
+        self.filled: dict[int, int] = {}  # cached in this step: CPU block -> device source
+        # (hash, block id, token ids, whether the id is the device source)
+        self.on_evict: Callable[[bytes, int, tuple[int, ...], bool], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -40,7 +42,7 @@ class CpuBlockPool:
             self.owned.add(block_id)
         return block_id
 
-    def cache(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+    def cache(self, block_hash: bytes, token_ids: tuple[int, ...], device_block: int) -> int | None:
         """A block to keep an evicted prefix-cache block in, or None when the pool is full."""
         if block_hash in self.cached:
             self.cached.move_to_end(block_hash)
@@ -48,7 +50,7 @@ class CpuBlockPool:
         block_id = self._take()
         if block_id is not None:
             self.cached[block_hash] = (block_id, token_ids)
-            self.filled.add(block_id)
+            self.filled[block_id] = device_block
         return block_id
 
     def reserve(self) -> int | None:
@@ -87,15 +89,17 @@ class CpuBlockPool:
     def end_step(self) -> None:
         self.free.extend(self.released)
         self.released = []
-        self.filled = set()
+        self.filled = {}
 
     def _take(self) -> int | None:
         if self.free:
             return self.free.pop()
         if self.cached:
             block_hash, (block_id, token_ids) = self.cached.popitem(last=False)
-            if self.on_evict is not None and block_id not in self.filled:
-                self.on_evict(block_hash, block_id, token_ids)
+            if self.on_evict is not None:
+                source = self.filled.get(block_id)
+                on_device = source is not None
+                self.on_evict(block_hash, source if on_device else block_id, token_ids, on_device)
             return block_id
         return None
 

@@ -110,6 +110,8 @@ class DiskTier:
 
     def apply(self, output: StepOutput) -> list[Request]:
         """The executor's news; returns the requests whose reads all finished, in queue order."""
+        if not self.enabled:
+            return []
         for block_hash in output.disk_loaded:
             self._finish_load(block_hash, True)
         for block_hash in output.disk_failed:
@@ -140,12 +142,14 @@ class DiskTier:
         else:
             self.num_failed_loads += 1
 
-    def _store(self, block_hash: bytes, cpu_block: int, tokens: tuple[int, ...]) -> None:
+    def _store(
+        self, block_hash: bytes, block_id: int, tokens: tuple[int, ...], on_device: bool
+    ) -> None:
         """A cached block leaves the CPU pool: write it to disk unless it is there."""
         if block_hash in self.on_disk:
             self.on_disk.move_to_end(block_hash)
             return
-        self.stores.append(DiskBlock(block_hash, cpu_block, list(tokens)))
+        self.stores.append(DiskBlock(block_hash, block_id, list(tokens), on_device))
         self.num_stored_blocks += 1
         self._add(block_hash)
 

@@ -84,12 +84,21 @@ class DiskStore:
 
     # --- the step's side ----------------------------------------------------------------
 
-    def save(self, blocks: list[DiskBlock], cpu_cache: torch.Tensor) -> None:
-        """Snapshot the blocks' bytes now (a memcpy); the writer thread writes them later."""
+    def save(
+        self, blocks: list[DiskBlock], cpu_cache: torch.Tensor, kv_cache: torch.Tensor
+    ) -> None:
+        """Snapshot the blocks' bytes now (a memcpy: from the CPU pool, or from the device
+        for blocks that reach the pool in this step); the writer thread writes them later."""
         if not blocks:
             return
-        ids = torch.tensor([b.cpu_block_id for b in blocks], dtype=torch.int64)
-        snapshot = torch.index_select(cpu_cache, 2, ids)  # [layers, 2, n, bs, kvh, d]
+        snapshot = torch.empty(
+            (*cpu_cache.shape[:2], len(blocks), *cpu_cache.shape[3:]), dtype=cpu_cache.dtype
+        )  # [layers, 2, n, bs, kvh, d]
+        for on_device, cache in ((False, cpu_cache), (True, kv_cache)):
+            rows = [i for i, b in enumerate(blocks) if b.on_device == on_device]
+            if rows:
+                ids = torch.tensor([blocks[i].block_id for i in rows], device=cache.device)
+                snapshot[:, :, rows] = torch.index_select(cache, 2, ids).cpu()
         with self._lock:
             for i, block in enumerate(blocks):
                 self._pending[block.block_hash] = snapshot[:, :, i]
@@ -147,7 +156,7 @@ class DiskStore:
             if content is None:
                 failed.append(block.block_hash)
                 continue
-            cpu_cache[:, :, block.cpu_block_id].copy_(content)
+            cpu_cache[:, :, block.block_id].copy_(content)
             loaded.append(block.block_hash)
         return loaded, failed
 

@@ -227,7 +227,7 @@ class Executor:
     def _execute(self, step: ScheduledStep) -> StepOutput:
         self._apply_deltas(step)
         if self.disk is not None:  # before the swap-outs reuse the CPU blocks
-            self.disk.save(step.blocks_to_disk, self.cpu_cache)
+            self.disk.save(step.blocks_to_disk, self.cpu_cache, self.kv_cache)
         self._move_blocks(step)
         if self.disk is not None:  # into CPU blocks this step leaves alone
             self.disk.load(step.blocks_from_disk, self.cpu_cache)

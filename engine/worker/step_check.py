@@ -92,11 +92,12 @@ class StepCheck:
         device_ids += [b for pair in step.blocks_to_copy for b in pair]
         device_ids += [pair[0] for pair in step.blocks_to_swap_out]
         device_ids += [pair[1] for pair in step.blocks_to_swap_in]
+        device_ids += [block.block_id for block in step.blocks_to_disk if block.on_device]
         _in_range(device_ids, cap.num_blocks, "block ids")
         cpu_ids = [pair[1] for pair in step.blocks_to_swap_out]
         cpu_ids += [pair[0] for pair in step.blocks_to_swap_in]
         disk_blocks = step.blocks_to_disk + step.blocks_from_disk
-        cpu_ids += [block.cpu_block_id for block in disk_blocks]
+        cpu_ids += [block.block_id for block in disk_blocks if not block.on_device]
         _in_range(cpu_ids, cap.num_cpu_blocks, "cpu block ids")
         for block in disk_blocks:
             _require(len(block.block_hash) == 32, "disk block: a hash is not 32 bytes")

@@ -159,3 +159,17 @@ def test_two_engines_share_a_folder(tiny_llama, tmp_path):
         assert_all_free(first)
     names = os.listdir(next(folder.iterdir()))
     assert not [n for n in names if n.endswith(".tmp")]
+
+
+def test_blocks_through_a_small_cpu_pool_in_one_step_come_back_exact(tiny_llama, tmp_path):
+    # all prompts at once through a 2-block CPU pool: blocks reach the pool and leave it in
+    # the same step, so their files are written from the device blocks they left
+    with disk_llm(tiny_llama, tmp_path / "kv", swap_space=2 * BLOCK_BYTES) as llm:
+        batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert disk_stats(llm)["num_disk_stored_blocks"] > 8
+        again = run_one_by_one(llm, PROMPTS)
+        assert disk_stats(llm)["num_disk_loaded_blocks"] > 0
+        assert disk_stats(llm)["num_disk_failed_loads"] == 0
+        assert_all_free(llm)
+    plain = make_llm(tiny_llama, enable_prefix_caching=False)
+    assert again == batch and batch[:2] == run_one_by_one(plain, PROMPTS[:2])

@@ -56,7 +56,7 @@ def test_saved_blocks_load_into_other_cpu_blocks_and_keep_within_the_bound(tmp_p
     cache = cpu_cache(6)
     store = DiskStore(tmp_path, 4 * FILE_BYTES, LAYOUT)
     assert report(store).disk_listed  # an empty listing, sent at once
-    store.save(blocks(range(6)), cache)
+    store.save(blocks(range(6)), cache, cache)
     store.flush()
     assert sorted(store.index) == sorted(block_hash(i) for i in range(2, 6))  # oldest went
     assert store.num_bytes == 4 * FILE_BYTES
@@ -75,7 +75,7 @@ def test_saved_blocks_load_into_other_cpu_blocks_and_keep_within_the_bound(tmp_p
 
 def test_a_restart_lists_the_folder(tmp_path):
     store = DiskStore(tmp_path, 1 << 20, LAYOUT)
-    store.save(blocks(range(3)), cpu_cache(3))
+    store.save(blocks(range(3)), cpu_cache(3), cpu_cache(1))
     store.close()
     again = DiskStore(tmp_path, 1 << 20, LAYOUT)
     output = report(again)
@@ -90,7 +90,7 @@ def test_stores_sharing_a_folder_see_each_others_files(tmp_path):
     first, second = DiskStore(tmp_path, 1 << 20, LAYOUT), DiskStore(tmp_path, 1 << 20, LAYOUT)
     report(second)
     cache = cpu_cache(2)
-    first.save(blocks(range(2)), cache)
+    first.save(blocks(range(2)), cache, cache)
     first.flush()
     second.rescan()
     assert set(report(second).disk_stored) == {block_hash(0), block_hash(1)}
