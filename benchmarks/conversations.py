@@ -11,12 +11,13 @@ whole conversation so far (prompts and answers) plus `--user-tokens` new ones, s
 appends to the last. Turns go round the conversations (turn 1 of every conversation, then turn
 2 of each, ...), `--concurrency` at a time, so by a conversation's next turn the others' turns
 have pushed its blocks off the device and out of the CPU pool. For each mode a fresh
-`kvpager serve` (embedded NATS) runs the same conversations: "disk" with a disk tier in
-`--disk-dir` (default a fresh temporary folder: mind that /tmp may be RAM), "recompute" without
-one. It prints the host's ISA flags and the CPU other programs used, then per mode: TTFT of the
-first turns and of the later ones (p50 / p90), output tokens per second over the whole run,
-prompt tokens served from the cache, and the disk tier's counters. Outputs are greedy, so both
-modes must produce the same tokens; the benchmark checks that they do.
+`kvpager serve` (embedded NATS) runs the same conversations: "disk" with a disk tier in a
+fresh folder inside `--disk-dir` (default the temporary folder: mind that /tmp may be RAM),
+removed after the run, and "recompute" without one. It prints the host's ISA flags and the
+CPU other programs used, then per mode: TTFT of the first turns and of the later ones (p50 /
+p90), output tokens per second over the whole run, prompt tokens served from the cache, and
+the disk tier's counters. Outputs are greedy, so both modes must produce the same tokens; the
+benchmark checks that they do.
 """
 
 import argparse
@@ -49,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", default="128MiB")
     parser.add_argument("--swap-space", default="64MiB")
     parser.add_argument("--disk-bytes", default="4GiB")
-    parser.add_argument("--disk-dir", default=None, help="default: a fresh temporary folder")
+    parser.add_argument(
+        "--disk-dir", default=None, help="where the run's fresh disk-tier folder goes (/tmp)"
+    )
     parser.add_argument("--modes", default="disk,recompute")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
@@ -211,8 +214,9 @@ def model_vocab(model: str) -> int:
 def measure(args: argparse.Namespace, model: str, mode: str) -> tuple[dict, list]:
     convs = conversations(args, args.vocab)
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="kvpager-disk-") as scratch:
-        disk_dir = (args.disk_dir or scratch) if mode == "disk" else None
+    # a fresh folder each run (inside --disk-dir), so no run starts warm from an earlier one
+    with tempfile.TemporaryDirectory(prefix="kvpager-disk-", dir=args.disk_dir) as scratch:
+        disk_dir = scratch if mode == "disk" else None
         server = serve(args, model, port, disk_dir)
         try:
             result = asyncio.run(run_mode(port, args, convs))

@@ -8,6 +8,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.kv.block_hash import prompt_block_hashes
+from schemas.errors import ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -173,3 +174,8 @@ def test_blocks_through_a_small_cpu_pool_in_one_step_come_back_exact(tiny_llama,
         assert_all_free(llm)
     plain = make_llm(tiny_llama, enable_prefix_caching=False)
     assert again == batch and batch[:2] == run_one_by_one(plain, PROMPTS[:2])
+
+
+def test_the_disk_tier_needs_a_cpu_pool(tiny_llama, tmp_path):
+    with pytest.raises(ConfigError, match="swap_space"):
+        disk_llm(tiny_llama, tmp_path / "kv", swap_space=0)
