@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +45,8 @@ log = structlog.get_logger(__name__)
 RESCAN_S = 5.0  # an idle writer lists the folder this often (other instances' files)
 MAX_LISTED_PER_STEP = 8192  # hashes a step output carries (~300 kB)
 LOAD_WAIT_S = 5.0  # an idle step waits at most this long for reads in flight
+# snapshots waiting for the writer; past this (a slow disk), new blocks are not kept
+MAX_PENDING_BYTES = 1 << 30
 
 
 def open_disk(
@@ -65,7 +68,10 @@ class DiskStore:
         self.layout = layout
         self.capacity_bytes = capacity_bytes
         self.folder = Path(root) / layout.folder_name
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"kv_disk_dir: cannot create {self.folder}: {exc}") from None
         self._lock = threading.Lock()  # index, pending, reports
         self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self.num_bytes = 0
@@ -91,6 +97,11 @@ class DiskStore:
         for blocks that reach the pool in this step); the writer thread writes them later."""
         if not blocks:
             return
+        with self._lock:
+            backlog = len(self._pending) * self.layout.num_bytes
+            if backlog > MAX_PENDING_BYTES:  # the disk is behind: these are not kept
+                self._removed += [block.block_hash for block in blocks]
+                return
         snapshot = torch.empty(
             (*cpu_cache.shape[:2], len(blocks), *cpu_cache.shape[3:]), dtype=cpu_cache.dtype
         )  # [layers, 2, n, bs, kvh, d]
@@ -111,9 +122,8 @@ class DiskStore:
 
     def report(self, output: StepOutput, wait: bool) -> None:
         """Put the finished reads and the listing's news into the step's output."""
-        if wait:  # nothing else to do this step: let the reads finish first
-            for future in self._loads:
-                future.exception(timeout=LOAD_WAIT_S)
+        if wait and self._loads:  # nothing else to do this step: let the reads finish first
+            futures.wait(self._loads, timeout=LOAD_WAIT_S)
         done = [f for f in self._loads if f.done()]
         self._loads = [f for f in self._loads if not f.done()]
         for future in done:
@@ -130,8 +140,7 @@ class DiskStore:
     def reset(self) -> None:
         """A new scheduler: finish the reads in flight (their blocks are its free blocks now)
         and tell it everything on disk again."""
-        for future in self._loads:
-            future.exception()
+        futures.wait(self._loads)
         self._loads = []
         with self._lock:
             self._removed = []
@@ -161,6 +170,13 @@ class DiskStore:
         return loaded, failed
 
     def _read(self, block: DiskBlock) -> torch.Tensor | None:
+        try:
+            return self._read_block(block)
+        except Exception:  # whatever the file held, a miss: never a failed step
+            log.exception("disk tier read failed", block_hash=block.block_hash.hex())
+            return None
+
+    def _read_block(self, block: DiskBlock) -> torch.Tensor | None:
         with self._lock:
             pending = self._pending.get(block.block_hash)
         if pending is not None:
@@ -188,8 +204,10 @@ class DiskStore:
                 self._writes.task_done()
                 return
             if item:
-                self._write_batch(*item)
-                self._writes.task_done()
+                try:
+                    self._write_batch(*item)
+                finally:
+                    self._writes.task_done()
             if time.monotonic() - last_scan >= RESCAN_S and self._writes.empty():
                 self.rescan()
                 last_scan = time.monotonic()
@@ -201,7 +219,7 @@ class DiskStore:
                     self.folder, self.layout, block.block_hash, block.token_ids,
                     snapshot[:, :, i].contiguous(),
                 )  # fmt: skip
-            except OSError as exc:  # disk full, folder removed: the block is simply not kept
+            except Exception as exc:  # disk full, folder removed: the block is not kept
                 log.warning("disk tier write failed", error=str(exc))
                 size = None
             with self._lock:
