@@ -1,10 +1,15 @@
 """Multi-turn conversations with more history than the device and CPU tiers hold: the disk tier
 against recomputing.
 
-    python -m benchmarks.conversations [--model smollm2-135m-instruct] [--conversations 24]
-        [--turns 6] [--first-tokens 512] [--user-tokens 128] [--output-tokens 32]
-        [--concurrency 4] [--kv-cache-memory 128MiB] [--swap-space 64MiB]
-        [--disk-bytes 4GiB] [--disk-dir DIR] [--modes disk,recompute] [--threads 2]
+    python -m benchmarks.conversations [--model smollm2-135m-instruct] [--conversations 32]
+        [--turns 6] [--first-tokens 1024] [--user-tokens 128] [--output-tokens 32]
+        [--concurrency 4] [--kv-cache-memory 512MiB] [--swap-space 256MiB]
+        [--disk-bytes 8GiB] [--disk-dir DIR] [--modes disk,recompute] [--dtype float32]
+        [--threads 2]
+
+The defaults, on SmolLM2-135M (46 kB of fp32 K/V a token): 32 conversations of up to 1,856
+tokens (~59k tokens, ~2.7 GB of K/V) against ~11.6k tokens on the device and ~5.8k in the CPU
+pool; 4 at a time fit the device without preempting.
 
 Each conversation starts with `--first-tokens` random token ids; every later turn sends the
 whole conversation so far (prompts and answers) plus `--user-tokens` new ones, so each turn
@@ -41,21 +46,21 @@ from services.client import Client
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--first-tokens", type=int, default=512)
+    parser.add_argument("--first-tokens", type=int, default=1024)
     parser.add_argument("--user-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--kv-cache-memory", default="128MiB")
-    parser.add_argument("--swap-space", default="64MiB")
-    parser.add_argument("--disk-bytes", default="4GiB")
+    parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--swap-space", default="256MiB")
+    parser.add_argument("--disk-bytes", default="8GiB")
     parser.add_argument(
         "--disk-dir", default=None, help="where the run's fresh disk-tier folder goes (/tmp)"
     )
     parser.add_argument("--modes", default="disk,recompute")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="float32", help="the sizes above assume float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=0, help="token ids below (default: model's)")
     return parser.parse_args(argv)
