@@ -57,7 +57,10 @@ class DiskTier:
         run = self._disk_run(request, num_hits)
         if len(run) < MIN_DISK_LOAD_BLOCKS:
             return False
-        room = self.cpu.num_available - num_cpu_hits  # never evict the request's own CPU hits
+        for block_hash in request.block_hashes[:num_hits]:  # the request's CPU hits go last
+            if block_hash in self.cpu.cached:
+                self.cpu.cached.move_to_end(block_hash)
+        room = self.cpu.num_available - num_cpu_hits  # so the reads never evict them
         awaited = set()
         for block_idx, block_hash in run:
             if block_hash not in self.loading:

@@ -79,3 +79,28 @@ def test_a_read_waits_then_serves_cpu_hits_and_a_failed_read_is_a_miss():
     manager.check_invariants()
     manager.take_ops()
     assert sorted(manager.cpu.free) == [1]
+
+
+def test_reads_never_evict_the_requests_own_cpu_hits():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=3, enable_disk=True)
+    tokens = list(range(13))
+    hashes = prompt_block_hashes(tokens, 4)
+    other, another = b"x" * 32, b"y" * 32
+    manager.cpu.cache(hashes[0], tuple(tokens[:4]), 0)  # the oldest: CPU block 0
+    manager.cpu.cache(other, (1, 2, 3, 4), 1)
+    manager.cpu.cache(another, (5, 6, 7, 8), 2)
+    manager.take_ops()
+    manager.disk.apply(StepOutput(step_id=1, disk_stored=hashes[1:], disk_listed=True))
+    request = make_request("a", tokens)
+    hits = manager.find_cached_prefix(request)
+    assert hits == [CachedBlock(0, on_cpu=True)]
+    assert manager.disk.start_load(request, 1, 1)
+    ops = manager.take_ops()
+    # the two reads took the other entries' blocks (which went to disk), not block 0
+    assert ops.from_disk == [
+        DiskBlock(hashes[1], 1, tokens[4:8]),
+        DiskBlock(hashes[2], 2, tokens[8:12]),
+    ]
+    assert ops.to_disk == [DiskBlock(other, 1, [1, 2, 3, 4]), DiskBlock(another, 2, [5, 6, 7, 8])]
+    assert manager.find_cached_prefix(request) == hits
+    manager.check_invariants()
