@@ -132,6 +132,10 @@ class Settings:
         "kv router: weight of a block to prefill against a block in use (Dynamo's cost)",
         default=RouterConfig.overlap_weight,
     )
+    router_disk_hit_cost: float = option(
+        "kv router: a block on an instance's disk tier, as a fraction of a block to prefill",
+        default=RouterConfig.disk_hit_cost,
+    )
     migration_limit: int = option(
         "times a stream moves to another instance after its own failed, then an error", default=3
     )
@@ -164,6 +168,8 @@ class Settings:
             raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
         if self.router_overlap_weight < 0:
             raise ConfigError("router_overlap_weight: must be at least 0")
+        if not 0.0 <= self.router_disk_hit_cost <= 1.0:
+            raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
         self._check_nats_auth()
