@@ -140,14 +140,17 @@ def _check_tensor_parallel(size: int, timeout_s: float) -> None:
         raise ConfigError("tensor_parallel_timeout: must be positive")
 
 
-def _check_disk(folder: str | None, num_bytes: int, tensor_parallel_size: int) -> None:
+def _check_disk(config: "ExecutorConfig | EngineConfig") -> None:
+    # a plain int (a flag's ByteSize would not encode for tensor-parallel ranks)
+    object.__setattr__(config, "kv_disk_bytes", int(config.kv_disk_bytes))
+    folder, num_bytes = config.kv_disk_dir, config.kv_disk_bytes
     if folder is None:
         return
     if not folder:
         raise ConfigError("kv_disk_dir: give a folder (or leave it unset: no disk tier)")
     if num_bytes <= 0:
         raise ConfigError("kv_disk_bytes: give the disk tier's size, e.g. 4GiB")
-    if tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1:
         # each rank would read its own shard's files: which loaded must agree across ranks
         raise ConfigError("kv_disk_dir: not supported with tensor_parallel_size > 1 yet")
 
@@ -183,7 +186,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
-        _check_disk(self.kv_disk_dir, self.kv_disk_bytes, self.tensor_parallel_size)
+        _check_disk(self)
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
@@ -233,7 +236,7 @@ class EngineConfig:
     kv_disk_bytes: int = 0  # its bound, in bytes of files
 
     def __post_init__(self) -> None:
-        _check_disk(self.kv_disk_dir, self.kv_disk_bytes, self.tensor_parallel_size)
+        _check_disk(self)
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
         # normalised once, here: every reader sees a SpeculativeConfig or None

@@ -102,6 +102,7 @@ class StepCheck:
         for block in disk_blocks:
             _require(len(block.block_hash) == 32, "disk block: a hash is not 32 bytes")
             _require(len(block.token_ids) == cap.block_size, "disk block: not a full block")
+        _require(not any(b.on_device for b in step.blocks_from_disk), "disk read into the device")
         token_ids = [t for new in step.new_requests for t in new.token_ids]
         token_ids += [t for cached in step.cached_requests for t in cached.new_token_ids]
         token_ids += [t for cached in step.cached_requests for t in cached.spec_token_ids]

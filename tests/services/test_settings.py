@@ -62,6 +62,7 @@ def test_disk_tier_settings_read_sizes(monkeypatch):
     assert _parse([]).kv_disk_bytes == 500 * 10**6
     config = EngineConfig.pick(settings)
     assert (config.kv_disk_dir, config.kv_disk_bytes) == ("/var/tmp/kv", 4 << 30)
+    assert type(config.kv_disk_bytes) is int  # msgpack-encodable, for tensor-parallel ranks
     assert _parse([]).kv_disk_dir is None  # off by default
     with pytest.raises(ConfigError, match="kv_disk_bytes"):
         EngineConfig(kv_disk_dir="/var/tmp/kv")
