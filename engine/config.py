@@ -81,6 +81,8 @@ class CacheConfig:
     # the device cache lives in host memory (a CPU executor): swapping a block out is a
     # memcpy, far cheaper than recomputing its tokens, so "auto" preemption swaps
     swap_is_cheap: bool = False
+    # the executor keeps prefix blocks leaving the CPU pool on disk (kv_disk_dir)
+    enable_disk: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -138,6 +140,21 @@ def _check_tensor_parallel(size: int, timeout_s: float) -> None:
         raise ConfigError("tensor_parallel_timeout: must be positive")
 
 
+def _check_disk(config: "ExecutorConfig | EngineConfig") -> None:
+    # a plain int (a flag's ByteSize would not encode for tensor-parallel ranks)
+    object.__setattr__(config, "kv_disk_bytes", int(config.kv_disk_bytes))
+    folder, num_bytes = config.kv_disk_dir, config.kv_disk_bytes
+    if folder is None:
+        return
+    if not folder:
+        raise ConfigError("kv_disk_dir: give a folder (or leave it unset: no disk tier)")
+    if num_bytes <= 0:
+        raise ConfigError("kv_disk_bytes: give the disk tier's size, e.g. 4GiB")
+    if config.tensor_parallel_size > 1:
+        # each rank would read its own shard's files: which loaded must agree across ranks
+        raise ConfigError("kv_disk_dir: not supported with tensor_parallel_size > 1 yet")
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     model_path: Path
@@ -162,9 +179,14 @@ class ExecutorConfig:
     tensor_parallel_timeout: float = 10.0
     # the proposer's n-gram sizes; also as JSON (how tensor-parallel ranks receive it)
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # a disk tier under the CPU pool: prefix blocks leaving it are kept in this folder, at
+    # most `kv_disk_bytes` of files (least recently used go first); None: off
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
+        _check_disk(self)
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
@@ -210,8 +232,11 @@ class EngineConfig:
     tensor_parallel_timeout: float = 10.0
     # speculative decoding (None: off): a SpeculativeConfig, its fields as a dict, or JSON
     speculative_config: SpeculativeConfig | dict | str | None = None
+    kv_disk_dir: str | None = None  # a disk tier under the CPU pool (None: off)
+    kv_disk_bytes: int = 0  # its bound, in bytes of files
 
     def __post_init__(self) -> None:
+        _check_disk(self)
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
         # normalised once, here: every reader sees a SpeculativeConfig or None

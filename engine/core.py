@@ -226,6 +226,7 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         config.enable_prefix_caching,
         ready.num_cpu_blocks,
         swap_is_cheap=ready.kv_on_host,
+        enable_disk=ready.kv_disk and config.enable_prefix_caching,
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

@@ -188,7 +188,10 @@ class LLM:
         core, idle_steps = self.core, 0
         while core.has_work:
             await core.run_step()
-            stalled = core.is_spinning and not self.scheduler.running
+            scheduler = self.scheduler
+            stalled = core.is_spinning and not (
+                scheduler.running or scheduler.block_manager.disk.busy
+            )
             idle_steps = idle_steps + 1 if stalled else 0
             if idle_steps > MAX_IDLE_STEPS:
                 raise RuntimeError("scheduler stalled: nothing runs and nothing is admitted")

@@ -52,6 +52,20 @@ class ForkRequest(msgspec.Struct, array_like=True):
     sample: bool = True
 
 
+class DiskBlock(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One full prefix block moving between the CPU tier and the disk tier: written from, or
+    read into, CPU block `block_id` (a device block with `on_device`). `token_ids` go into,
+    and are checked against, the file's header: a hash collision or a wrong file is never
+    served."""
+
+    block_hash: bytes  # the chained block hash (engine/kv/block_hash.py)
+    block_id: int
+    token_ids: list[int]
+    # a write of a block that reached the CPU pool in this very step: its bytes are still
+    # in device block `block_id` (the swap-out's source), not yet in the pool
+    on_device: bool = False
+
+
 class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     step_id: int
     new_requests: list[NewRequest] = []
@@ -65,6 +79,10 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     # speculative decoding: after this step, propose up to this many tokens for these
     # sampling sequences (they come back in StepOutput.draft_token_ids)
     num_spec_tokens: dict[str, int] = {}
+    # the disk tier: CPU blocks to snapshot and write (before this step's swap-outs reuse
+    # them), and files to read into reserved CPU blocks (StepOutput.disk_loaded says when)
+    blocks_to_disk: list[DiskBlock] = []
+    blocks_from_disk: list[DiskBlock] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -325,6 +325,16 @@ class Stats(msgspec.Struct, kw_only=True):
     num_swapped_in_blocks: int = 0
     num_evictions: Annotated[int, Meta(description="cached blocks moved to the CPU pool")] = 0
     num_block_copies: Annotated[int, Meta(description="copy-on-write copies")] = 0
+    num_disk_blocks: Annotated[int, Meta(description="prefix blocks known on the disk tier")] = 0
+    num_disk_stored_blocks: Annotated[
+        int, Meta(description="blocks written to the disk tier as they left the CPU pool")
+    ] = 0
+    num_disk_loaded_blocks: Annotated[
+        int, Meta(description="blocks read back from the disk tier into the CPU pool")
+    ] = 0
+    num_disk_failed_loads: Annotated[
+        int, Meta(description="disk reads that missed: vanished, torn or corrupt files")
+    ] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

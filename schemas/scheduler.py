@@ -27,6 +27,15 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     extra_logprobs: dict[str, list[TokenLogprobs]] = {}
     # proposals for the next step, for the sequences the step asked (num_spec_tokens)
     draft_token_ids: dict[str, list[int]] = {}
+    # The disk tier (engine/worker/disk_store.py): reads of earlier steps' `blocks_from_disk`
+    # that finished (their CPU blocks now hold the content) or failed (a miss), by block hash;
+    # blocks found on disk (the listing at start, in chunks, or another instance's files) and
+    # gone from it (evicted by bytes, vanished); `disk_listed` once the listing is all sent.
+    disk_loaded: list[bytes] = []
+    disk_failed: list[bytes] = []
+    disk_stored: list[bytes] = []
+    disk_removed: list[bytes] = []
+    disk_listed: bool = False
 
     def emitted_token_ids(self, idx: int) -> list[int]:
         """Every token row `idx`'s sequence emitted in this step, in order."""
@@ -97,6 +106,8 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     # tensor-parallel ranks behind this executor; each holds its shard of every block, so
     # the block ids (and the scheduler) are the same whatever the size
     world_size: int = 1
+    # a disk tier under the CPU pool (kv_disk_dir): its listing follows in the step outputs
+    kv_disk: bool = False
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):

@@ -46,17 +46,19 @@ class TokenBatch(msgspec.Struct, array_like=True):
 # `<prefix>.internal.<instance>.kv.events` (and the load, in the scheduler's $SRV.STATS).
 
 
-class BlockStored(msgspec.Struct, tag="stored", array_like=True):
+class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=True):
     """A full block now cached under its chained hash (engine/kv/block_hash.py)."""
 
     block_hash: bytes
-    parent_hash: bytes | None  # None: the first block of a prompt
+    parent_hash: bytes | None  # None: the first block of a prompt (or unknown, on disk)
+    tier: str = "device"  # "device" | "disk" (a file the instance reads back through CPU)
 
 
-class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
-    """A cached block was evicted (its content is gone from the device)."""
+class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True):
+    """A cached block was evicted (its content is gone from the device, or from the disk)."""
 
     block_hash: bytes
+    tier: str = "device"
 
 
 class CacheCleared(msgspec.Struct, tag="cleared", array_like=True):

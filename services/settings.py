@@ -12,11 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from engine.kv.kv_size import parse_bytes
 from engine.router.routing import ROUTERS, RouterConfig
 from schemas.errors import ConfigError
 
 ENV_PREFIX = "KVPAGER_"
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ByteSize(int):
+    """A byte count that also reads sizes such as 4GiB or 500MB (flags and environment)."""
+
+    def __new__(cls, value: "int | str") -> "ByteSize":
+        return super().__new__(cls, parse_bytes(value) if isinstance(value, str) else value)
 
 
 def option(help_text: str, **extra: Any) -> Any:
@@ -46,6 +54,15 @@ class Settings:
         "bytes of host memory for swapped-out blocks (default: a quarter of the KV cache on "
         "CPU, none on CUDA)",
         default=None,
+    )
+    kv_disk_dir: str | None = option(
+        "folder of a disk tier under the CPU pool: prefix blocks leaving it are kept there "
+        "(default: off)",
+        default=None,
+    )
+    kv_disk_bytes: ByteSize = option(
+        "most bytes of the disk tier's files, e.g. 4GiB (least recently used go first)",
+        default=ByteSize(0),
     )
     max_num_seqs: int = option("most requests running at once", default=256)
     max_num_batched_tokens: int = option("token budget of one step", default=2048)
@@ -115,6 +132,10 @@ class Settings:
         "kv router: weight of a block to prefill against a block in use (Dynamo's cost)",
         default=RouterConfig.overlap_weight,
     )
+    router_disk_hit_cost: float = option(
+        "kv router: a block on an instance's disk tier, as a fraction of a block to prefill",
+        default=RouterConfig.disk_hit_cost,
+    )
     migration_limit: int = option(
         "times a stream moves to another instance after its own failed, then an error", default=3
     )
@@ -147,6 +168,8 @@ class Settings:
             raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
         if self.router_overlap_weight < 0:
             raise ConfigError("router_overlap_weight: must be at least 0")
+        if not 0.0 <= self.router_disk_hit_cost <= 1.0:
+            raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
         self._check_nats_auth()

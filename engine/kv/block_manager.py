@@ -17,7 +17,9 @@ from typing import NamedTuple
 
 from engine.kv.block_hash import update_block_hashes
 from engine.kv.cpu_pool import CpuBlockPool
+from engine.kv.disk_index import DiskTier
 from engine.request import Request
+from schemas.executor import DiskBlock
 from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
 
 
@@ -43,6 +45,8 @@ class BlockOps:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+    to_disk: list[DiskBlock] = field(default_factory=list)  # snapshot first, written later
+    from_disk: list[DiskBlock] = field(default_factory=list)  # read after the swaps
 
 
 class BlockManager:
@@ -54,6 +58,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         num_cpu_blocks: int = 0,
+        enable_disk: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -65,6 +70,7 @@ class BlockManager:
         # swapped-out requests: (on_cpu, block id); shared device blocks stay referenced
         self.swapped_tables: dict[str, list[CachedBlock]] = {}
         self.cpu = CpuBlockPool(num_cpu_blocks)
+        self.disk = DiskTier(self.cpu, block_size, enable_disk and enable_prefix_caching)
         self.ops = BlockOps()
         self.num_evictions = 0
         self.num_copies = 0  # copy-on-write block copies
@@ -248,18 +254,21 @@ class BlockManager:
     def take_ops(self) -> BlockOps:
         """This step's block operations; CPU blocks released during it become reusable."""
         ops, self.ops = self.ops, BlockOps()
+        ops.to_disk, ops.from_disk = self.disk.take_ops()
         self.cpu.end_step()
         return ops
 
     def record_kv_events(self) -> None:
         """From now on, record every block cached and uncached (for KV-aware routers)."""
         self.kv_events = []
+        self.disk.kv_events = []
 
     def take_kv_events(self) -> list[KvEvent]:
-        """The events since the last call, oldest first."""
+        """The events since the last call, oldest first within each tier."""
         if self.kv_events is None:
             return []
-        events, self.kv_events = self.kv_events, []
+        events, self.kv_events = self.kv_events + self.disk.kv_events, []
+        self.disk.kv_events = []
         return events
 
     def reset_prefix_cache(self) -> None:
@@ -296,7 +305,7 @@ class BlockManager:
         """Drop a free cached block's content from the device, keeping it on CPU if it fits."""
         self.num_evictions += 1
         if self.cpu.enabled:
-            cpu_block = self.cpu.cache(block.block_hash, block.token_ids)
+            cpu_block = self.cpu.cache(block.block_hash, block.token_ids, block.block_id)
             if cpu_block is not None:
                 self.ops.swap_out.append((block.block_id, cpu_block))
                 self.num_swapped_out_blocks += 1
@@ -363,3 +372,4 @@ class BlockManager:
         owned = {e.block_id for t in self.swapped_tables.values() for e in t if e.on_cpu}
         assert owned == self.cpu.owned, "CPU blocks owned by no swapped request, or twice"
         self.cpu.check_invariants()
+        self.disk.check_invariants()

@@ -4,6 +4,8 @@ Built from each instance's KV events (schemas/tokenizer.py: blocks stored, remov
 numbered per scheduler. A gap in the numbers (events lost) or a new scheduler drops what the
 index knew of that instance: from then on it holds only blocks stored since, a subset of the
 truth, so an overlap may be underestimated but never counts a block that may be gone.
+Blocks on an instance's disk tier (events with tier "disk") are kept apart: a hit there saves
+the prefill but costs a read (engine/router/routing.py weighs it).
 """
 
 import structlog
@@ -17,6 +19,7 @@ class KvIndex:
     def __init__(self) -> None:
         self.holders: dict[bytes, set[str]] = {}  # block hash -> instances holding it
         self.by_instance: dict[str, set[bytes]] = {}
+        self.disk_by_instance: dict[str, set[bytes]] = {}  # blocks on each instance's disk
         self._next_seq: dict[str, tuple[str, int]] = {}  # instance -> (scheduler id, seq)
         self.num_resyncs = 0
 
@@ -30,13 +33,30 @@ class KvIndex:
             self.clear(batch.instance)
         self._next_seq[batch.instance] = (batch.scheduler_id, batch.seq + 1)
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored | BlockRemoved) and event.tier == "disk":
+                self._apply_disk(batch.instance, event)
+            elif isinstance(event, BlockStored):
                 self.holders.setdefault(event.block_hash, set()).add(batch.instance)
                 self.by_instance.setdefault(batch.instance, set()).add(event.block_hash)
             elif isinstance(event, BlockRemoved):
                 self._remove(batch.instance, event.block_hash)
             else:
                 self.clear(batch.instance)
+
+    def _apply_disk(self, instance: str, event: BlockStored | BlockRemoved) -> None:
+        on_disk = self.disk_by_instance.setdefault(instance, set())
+        if isinstance(event, BlockStored):
+            on_disk.add(event.block_hash)
+        else:
+            on_disk.discard(event.block_hash)
+
+    def disk_run(self, instance: str, hashes: list[bytes], start: int) -> int:
+        """How many blocks of `hashes` from `start` on are on the instance's disk tier."""
+        on_disk = self.disk_by_instance.get(instance, set())
+        count = 0
+        while start + count < len(hashes) and hashes[start + count] in on_disk:
+            count += 1
+        return count
 
     def _remove(self, instance: str, block_hash: bytes) -> None:
         self.by_instance.get(instance, set()).discard(block_hash)
@@ -50,6 +70,7 @@ class KvIndex:
         """Forget what `instance` holds (cleared, resynced, or gone)."""
         for block_hash in self.by_instance.pop(instance, set()):
             self._remove(instance, block_hash)
+        self.disk_by_instance.pop(instance, None)
 
     def forget(self, instance: str) -> None:
         """The instance is gone: its blocks and its event numbering."""

@@ -43,6 +43,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             cache_config.num_cpu_blocks,
+            cache_config.enable_disk,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -88,11 +89,11 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.block_manager.disk.waiting)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.block_manager.disk.waiting)
 
     @property
     def num_swapped(self) -> int:
@@ -126,6 +127,8 @@ class Scheduler:
             blocks_to_copy=ops.copy,
             blocks_to_swap_out=ops.swap_out,
             blocks_to_swap_in=ops.swap_in,
+            blocks_to_disk=ops.to_disk,
+            blocks_from_disk=ops.from_disk,
             forks=self.beams.take_forks() + plan.forks,
             num_spec_tokens=asks,
         )
@@ -280,6 +283,8 @@ class Scheduler:
         self.at_executor.add(child.seq_id)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        if not self.block_manager.disk.listed:
+            return  # the disk's listing first, so what it holds is found
         while self.waiting and plan.budget > 0:
             if self._resume_or_admit(self.waiting[0], plan):
                 continue
@@ -300,6 +305,10 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         hits = self.block_manager.find_cached_prefix(request)
+        num_cpu_hits = sum(hit.on_cpu for hit in hits)
+        if self.block_manager.disk.start_load(request, len(hits), num_cpu_hits):
+            self.waiting.popleft()  # back at the head once its blocks are read
+            return True
         num_hit_tokens = len(hits) * self.cache_config.block_size
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.budget and not self.config.enable_chunked_prefill:
@@ -308,6 +317,7 @@ class Scheduler:
         if self.block_manager.allocate_slots(request, num_new, hits) is None:
             return False
         self.waiting.popleft()
+        self.block_manager.disk.admitted(request)
         self._note_prefix_hits(request, num_hit_tokens)
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
@@ -352,6 +362,7 @@ class Scheduler:
         right context. One for a finished request is dropped.
         """
         assert output.step_id == step.step_id, f"step {output.step_id} != {step.step_id}"
+        self.waiting.extendleft(reversed(self.block_manager.disk.apply(output)))
         emitted = {seq_id: output.emitted_token_ids(i) for i, seq_id in enumerate(output.seq_ids)}
         for abandoned in [s for s in self._sampling if s < step.step_id]:
             del self._sampling[abandoned]  # outputs come in order: theirs never will
@@ -420,6 +431,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.block_manager.disk.forget(request)
         request.status = status
         request.num_pending_forks = 0
         self.block_manager.free(request)

@@ -26,6 +26,7 @@ from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
 from engine.parallel.ranks import Ranks
 from engine.worker.beam_candidates import top_continuations
+from engine.worker.disk_store import open_disk
 from engine.worker.grammar_rows import GrammarRows
 from engine.worker.host_malloc import retain_freed_memory
 from engine.worker.input_batch import InputBatch
@@ -71,6 +72,7 @@ class Executor:
             group,
         )
         self._allocate_caches()
+        self.disk = open_disk(config, self.cpu_cache, self.kv_dtype, rank, size)
         self.attention = PagedAttention(self.ops, model_config.attention_scale)
         self.batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
@@ -168,6 +170,7 @@ class Executor:
             model=model,
             kv_on_host=self.device.type == "cpu",
             world_size=self.shard.world_size,
+            kv_disk=self.disk is not None,
         )
 
     def _kv_dtype(self) -> torch.dtype:
@@ -197,6 +200,8 @@ class Executor:
 
     def _reset(self) -> None:
         config = self.config
+        if self.disk is not None:
+            self.disk.reset()
         self.batch = InputBatch(
             config.max_num_seqs, config.max_model_len, config.block_size, self.device
         )
@@ -217,14 +222,26 @@ class Executor:
             return self._execute(step)
 
     def close(self) -> None:
-        """Rank 0: stop the other ranks. Alone: nothing to do."""
+        """Rank 0: stop the other ranks; finish the disk tier's queued writes."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.disk is not None:
+            self.disk.close()
 
     @torch.inference_mode()
     def _execute(self, step: ScheduledStep) -> StepOutput:
         self._apply_deltas(step)
+        if self.disk is not None:  # before the swap-outs reuse the CPU blocks
+            self.disk.save(step.blocks_to_disk, self.cpu_cache, self.kv_cache)
         self._move_blocks(step)
+        if self.disk is not None:  # into CPU blocks this step leaves alone
+            self.disk.load(step.blocks_from_disk, self.cpu_cache)
+        output = self._forward(step)
+        if self.disk is not None:
+            self.disk.report(output, wait=not step.num_scheduled_tokens)
+        return output
+
+    def _forward(self, step: ScheduledStep) -> StepOutput:
         if not step.num_scheduled_tokens:
             return StepOutput(step_id=step.step_id)
         inputs = self.batch.prepare(step.num_scheduled_tokens)

@@ -92,13 +92,21 @@ class StepCheck:
         device_ids += [b for pair in step.blocks_to_copy for b in pair]
         device_ids += [pair[0] for pair in step.blocks_to_swap_out]
         device_ids += [pair[1] for pair in step.blocks_to_swap_in]
+        device_ids += [block.block_id for block in step.blocks_to_disk if block.on_device]
         _in_range(device_ids, cap.num_blocks, "block ids")
         cpu_ids = [pair[1] for pair in step.blocks_to_swap_out]
         cpu_ids += [pair[0] for pair in step.blocks_to_swap_in]
+        disk_blocks = step.blocks_to_disk + step.blocks_from_disk
+        cpu_ids += [block.block_id for block in disk_blocks if not block.on_device]
         _in_range(cpu_ids, cap.num_cpu_blocks, "cpu block ids")
+        for block in disk_blocks:
+            _require(len(block.block_hash) == 32, "disk block: a hash is not 32 bytes")
+            _require(len(block.token_ids) == cap.block_size, "disk block: not a full block")
+        _require(not any(b.on_device for b in step.blocks_from_disk), "disk read into the device")
         token_ids = [t for new in step.new_requests for t in new.token_ids]
         token_ids += [t for cached in step.cached_requests for t in cached.new_token_ids]
         token_ids += [t for cached in step.cached_requests for t in cached.spec_token_ids]
+        token_ids += [t for block in disk_blocks for t in block.token_ids]
         _in_range(token_ids, cap.vocab_size, "token ids")
 
     def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:

@@ -40,6 +40,7 @@ class Instances:
             settings.router,
             ttl_s=settings.liveness_timeout,
             overlap_weight=settings.router_overlap_weight,
+            disk_hit_cost=settings.router_disk_hit_cost,
         )
         self.router = Router(config)
         self._heard_at: dict[str, float] = {}  # instance -> when its last KV events came

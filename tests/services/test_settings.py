@@ -50,3 +50,24 @@ def test_bad_environment_values_raise(monkeypatch, env, value):
 def test_invalid_settings_raise(fields):
     with pytest.raises(ConfigError):
         Settings(**fields)
+
+
+def test_disk_tier_settings_read_sizes(monkeypatch):
+    from engine.config import EngineConfig
+
+    settings = _parse(["--kv-disk-dir", "/var/tmp/kv", "--kv-disk-bytes", "4GiB"])
+    assert settings.kv_disk_bytes == 4 << 30 and settings.kv_disk_dir == "/var/tmp/kv"
+    assert _parse_env(environment(settings)).kv_disk_bytes == 4 << 30
+    monkeypatch.setenv("KVPAGER_KV_DISK_BYTES", "500MB")
+    assert _parse([]).kv_disk_bytes == 500 * 10**6
+    config = EngineConfig.pick(settings)
+    assert (config.kv_disk_dir, config.kv_disk_bytes) == ("/var/tmp/kv", 4 << 30)
+    assert type(config.kv_disk_bytes) is int  # msgpack-encodable, for tensor-parallel ranks
+    assert _parse([]).kv_disk_dir is None  # off by default
+    with pytest.raises(ConfigError, match="kv_disk_bytes"):
+        EngineConfig(kv_disk_dir="/var/tmp/kv")
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(kv_disk_dir="/var/tmp/kv", kv_disk_bytes=1, tensor_parallel_size=2)
+    monkeypatch.setenv("KVPAGER_KV_DISK_BYTES", "lots")
+    with pytest.raises(ConfigError):
+        _parse([])

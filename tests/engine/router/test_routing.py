@@ -89,3 +89,34 @@ def test_errors_are_typed_and_instances_expire():
     assert r.pick(PROMPT) == "b"
     with pytest.raises(ConfigError):
         RouterConfig(mode="random")
+
+
+def on_disk(token_ids: list[int]) -> list[BlockStored]:
+    return [BlockStored(h, None, tier="disk") for h in prompt_block_hashes(token_ids, BLOCK)]
+
+
+def test_disk_hits_cost_between_cached_and_uncached():
+    r = router("kv", "a", "b", "c", "d")
+    r.apply(KvEvents("a", "s", 0, on_disk(PROMPT), LOAD))  # all 3 blocks on a's disk
+    r.apply(KvEvents("c", "s", 0, stored(PROMPT), LOAD))  # all 3 on c's device
+    r.apply(KvEvents("d", "s", 0, stored(PROMPT[:4]) + on_disk(PROMPT), LOAD))  # 1 + 2
+    assert r.index.overlaps(prompt_block_hashes(PROMPT, BLOCK)) == {"c": 3, "d": 1}
+    w, cost = r.config.overlap_weight, r.config.disk_hit_cost
+    costs = r.costs(list(r.instances.values()), PROMPT)
+    assert costs == {
+        "a": w * 3 * cost + 4,
+        "b": w * 3 + 4,
+        "c": 0 + 4,
+        "d": w * 2 * cost + 4,
+    }
+    assert costs["c"] < costs["d"] < costs["a"] < costs["b"]
+    assert r.pick(PROMPT) == "c"
+    removed = [BlockRemoved(h, tier="disk") for h in prompt_block_hashes(PROMPT, BLOCK)[1:]]
+    r.apply(KvEvents("a", "s", 1, removed, LOAD))  # blocks 1, 2 left a's disk
+    assert r.costs([r.instances["a"]], PROMPT)["a"] == w * (3 - (1 - cost)) + 4
+    r.apply(KvEvents("d", "s", 1, [CacheCleared()], LOAD))
+    assert not r.index.disk_by_instance.get("d") and not r.index.overlaps(
+        prompt_block_hashes(PROMPT, BLOCK)
+    ).get("d")
+    with pytest.raises(ConfigError):
+        RouterConfig(disk_hit_cost=1.5)

@@ -7,7 +7,7 @@ import pytest
 
 from engine.worker.executor import Executor
 from schemas.errors import InvalidStepError
-from schemas.executor import CachedRequest, ForkRequest, NewRequest, ScheduledStep
+from schemas.executor import CachedRequest, DiskBlock, ForkRequest, NewRequest, ScheduledStep
 from schemas.sampling import SamplingParams
 from tests.engine.helpers import make_llm
 
@@ -59,7 +59,22 @@ def _bad_steps(num_blocks: int) -> dict[str, ScheduledStep]:
         ),
         "fork of a request not sampled": ScheduledStep(2, forks=[ForkRequest("a", "a#1", 3)]),
         "replace_from past the table": _decode(2, 10, new_block_ids=[5], replace_from=7),
+        "disk read into no cpu block": ScheduledStep(2, blocks_from_disk=[disk_block(huge)]),
+        "disk read into the device": ScheduledStep(
+            2, blocks_from_disk=[disk_block(0, on_device=True)]
+        ),
+        "disk write from past the cache": ScheduledStep(
+            2, blocks_to_disk=[disk_block(past, on_device=True)]
+        ),
+        "disk block of a short hash": ScheduledStep(
+            2, blocks_to_disk=[DiskBlock(b"short", 0, list(range(8)))]
+        ),
+        "disk block not full": ScheduledStep(2, blocks_to_disk=[DiskBlock(bytes(32), 0, [1])]),
     }
+
+
+def disk_block(block_id: int, on_device: bool = False) -> DiskBlock:
+    return DiskBlock(bytes(32), block_id, list(range(3, 11)), on_device)
 
 
 def _snapshot(executor: Executor):

@@ -1,0 +1,173 @@
+"""DiskTier: the scheduler's accounting of the disk tier under the CPU pool (no file I/O here).
+
+    device --evict--> CPU pool --evict--> disk          (blocks_to_disk: written off the step)
+    device <-swap in-- CPU pool <--load--  disk          (blocks_from_disk, then a CPU hit)
+
+A full prefix block evicted from the CPU pool is written to disk unless it is there already.
+`on_disk` holds the hashes the executor's disk holds, as far as this scheduler knows: those it
+ordered written, plus what the executor reports (its folder's listing at start, files other
+instances wrote, files evicted by bytes or found missing). Until the listing has arrived no
+request is admitted, so a restart over a warm folder serves its first request from disk.
+
+A request whose prefix misses on the device and in the CPU pool but goes on on disk leaves the
+waiting queue while CPU blocks it reserved are filled (`StepOutput.disk_loaded`); it then goes
+back to the queue's head and is admitted with those blocks as CPU hits. A failed read is a miss:
+the request computes from there. Each request tries the disk once per admission.
+"""
+
+from collections import OrderedDict
+
+from engine.kv.cpu_pool import CpuBlockPool
+from engine.request import Request
+from schemas.executor import DiskBlock
+from schemas.scheduler import StepOutput
+from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
+
+# A shorter run computes in about the step the request would wait for its read.
+MIN_DISK_LOAD_BLOCKS = 2
+
+
+class DiskTier:
+    def __init__(self, cpu: CpuBlockPool, block_size: int, enabled: bool) -> None:
+        self.cpu = cpu
+        self.block_size = block_size
+        self.enabled = enabled
+        self.listed = not enabled  # the executor's listing has arrived
+        self.on_disk: OrderedDict[bytes, None] = OrderedDict()
+        self.loading: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # hash -> cpu block, tokens
+        self.waiting: dict[str, tuple[Request, set[bytes]]] = {}  # seq id -> hashes awaited
+        self.tried: set[str] = set()  # requests that had their read this admission
+        self.stores: list[DiskBlock] = []
+        self.loads: list[DiskBlock] = []
+        self.kv_events: list[KvEvent] | None = None
+        self.num_stored_blocks = self.num_loaded_blocks = self.num_failed_loads = 0
+        if enabled:
+            cpu.on_evict = self._store
+
+    @property
+    def busy(self) -> bool:
+        """Waiting on the executor: for its listing, or for reads."""
+        return not self.listed or bool(self.waiting)
+
+    def start_load(self, request: Request, num_hits: int, num_cpu_hits: int) -> bool:
+        """Read the blocks after the request's `num_hits` cached ones that are on disk into
+        the CPU pool; True if the request now waits for them (it left the waiting queue)."""
+        if not self.enabled or request.seq_id in self.tried:
+            return False
+        run = self._disk_run(request, num_hits)
+        if len(run) < MIN_DISK_LOAD_BLOCKS:
+            return False
+        for block_hash in request.block_hashes[:num_hits]:  # the request's CPU hits go last
+            if block_hash in self.cpu.cached:
+                self.cpu.cached.move_to_end(block_hash)
+        room = self.cpu.num_available - num_cpu_hits  # so the reads never evict them
+        awaited = set()
+        for block_idx, block_hash in run:
+            if block_hash not in self.loading:
+                if room <= 0:
+                    break
+                room -= 1
+                self._reserve(request, block_idx, block_hash)
+            awaited.add(block_hash)
+        if not awaited:
+            return False
+        self.tried.add(request.seq_id)
+        self.waiting[request.seq_id] = (request, awaited)
+        return True
+
+    def _disk_run(self, request: Request, num_hits: int) -> list[tuple[int, bytes]]:
+        """(block index, hash) of the blocks after the hits that are on disk or being read."""
+        hashes = request.block_hashes
+        max_blocks = (request.num_tokens - 1) // self.block_size  # the last token computes
+        run = []
+        for block_idx in range(num_hits, min(max_blocks, len(hashes))):
+            block_hash = hashes[block_idx]
+            if block_hash not in self.on_disk and block_hash not in self.loading:
+                break
+            run.append((block_idx, block_hash))
+        return run
+
+    def _reserve(self, request: Request, block_idx: int, block_hash: bytes) -> None:
+        cpu_block = self.cpu.reserve()
+        assert cpu_block is not None, "a CPU block was counted available"
+        start = block_idx * self.block_size
+        tokens = tuple(request.all_token_ids[start : start + self.block_size])
+        self.loading[block_hash] = (cpu_block, tokens)
+        self.loads.append(DiskBlock(block_hash, cpu_block, list(tokens)))
+        self.on_disk.move_to_end(block_hash)
+
+    def admitted(self, request: Request) -> None:
+        self.tried.discard(request.seq_id)
+
+    def forget(self, request: Request) -> None:
+        """The request finished or was aborted: it waits no more (its reads go on, into the
+        CPU pool's cache)."""
+        self.waiting.pop(request.seq_id, None)
+        self.tried.discard(request.seq_id)
+
+    def take_ops(self) -> tuple[list[DiskBlock], list[DiskBlock]]:
+        """This step's writes and reads."""
+        ops = self.stores, self.loads
+        self.stores, self.loads = [], []
+        return ops
+
+    def apply(self, output: StepOutput) -> list[Request]:
+        """The executor's news; returns the requests whose reads all finished, in queue order."""
+        if not self.enabled:
+            return []
+        for block_hash in output.disk_loaded:
+            self._finish_load(block_hash, True)
+        for block_hash in output.disk_failed:
+            self._finish_load(block_hash, False)
+            self._remove(block_hash)
+        for block_hash in output.disk_stored:
+            self._add(block_hash)
+        for block_hash in output.disk_removed:
+            self._remove(block_hash)
+        self.listed = self.listed or output.disk_listed
+        resolved = set(output.disk_loaded) | set(output.disk_failed)
+        ready = []
+        for seq_id, (request, awaited) in list(self.waiting.items()):
+            awaited -= resolved
+            if not awaited:
+                del self.waiting[seq_id]
+                ready.append(request)
+        return ready
+
+    def _finish_load(self, block_hash: bytes, ok: bool) -> None:
+        entry = self.loading.pop(block_hash, None)
+        if entry is None:
+            return  # not asked by this scheduler (a stale report): nothing was reserved
+        cpu_block, tokens = entry
+        self.cpu.finish_load(cpu_block, block_hash, tokens, ok)
+        if ok:
+            self.num_loaded_blocks += 1
+        else:
+            self.num_failed_loads += 1
+
+    def _store(
+        self, block_hash: bytes, block_id: int, tokens: tuple[int, ...], on_device: bool
+    ) -> None:
+        """A cached block leaves the CPU pool: write it to disk unless it is there."""
+        if block_hash in self.on_disk:
+            self.on_disk.move_to_end(block_hash)
+            return
+        self.stores.append(DiskBlock(block_hash, block_id, list(tokens), on_device))
+        self.num_stored_blocks += 1
+        self._add(block_hash)
+
+    def _add(self, block_hash: bytes) -> None:
+        if block_hash not in self.on_disk:
+            self.on_disk[block_hash] = None
+            if self.kv_events is not None:
+                self.kv_events.append(BlockStored(block_hash, None, tier="disk"))
+
+    def _remove(self, block_hash: bytes) -> None:
+        if self.on_disk.pop(block_hash, 0) is None and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(block_hash, tier="disk"))
+
+    def check_invariants(self) -> None:
+        reserved = {cpu_block for cpu_block, _ in self.loading.values()}
+        assert reserved == self.cpu.loading, "CPU blocks being read disagree with the reads"
+        for seq_id, (_, awaited) in self.waiting.items():
+            assert awaited and awaited <= set(self.loading), f"{seq_id}: awaits no read"

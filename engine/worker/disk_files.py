@@ -1,0 +1,147 @@
+"""The disk tier's files: one full KV block each, named by its chained block hash.
+
+    <kv_disk_dir>/<layout id>/<block hash hex>.kvb
+
+The layout id hashes everything that makes a block's bytes mean something: the model (its
+folder, config.json and weight files' names, sizes and mtimes), the KV dtype, the block size,
+the layer / KV-head / head-dim layout and the tensor-parallel rank, so a file of another model
+or layout is never even looked at. A file:
+
+    header (HEADER)  |  token ids (int64 x num_tokens)  |  block bytes [layers, 2, block_size,
+                                                          kv_heads, head_dim] in the KV dtype
+
+The header repeats the layout id and the block hash and carries the payload size and a CRC-32
+of everything after it; a file that is short, long, torn or altered reads as a miss. Files are
+written under a temporary name and renamed into place, so readers (other instances sharing the
+folder) see a whole file or none.
+"""
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAGIC, VERSION = b"KVPB", 1
+# magic, version, num_tokens, layout id, block hash, payload bytes, crc32
+HEADER = struct.Struct("<4sII32s32sQI")
+SUFFIX = ".kvb"
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What one block's bytes are: its shape and dtype, and the identity of the writer."""
+
+    shape: tuple[int, ...]  # [layers, 2, block_size, kv_heads, head_dim]
+    dtype: torch.dtype
+    layout_id: bytes  # 32 bytes
+
+    @property
+    def num_bytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+    @property
+    def folder_name(self) -> str:
+        return self.layout_id.hex()[:16]
+
+
+def model_identity(model_path: Path) -> dict:
+    """The checkpoint as found on disk: its folder, config and weight files (not their bytes:
+    reading gigabytes to name a folder would cost a start-up; a re-downloaded or re-converted
+    file changes its size or mtime)."""
+    path = Path(model_path).resolve()
+    config = path / "config.json"
+    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+    return {
+        "path": str(path),
+        "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else "",
+        "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
+    }
+
+
+def block_layout(
+    model_path: Path, shape: tuple[int, ...], dtype: torch.dtype, rank: int, world_size: int
+) -> BlockLayout:
+    identity = {
+        "format": VERSION,
+        "model": model_identity(model_path),
+        "shape": list(shape),
+        "dtype": str(dtype),
+        "rank": rank,
+        "world_size": world_size,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
+    return BlockLayout(tuple(shape), dtype, digest)
+
+
+def file_name(block_hash: bytes) -> str:
+    return block_hash.hex() + SUFFIX
+
+
+def hash_of(name: str) -> bytes | None:
+    """The block hash a file name stands for; None for temporary or foreign files."""
+    if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:64])
+    except ValueError:
+        return None
+
+
+def write_block(
+    folder: Path, layout: BlockLayout, block_hash: bytes, token_ids: list[int], block: torch.Tensor
+) -> int:
+    """Write one block (a contiguous CPU tensor of layout.shape) atomically; its file size."""
+    tokens = torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()
+    payload = memoryview(block.reshape(-1).view(torch.uint8).numpy())
+    crc = zlib.crc32(payload, zlib.crc32(tokens))
+    header = HEADER.pack(
+        MAGIC, VERSION, len(token_ids), layout.layout_id, block_hash, len(payload), crc
+    )
+    final = folder / file_name(block_hash)
+    temporary = folder / f".{final.name}.{os.getpid()}.{id(block):x}.tmp"
+    with open(temporary, "wb") as f:
+        f.write(header)
+        f.write(tokens)
+        f.write(payload)
+    os.rename(temporary, final)  # atomic: readers see the whole file or the previous one
+    return HEADER.size + len(tokens) + len(payload)
+
+
+def read_block(
+    folder: Path, layout: BlockLayout, block_hash: bytes, token_ids: list[int]
+) -> torch.Tensor | None:
+    """The block stored under `block_hash` for exactly `token_ids`, or None: missing, torn,
+    corrupt, of another layout or of other tokens."""
+    try:
+        with open(folder / file_name(block_hash), "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            if f.readinto(data) != len(data):
+                return None
+    except OSError:
+        return None  # vanished (evicted by a sharing instance), unreadable
+    expected = HEADER.size + 8 * len(token_ids) + layout.num_bytes
+    if len(data) != expected:
+        return None
+    magic, version, num_tokens, layout_id, stored_hash, num_bytes, crc = HEADER.unpack_from(data)
+    header_ok = (magic, version, layout_id, stored_hash) == (
+        MAGIC,
+        VERSION,
+        layout.layout_id,
+        block_hash,
+    )
+    if not header_ok or num_tokens != len(token_ids) or num_bytes != layout.num_bytes:
+        return None
+    body = memoryview(data)[HEADER.size :]
+    if zlib.crc32(body) != crc:
+        return None
+    tokens = torch.frombuffer(data, dtype=torch.int64, count=num_tokens, offset=HEADER.size)
+    if tokens.tolist() != list(token_ids):
+        return None
+    offset = HEADER.size + 8 * num_tokens
+    raw = torch.frombuffer(data, dtype=torch.uint8, count=num_bytes, offset=offset)
+    return raw.view(layout.dtype).view(layout.shape)

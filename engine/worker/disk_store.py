@@ -1,0 +1,290 @@
+"""DiskStore: the executor's disk tier under its CPU pool, off the step path.
+
+    step N:  save(blocks_to_disk)    snapshot the CPU blocks (one index_select) before the
+                                     step's swap-outs reuse them; a writer thread writes them
+             swap-outs, swap-ins, copies
+             load(blocks_from_disk)  a reader thread fills the reserved CPU blocks
+             forward pass
+             report(output)          the reads finished so far (all of them, bounded, when the
+                                     step computed nothing), and what the listing found
+
+A read of a block still waiting to be written is served from its snapshot. The writer keeps
+the folder within `capacity_bytes`, least recently used first (a read refreshes a file's mtime,
+so the order survives a restart), and rescans the folder when idle: files of other instances
+sharing it are reported as found, files gone are reported as removed. Only block hashes leave
+this module; the scheduler turns them into its accounting (engine/kv/disk_index.py).
+"""
+
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.config import ExecutorConfig
+from engine.worker.disk_files import (
+    BlockLayout,
+    block_layout,
+    file_name,
+    hash_of,
+    read_block,
+    write_block,
+)
+from schemas.errors import ConfigError
+from schemas.executor import DiskBlock
+from schemas.scheduler import StepOutput
+
+log = structlog.get_logger(__name__)
+
+RESCAN_S = 5.0  # an idle writer lists the folder this often (other instances' files)
+MAX_LISTED_PER_STEP = 8192  # hashes a step output carries (~300 kB)
+LOAD_WAIT_S = 5.0  # an idle step waits at most this long for reads in flight
+# snapshots waiting for the writer; past this (a slow disk), new blocks are not kept
+MAX_PENDING_BYTES = 1 << 30
+
+
+def open_disk(
+    config: ExecutorConfig, cpu_cache: torch.Tensor, kv_dtype: torch.dtype, rank: int, size: int
+) -> "DiskStore | None":
+    """The disk tier under the CPU pool, if configured (it reads back through the pool)."""
+    if config.kv_disk_dir is None:
+        return None
+    if cpu_cache.shape[2] == 0:
+        raise ConfigError("kv_disk_dir: the disk tier needs a CPU pool (set swap_space)")
+    shape = list(cpu_cache.shape)
+    del shape[2]  # one block: [layers, 2, block_size, kv_heads, head_dim]
+    layout = block_layout(config.model_path, tuple(shape), kv_dtype, rank, size)
+    return DiskStore(Path(config.kv_disk_dir), config.kv_disk_bytes, layout)
+
+
+class DiskStore:
+    def __init__(self, root: Path, capacity_bytes: int, layout: BlockLayout) -> None:
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self.folder = Path(root) / layout.folder_name
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"kv_disk_dir: cannot create {self.folder}: {exc}") from None
+        self._lock = threading.Lock()  # index, pending, reports
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
+        self.num_bytes = 0
+        self._pending: dict[bytes, torch.Tensor] = {}  # snapshots not yet on disk
+        self._found: list[bytes] = []  # to report as stored (listing, others' files)
+        self._removed: list[bytes] = []
+        self._listed = False
+        self._loads: list[Future] = []
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvpager-disk-read")
+        self._writes: queue.Queue = queue.Queue()
+        self.rescan()
+        self._report_all()
+        self._writer = threading.Thread(target=self._write_loop, name="kvpager-disk-write")
+        self._writer.daemon = True
+        self._writer.start()
+
+    # --- the step's side ----------------------------------------------------------------
+
+    def save(
+        self, blocks: list[DiskBlock], cpu_cache: torch.Tensor, kv_cache: torch.Tensor
+    ) -> None:
+        """Snapshot the blocks' bytes now (a memcpy: from the CPU pool, or from the device
+        for blocks that reach the pool in this step); the writer thread writes them later."""
+        if not blocks:
+            return
+        with self._lock:
+            backlog = len(self._pending) * self.layout.num_bytes
+            if backlog > MAX_PENDING_BYTES:  # the disk is behind: these are not kept
+                self._removed += [block.block_hash for block in blocks]
+                return
+        snapshot = torch.empty(
+            (*cpu_cache.shape[:2], len(blocks), *cpu_cache.shape[3:]), dtype=cpu_cache.dtype
+        )  # [layers, 2, n, bs, kvh, d]
+        for on_device, cache in ((False, cpu_cache), (True, kv_cache)):
+            rows = [i for i, b in enumerate(blocks) if b.on_device == on_device]
+            if rows:
+                ids = torch.tensor([blocks[i].block_id for i in rows], device=cache.device)
+                snapshot[:, :, rows] = torch.index_select(cache, 2, ids).cpu()
+        with self._lock:
+            for i, block in enumerate(blocks):
+                self._pending[block.block_hash] = snapshot[:, :, i]
+        self._writes.put((blocks, snapshot))
+
+    def load(self, blocks: list[DiskBlock], cpu_cache: torch.Tensor) -> None:
+        """Start reading the blocks into their CPU blocks (reported once done)."""
+        if blocks:
+            self._loads.append(self._reader.submit(self._read_all, blocks, cpu_cache))
+
+    def report(self, output: StepOutput, wait: bool) -> None:
+        """Put the finished reads and the listing's news into the step's output."""
+        if wait and self._loads:  # nothing else to do this step: let the reads finish first
+            futures.wait(self._loads, timeout=LOAD_WAIT_S)
+        done = [f for f in self._loads if f.done()]
+        self._loads = [f for f in self._loads if not f.done()]
+        for future in done:
+            loaded, failed = future.result()
+            output.disk_loaded += loaded
+            output.disk_failed += failed
+        with self._lock:
+            output.disk_stored = self._found[:MAX_LISTED_PER_STEP]
+            self._found = self._found[MAX_LISTED_PER_STEP:]
+            output.disk_removed, self._removed = self._removed, []
+            if self._listed and not self._found:  # the last chunk of the listing
+                output.disk_listed, self._listed = True, False
+
+    def reset(self) -> None:
+        """A new scheduler: finish the reads in flight (their blocks are its free blocks now)
+        and tell it everything on disk again."""
+        futures.wait(self._loads)
+        self._loads = []
+        with self._lock:
+            self._removed = []
+            self._report_all()
+
+    def flush(self) -> None:
+        """Wait until every block saved so far is on disk (or failed)."""
+        self._writes.join()
+
+    def close(self) -> None:
+        """Finish the writes queued so far, then stop."""
+        self._writes.put(None)
+        self._writer.join(timeout=60)
+        self._reader.shutdown(wait=True)
+
+    # --- reads (the reader thread) --------------------------------------------------------
+
+    def _read_all(self, blocks: list[DiskBlock], cpu_cache: torch.Tensor):
+        loaded, failed = [], []
+        for block in blocks:
+            content = self._read(block)
+            if content is None:
+                failed.append(block.block_hash)
+                continue
+            cpu_cache[:, :, block.block_id].copy_(content)
+            loaded.append(block.block_hash)
+        return loaded, failed
+
+    def _read(self, block: DiskBlock) -> torch.Tensor | None:
+        try:
+            return self._read_block(block)
+        except Exception:  # whatever the file held, a miss: never a failed step
+            log.exception("disk tier read failed", block_hash=block.block_hash.hex())
+            return None
+
+    def _read_block(self, block: DiskBlock) -> torch.Tensor | None:
+        with self._lock:
+            pending = self._pending.get(block.block_hash)
+        if pending is not None:
+            return pending
+        content = read_block(self.folder, self.layout, block.block_hash, block.token_ids)
+        with self._lock:
+            if content is None:
+                self._forget(block.block_hash)
+            elif block.block_hash in self.index:
+                self.index.move_to_end(block.block_hash)
+        if content is not None:
+            _touch(self.folder / file_name(block.block_hash))
+        return content
+
+    # --- writes and listing (the writer thread) ---------------------------------------------
+
+    def _write_loop(self) -> None:
+        last_scan = time.monotonic()
+        while True:
+            try:
+                item = self._writes.get(timeout=RESCAN_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                self._writes.task_done()
+                return
+            if item:
+                try:
+                    self._write_batch(*item)
+                finally:
+                    self._writes.task_done()
+            if time.monotonic() - last_scan >= RESCAN_S and self._writes.empty():
+                self.rescan()
+                last_scan = time.monotonic()
+
+    def _write_batch(self, blocks: list[DiskBlock], snapshot: torch.Tensor) -> None:
+        for i, block in enumerate(blocks):
+            try:
+                size = write_block(
+                    self.folder, self.layout, block.block_hash, block.token_ids,
+                    snapshot[:, :, i].contiguous(),
+                )  # fmt: skip
+            except Exception as exc:  # disk full, folder removed: the block is not kept
+                log.warning("disk tier write failed", error=str(exc))
+                size = None
+            with self._lock:
+                self._pending.pop(block.block_hash, None)
+                if size is None:
+                    self._removed.append(block.block_hash)
+                else:
+                    self._add(block.block_hash, size)
+                    self._evict_over_capacity()
+
+    def rescan(self) -> None:
+        """Match the index to the folder: files that appeared (other instances) are found,
+        files that vanished are removed. Oldest mtime first, as least recently used."""
+        entries = []
+        with os.scandir(self.folder) as listing:
+            for entry in listing:
+                block_hash = hash_of(entry.name)
+                if block_hash is not None:
+                    try:
+                        stat = entry.stat()
+                    except OSError:
+                        continue
+                    entries.append((stat.st_mtime_ns, block_hash, stat.st_size))
+        entries.sort()
+        present = {block_hash for _, block_hash, _ in entries}
+        with self._lock:
+            for block_hash in [h for h in self.index if h not in present]:
+                self._forget(block_hash)
+            for _, block_hash, size in entries:
+                if block_hash not in self.index:
+                    self._add(block_hash, size)
+                    self._found.append(block_hash)
+            self._evict_over_capacity()
+
+    # --- the index (under the lock) ---------------------------------------------------------
+
+    def _report_all(self) -> None:
+        self._found = list(self.index)
+        self._listed = True
+
+    def _add(self, block_hash: bytes, size: int) -> None:
+        if block_hash in self.index:
+            self.num_bytes -= self.index[block_hash]
+        self.index[block_hash] = size
+        self.index.move_to_end(block_hash)
+        self.num_bytes += size
+
+    def _forget(self, block_hash: bytes) -> None:
+        size = self.index.pop(block_hash, None)
+        if size is not None:
+            self.num_bytes -= size
+        self._removed.append(block_hash)
+
+    def _evict_over_capacity(self) -> None:
+        while self.num_bytes > self.capacity_bytes and self.index:
+            block_hash = next(iter(self.index))
+            try:
+                os.unlink(self.folder / file_name(block_hash))
+            except OSError:
+                pass  # already gone (a sharing instance evicted it)
+            self._forget(block_hash)
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass

@@ -1,0 +1,105 @@
+"""The executor's disk tier on real files: the format's checks, LRU by bytes, the listing at
+start and a rescan of a folder another store writes to."""
+
+import hashlib
+
+import torch
+
+from engine.worker.disk_files import BlockLayout, file_name, read_block, write_block
+from engine.worker.disk_store import DiskStore
+from schemas.executor import DiskBlock
+from schemas.scheduler import StepOutput
+
+SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head_dim
+LAYOUT = BlockLayout(SHAPE, torch.float32, hashlib.sha256(b"layout").digest())
+FILE_BYTES = 88 + 8 * 4 + 2 * 2 * 4 * 8 * 4
+
+
+def block_hash(i: int) -> bytes:
+    return hashlib.sha256(bytes([i])).digest()
+
+
+def cpu_cache(num_blocks: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (SHAPE[0], SHAPE[1], num_blocks, *SHAPE[2:])
+    return torch.randn(shape, generator=generator)
+
+
+def blocks(ids: range) -> list[DiskBlock]:
+    return [DiskBlock(block_hash(i), i, [i, i + 1, i + 2, i + 3]) for i in ids]
+
+
+def report(store: DiskStore) -> StepOutput:
+    output = StepOutput(step_id=1)
+    store.report(output, wait=True)
+    return output
+
+
+def test_a_file_reads_back_only_as_written(tmp_path):
+    block = torch.randn(SHAPE)
+    assert write_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4], block) == FILE_BYTES
+    assert torch.equal(read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4]), block)
+    assert read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 5]) is None  # other tokens
+    assert read_block(tmp_path, LAYOUT, block_hash(2), [1, 2, 3, 4]) is None  # no such file
+    other = BlockLayout(SHAPE, torch.float32, hashlib.sha256(b"other").digest())
+    assert read_block(tmp_path, other, block_hash(1), [1, 2, 3, 4]) is None
+    path = tmp_path / file_name(block_hash(1))
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    assert read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4]) is None  # checksum
+    path.write_bytes(bytes(data[:50]))
+    assert read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4]) is None  # torn header
+
+
+def test_saved_blocks_load_into_other_cpu_blocks_and_keep_within_the_bound(tmp_path):
+    cache = cpu_cache(6)
+    store = DiskStore(tmp_path, 4 * FILE_BYTES, LAYOUT)
+    assert report(store).disk_listed  # an empty listing, sent at once
+    store.save(blocks(range(6)), cache, cache)
+    store.flush()
+    assert sorted(store.index) == sorted(block_hash(i) for i in range(2, 6))  # oldest went
+    assert store.num_bytes == 4 * FILE_BYTES
+    assert set(report(store).disk_removed) == {block_hash(0), block_hash(1)}
+    target = torch.zeros_like(cache)
+    wanted = [DiskBlock(block_hash(i), 5 - i, [i, i + 1, i + 2, i + 3]) for i in (1, 2, 5)]
+    store.load(wanted, target)
+    output = report(store)
+    assert output.disk_loaded == [block_hash(2), block_hash(5)]
+    assert output.disk_failed == [block_hash(1)]
+    assert torch.equal(target[:, :, 3], cache[:, :, 2])
+    assert torch.equal(target[:, :, 0], cache[:, :, 5])
+    assert not target[:, :, 4].any()  # the miss wrote nothing
+    store.close()
+
+
+def test_a_restart_lists_the_folder(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT)
+    store.save(blocks(range(3)), cpu_cache(3), cpu_cache(1))
+    store.close()
+    again = DiskStore(tmp_path, 1 << 20, LAYOUT)
+    output = report(again)
+    assert set(output.disk_stored) == {block_hash(i) for i in range(3)} and output.disk_listed
+    assert not report(again).disk_stored  # once
+    again.reset()  # a new scheduler hears it all again
+    assert len(report(again).disk_stored) == 3
+    again.close()
+
+
+def test_stores_sharing_a_folder_see_each_others_files(tmp_path):
+    first, second = DiskStore(tmp_path, 1 << 20, LAYOUT), DiskStore(tmp_path, 1 << 20, LAYOUT)
+    report(second)
+    cache = cpu_cache(2)
+    first.save(blocks(range(2)), cache, cache)
+    first.flush()
+    second.rescan()
+    assert set(report(second).disk_stored) == {block_hash(0), block_hash(1)}
+    (first.folder / file_name(block_hash(0))).unlink()  # the first's eviction, say
+    target = torch.zeros_like(cache)
+    second.load(blocks(range(2)), target)
+    output = report(second)
+    assert output.disk_failed == [block_hash(0)] and output.disk_loaded == [block_hash(1)]
+    assert block_hash(0) in output.disk_removed
+    assert torch.equal(target[:, :, 1], cache[:, :, 1])
+    first.close()
+    second.close()
