@@ -81,8 +81,13 @@ class CacheConfig:
     # the device cache lives in host memory (a CPU executor): swapping a block out is a
     # memcpy, far cheaper than recomputing its tokens, so "auto" preemption swaps
     swap_is_cheap: bool = False
+    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full; empty or
+    # one entry: one group, every block holding every layer
+    group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(window < 0 for window in self.group_windows):
+            raise ConfigError("group_windows: windows must be >= 0")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
         if self.num_blocks < 1:

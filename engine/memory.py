@@ -3,6 +3,7 @@
 import torch
 
 from engine.config import ExecutorConfig
+from engine.kv.kv_groups import kv_groups
 from engine.model_config import ModelConfig, dtype_name
 from schemas.errors import ConfigError
 
@@ -81,6 +82,8 @@ def cpu_blocks_that_fit(
 def kv_bytes_per_block(
     config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype
 ) -> int:
-    """One block on one rank (its share of the KV heads)."""
+    """One block on one rank (its share of the KV heads): every layer's K/V, or with several
+    KV groups (engine/kv/kv_groups.py) a group's layers."""
     per_token = model_config.kv_bytes_per_token(kv_dtype, config.tensor_parallel_size)
-    return per_token * config.block_size
+    groups = kv_groups(model_config.layer_windows, model_config.num_layers)
+    return per_token // model_config.num_layers * groups.num_slots * config.block_size

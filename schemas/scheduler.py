@@ -97,6 +97,9 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     # tensor-parallel ranks behind this executor; each holds its shard of every block, so
     # the block ids (and the scheduler) are the same whatever the size
     world_size: int = 1
+    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full attention;
+    # empty: one full-attention group
+    kv_group_windows: list[int] = []
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):
