@@ -39,7 +39,8 @@ def check_request_fits(
     if peak > cache_config.num_blocks:
         raise RequestTooLongError(
             f"prompt + max_tokens ({request.max_num_tokens} tokens) exceeds the whole KV "
-            f"cache ({cache_config.num_slots} token slots)",
+            f"cache ({cache_config.num_slots} token slots)"
+            + _groups_note(cache_config.group_windows, peak, cache_config.num_blocks),
             param="max_tokens",
         )
 
@@ -50,3 +51,9 @@ def _check_token_ids(request: Request, vocab_size: int) -> None:
     ids = request.prompt_token_ids
     if vocab_size and not (0 <= min(ids) and max(ids) < vocab_size):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+
+
+def _groups_note(windows: tuple[int, ...], peak: int, num_blocks: int) -> str:
+    if len(windows) <= 1 and not any(windows):
+        return ""
+    return f": it needs {peak} blocks at its peak over its KV groups, the cache has {num_blocks}"
