@@ -8,8 +8,13 @@ import pytest
 from engine.kv.kv_groups import kv_groups
 from engine.model_config import ModelConfig
 from tests import model_families as fam
-from tests.engine.model.test_parity import MAX_TOKENS, assert_all_free, hf_greedy, make_prompts
-from tests.engine.model.test_parity import run_engine
+from tests.engine.model.test_parity import (
+    MAX_TOKENS,
+    assert_all_free,
+    hf_greedy,
+    make_prompts,
+    run_engine,
+)
 from tests.models import build_llama, build_qwen2
 
 S, F = "sliding_attention", "full_attention"
