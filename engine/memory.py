@@ -57,7 +57,8 @@ def blocks_that_fit(
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1 - config.gpu_memory_utilization) * total)
     if budget is None:  # CPU default: never more than every sequence at full length needs
-        max_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+        groups = kv_groups(model_config.layer_windows, model_config.num_layers).num_groups
+        max_useful = groups * config.max_num_seqs * -(-config.max_model_len // config.block_size)
         return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
     if budget < per_block:
         raise ConfigError(f"kv_cache_memory: {budget} bytes hold no {per_block}-byte block")

@@ -220,8 +220,10 @@ class BlockManager:
     def remove_skipped_blocks(self, request: Request) -> None:
         """Sliding window: free the blocks wholly before the window of the next token to
         compute (no later query attends them); the table keeps NULL_BLOCK in their place."""
+        if not self.window:
+            return
         table = self.block_tables.get(request.seq_id)
-        if not self.window or not table:
+        if not table:
             return
         num_skipped = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
         for block_idx in range(min(num_skipped, len(table)) - 1, -1, -1):
