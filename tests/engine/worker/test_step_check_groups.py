@@ -57,8 +57,9 @@ def test_group_deltas_must_cover_every_group_alike():
     _check(ScheduledStep(2, cached_requests=[good]), batch)
     for bad in (
         CachedRequest("a", 20, [7], replace_from=5),  # group 1 does not grow
-        CachedRequest("a", 20, [7], replace_from=5, group_new_block_ids=[[]],
-                      group_replace_from=[5]),  # fmt: skip
+        CachedRequest(
+            "a", 20, [7], replace_from=5, group_new_block_ids=[[]], group_replace_from=[5]
+        ),  # fmt: skip
     ):
         with pytest.raises(InvalidStepError):
             _check(ScheduledStep(2, cached_requests=[bad]), batch)
