@@ -7,11 +7,12 @@ from schemas.errors import (
     KvpagerError,
     RequestTooLongError,
 )
-from schemas.sampling import SamplingParams
+from schemas.sampling import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "CheckpointError",
     "ConfigError",
     "InvalidRequestError",

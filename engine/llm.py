@@ -110,10 +110,12 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with `tools`, OpenAI's
+        definitions, for templates that render them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.inputs.chat_ids(c) for c in conversations]
+        prompts = [self.inputs.chat_ids(c, tools=tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
@@ -172,6 +174,7 @@ class LLM:
     def _run(self, tracked: list[_Tracked], use_tqdm: bool) -> list[RequestOutput]:
         for item in tracked:  # everything is validated before anything is queued
             self.scheduler.check_request(item.request)
+            self.inputs.check_structured(item.request.sampling_params)
         for item in tracked:
             self.core.add(item.request)
             self._tracked[item.request.request_id] = item

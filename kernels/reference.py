@@ -274,3 +274,14 @@ def fused_moe_ref(
         rows = activation(hidden[tokens] @ gate_up[expert].t()) @ down[expert].t()
         out.index_add_(0, tokens, rows * topk_weights.flatten()[pairs, None])
     return out
+
+
+def apply_token_bitmask_ref(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Token by token: a clear bit forbids the token (twin of kernels/bitmask.py)."""
+    words = bitmask.tolist()
+    for j, row in enumerate(rows.tolist()):
+        for token in range(min(logits.shape[1], 32 * len(words[j]))):
+            if not (words[j][token // 32] >> (token % 32)) & 1:
+                logits[row, token] = float("-inf")

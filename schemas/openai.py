@@ -24,11 +24,67 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     ] = False
 
 
-class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
-    """Only `{"type": "text"}` is served: structured outputs are not supported yet."""
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """`response_format.json_schema`: OpenAI's named schema (the openai client's `parse()`
+    sends a Pydantic model's schema here, with `strict: true`)."""
 
-    type: str
-    json_schema: dict[str, Any] | None = None
+    name: str
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """`text`, `json_object` (any JSON object) or `json_schema` (that schema, enforced)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    """`{"type": "function", "function": {"name": ...}}`: call this one."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    """A call in an earlier assistant turn, sent back with the conversation."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -42,6 +98,8 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -77,6 +135,11 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: (
         Annotated[str, Meta(min_length=1, max_length=128, description="prefix-cache scope")] | None
     ) = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # kvpager's own
     timeout: Annotated[float, Meta(description="seconds, then 504 (or an error event)")] | None = (
         None
@@ -97,6 +160,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -11,10 +11,12 @@ skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` ta
 `kvpager schema` prints the JSON Schema of these structs.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from schemas.sampling import StructuredOutputsParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -27,8 +29,17 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     """One turn of a conversation, rendered with the model's chat template."""
 
-    role: Annotated[str, Meta(min_length=1, description="e.g. system, user, assistant")]
-    content: str
+    role: Annotated[str, Meta(min_length=1, description="e.g. system, user, assistant, tool")]
+    content: Annotated[str, Meta(description='"" for an assistant turn of only tool_calls')]
+    tool_calls: (
+        Annotated[
+            list[dict[str, Any]],
+            Meta(description="an assistant turn's calls, OpenAI's shape, for the template"),
+        ]
+        | None
+    ) = None
+    tool_call_id: Annotated[str, Meta(description="a tool turn: the call it answers")] | None = None
+    name: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -85,6 +96,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_token_ids: (
         Annotated[list[NonNegInt], Meta(min_length=1, description="token ids, used as is")] | None
     ) = None
+    tools: (
+        Annotated[
+            list[dict[str, Any]],
+            Meta(description="with messages: OpenAI's tool definitions, for the chat template"),
+        ]
+        | None
+    ) = None
     stream: Annotated[
         bool, Meta(description="an event per new tokens (true) or one final event (false)")
     ] = True
@@ -133,6 +151,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured_outputs: Annotated[
+        StructuredOutputsParams | None,
+        Meta(description="constrain the output: a JSON schema, regex, choice or grammar"),
+    ] = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):

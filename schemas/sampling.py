@@ -4,6 +4,7 @@ A msgspec Struct so the same object is the engine's API, the wire form the execu
 and the fields a client sends. Names and defaults follow vLLM's `SamplingParams`.
 """
 
+import json as json_module
 import math
 from typing import Any
 
@@ -11,10 +12,62 @@ import msgspec
 
 from schemas.errors import InvalidRequestError
 
+MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar past this is refused, not compiled
+MAX_CHOICES = 1024
+
 
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Constrain the output to a JSON schema, a regex, one of some strings, a Lark grammar, or
+    any JSON object: exactly one of them (vLLM's `StructuredOutputsParams`).
+
+    Only strings and lists: `json` is the schema's JSON text (a dict given in Python is
+    serialised on construction), so the struct crosses NATS as plain msgpack.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's), as vLLM's guidance backend takes
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict | bool):  # the offline API's convenience
+            self.json = json_module.dumps(self.json)
+        given = [
+            name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)
+        ]
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            f"exactly one of json, regex, choice, grammar or json_object, got {given or 'none'}",
+        )
+        text = self.json or self.regex or self.grammar or ""
+        _check(
+            len(text) <= MAX_SPEC_CHARS,
+            f"structured_outputs.{given[0]}",
+            f"at most {MAX_SPEC_CHARS} characters",
+        )
+        if self.choice is not None:
+            _check(
+                0 < len(self.choice) <= MAX_CHOICES and all(self.choice),
+                "structured_outputs.choice",
+                f"1 to {MAX_CHOICES} non-empty strings",
+            )
+            _check(
+                sum(map(len, self.choice)) <= MAX_SPEC_CHARS,
+                "structured_outputs.choice",
+                f"at most {MAX_SPEC_CHARS} characters in all",
+            )
+
+    @property
+    def kind(self) -> str:
+        """The one field given: json, regex, choice, grammar or json_object."""
+        return next(n for n in self.__struct_fields__ if getattr(self, n) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -42,12 +95,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._check_ranges()
         self._check_beam_search()
+        self._check_structured()
 
     def _check_ranges(self) -> None:
         for name in (
@@ -79,6 +134,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(0 <= self.seed_offset < 2**31, "seed_offset", "must be in [0, 2**31)")
 
+    def _check_structured(self) -> None:
+        if self.structured_outputs is None:
+            return
+        # a complete grammar allows only EOS: a ban on it would leave no token to sample
+        _check(self.min_tokens == 0, "min_tokens", "is not supported with structured_outputs")
+
     def _check_beam_search(self) -> None:
         _check(self.beam_width >= 1, "beam_width", "must be at least 1")
         if self.beam_width == 1:
@@ -95,6 +156,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check(getattr(self, name) == neutral, name, "is not supported with beam search")
         _check(self.top_k in (0, -1), "top_k", "is not supported with beam search")
         _check(not self.stop, "stop", "stop strings are not supported with beam search")
+        _check(
+            self.structured_outputs is None,
+            "structured_outputs",
+            "is not supported with beam search",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.structured.grammar import GrammarCompiler
 from schemas.errors import InvalidRequestError
+from schemas.sampling import SamplingParams
 
 
 class InputProcessor:
@@ -18,6 +20,17 @@ class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """A structured-outputs spec that cannot be compiled is refused here, naming the
+        field, before the request reaches a scheduler (the executor compiles it again, from
+        its own cache)."""
+        if params.structured_outputs is None:
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size)
+        self._grammars.check(params.structured_outputs)
 
     def prompt_ids(
         self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True
@@ -35,15 +48,17 @@ class InputProcessor:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """A conversation rendered with the model's chat template, by default ready for a
         reply; the template writes its own special tokens, `add_special_tokens` adds the
-        tokenizer's on top (vLLM's /tokenize option)."""
+        tokenizer's on top (vLLM's /tokenize option). `tools` (OpenAI's definitions) go to
+        the template, as transformers' `apply_chat_template(tools=...)` takes them."""
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # a template may raise on roles it does not know
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc

@@ -17,7 +17,7 @@ the proposals travel back rather than staying there); the scheduler verifies the
 - **Plan-ahead.** A step that verifies or asks for proposals is not followed by a planned one
   (`lockstep`): the next step depends on how many were accepted and on the new proposals. Once
   the batch outgrows `max_num_seqs_to_speculate`, speculation steps aside and plan-ahead
-  resumes. Beams never speculate.
+  resumes. Beams and structured outputs never speculate.
 - **Self-tuning.** Each request's k starts at `num_speculative_tokens`, halves after a step
   with none accepted and doubles after one with all accepted, within [1, k].
 """
@@ -70,7 +70,10 @@ class Lookahead:
             params = request.sampling_params
             num_left = params.max_tokens - request.num_output_tokens
             num_left -= request.num_output_placeholders + 1  # the tokens these steps sample
-            if not params.is_beam_search and num_left > 0:
+            # structured outputs are not speculated: a proposal would have to pass the grammar
+            # and its matcher roll back on rejection (the simplest correct choice)
+            speculable = not params.is_beam_search and params.structured_outputs is None
+            if speculable and num_left > 0:
                 asks[request.seq_id] = min(self._k(request), num_left)
         return asks
 

@@ -27,6 +27,7 @@ from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
 from engine.parallel.ranks import Ranks
 from engine.worker.beam_candidates import top_continuations
+from engine.worker.grammar_rows import GrammarRows
 from engine.worker.host_malloc import retain_freed_memory
 from engine.worker.input_batch import InputBatch
 from engine.worker.ngram_proposer import NgramProposer
@@ -77,6 +78,9 @@ class Executor:
         # unseeded requests draw from one engine-wide generator seeded by `seed`
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.step_check = StepCheck(self.capacity)
+        self.grammars = GrammarRows(
+            config.model_path, model_config.vocab_size, model_config.eos_token_ids
+        )
         spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._log_ready(rank, size, time.perf_counter() - started)
@@ -206,6 +210,7 @@ class Executor:
 
     def _reset(self) -> None:
         self.batch = self._new_batch()
+        self.grammars.clear()
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         """Run one step; on rank 0 of a group, every other rank runs it too (their outputs,
@@ -287,6 +292,7 @@ class Executor:
             parent = self.batch.states[fork.parent_id]
             params = msgspec.structs.replace(parent.params, seed=fork.seed)
             states.append(self.batch.fork(fork.parent_id, fork.child_id, params))
+            self.grammars.fork(fork.parent_id, fork.child_id)  # before the parent advances
             extra.append(row_of[fork.parent_id])
         return states, torch.cat([indices, indices[torch.tensor(extra, device=self.device)]])
 
@@ -295,17 +301,19 @@ class Executor:
             if not fork.sample:
                 parent = self.batch.states[fork.parent_id]
                 self.batch.fork(fork.parent_id, fork.child_id, parent.params)
+                self.grammars.fork(fork.parent_id, fork.child_id)
         for seq_id in step.finished_seq_ids:
             self.batch.remove(seq_id)
+            self.grammars.remove(seq_id)
         for new in step.new_requests:
-            self.batch.add(new)
+            self.grammars.add(self.batch.add(new))
         for cached in step.cached_requests:
             self.batch.update(cached)
             for token_id in cached.new_token_ids:
                 self.batch.append_token(self.batch.states[cached.seq_id], token_id)
 
-    def _sampling_batch(self, rows: VerifyRows) -> SamplingBatch:
-        return SamplingBatch.build(
+    def _sampling_batch(self, states, rows: VerifyRows) -> SamplingBatch:
+        batch = SamplingBatch.build(
             params=rows.params,
             seed_positions=rows.seed_positions,
             prompt_token_ids=rows.prompt_token_ids,
@@ -314,6 +322,11 @@ class Executor:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
+        if self.grammars.matchers:
+            masks = self.grammars.bitmask(states, rows.offsets, self.device)
+            if masks is not None:
+                batch.bitmask_rows, batch.bitmask = masks
+        return batch
 
     def _step_output(self, step_id: int, states, logits, draft_logits=None) -> StepOutput:
         """Sample every row (one a state, plus one per proposal), accept, append."""
@@ -321,10 +334,12 @@ class Executor:
             return StepOutput(step_id=step_id)
         with_prompts = any(s.params.repetition_penalty != 1.0 for s in states)
         rows = VerifyRows.build(states, self.batch, with_prompts)
-        sampled = self.sampler(rows.gather(logits, draft_logits), self._sampling_batch(rows))
+        batch = self._sampling_batch(states, rows)
+        sampled = self.sampler(rows.gather(logits, draft_logits), batch)
         emitted = accept(states, rows, sampled.sampled_token_ids.tolist())
         for state, token_ids in zip(states, emitted):
             self.batch.accept(state, token_ids)
+            self.grammars.accept(state, token_ids)
         return step_output(step_id, states, rows, emitted, _logprobs(sampled, rows.params))
 
 

@@ -1,17 +1,19 @@
 """Sampler: one step's logits to one token a row, vectorised over the batch.
 
-Order (vLLM's): min_tokens -> penalties -> [greedy rows: argmax] -> temperature -> min_p ->
-top_k -> top_p -> sample. Sampling is an exponential race, `argmax(probs / q)` with
-`q ~ Exp(1)` (equivalent to Gumbel-max). A seeded row draws its `q` from a generator seeded by
-(seed, output position) alone, so a seeded request samples the same tokens whatever else shares
-its batch, and a request re-sent elsewhere with its outputs so far (a migrated stream) goes on
-drawing exactly what it would have drawn: no generator state has to outlive a process.
+Order (vLLM's): grammar bitmask -> min_tokens -> penalties -> [greedy rows: argmax] ->
+temperature -> min_p -> top_k -> top_p -> sample. Sampling is an exponential race,
+`argmax(probs / q)` with `q ~ Exp(1)` (equivalent to Gumbel-max). A seeded row draws its `q`
+from a generator seeded by (seed, output position) alone, so a seeded request samples the same
+tokens whatever else shares its batch, and a request re-sent elsewhere with its outputs so far
+(a migrated stream) goes on drawing exactly what it would have drawn: no generator state has
+to outlive a process.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from kernels.bitmask import apply_token_bitmask
 from schemas.sampling import SamplingParams
 
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
@@ -51,6 +53,9 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None  # int64 [num_banned]: with banned_token_ids, the
     banned_token_ids: torch.Tensor | None  # (row, token) pairs min_tokens forbids this step
     max_num_logprobs: int | None  # most top logprobs any row asked for; None: no row asked
+    # structured outputs: int32 [num_masked, ceil(vocab / 32)] grammar masks of these rows
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None  # int64 [num_masked]
 
     @property
     def no_penalties(self) -> bool:
@@ -131,6 +136,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.to(torch.float32, copy=True)  # edited in place below; caller's untouched
+        if batch.bitmask is not None:  # the grammar first, as vLLM: logprobs see it too
+            apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
         if batch.penalties is not None:

@@ -27,6 +27,7 @@ from services.http.errors import HttpError, error_body
 from services.http.gateway import Gateway
 from services.http.guard import Guard
 from services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
+from services.http.structured import ToolSettings
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +78,9 @@ async def _complete(request: Request, kind: Kind) -> Response:
         if kind == "chat":  # at most half the context: the prompt must fit beside it
             default = max(1, min(gateway.http.default_max_tokens, card.max_model_len // 2))
         key_salt = request.scope.get("state", {}).get("key_salt")
-        job = build_job(openai_request, kind, _request_id(request), default, key_salt)
+        http = gateway.http
+        tools = ToolSettings(http.enable_auto_tool_choice, http.tool_call_parser)
+        job = build_job(openai_request, kind, _request_id(request), default, key_salt, tools)
         buffered = gateway.http.stream_buffer_events
         return await respond(gateway.client, job, gateway.tokens, request, buffered)
     except HttpError as exc:

@@ -22,6 +22,7 @@ from services.http.errors import HttpError
 from services.http.requests import Job
 from services.http.streams import CutOffResponse, Streams
 from services.http.tokens import TokenTexts
+from services.http.tool_output import ToolDeltas
 
 ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
 KEEPALIVE_S = 15.0  # an SSE comment when a stream is silent this long (proxies, load balancers)
@@ -131,6 +132,7 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             yield _data(responses.role_chunk(job, index, running.of(index)))
     usages: list[Usage] = []
     offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
+    tools: dict[int, ToolDeltas] = {}  # per choice, with a tool mode
     async for item in _items(streams, first):
         if item is None:
             yield b": keepalive\n\n"
@@ -141,11 +143,16 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             index, event = item
             choice = job.choice_index(index, event.index)
             running.add(index, event)
-            offset = offsets.get(choice, 0)
-            chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice))
-            offsets[choice] = offset + responses.num_chars(event, texts)
-            if chunk is not None:
-                yield chunk
+            if job.tool_mode is not None and event.error is None:
+                deltas = tools.setdefault(choice, ToolDeltas(job.tool_mode))
+                for chunk in _tool_chunks(job, choice, event, deltas, running.of(choice)):
+                    yield chunk
+            else:
+                offset = offsets.get(choice, 0)
+                chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice))
+                offsets[choice] = offset + responses.num_chars(event, texts)
+                if chunk is not None:
+                    yield chunk
             if event.error is not None:
                 return
             if event.usage is not None:
@@ -171,6 +178,21 @@ async def _items(streams: Streams, first) -> AsyncIterator:
         if item is None:
             return
         yield item
+
+
+def _tool_chunks(
+    job: Job, choice: int, event: GenerateEvent, deltas: ToolDeltas, running
+) -> list[bytes]:
+    """A tool-mode event's chunks: its deltas, then on the last one the finish_reason."""
+    final = event.finish_reason is not None
+    chunks = [
+        _data(responses.delta_chunk(job, choice, delta, running=running))
+        for delta in deltas.deltas(event.text, final)
+    ]
+    if final:
+        reason = deltas.finish_reason(event.finish_reason)
+        chunks.append(_data(responses.delta_chunk(job, choice, {}, event, running, reason)))
+    return chunks
 
 
 def _event_chunk(

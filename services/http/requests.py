@@ -24,6 +24,14 @@ from schemas.public import GenerateRequest
 from services.http import decoding
 from services.http.decoding import param_of
 from services.http.errors import HttpError
+from services.http.structured import (
+    ToolMode,
+    ToolSettings,
+    structured_spec,
+    template_tool_calls,
+    tool_definitions,
+    tool_mode,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +56,7 @@ PASSED = (  # same name and meaning in both APIs; None: the engine's default
     "skip_special_tokens",
     "timeout",
 )
+NO_AUTO_TOOLS = ToolSettings()
 _TYPES = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 
 
@@ -65,6 +74,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
     top_logprobs: int | None  # None: no logprobs
+    tool_mode: ToolMode | None = None  # chat with tools: how the answer becomes tool calls
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -77,15 +87,25 @@ def decode(
 
 
 def build_job(
-    request: Any, kind: Kind, request_id: str | None, max_tokens: int, key_salt: str | None = None
+    request: Any,
+    kind: Kind,
+    request_id: str | None,
+    max_tokens: int,
+    key_salt: str | None = None,
+    tools: ToolSettings = NO_AUTO_TOOLS,
 ) -> Job:
     """`max_tokens`: the default when the request gives none; `key_salt`: the API key's
-    prefix-cache salt (services/http/guard.py), None without keys."""
+    prefix-cache salt (services/http/guard.py), None without keys; `tools`: the gateway's
+    tool-calling flags."""
     base_id = request_id or uuid.uuid4().hex
     fields = _sampling(request, kind, max_tokens)
     salt = cache_salt(key_salt, request.cache_salt)
     if salt is not None:
         fields["cache_salt"] = salt
+    mode, tool_spec = tool_mode(request, tools) if kind == "chat" else (None, None)
+    spec = structured_spec(request, tool_spec)
+    if spec is not None:
+        fields["structured_outputs"] = spec
     prompts = _chat_prompt(request) if kind == "chat" else _completion_prompts(request)
     requests = [
         _generate_request({**fields, **prompt, "request_id": f"{base_id}-{i}"}, request, kind)
@@ -108,6 +128,7 @@ def build_job(
         include_usage=include_usage,
         continuous_usage=include_usage and options.continuous_usage_stats,
         top_logprobs=_top_logprobs(request, kind),
+        tool_mode=mode,
     )
 
 
@@ -119,14 +140,7 @@ def cache_salt(key_salt: str | None, given: str | None) -> str | None:
 
 
 def _check_unserved(request: SamplingFields) -> None:
-    """Refuse what kvpager cannot honour yet; note what it ignores."""
-    form = request.response_format
-    if form is not None and form.type != "text":
-        message = (
-            f"response_format: {form.type!r} is not served; structured outputs are not supported "
-            'yet (only {"type": "text"})'
-        )
-        raise HttpError.invalid(message, "response_format")
+    """Note what kvpager ignores."""
     ignored = [name for name in IGNORED if getattr(request, name) is not None]
     if ignored:
         log.debug("fields ignored", fields=ignored)
@@ -169,17 +183,31 @@ def _generate_request(fields: dict[str, Any], request: Any, kind: Kind) -> Gener
 
 
 def _chat_prompt(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    return [{"messages": chat_messages(request.messages)}]
+    prompt: dict[str, Any] = {"messages": chat_messages(request.messages)}
+    tools = tool_definitions(request)
+    if tools is not None:
+        prompt["tools"] = tools
+    return [prompt]
 
 
-def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
-    """OpenAI's messages as kvpager's: role and text."""
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI's messages as kvpager's: role and text, and a tool turn's or an assistant
+    turn's tool fields for the template."""
     if not messages:
         raise HttpError.invalid("messages: must not be empty", "messages")
-    return [
-        {"role": message.role, "content": _text(message.content, f"messages[{i}].content")}
-        for i, message in enumerate(messages)
-    ]
+    out = []
+    for i, message in enumerate(messages):
+        turn: dict[str, Any] = {
+            "role": message.role,
+            "content": _text(message.content, f"messages[{i}].content"),
+        }
+        if message.tool_calls:
+            turn["tool_calls"] = template_tool_calls(message.tool_calls)
+        for name in ("tool_call_id", "name"):
+            if getattr(message, name) is not None:
+                turn[name] = getattr(message, name)
+        out.append(turn)
+    return out
 
 
 def _text(content: Any, param: str) -> str:

@@ -6,6 +6,7 @@ A choice is one sample of one prompt: `index = prompt_index * n + sample_index`.
 from typing import Any
 
 from schemas.public import GenerateEvent, TokenLogprob, Usage
+from services.http import tool_output
 from services.http.requests import Job
 from services.http.tokens import TokenTexts
 
@@ -64,14 +65,35 @@ def whole(job: Job, finals: dict[int, GenerateEvent], usages: list[Usage], texts
 
 def _choice(job: Job, index: int, event: GenerateEvent, texts: TokenTexts) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index}
-    if job.kind == "chat":
+    finish_reason = event.finish_reason
+    if job.tool_mode is not None:
+        choice["message"], finish_reason = tool_output.message(
+            job.tool_mode, event.text, finish_reason
+        )
+    elif job.kind == "chat":
         choice["message"] = {"role": "assistant", "content": event.text}
     else:
         choice["text"] = event.text
     choice["logprobs"] = logprobs(job, event, texts)
-    choice["finish_reason"] = event.finish_reason
+    choice["finish_reason"] = finish_reason
     choice["stop_reason"] = event.stop_reason
     return choice
+
+
+def delta_chunk(
+    job: Job,
+    index: int,
+    delta: dict[str, Any],
+    event: GenerateEvent | None = None,
+    running: dict[str, int] | None = None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """A chat chunk with one delta; with `event`, the choice's last (its finish_reason)."""
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None}
+    choice["finish_reason"] = finish_reason
+    if event is not None:
+        choice["stop_reason"] = event.stop_reason
+    return _chunk(job, [choice], running)
 
 
 def chunk(

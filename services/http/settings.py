@@ -41,6 +41,15 @@ class HttpSettings:
         "a 400 naming them",
         default=False,
     )
+    enable_auto_tool_choice: bool = option(
+        'serve tool_choice "auto": the model decides, its calls parsed by --tool-call-parser '
+        "(vLLM's flag)",
+        default=False,
+    )
+    tool_call_parser: str | None = option(
+        "format of the model's tool calls: hermes (<tool_call>{json}</tool_call>, Qwen, SmolLM)",
+        default=None,
+    )
     allowed_hosts: str | None = option(
         "Host header values the gateway answers, comma-separated (a name, an address, "
         "*.domain or *); others get a 400 (DNS rebinding); default: any",
@@ -71,6 +80,10 @@ class HttpSettings:
             raise ConfigError("default_max_tokens: must be at least 1")
         if self.stats_timeout <= 0:
             raise ConfigError("stats_timeout: must be positive")
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ConfigError(f"tool_call_parser: {self.tool_call_parser!r}: only hermes")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice: needs --tool-call-parser")
         if self.api_key is not None and not self.api_keys:
             raise ConfigError("api_key: give at least one non-empty key")
         for name in ("http_header_timeout", "http_keep_alive_timeout"):

@@ -86,6 +86,7 @@ def prepare(
     """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
     limits.check_fields(request)
     params = sampling_params(request)
+    inputs.check_structured(params)
     param = prompt_field(request)
     token_ids = prompt_token_ids(request, param, inputs)
     limits.check_prompt(len(token_ids), param)
@@ -134,9 +135,18 @@ def prompt_field(request: GenerateRequest) -> str:
 
 
 def prompt_token_ids(request: GenerateRequest, param: str, inputs: InputProcessor) -> list[int]:
+    if request.tools is not None and param != "messages":
+        raise InvalidRequestError("tools: only with messages", param="tools")
     if param == "messages":
-        return inputs.chat_ids([msgspec.structs.asdict(m) for m in request.messages])
+        messages = [_message(m) for m in request.messages]
+        return inputs.chat_ids(messages, tools=request.tools)
     return inputs.prompt_ids(getattr(request, param), param)
+
+
+def _message(message) -> dict:
+    """A message for the chat template: unset fields left out (templates test `is defined`)."""
+    fields = msgspec.structs.asdict(message)
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _timeout_s(request: GenerateRequest) -> float | None:

@@ -84,17 +84,6 @@ async def test_defaults_clients_send_are_accepted(served, api, model, nats_clien
     assert done.usage.completion_tokens > 0
 
 
-@pytest.mark.parametrize(
-    "form",
-    [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}],
-)
-async def test_structured_outputs_are_a_clear_400(api, model, form):
-    with pytest.raises(openai.BadRequestError) as caught:
-        await api.chat.completions.create(model=model, messages=MESSAGES, response_format=form)
-    error = caught.value.body
-    assert error["param"] == "response_format" and "not supported yet" in error["message"]
-
-
 async def test_unknown_fields_are_refused_naming_them(api, model):
     with pytest.raises(openai.BadRequestError) as caught:
         await api.chat.completions.create(

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled with llguidance, matchers, token bitmasks."""

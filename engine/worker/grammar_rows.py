@@ -1,0 +1,87 @@
+"""The executor's grammar matchers: one per structured sequence, beside its row.
+
+Where the matchers live was decided by measuring (README, Structured outputs): vLLM keeps
+them in its scheduler's process and ships packed bitmasks to the workers. Here the scheduler
+holds no tokenizer (its container has no model folder), and it plans a step ahead of the
+executor, so a mask made there for step N+1 would wait for step N's token: structured
+requests would have to run lockstep. A mask is 6 KB a sequence a step at 49,152 tokens (1.5
+MB for 256 sequences, past NATS's default 1 MB message). The executor appends every sampled
+token itself, so its matchers are always up to date: it fills each structured row's mask just
+before sampling (~30 us a row) and advances the matcher by the tokens the row emitted. Only
+the spec's strings cross NATS, once, in the request's SamplingParams.
+"""
+
+from pathlib import Path
+
+import llguidance
+import torch
+
+from engine.structured.grammar import GrammarCompiler, fill_bitmask
+from engine.worker.input_batch import RequestState
+from schemas.errors import ConfigError
+
+
+class GrammarRows:
+    """Matchers by seq id; the compiler (and its tokenizer view) is built on first use."""
+
+    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else 0
+        self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self._compiler: GrammarCompiler | None = None
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            path = self.model_path / "tokenizer.json"
+            if not path.is_file():
+                raise ConfigError(f"structured outputs need {path}")
+            self._compiler = GrammarCompiler.from_tokenizer_json(
+                path.read_text(), self.vocab_size, self.eos_token_id
+            )
+        return self._compiler
+
+    def add(self, state: RequestState) -> None:
+        """A row new to the executor; resumed after recompute, its outputs so far are replayed."""
+        spec = state.params.structured_outputs
+        if spec is None:
+            return
+        matcher = self.compiler.matcher(spec)
+        matcher.consume_tokens(state.output_token_ids)
+        self.matchers[state.seq_id] = matcher
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A parallel sample or beam copy: the parent's matcher as it stands."""
+        parent = self.matchers.get(parent_id)
+        if parent is not None:
+            self.matchers[child_id] = parent.deep_copy()
+
+    def remove(self, seq_id: str) -> None:
+        self.matchers.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self.matchers.clear()
+
+    def bitmask(
+        self, states: list[RequestState], offsets: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows int64 [m], bitmask int32 [m, words]) for the structured states' sampling
+        rows (`offsets[i]`: state i's row), or None when no state is structured."""
+        picked = [(offsets[i], self.matchers.get(s.seq_id)) for i, s in enumerate(states)]
+        picked = [(row, matcher) for row, matcher in picked if matcher is not None]
+        if not picked:
+            return None
+        num_words = self.compiler.num_words
+        packed = b"".join(fill_bitmask(matcher, num_words) for _, matcher in picked)
+        bitmask = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(picked), -1)
+        rows = torch.tensor([row for row, _ in picked], dtype=torch.int64, device=device)
+        return rows, bitmask
+
+    def accept(self, state: RequestState, token_ids: list[int]) -> None:
+        """The tokens a row emitted this step. A complete grammar keeps allowing EOS only, so
+        a request that goes on (ignore_eos, or the step planned ahead of its stop) stays
+        constrained."""
+        matcher = self.matchers.get(state.seq_id)
+        if matcher is not None and not matcher.is_stopped():
+            matcher.consume_tokens(token_ids)
