@@ -83,8 +83,16 @@ class CacheConfig:
     swap_is_cheap: bool = False
     # the executor keeps prefix blocks leaving the CPU pool on disk (kv_disk_dir)
     enable_disk: bool = False
+    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full; empty or
+    # one entry: one group, every block holding every layer
+    group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(window < 0 for window in self.group_windows):
+            raise ConfigError("group_windows: windows must be >= 0")
+        if self.enable_disk and any(self.group_windows):
+            # the disk index follows one full-attention table; a window's hits skip blocks
+            raise ConfigError("kv_disk_dir: the disk tier serves full-attention models only")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
         if self.num_blocks < 1:

@@ -211,6 +211,7 @@ def check_ready(ready: ExecutorReady) -> None:
         "max_model_len": (ready.max_model_len, 2, 2**24),
         "vocab_size": (ready.vocab_size, 1, 2**24),
         "world_size": (ready.world_size, 1, 1024),
+        "len(kv_group_windows)": (len(ready.kv_group_windows), 0, 1024),
     }
     for name, (value, low, high) in sizes.items():
         if not low <= value <= high:
@@ -227,6 +228,7 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         ready.num_cpu_blocks,
         swap_is_cheap=ready.kv_on_host,
         enable_disk=ready.kv_disk and config.enable_prefix_caching,
+        group_windows=tuple(ready.kv_group_windows),
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

@@ -3,6 +3,7 @@
 import torch
 
 from engine.config import ExecutorConfig
+from engine.kv.kv_groups import kv_groups
 from engine.model_config import ModelConfig, dtype_name
 from schemas.errors import ConfigError
 
@@ -56,7 +57,8 @@ def blocks_that_fit(
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1 - config.gpu_memory_utilization) * total)
     if budget is None:  # CPU default: never more than every sequence at full length needs
-        max_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+        groups = kv_groups(model_config.layer_windows, model_config.num_layers).num_groups
+        max_useful = groups * config.max_num_seqs * -(-config.max_model_len // config.block_size)
         return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
     if budget < per_block:
         raise ConfigError(f"kv_cache_memory: {budget} bytes hold no {per_block}-byte block")
@@ -81,6 +83,8 @@ def cpu_blocks_that_fit(
 def kv_bytes_per_block(
     config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype
 ) -> int:
-    """One block on one rank (its share of the KV heads)."""
+    """One block on one rank (its share of the KV heads): every layer's K/V, or with several
+    KV groups (engine/kv/kv_groups.py) a group's layers."""
     per_token = model_config.kv_bytes_per_token(kv_dtype, config.tensor_parallel_size)
-    return per_token * config.block_size
+    groups = kv_groups(model_config.layer_windows, model_config.num_layers)
+    return per_token // model_config.num_layers * groups.num_slots * config.block_size

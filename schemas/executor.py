@@ -19,6 +19,9 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams  # `seed` already offset per parallel sample
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hits, or tokens kept through a swap
+    # the tables of KV groups 1.. (engine/kv/kv_groups.py) when the model has several;
+    # -1 (NULL_BLOCK): a sliding group's block slid out of the window, never read
+    group_block_ids: list[list[int]] = []
 
 
 class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -34,6 +37,9 @@ class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # speculative decoding: proposed tokens after the last known one, verified in this step
     # (the step computes 1 + len(spec_token_ids) tokens of this request)
     spec_token_ids: list[int] = []
+    # KV groups 1.. when the model has several: new_block_ids and replace_from of each
+    group_new_block_ids: list[list[int]] = []
+    group_replace_from: list[int] = []
 
 
 class ForkRequest(msgspec.Struct, array_like=True):

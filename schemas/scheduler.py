@@ -108,6 +108,9 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     world_size: int = 1
     # a disk tier under the CPU pool (kv_disk_dir): its listing follows in the step outputs
     kv_disk: bool = False
+    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full attention;
+    # empty: one full-attention group
+    kv_group_windows: list[int] = []
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):

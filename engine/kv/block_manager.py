@@ -9,6 +9,13 @@ reused on a prefix hit until allocation needs it, oldest-freed first (LRU); with
 evicted content moves there and a later hit swaps it back in. Blocks shared by several tables
 (prefix hits, forks) are never written: a write into a shared partly filled block first copies
 it (copy-on-write). Copies and swaps are recorded as (src, dst) block-id pairs for the executor.
+
+A sliding-window manager (`window` > 0) frees the blocks that slide wholly out of the window
+of the next token to compute: its tables keep NULL_BLOCK there, which no kernel reads (each
+masks by window before it reads a block). Freed blocks keep their cached content as any free
+block does, so prefix hits still find them until they are reused. Several managers may share
+one pool of blocks (engine/kv/hybrid_manager.py: one per group of layers); each tags its
+prefix-cache hashes so the groups never serve one another's blocks.
 """
 
 from collections import OrderedDict
@@ -21,6 +28,8 @@ from engine.kv.disk_index import DiskTier
 from engine.request import Request
 from schemas.executor import DiskBlock
 from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
+
+NULL_BLOCK = -1  # a sliding table's entry for a block slid out of the window: none held
 
 
 @dataclass
@@ -59,18 +68,30 @@ class BlockManager:
         enable_prefix_caching: bool,
         num_cpu_blocks: int = 0,
         enable_disk: bool = False,
+        window: int = 0,
+        pool: "BlockManager | None" = None,
+        hash_tag: bytes = b"",
     ) -> None:
+        """`window`: the sliding window of every layer this manager serves (0: full attention);
+        `pool`: another manager whose blocks, free queue, prefix cache and CPU pool this one
+        shares; `hash_tag`: appended to this manager's prefix-cache hashes."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[bytes, int] = {}  # block hash -> device block id
+        self.window = window
+        self.hash_tag = hash_tag
+        if pool is None:
+            self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+            self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+            self.cached: dict[bytes, int] = {}  # block hash -> device block id
+            self.cpu = CpuBlockPool(num_cpu_blocks)
+            self.disk = DiskTier(self.cpu, block_size, enable_disk and enable_prefix_caching)
+        else:
+            self.blocks, self.free_queue = pool.blocks, pool.free_queue
+            self.cached, self.cpu, self.disk = pool.cached, pool.cpu, pool.disk
         self.block_tables: dict[str, list[int]] = {}
         # swapped-out requests: (on_cpu, block id); shared device blocks stay referenced
         self.swapped_tables: dict[str, list[CachedBlock]] = {}
-        self.cpu = CpuBlockPool(num_cpu_blocks)
-        self.disk = DiskTier(self.cpu, block_size, enable_disk and enable_prefix_caching)
         self.ops = BlockOps()
         self.num_evictions = 0
         self.num_copies = 0  # copy-on-write block copies
@@ -93,26 +114,59 @@ class BlockManager:
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def find_cached_prefix(self, request: Request) -> list[CachedBlock]:
-        """The longest cached prefix of the request's tokens, on device or CPU (no side effects).
+    def find_cached_prefix(
+        self, request: Request, max_blocks: int | None = None
+    ) -> list[CachedBlock]:
+        """The longest cached prefix of the request's tokens, on device or CPU (no side effects),
+        of at most `max_blocks` blocks.
 
         The last token is never served from the cache, so at least one token is computed and
-        the step produces logits for it.
+        the step produces logits for it. A sliding manager needs only the blocks inside the
+        window of the prefix's end; those before it are NULL_BLOCK entries.
         """
         if not self.enable_prefix_caching:
             return []
-        hashes = update_block_hashes(request, self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes(request)
+        limit = (request.num_tokens - 1) // self.block_size
+        max_blocks = limit if max_blocks is None else min(max_blocks, limit)
         tokens = request.all_token_ids
+        if self.window:
+            return self._find_window_hit(tokens, hashes, max_blocks)
         hits: list[CachedBlock] = []
-        for block_idx, block_hash in enumerate(hashes[:max_blocks]):
-            start = block_idx * self.block_size
-            expected = tuple(tokens[start : start + self.block_size])
-            hit = self._lookup(block_hash, expected)
+        for block_idx in range(min(max_blocks, len(hashes))):
+            hit = self._lookup_block(tokens, hashes, block_idx)
             if hit is None:
                 break
             hits.append(hit)
         return hits
+
+    def _find_window_hit(self, tokens: list[int], hashes, max_blocks: int) -> list[CachedBlock]:
+        """The longest prefix whose last ceil((window - 1) / block_size) blocks are cached
+        (vLLM's sliding-window rule), scanning back from `max_blocks`."""
+        needed = max(1, -(-(self.window - 1) // self.block_size))
+        run: list[CachedBlock] = []  # cached blocks ending at the current candidate end
+        for block_idx in range(max_blocks - 1, -1, -1):
+            hit = self._lookup_block(tokens, hashes, block_idx)
+            if hit is None:
+                run = []
+                continue
+            run.insert(0, hit)
+            if len(run) == needed:
+                return [CachedBlock(NULL_BLOCK)] * block_idx + run
+        return run  # a prefix shorter than the window, cached from its first block
+
+    def _lookup_block(self, tokens: list[int], hashes, block_idx: int) -> CachedBlock | None:
+        start = block_idx * self.block_size
+        expected = tuple(tokens[start : start + self.block_size])
+        return self._lookup(hashes[block_idx], expected)
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        hashes = update_block_hashes(request, self.block_size)
+        return [h + self.hash_tag for h in hashes] if self.hash_tag else hashes
+
+    @staticmethod
+    def num_hit_blocks(hits: list[CachedBlock]) -> int:
+        return len(hits)
 
     def _lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> CachedBlock | None:
         block_id = self.cached.get(block_hash)
@@ -141,12 +195,19 @@ class BlockManager:
         copy-on-write of a shared tail).
         """
         hits = list(hits)
+        self.remove_skipped_blocks(request)
         num_new = self.num_blocks_needed(request, num_new_tokens, hits)
-        evictable = sum(1 for h in hits if not h.on_cpu and self.blocks[h.block_id].ref_count == 0)
-        if num_new > self.num_free_blocks - evictable:
+        if num_new > self.num_free_blocks - self.num_evictable_hits(hits):
             return None
+        cpu_blocks = self.reserve_hits(hits, request)
+        return self.allocate_reserved(request, num_new_tokens, hits, cpu_blocks)
+
+    def allocate_reserved(
+        self, request: Request, num_new_tokens: int, hits: list[CachedBlock], cpu_blocks
+    ) -> list[int]:
+        """allocate_slots once its check passed and its hits are reserved (reserve_hits)."""
         table = self.block_tables.setdefault(request.seq_id, [])
-        table.extend(self._claim_hits(hits, request))
+        table.extend(self._place_hits(hits, cpu_blocks))
         new_ids = self._copy_shared_tail(table, request.num_computed_tokens)
         total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         grown = [self._pop_free() for _ in range(-(-total // self.block_size) - len(table))]
@@ -154,13 +215,40 @@ class BlockManager:
         self._cache_full_blocks(request, table, total)
         return new_ids + grown
 
-    def _claim_hits(self, hits: list[CachedBlock], request: Request) -> list[int]:
-        # Take CPU hits out of the pool first, so device evictions below cannot drop them.
-        hashes = request.block_hashes
+    def num_evictable_hits(self, hits: list[CachedBlock]) -> int:
+        """Device hits sitting in the free queue: claiming them leaves fewer free blocks."""
+        return sum(
+            1
+            for h in hits
+            if not h.on_cpu and h.block_id != NULL_BLOCK and self.blocks[h.block_id].ref_count == 0
+        )
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Sliding window: free the blocks wholly before the window of the next token to
+        compute (no later query attends them); the table keeps NULL_BLOCK in their place."""
+        if not self.window:
+            return
+        table = self.block_tables.get(request.seq_id)
+        if not table:
+            return
+        num_skipped = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
+        for block_idx in range(min(num_skipped, len(table)) - 1, -1, -1):
+            if table[block_idx] == NULL_BLOCK:
+                break  # freed by an earlier step, and so is everything before it
+            self._unref(table[block_idx])
+            table[block_idx] = NULL_BLOCK
+
+    def reserve_hits(self, hits: list[CachedBlock], request: Request) -> dict[int, int]:
+        """Take CPU hits out of the pool and reference device hits, so that no eviction can
+        drop them while blocks are popped; returns block index -> CPU block."""
+        hashes = self._hashes(request) if any(h.on_cpu for h in hits) else []
         cpu_blocks = {i: self.cpu.take_cached(hashes[i]) for i, h in enumerate(hits) if h.on_cpu}
         for hit in hits:
-            if not hit.on_cpu:
+            if not hit.on_cpu and hit.block_id != NULL_BLOCK:
                 self._touch(hit.block_id)
+        return cpu_blocks
+
+    def _place_hits(self, hits: list[CachedBlock], cpu_blocks: dict[int, int]) -> list[int]:
         block_ids = []
         for block_idx, hit in enumerate(hits):
             if not hit.on_cpu:
@@ -176,7 +264,8 @@ class BlockManager:
         """Let `child` share all of `parent`'s blocks (parallel samples, beams)."""
         table = list(self.block_tables[parent.seq_id])
         for block_id in table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != NULL_BLOCK:
+                self.blocks[block_id].ref_count += 1
         self.block_tables[child.seq_id] = table
 
     def free(self, request: Request) -> None:
@@ -192,7 +281,8 @@ class BlockManager:
             else:
                 table.append(entry.block_id)
         for block_id in reversed(table):
-            self._unref(block_id)
+            if block_id != NULL_BLOCK:
+                self._unref(block_id)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop the table's blocks past its first `num_tokens` slots: lookahead blocks that
@@ -204,14 +294,18 @@ class BlockManager:
             self._unref(block_id)
 
     def can_swap_out(self, request: Request) -> bool:
+        return self.num_private_blocks(request) <= self.cpu.num_available
+
+    def num_private_blocks(self, request: Request) -> int:
+        """Blocks only this request holds: what swapping it out moves to the CPU pool."""
         table = self.block_tables[request.seq_id]
-        return sum(self.blocks[b].ref_count == 1 for b in table) <= self.cpu.num_available
+        return sum(b != NULL_BLOCK and self.blocks[b].ref_count == 1 for b in table)
 
     def swap_out(self, request: Request) -> None:
         """Move the request's private blocks to the CPU pool; shared ones stay on device."""
         entries = []
         for block_id in self.block_tables.pop(request.seq_id):
-            if self.blocks[block_id].ref_count > 1:
+            if block_id == NULL_BLOCK or self.blocks[block_id].ref_count > 1:
                 entries.append(CachedBlock(block_id))
                 continue
             cpu_block = self.cpu.allocate()
@@ -335,9 +429,11 @@ class BlockManager:
         """Register blocks that this step fills completely under their chained hash."""
         if not self.enable_prefix_caching:
             return
-        hashes = update_block_hashes(request, self.block_size)
+        hashes = self._hashes(request)
         tokens = request.all_token_ids
         for block_idx in range(min(num_tokens // self.block_size, len(hashes))):
+            if table[block_idx] == NULL_BLOCK:
+                continue
             block = self.blocks[table[block_idx]]
             if block.block_hash is not None or hashes[block_idx] in self.cached:
                 continue  # already registered, or the same content lives in another block
@@ -352,13 +448,26 @@ class BlockManager:
     def check_invariants(self) -> None:
         """free + used == total; ref counts equal table references; caches point at live data."""
         refs = [0] * self.num_blocks
+        self.count_refs(refs)
+        self.check_pool(refs, self.cpu_owned())
+
+    def cpu_owned(self) -> set[int]:
+        """CPU blocks this manager's swapped-out requests own."""
+        return {e.block_id for t in self.swapped_tables.values() for e in t if e.on_cpu}
+
+    def count_refs(self, refs: list[int]) -> None:
+        """Add this manager's table references to `refs` (one count per block id)."""
         for table in self.block_tables.values():
             for block_id in table:
-                refs[block_id] += 1
+                if block_id != NULL_BLOCK:
+                    refs[block_id] += 1
         for entries in self.swapped_tables.values():
             for entry in entries:
-                if not entry.on_cpu:
+                if not entry.on_cpu and entry.block_id != NULL_BLOCK:
                     refs[entry.block_id] += 1
+
+    def check_pool(self, refs: list[int], owned: set[int]) -> None:
+        """The shared pool against every manager's references."""
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
@@ -369,7 +478,6 @@ class BlockManager:
         assert self.num_free_blocks + sum(r > 0 for r in refs) == self.num_blocks
         for block_hash, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale cache entry {block_id}"
-        owned = {e.block_id for t in self.swapped_tables.values() for e in t if e.on_cpu}
         assert owned == self.cpu.owned, "CPU blocks owned by no swapped request, or twice"
         self.cpu.check_invariants()
         self.disk.check_invariants()

@@ -4,7 +4,9 @@ Contiguous serving reserves `max_tokens` slots per sequence up front; paging all
 tokens arrive, so a sequence of average length L holds ceil(L / block_size) blocks and wastes
 less than one block. Under tensor parallelism every rank holds its share of every sequence's KV
 heads, so the sequences that fit are one rank's KV budget over one rank's bytes per sequence;
-GPUs beyond one group make replicas, each with sequences of its own.
+GPUs beyond one group make replicas, each with sequences of its own. A sliding-window layer
+holds at most its window's blocks (plus the one being filled) however long the sequence: paged
+sequences count that, contiguous reservations (no freeing) do not.
 """
 
 import re
@@ -64,6 +66,18 @@ class KvSizeReport:
     users: int
     tensor_parallel_size: int = 1
     replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
+    # at max_tokens, paged, sliding layers capped at their window; None: no sliding layers
+    windowed_bytes_per_sequence: int | None = None
+
+    def _window_lines(self, per: str) -> list[str]:
+        if self.windowed_bytes_per_sequence is None:
+            return []
+        windowed, gib = self.windowed_bytes_per_sequence, 1024**3
+        share = windowed / self.bytes_per_sequence
+        return [
+            f"  paged, windows freeing:  {windowed:,}{per} ({windowed / gib:.2f} GiB, "
+            f"{share:.0%}: sliding layers hold only their window's blocks)"
+        ]
 
     def lines(self) -> list[str]:
         gib, ranks, replicas = 1024**3, self.tensor_parallel_size, self.replicas
@@ -74,6 +88,7 @@ class KvSizeReport:
             f"KV bytes per sequence:     {self.bytes_per_sequence:,}{per} "
             f"({self.bytes_per_sequence / gib:.2f} GiB)",
             f"KV bytes for all users:    {self.total_bytes:,} ({self.total_bytes / gib:.2f} GiB)",
+            *self._window_lines(per),
             f"budget:                    {self.budget_bytes:,}{per} "
             f"({self.budget_bytes / gib:.2f} GiB)",
             f"sequences that fit, contiguous max-length reservation: "
@@ -102,15 +117,36 @@ def kv_size(
     per_token = config.kv_bytes_per_token(dtype, tensor_parallel_size)
     blocks_per_avg = -(-avg_tokens // block_size)
     budget = max(0, budget_bytes)
+    paged_avg = paged_bytes_per_sequence(
+        config, dtype, avg_tokens, block_size, tensor_parallel_size
+    )
+    windowed = None
+    if any(config.layer_windows):
+        windowed = paged_bytes_per_sequence(
+            config, dtype, max_tokens, block_size, tensor_parallel_size
+        )
     return KvSizeReport(
         bytes_per_token=per_token,
         bytes_per_sequence=per_token * max_tokens,
         total_bytes=per_token * max_tokens * users * tensor_parallel_size,
         budget_bytes=budget_bytes,
         contiguous_sequences=budget // (per_token * max_tokens),
-        paged_sequences=budget // (per_token * blocks_per_avg * block_size),
+        paged_sequences=budget // paged_avg,
         paged_utilisation=avg_tokens / (blocks_per_avg * block_size),
         users=users,
         tensor_parallel_size=tensor_parallel_size,
         replicas=replicas,
+        windowed_bytes_per_sequence=windowed,
     )
+
+
+def paged_bytes_per_sequence(
+    config: ModelConfig, dtype: object, num_tokens: int, block_size: int, size: int = 1
+) -> int:
+    """KV bytes one paged sequence of `num_tokens` holds on one rank while it decodes: a full
+    layer every block, a sliding layer at most ceil((window - 1) / block_size) + 1."""
+    per_layer_slot = config.kv_bytes_per_token(dtype, size) // config.num_layers
+    blocks = -(-num_tokens // block_size)
+    windows = config.layer_windows or (0,) * config.num_layers
+    held = sum(min(blocks, -(-(w - 1) // block_size) + 1) if w else blocks for w in windows)
+    return held * block_size * per_layer_slot

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kv.kv_groups import kv_groups
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import make_linear
 from engine.model.moe import RoutedExperts
@@ -173,6 +174,7 @@ class Decoder(nn.Module):
         self.ops = ops
         self.shard = shard = shard or Shard.of(config)
         self.group = group
+        self.kv = kv_groups(config.layer_windows, config.num_layers)  # each layer's cache slot
         # [vocab_per_rank, hidden]: the rank's rows of the vocab, padded to N * vocab_per_rank
         self.embed_tokens = nn.Parameter(
             torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype),
@@ -220,14 +222,17 @@ class Decoder(nn.Module):
         attention: PagedAttention,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions int64 [T]; kv_cache [layers, 2, blocks, bs, kv_heads, d]."""
+        """input_ids, positions int64 [T]; kv_cache [slots, 2, blocks, bs, kv_heads, d]: one
+        slot per layer, or with several KV groups (engine/kv/kv_groups.py) one per layer of
+        a group, and `meta` one per group."""
         x = self._embed(input_ids)
         dtype = self.embed_tokens.dtype
         if self.config.gemma_norms:  # the scale rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
-        delta, rope = None, self._rope_rows(positions, meta, dtype)
-        for layer_idx, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, rope, attention, kv_cache[layer_idx], meta)
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        delta, rope = None, self._rope_rows(positions, metas[0], dtype)
+        for layer, group, slot in zip(self.layers, self.kv.layer_group, self.kv.layer_slot):
+            x, delta = layer(x, delta, rope, attention, kv_cache[slot], metas[group])
         return self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
 
     def _rope_rows(

@@ -1,6 +1,7 @@
 """Whether a request can ever run under the engine's limits (raised as typed errors)."""
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.kv.kv_groups import max_blocks_per_seq
 from engine.request import Request
 from schemas.errors import InvalidRequestError, RequestTooLongError
 
@@ -30,10 +31,16 @@ def check_request_fits(
             f"({request.sampling_params.max_tokens}) exceeds max_model_len ({max_len})",
             param="max_tokens" if request.num_prompt_tokens < max_len else "prompt",
         )
-    if -(-request.max_num_tokens // block_size) > cache_config.num_blocks:
+    # a chunk takes at most the step's budget (the threshold spares forking parents)
+    max_chunk = min(config.max_num_batched_tokens, request.max_num_tokens)
+    peak = max_blocks_per_seq(
+        cache_config.group_windows, request.max_num_tokens, block_size, max_chunk
+    )
+    if peak > cache_config.num_blocks:
         raise RequestTooLongError(
             f"prompt + max_tokens ({request.max_num_tokens} tokens) exceeds the whole KV "
-            f"cache ({cache_config.num_slots} token slots)",
+            f"cache ({cache_config.num_slots} token slots)"
+            + _groups_note(cache_config.group_windows, peak, cache_config.num_blocks),
             param="max_tokens",
         )
 
@@ -44,3 +51,9 @@ def _check_token_ids(request: Request, vocab_size: int) -> None:
     ids = request.prompt_token_ids
     if vocab_size and not (0 <= min(ids) and max(ids) < vocab_size):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+
+
+def _groups_note(windows: tuple[int, ...], peak: int, num_blocks: int) -> str:
+    if len(windows) <= 1 and not any(windows):
+        return ""
+    return f": it needs {peak} blocks at its peak over its KV groups, the cache has {num_blocks}"

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv.block_manager import BlockManager
+from engine.kv.hybrid_manager import HybridBlockManager, make_block_manager
 from engine.request import Request, RequestStatus
 from engine.sched.beam_scheduler import BeamScheduler
 from engine.sched.beam_search import FinishedBeam
@@ -38,13 +38,15 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
-        self.block_manager = BlockManager(
+        self.block_manager = make_block_manager(
             cache_config.num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             cache_config.num_cpu_blocks,
+            cache_config.group_windows,
             cache_config.enable_disk,
         )
+        self.grouped = isinstance(self.block_manager, HybridBlockManager)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.seqs: dict[str, Request] = {}  # seq id -> its sample
@@ -107,7 +109,7 @@ class Scheduler:
         return len(self.running) + self.num_swapped + pending
 
     def schedule(self) -> ScheduledStep:
-        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(budget=self.config.max_num_batched_tokens, grouped=self.grouped)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -303,13 +305,20 @@ class Scheduler:
         room = self.config.max_num_seqs - self._num_seqs_in_use
         return room >= 1 + request.num_pending_forks and self._admit(request, plan)
 
+    def _start_disk_load(self, request: Request, hits: list) -> bool:
+        """Read the blocks past the device and CPU hits from disk first (one full-attention
+        group only: CacheConfig refuses a disk tier beside windows)."""
+        disk = self.block_manager.disk
+        if not disk.enabled:
+            return False
+        return disk.start_load(request, len(hits), sum(hit.on_cpu for hit in hits))
+
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         hits = self.block_manager.find_cached_prefix(request)
-        num_cpu_hits = sum(hit.on_cpu for hit in hits)
-        if self.block_manager.disk.start_load(request, len(hits), num_cpu_hits):
+        if self._start_disk_load(request, hits):
             self.waiting.popleft()  # back at the head once its blocks are read
             return True
-        num_hit_tokens = len(hits) * self.cache_config.block_size
+        num_hit_tokens = self.block_manager.num_hit_blocks(hits) * self.cache_config.block_size
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.budget and not self.config.enable_chunked_prefill:
             return False
@@ -339,7 +348,8 @@ class Scheduler:
         self.running.append(request)
         # the executor's row replaces its whole table
         full_table = self.block_manager.get_block_table(request.seq_id)
-        self._note_running(request, num_new, list(full_table), plan)
+        copy = [list(t) for t in full_table] if self.grouped else list(full_table)
+        self._note_running(request, num_new, copy, plan)
         return True
 
     def _note_prefix_hits(self, request: Request, num_hit_tokens: int) -> None:

@@ -29,6 +29,7 @@ class StepPlan:
     """What one `Scheduler.schedule()` call decided, before it becomes a ScheduledStep."""
 
     budget: int
+    grouped: bool = False  # block tables and new ids come one per KV group
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_requests: list[NewRequest] = field(default_factory=list)
     cached_requests: list[CachedRequest] = field(default_factory=list)
@@ -38,36 +39,42 @@ class StepPlan:
     forked: set[str] = field(default_factory=set)  # samples forked in this step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals verified
 
-    def add_new(self, request: Request, block_table: list[int]) -> None:
+    def add_new(self, request: Request, block_table) -> None:
         """A request the executor does not hold: all its tokens and blocks."""
+        tables = block_table if self.grouped else [block_table]
         self.new_requests.append(
             NewRequest(
                 seq_id=request.seq_id,
                 token_ids=request.all_token_ids,
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
-                block_ids=list(block_table),
+                block_ids=list(tables[0]),
                 num_computed_tokens=request.num_computed_tokens,
+                group_block_ids=[list(table) for table in tables[1:]],
             )
         )
 
     def add_cached(
         self,
         request: Request,
-        block_table: list[int],
-        new_block_ids: list[int],
+        block_table,
+        new_block_ids,
         new_token_ids: list[int],
     ) -> None:
         """A request the executor holds: what changed since the last step."""
         # Copy-on-write may replace the shared tail block and a swap-in the whole table, so
         # new ids overwrite the table from this index rather than always appending.
+        tables = block_table if self.grouped else [block_table]
+        new_ids = new_block_ids if self.grouped else [new_block_ids]
         self.cached_requests.append(
             CachedRequest(
                 seq_id=request.seq_id,
                 num_computed_tokens=request.num_computed_tokens,
-                new_block_ids=new_block_ids,
+                new_block_ids=new_ids[0],
                 new_token_ids=new_token_ids,
-                replace_from=len(block_table) - len(new_block_ids),
+                replace_from=len(tables[0]) - len(new_ids[0]),
                 spec_token_ids=self.spec_token_ids.get(request.seq_id, []),
+                group_new_block_ids=[list(ids) for ids in new_ids[1:]],
+                group_replace_from=[len(t) - len(i) for t, i in zip(tables[1:], new_ids[1:])],
             )
         )

@@ -50,11 +50,18 @@ MAX_PENDING_BYTES = 1 << 30
 
 
 def open_disk(
-    config: ExecutorConfig, cpu_cache: torch.Tensor, kv_dtype: torch.dtype, rank: int, size: int
+    config: ExecutorConfig,
+    cpu_cache: torch.Tensor,
+    kv_dtype: torch.dtype,
+    rank: int,
+    size: int,
+    windows: tuple[int, ...] = (),
 ) -> "DiskStore | None":
     """The disk tier under the CPU pool, if configured (it reads back through the pool)."""
     if config.kv_disk_dir is None:
         return None
+    if any(windows):  # its files hold every layer of a block: one full-attention group
+        raise ConfigError("kv_disk_dir: the disk tier serves full-attention models only")
     if cpu_cache.shape[2] == 0:
         raise ConfigError("kv_disk_dir: the disk tier needs a CPU pool (set swap_space)")
     shape = list(cpu_cache.shape)

@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from engine.config import ExecutorConfig, SpeculativeConfig
+from engine.kv.kv_groups import kv_groups
 from engine.memory import (
     blocks_that_fit,
     cpu_blocks_that_fit,
@@ -59,6 +60,7 @@ class Executor:
         self.group, self.ranks = group, ranks
         rank, size = (group.rank, group.world_size) if group else (0, 1)
         self.shard = Shard.of(model_config, rank, size)
+        self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_layers)
         self._pick_device_and_kernels()
         started = time.perf_counter()
         self.model = load_model(
@@ -72,11 +74,11 @@ class Executor:
             group,
         )
         self._allocate_caches()
-        self.disk = open_disk(config, self.cpu_cache, self.kv_dtype, rank, size)
-        self.attention = PagedAttention(self.ops, model_config.attention_scale)
-        self.batch = InputBatch(
-            config.max_num_seqs, config.max_model_len, config.block_size, self.device
+        self.disk = open_disk(
+            config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows
         )
+        self.attention = PagedAttention(self.ops, model_config.attention_scale)
+        self.batch = self._new_batch()
         # unseeded requests draw from one engine-wide generator seeded by `seed`
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.step_check = StepCheck(self.capacity)
@@ -86,6 +88,16 @@ class Executor:
         spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._log_ready(rank, size, time.perf_counter() - started)
+
+    def _new_batch(self) -> InputBatch:
+        config = self.config
+        return InputBatch(
+            config.max_num_seqs,
+            config.max_model_len,
+            config.block_size,
+            self.device,
+            self.kv_groups.num_groups,
+        )
 
     def _pick_device_and_kernels(self) -> None:
         config = self.config
@@ -119,10 +131,11 @@ class Executor:
         self.num_blocks = blocks_that_fit(config, model_config, self.kv_dtype, self.device)
         if self.group is not None:  # the same block ids everywhere: the smallest rank's cache
             self.num_blocks = self.group.smallest(self.num_blocks)
-        # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+        # [slots, K/V, blocks, block_size, kv_heads, head_dim]: a slot per layer, or per
+        # layer of a KV group when there are several (engine/kv/kv_groups.py)
         self.kv_cache = torch.zeros(
             (
-                model_config.num_layers,
+                self.kv_groups.num_slots,
                 2,
                 self.num_blocks,
                 config.block_size,
@@ -140,7 +153,7 @@ class Executor:
         pin = self.device.type == "cuda"
         cpu_shape = list(self.kv_cache.shape)
         cpu_shape[2] = self.num_cpu_blocks
-        # [layers, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
+        # [slots, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
         self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
 
     @property
@@ -153,6 +166,7 @@ class Executor:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             vocab_size=self.model_config.vocab_size,
+            group_windows=self.kv_groups.windows,
         )
 
     def ready(self, executor_id: str, model: str) -> ExecutorReady:
@@ -171,6 +185,7 @@ class Executor:
             kv_on_host=self.device.type == "cpu",
             world_size=self.shard.world_size,
             kv_disk=self.disk is not None,
+            kv_group_windows=list(self.kv_groups.windows),
         )
 
     def _kv_dtype(self) -> torch.dtype:
@@ -199,12 +214,9 @@ class Executor:
             self._reset()
 
     def _reset(self) -> None:
-        config = self.config
         if self.disk is not None:
             self.disk.reset()
-        self.batch = InputBatch(
-            config.max_num_seqs, config.max_model_len, config.block_size, self.device
-        )
+        self.batch = self._new_batch()
         self.grammars.clear()
 
     def execute(self, step: ScheduledStep) -> StepOutput:

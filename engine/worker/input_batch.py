@@ -3,6 +3,10 @@
 Each request the executor knows holds one row of `token_ids` and `block_table` (numpy, host
 side) from its first step to its last; a step only applies deltas (new tokens, new block ids)
 and then gathers its batch with vectorised indexing, never rebuilding tables from scratch.
+A model with several KV groups (engine/kv/kv_groups.py) has one block table per group, and a
+step one AttentionMetadata per group (its own slot mapping and tables). A sliding group's
+NULL_BLOCK (-1) entries are stored as block 0: the kernels never read a block wholly outside
+the window (the torch twin gathers it and masks it; its content is finite, another block's).
 """
 
 import dataclasses
@@ -34,7 +38,7 @@ class RequestState:
 class StepInputs:
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
-    meta: AttentionMetadata
+    meta: AttentionMetadata | tuple[AttentionMetadata, ...]  # one per KV group if several
     logits_indices: torch.Tensor  # int64 [num_sampled]: last token of each sampled sequence
     sampled_states: list[RequestState]  # requests that get a token this step, in that order
     # int64 [num_drafts]: the positions before each sampled sequence's last one that verify
@@ -44,13 +48,20 @@ class StepInputs:
 
 class InputBatch:
     def __init__(
-        self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         self.block_size = block_size
         self.device = device
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        # KV groups 1..: their tables, [groups - 1, max_num_seqs, max_blocks]
+        self.group_tables = np.zeros((num_groups - 1, max_num_seqs, max_blocks), dtype=np.int32)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
 
@@ -60,7 +71,9 @@ class InputBatch:
         row = self.free_rows.pop()
         num_tokens = len(new.token_ids)
         self.token_ids[row, :num_tokens] = new.token_ids
-        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        self.block_table[row, : len(new.block_ids)] = np.maximum(new.block_ids, 0)
+        for table, ids in zip(self.group_tables, new.group_block_ids):
+            table[row, : len(ids)] = np.maximum(ids, 0)  # NULL_BLOCK -> 0, never read
         state = RequestState(
             seq_id=new.seq_id,
             row=row,
@@ -81,7 +94,13 @@ class InputBatch:
             f"scheduler says {cached.num_computed_tokens}"
         )
         end = cached.replace_from + len(cached.new_block_ids)
-        self.block_table[state.row, cached.replace_from : end] = cached.new_block_ids
+        if cached.new_block_ids:  # a swapped-in sliding table may hold NULL_BLOCK (-1)
+            ids = np.maximum(cached.new_block_ids, 0)
+            self.block_table[state.row, cached.replace_from : end] = ids
+        for table, ids, start in zip(
+            self.group_tables, cached.group_new_block_ids, cached.group_replace_from
+        ):
+            table[state.row, start : start + len(ids)] = np.maximum(ids, 0)
         state.num_blocks = max(state.num_blocks, end)
         drafts = cached.spec_token_ids
         self.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
@@ -100,6 +119,9 @@ class InputBatch:
         self.token_ids[row, : parent.num_tokens] = self.token_ids[parent.row, : parent.num_tokens]
         self.block_table[row, : parent.num_blocks] = self.block_table[
             parent.row, : parent.num_blocks
+        ]
+        self.group_tables[:, row, : parent.num_blocks] = self.group_tables[
+            :, parent.row, : parent.num_blocks
         ]
         child = dataclasses.replace(
             parent,
@@ -156,8 +178,9 @@ class InputBatch:
         positions = starts[seq_of_token] + np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of_token]
         token_rows = rows[seq_of_token]
         input_ids = self.token_ids[token_rows, positions]
-        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        block_idx, offsets = positions // self.block_size, positions % self.block_size
+        block_ids = self.block_table[token_rows, block_idx].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + offsets
         seq_lens = starts + counts
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         ends = [s.num_tokens + len(s.draft_token_ids) for s in states]
@@ -171,6 +194,17 @@ class InputBatch:
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
             max_seqlen_q=int(counts.max()),
         )
+        if len(self.group_tables):
+            meta = (meta,) + tuple(
+                dataclasses.replace(
+                    meta,
+                    slot_mapping=self._to_device(
+                        table[token_rows, block_idx].astype(np.int64) * self.block_size + offsets
+                    ),
+                    block_tables=self._to_device(table[rows, :max_blocks]),
+                )
+                for table in self.group_tables
+            )
         return StepInputs(
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),

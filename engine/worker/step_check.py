@@ -27,6 +27,13 @@ class Capacity:
     max_num_seqs: int
     max_model_len: int
     vocab_size: int
+    # per KV group (engine/kv/kv_groups.py): its window, 0 = full; each group has its own
+    # table per request
+    group_windows: tuple[int, ...] = (0,)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -48,11 +55,12 @@ def _require(ok: bool, message: str) -> None:
         raise InvalidStepError(message)
 
 
-def _in_range(values: list[int], limit: int, what: str) -> None:
-    """Every value in [0, limit): one vectorised pass (steps carry up to thousands of ids)."""
+def _in_range(values: list[int], limit: int, what: str, low: int = 0) -> None:
+    """Every value in [low, limit): one vectorised pass (steps carry up to thousands of ids)."""
     if values:
         array = np.asarray(values, dtype=np.int64)
-        _require(0 <= int(array.min()) and int(array.max()) < limit, f"{what} outside [0, {limit})")
+        ok = low <= int(array.min()) and int(array.max()) < limit
+        _require(ok, f"{what} outside [{low}, {limit})")
 
 
 class StepCheck:
@@ -87,9 +95,15 @@ class StepCheck:
     def _check_ranges(self, step: ScheduledStep) -> None:
         """Every block id, token id and block pair of the step, at once."""
         cap = self.capacity
-        device_ids = [b for new in step.new_requests for b in new.block_ids]
-        device_ids += [b for cached in step.cached_requests for b in cached.new_block_ids]
-        device_ids += [b for pair in step.blocks_to_copy for b in pair]
+        # tables may hold NULL_BLOCK (-1): a sliding group's block slid out of its window
+        table_ids = [b for new in step.new_requests for b in new.block_ids]
+        table_ids += [b for cached in step.cached_requests for b in cached.new_block_ids]
+        table_ids += [b for new in step.new_requests for ids in new.group_block_ids for b in ids]
+        table_ids += [
+            b for cached in step.cached_requests for ids in cached.group_new_block_ids for b in ids
+        ]
+        _in_range(table_ids, cap.num_blocks, "block ids", low=-1)
+        device_ids = [b for pair in step.blocks_to_copy for b in pair]
         device_ids += [pair[0] for pair in step.blocks_to_swap_out]
         device_ids += [pair[1] for pair in step.blocks_to_swap_in]
         device_ids += [block.block_id for block in step.blocks_to_disk if block.on_device]
@@ -116,6 +130,13 @@ class StepCheck:
         _require(0 <= new.num_prompt_tokens <= num_tokens, f"{name}: num_prompt_tokens")
         _require(0 <= new.num_computed_tokens <= num_tokens, f"{name}: num_computed_tokens")
         _require(len(new.block_ids) <= cap.max_blocks_per_seq, f"{name}: too many blocks")
+        _require(
+            len(new.group_block_ids) == cap.num_groups - 1
+            and all(len(ids) == len(new.block_ids) for ids in new.group_block_ids),
+            f"{name}: one table per KV group ({cap.num_groups}), all of one length",
+        )
+        for window, ids in zip(cap.group_windows, [new.block_ids, *new.group_block_ids]):
+            self._check_nulls(ids, 0, window, new.num_computed_tokens, name)
         shadow.add(new.seq_id, _Row(num_tokens, new.num_computed_tokens, len(new.block_ids)))
 
     def _check_cached(self, cached: CachedRequest, shadow: "_Shadow") -> None:
@@ -129,6 +150,7 @@ class StepCheck:
         end = cached.replace_from + len(cached.new_block_ids)
         _require(0 <= cached.replace_from <= row.num_blocks, f"{name}: replace_from")
         _require(end <= cap.max_blocks_per_seq, f"{name}: too many blocks")
+        self._check_group_deltas(cached, row, end, name)
         num_tokens = row.num_tokens + len(cached.new_token_ids)
         num_drafts = len(cached.spec_token_ids)
         _require(
@@ -138,6 +160,34 @@ class StepCheck:
             cached.seq_id,
             _Row(num_tokens, row.num_computed_tokens, max(row.num_blocks, end), num_drafts),
         )
+
+    def _check_group_deltas(self, cached: CachedRequest, row: "_Row", end: int, name: str) -> None:
+        """Every other KV group's table changes alike: its replaced range ends where group
+        0's does (they cover the same tokens)."""
+        groups = list(zip(cached.group_new_block_ids, cached.group_replace_from))
+        _require(
+            len(cached.group_new_block_ids) == len(cached.group_replace_from)
+            and len(groups) == self.capacity.num_groups - 1,
+            f"{name}: group deltas for {self.capacity.num_groups} KV groups",
+        )
+        for ids, start in groups:
+            _require(0 <= start <= row.num_blocks, f"{name}: group replace_from")
+            _require(start + len(ids) == end, f"{name}: KV groups' tables of unequal length")
+        deltas = [(cached.new_block_ids, cached.replace_from), *groups]
+        for window, (ids, start) in zip(self.capacity.group_windows, deltas):
+            self._check_nulls(ids, start, window, row.num_computed_tokens, name)
+
+    def _check_nulls(
+        self, ids: list[int], start: int, window: int, num_computed: int, name: str
+    ) -> None:
+        """NULL_BLOCK (-1) only in a sliding group, only before the window of the next token
+        to compute: a block no token of this step is written to or read from."""
+        if -1 not in ids:
+            return
+        block_size = self.capacity.block_size
+        num_skipped = max(0, num_computed - window + 1) // block_size if window else 0
+        last_null = start + max(i for i, block_id in enumerate(ids) if block_id == -1)
+        _require(last_null < num_skipped, f"{name}: a null block inside the attended context")
 
     def _check_scheduled(self, num_scheduled: dict[str, int], shadow: "_Shadow") -> set[str]:
         """The tokens to compute lie inside each row's known tokens and blocks; returns who

@@ -75,3 +75,19 @@ def test_the_seed_example_on_four_80gib_gpus(tmp_path, capsys):
     assert "paged at the average length:       301" in capsys.readouterr().out
     assert main([*args, "--tensor-parallel-size", "3"]) == 2
     assert "gpus: 4 is not a multiple of tensor_parallel_size 3" in capsys.readouterr().err
+
+
+def test_sliding_layers_hold_only_their_window():
+    """Gemma-3-like: 5 sliding layers (window 1024) for each full one, 6 layers, 8K tokens: a
+    sliding layer holds 65 blocks of 16 (1040 slots) where a full one holds 512: 27% of the
+    bytes of full attention."""
+    raw = {**LLAMA_31_70B, "model_type": "gemma3_text", "num_hidden_layers": 6,
+           "sliding_window": 1024, "sliding_window_pattern": 6, "head_dim": 128}  # fmt: skip
+    config = ModelConfig.from_dict(raw)
+    assert config.layer_windows == (1024,) * 5 + (0,)
+    report = kv_size(config, torch.bfloat16, 8192, 1, 80 * 1024**3, avg_tokens=8192)
+    per_layer_slot = 2 * 8 * 128 * 2
+    assert report.bytes_per_sequence == 6 * per_layer_slot * 8192
+    assert report.windowed_bytes_per_sequence == (512 + 5 * 65) * 16 * per_layer_slot
+    assert report.paged_sequences == (80 * 1024**3) // report.windowed_bytes_per_sequence
+    assert any("windows freeing" in line and "27%" in line for line in report.lines())

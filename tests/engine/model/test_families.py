@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.kv.kv_groups import kv_groups
 from engine.kv.kv_size import weight_bytes_per_rank
 from engine.model.decoder import Decoder
 from engine.model.loader import load_weights
@@ -56,8 +57,12 @@ def test_cpu_backend_matches_transformers(family):
 
 
 def test_preemption_keeps_tokens_exact(family):
+    """10 blocks of every layer: with sliding and full layers (two KV groups of one layer
+    each), blocks hold half as much, so the same bytes are 20 blocks."""
     path, prompts, expected = family
-    llm, got = run_engine(path, prompts, num_blocks=10, enable_prefix_caching=False)
+    config = ModelConfig.from_path(path)
+    num_groups = kv_groups(config.layer_windows, config.num_layers).num_groups
+    llm, got = run_engine(path, prompts, num_blocks=10 * num_groups, enable_prefix_caching=False)
     assert llm.stats()["num_preemptions"] > 0
     assert got == expected
     assert_all_free(llm)

@@ -23,7 +23,7 @@ from kernels.backend import get_kernel_ops
 from schemas.errors import ConfigError, ExecutorUnavailableError
 from tests.engine.helpers import assert_all_free, hf_generate, random_prompts
 from tests.engine.kv.test_kv_size import LLAMA_31_70B
-from tests.model_families import build_gemma2, build_phi3, build_qwen3_moe
+from tests.model_families import build_gemma2, build_gemma3, build_phi3, build_qwen3_moe
 from tests.models import build_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -180,7 +180,8 @@ def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
     builders = {"qwen3_moe": build_qwen3_moe, "gemma2": build_gemma2, "phi3": build_phi3}
     path = builders[family](tmp_path)
     expected = hf_greedy(path, PROMPTS)
-    with tp_llm(path, num_blocks=10, preemption_mode="recompute") as llm:
+    num_blocks = 20 if family == "gemma2" else 10  # two KV groups: blocks of half the bytes
+    with tp_llm(path, num_blocks=num_blocks, preemption_mode="recompute") as llm:
         if family == "qwen3_moe":
             experts = llm.executor.model.layers[0].experts
             assert tuple(experts.gate_up.shape) == (6, 2 * 16, 64)
@@ -188,4 +189,27 @@ def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
         assert greedy(llm, PROMPTS[:3]) == expected[:3]
         assert greedy(llm, PROMPTS) == expected
         assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
+
+
+def test_sliding_window_groups_over_two_ranks_swapped_hits_samples_beams(tmp_path):
+    """Gemma 3 with three sliding layers (window 8) and one full: four KV groups, each rank
+    holding its KV head of every group's blocks; swap preemption with a CPU tier, prefix hits,
+    forks and beams, greedy-equal to transformers."""
+    sliding, full = "sliding_attention", "full_attention"
+    path = build_gemma3(
+        tmp_path, seed=31, num_hidden_layers=4, num_key_value_heads=2,
+        layer_types=[sliding, sliding, full, sliding],
+    )  # fmt: skip
+    expected = hf_greedy(path, PROMPTS)
+    args = dict(num_blocks=36, max_num_batched_tokens=16, swap_space=1 << 20)
+    with tp_llm(path, preemption_mode="swap", **args) as llm:
+        assert len(llm.scheduler.block_manager.groups) == 4
+        assert llm.executor.kv_cache.shape[0] == 1 and llm.executor.kv_cache.shape[4] == 1
+        assert greedy(llm, PROMPTS) == expected
+        stats = llm.stats()
+        assert stats["num_swap_preemptions"] > 0 and stats["num_swapped_in_blocks"] > 0, stats
+        assert greedy(llm, PROMPTS[-2:]) == expected[-2:]
+        assert llm.stats()["prefix_cache_hit_tokens"] > 0
+        check_beams_and_samples(llm, path)
         assert_all_free(llm)
