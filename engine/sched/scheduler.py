@@ -299,7 +299,9 @@ class Scheduler:
         return room >= 1 + request.num_pending_forks and self._admit(request, plan)
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
-        hits = self.block_manager.find_cached_prefix(request)
+        # prompt logprobs need the logits of every prompt position: no prefix hits (vLLM's)
+        wants_logits = request.sampling_params.prompt_logprobs is not None
+        hits = [] if wants_logits else self.block_manager.find_cached_prefix(request)
         num_hit_tokens = len(hits) * self.cache_config.block_size
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.budget and not self.config.enable_chunked_prefill:
