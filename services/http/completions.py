@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from schemas.public import GenerateEvent, Usage
 from services.client import NoKvpagerError, StreamGapError
-from services.http import responses
+from services.http import echo, responses
 from services.http.errors import HttpError
 from services.http.requests import Job
 from services.http.streams import CutOffResponse, Streams
@@ -42,7 +42,7 @@ async def respond(
     client, job: Job, texts: TokenTexts, request: Request, max_buffered: int | None = None
 ) -> Response:
     """`max_buffered`: events a stream may hold for a client that does not read."""
-    if job.top_logprobs is not None:
+    if job.top_logprobs is not None or job.prompt_logprobs:
         await texts.load()
     streams = Streams(client, job.requests, max_buffered if job.stream else None)
     try:
@@ -85,22 +85,25 @@ async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request
         return Response(status_code=CLIENT_CLOSED)
     if collect.exception() is not None:
         raise as_http_error(collect.exception())
-    finals, usages = collect.result()
-    return JSONResponse(responses.whole(job, finals, usages, texts))
+    finals, usages, prompts = collect.result()
+    return JSONResponse(responses.whole(job, finals, usages, texts, prompts))
 
 
-async def _collect(job: Job, streams: Streams) -> tuple[dict[int, GenerateEvent], list[Usage]]:
+async def _collect(job: Job, streams: Streams):
+    """Every choice's final event, the usages, and what the streams said of their prompts."""
     finals: dict[int, GenerateEvent] = {}
     usages: list[Usage] = []
+    prompts = echo.Prompts()
     while (item := await streams.next()) is not None:
         index, event = item
         if event.error is not None:
             raise HttpError.from_info(event.error)
+        prompts.add(index, event)
         if event.finish_reason is not None:
             finals[job.choice_index(index, event.index)] = event
         if event.usage is not None:
             usages.append(event.usage)
-    return finals, usages
+    return finals, usages, prompts
 
 
 async def _disconnected(request: Request) -> None:
@@ -131,6 +134,7 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             yield _data(responses.role_chunk(job, index, running.of(index)))
     usages: list[Usage] = []
     offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
+    prompts = echo.Prompts()
     async for item in _items(streams, first):
         if item is None:
             yield b": keepalive\n\n"
@@ -141,9 +145,12 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             index, event = item
             choice = job.choice_index(index, event.index)
             running.add(index, event)
+            prompts.add(index, event)
+            shown = responses.shown_prompt(job, prompts, choice)  # echo: in the first chunk
             offset = offsets.get(choice, 0)
-            chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice))
-            offsets[choice] = offset + responses.num_chars(event, texts)
+            chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice), shown)
+            offsets[choice] = offset + responses.num_chars(event, texts, job)
+            offsets[choice] += echo.num_chars(shown, texts, job.top_logprobs is not None)
             if chunk is not None:
                 yield chunk
             if event.error is not None:
@@ -174,10 +181,10 @@ async def _items(streams: Streams, first) -> AsyncIterator:
 
 
 def _event_chunk(
-    job: Job, choice: int, event: GenerateEvent, texts, offset: int, running
+    job: Job, choice: int, event: GenerateEvent, texts, offset: int, running, shown
 ) -> bytes | None:
     if event.error is not None:
         return _data(HttpError.from_info(event.error).body())
-    if not (event.text or event.finish_reason or event.logprobs):
+    if not (event.text or event.finish_reason or event.logprobs or shown):
         return None
-    return _data(responses.chunk(job, choice, event, texts, offset, running))
+    return _data(responses.chunk(job, choice, event, texts, offset, running, shown))
