@@ -126,15 +126,13 @@ async def _sse(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIte
 
 async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIterator[bytes]:
     """Role chunks (chat), a chunk per event, the usage chunk; an error event ends it."""
-    running = responses.RunningUsage(job)
+    chunks = _Chunks(job, texts)
     if first is not None:
-        running.prompt[first[0]] = first[1].num_prompt_tokens or 0
+        chunks.running.prompt[first[0]] = first[1].num_prompt_tokens or 0
     if job.kind == "chat":
         for index in range(len(job.requests) * job.n):
-            yield _data(responses.role_chunk(job, index, running.of(index)))
+            yield _data(responses.role_chunk(job, index, chunks.running.of(index)))
     usages: list[Usage] = []
-    offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
-    prompts = echo.Prompts()
     async for item in _items(streams, first):
         if item is None:
             yield b": keepalive\n\n"
@@ -143,14 +141,7 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             return
         else:
             index, event = item
-            choice = job.choice_index(index, event.index)
-            running.add(index, event)
-            prompts.add(index, event)
-            shown = responses.shown_prompt(job, prompts, choice)  # echo: in the first chunk
-            offset = offsets.get(choice, 0)
-            chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice), shown)
-            offsets[choice] = offset + responses.num_chars(event, texts, job)
-            offsets[choice] += echo.num_chars(shown, texts, job.top_logprobs is not None)
+            chunk = chunks.of_event(index, event)
             if chunk is not None:
                 yield chunk
             if event.error is not None:
@@ -159,6 +150,29 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
                 usages.append(event.usage)
     if job.include_usage:
         yield _data(responses.usage_chunk(job, usages))
+
+
+class _Chunks:
+    """A stream's chunks per choice: the usage so far, the text offsets (completions'
+    text_offset), the prompts the streams echoed."""
+
+    def __init__(self, job: Job, texts: TokenTexts) -> None:
+        self.job, self.texts = job, texts
+        self.running = responses.RunningUsage(job)
+        self.offsets: dict[int, int] = {}  # characters sent per choice
+        self.prompts = echo.Prompts()
+
+    def of_event(self, index: int, event: GenerateEvent) -> bytes | None:
+        job, texts = self.job, self.texts
+        choice = job.choice_index(index, event.index)
+        self.running.add(index, event)
+        self.prompts.add(index, event)
+        shown = responses.shown_prompt(job, self.prompts, choice)  # echo: in the first chunk
+        offset = self.offsets.get(choice, 0)
+        chunk = _event_chunk(job, choice, event, texts, offset, self.running.of(choice), shown)
+        offset += responses.num_chars(event, texts, job)
+        self.offsets[choice] = offset + echo.num_chars(shown, texts, job.top_logprobs is not None)
+        return chunk
 
 
 async def _items(streams: Streams, first) -> AsyncIterator:
