@@ -7,8 +7,6 @@ that starts before the collected end replaces from there (the request was recomp
 preemption). The whole prompt's goes out once, with the request's first token delta.
 """
 
-import math
-
 import numpy as np
 
 from engine.request import Request
@@ -34,8 +32,8 @@ def check_chunk(chunk: PromptLogprobs, request: Request, vocab_size: int) -> Non
     _require(lengths == {num}, "lists of different lengths")
     _require(all(len(ids) == k for ids in chunk.top_token_ids), f"not {k} alternatives")
     _require(all(len(lps) == k for lps in chunk.top_logprobs), f"not {k} alternatives")
-    values = chunk.logprobs + [lp for lps in chunk.top_logprobs for lp in lps]
-    _require(not any(math.isnan(v) or v > 0.0 for v in values), "not log-probabilities")
+    values = np.asarray(chunk.logprobs + [lp for lps in chunk.top_logprobs for lp in lps])
+    _require(not (np.isnan(values).any() or (values > 0.0).any()), "not log-probabilities")
     if vocab_size and num:
         ranks = np.asarray(chunk.ranks, dtype=np.int64)
         _require(1 <= int(ranks.min()) and int(ranks.max()) <= vocab_size, "ranks")
