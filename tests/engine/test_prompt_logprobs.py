@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.frontend.migration import continuation
 from engine.request import Request
 from engine.sched.prompt_logprobs import check_chunk
 from schemas.errors import InvalidRequestError, InvalidStepError
@@ -125,3 +126,10 @@ def test_chunks_are_checked():
     for chunk in bad:
         with pytest.raises(InvalidStepError):
             check_chunk(chunk, request, vocab_size=10)
+
+
+def test_a_moved_stream_asks_again_only_before_its_first_token():
+    params = SamplingParams(max_tokens=8, prompt_logprobs=2)
+    _, before = continuation([5, 6, 7], [], params)
+    _, after = continuation([5, 6, 7], [9], params)
+    assert before.prompt_logprobs == 2 and after.prompt_logprobs is None  # came with token 1
