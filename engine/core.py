@@ -55,7 +55,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = EngineMetrics()
-        self.deltas = SampleDeltas(on_close=self.metrics.done)
+        self.deltas = SampleDeltas(self.metrics.done, scheduler.config.vocab_size)
         self.plan_ahead = plan_ahead
         self._publish = publish
         self._check = check_invariants
@@ -167,6 +167,9 @@ class EngineCore:
     def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
         output, now = done.output, time.monotonic()
         scheduler = self.scheduler
+        for seq_id, chunk in output.prompt_logprobs.items():  # before the tokens they precede
+            if (request := scheduler.seqs.get(seq_id)) is not None:
+                self._for_one(request.request_id, self.deltas.prompt_logprobs.add, request, chunk)
         updated = scheduler.update_from_output(step, output)
         logprobs = {
             seq_id: [first, *output.extra_logprobs.get(seq_id, ())]

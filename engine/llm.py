@@ -22,7 +22,7 @@ from engine.download import resolve_model
 from engine.frontend.event_loop import LoopThread
 from engine.frontend.inputs import InputProcessor
 from engine.frontend.output_processor import SampleOutput
-from engine.frontend.outputs import CompletionOutput, RequestOutput
+from engine.frontend.outputs import CompletionOutput, RequestOutput, prompt_logprob_list
 from engine.logs import ensure_logging
 from engine.memory import resolve_device
 from engine.model_config import ModelConfig
@@ -202,6 +202,10 @@ class LLM:
         for delta in deltas:
             item = self._tracked[delta.request_id]
             sample = item.samples[delta.index]
+            if delta.prompt_logprobs is not None:
+                item.output.prompt_logprobs = prompt_logprob_list(
+                    item.output.prompt_token_ids, delta.prompt_logprobs, self._decode_one
+                )
             update = sample.add(delta)
             if update is None:
                 continue
@@ -214,6 +218,9 @@ class LLM:
                 self.core.finish_early(delta.request_id, "stop", delta.index, sample.stop_string)
             if sample.finished:
                 self._finish(item, completion, sample)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _finish(self, item: _Tracked, completion: CompletionOutput, sample: SampleOutput) -> None:
         completion.finish_reason = sample.finish_reason

@@ -140,6 +140,10 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: (
+        Annotated[int, Meta(description="vLLM's: per prompt token, this many top alternatives")]
+        | None
+    ) = None
     # kvpager's own
     timeout: Annotated[float, Meta(description="seconds, then 504 (or an error event)")] | None = (
         None
@@ -151,6 +155,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | list[str | int | list[int]]
     logprobs: Annotated[int, Meta(description="top alternatives per token")] | None = None
+    echo: Annotated[
+        bool, Meta(description="the prompt precedes the completion, in its text and logprobs")
+    ] = False
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from schemas.sampling import StructuredOutputsParams
+from schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -141,9 +141,30 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: (
-        Annotated[int, Meta(ge=0, le=20, description="top alternatives besides the sampled token")]
+        Annotated[
+            int,
+            Meta(
+                ge=0, le=MAX_NUM_LOGPROBS, description="top alternatives besides the sampled token"
+            ),
+        ]
         | None
     ) = None
+    prompt_logprobs: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=MAX_NUM_LOGPROBS,
+                description="vLLM's: each prompt token's logprob and rank, and this many top "
+                "alternatives, on the stream's first token event (the prompt skips the prefix "
+                "cache: every position is computed)",
+            ),
+        ]
+        | None
+    ) = None
+    echo: Annotated[
+        bool, Meta(description="the stream's first event carries the prompt's token ids and text")
+    ] = False
     skip_special_tokens: bool = True
     beam_width: Annotated[
         Count,
@@ -225,6 +246,16 @@ class TokenLogprob(msgspec.Struct):
     top_logprobs: list[float]
 
 
+class PromptLogprob(msgspec.Struct):
+    """One prompt token (from the second on) under the model, given the tokens before it."""
+
+    token_id: int
+    logprob: float
+    rank: Annotated[int, Meta(description="1: the model's most likely token")]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class GenerateEvent(msgspec.Struct, kw_only=True):
     """One event of a stream. `seq` counts 0, 1, 2... per stream, so a gap is visible.
 
@@ -255,6 +286,20 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     ] = None
     num_prompt_tokens: (
         Annotated[int, Meta(description="on a stream's first event: the prompt's length")] | None
+    ) = None
+    prompt_token_ids: (
+        Annotated[list[int], Meta(description="with echo, on a stream's first event")] | None
+    ) = None
+    prompt_text: (
+        Annotated[str, Meta(description="with echo, on a stream's first event: the prompt as text")]
+        | None
+    ) = None
+    prompt_logprobs: (
+        Annotated[
+            list[PromptLogprob | None],
+            Meta(description="with prompt_logprobs: one per prompt token, null for the first"),
+        ]
+        | None
     ) = None
 
     @property

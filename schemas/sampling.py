@@ -14,6 +14,7 @@ from schemas.errors import InvalidRequestError
 
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar past this is refused, not compiled
 MAX_CHOICES = 1024
+MAX_NUM_LOGPROBS = 20  # top alternatives a token's logprobs may list (sampled and prompt)
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -91,6 +92,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    # vLLM's: per prompt token from the second on, its logprob, rank and this many top
+    # alternatives (computed during prefill; the request skips the prefix cache)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -130,7 +134,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            in_range = value is None or 0 <= value <= MAX_NUM_LOGPROBS
+            _check(in_range, name, f"must be in [0, {MAX_NUM_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(0 <= self.seed_offset < 2**31, "seed_offset", "must be in [0, 2**31)")
 
@@ -161,6 +168,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "structured_outputs",
             "is not supported with beam search",
         )
+        no_prompt_logprobs = self.prompt_logprobs is None
+        _check(no_prompt_logprobs, "prompt_logprobs", "is not supported with beam search")
 
     @property
     def is_greedy(self) -> bool:

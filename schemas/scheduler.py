@@ -11,6 +11,21 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Prompt tokens `start, start + 1, ...` (positions; `start` >= 1) under the model, each
+    from the logits of the position before it: its logprob and rank (1: the most likely),
+    and the request's `prompt_logprobs` top alternatives, best first."""
+
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Sampled tokens of the requests whose computed tokens caught up this step."""
 
@@ -36,6 +51,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     disk_stored: list[bytes] = []
     disk_removed: list[bytes] = []
     disk_listed: bool = False
+    # the prompt positions this step computed, for the sequences that asked (prompt_logprobs)
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
     def emitted_token_ids(self, idx: int) -> list[int]:
         """Every token row `idx`'s sequence emitted in this step, in order."""

@@ -9,7 +9,7 @@ subject is the scheduler's liveness ping: the replica answers with an empty mess
 import msgspec
 
 from schemas.public import ErrorInfo
-from schemas.scheduler import TokenLogprobs
+from schemas.scheduler import PromptLogprobs, TokenLogprobs
 
 
 class AddResult(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -35,6 +35,8 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids when asked for
     error: ErrorInfo | None = None  # with finish_reason "error"
     cumulative_score: float | None = None  # beam search: the beam's length-penalised score
+    # the whole prompt's (start 1), once per request: with its first token delta
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class TokenBatch(msgspec.Struct, array_like=True):

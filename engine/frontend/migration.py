@@ -35,5 +35,7 @@ def continuation(
         max_tokens=params.max_tokens - num_generated,
         min_tokens=max(0, params.min_tokens - num_generated),
         seed_offset=params.seed_offset + num_generated,
+        # they came with the first token: a continuation has the outputs in its prompt
+        prompt_logprobs=params.prompt_logprobs if not num_generated else None,
     )
     return prompt_token_ids + generated, moved

@@ -1,9 +1,24 @@
 """What the offline API returns, shaped like vLLM's RequestOutput."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.public import ErrorInfo
-from schemas.scheduler import TokenLogprobs
+from schemas.scheduler import PromptLogprobs, TokenLogprobs
+
+
+@dataclass
+class Logprob:
+    """vLLM's: a token's logprob, its rank (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first token, then per token {token id: Logprob}, the
+# prompt's own token first, then the top alternatives not already there
+PromptLogprobList = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -25,7 +40,24 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobList | None = None  # when SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+def prompt_logprob_list(
+    prompt_token_ids: list[int], whole: PromptLogprobs, decode: Callable[[int], str]
+) -> PromptLogprobList:
+    """The engine's whole-prompt PromptLogprobs in vLLM's shape."""
+    out: PromptLogprobList = [None]
+    for i, token_id in enumerate(prompt_token_ids[1:]):
+        entry = {token_id: Logprob(whole.logprobs[i], whole.ranks[i], decode(token_id))}
+        for rank, (top_id, top_lp) in enumerate(
+            zip(whole.top_token_ids[i], whole.top_logprobs[i]), start=1
+        ):
+            if top_id not in entry:
+                entry[top_id] = Logprob(top_lp, rank, decode(top_id))
+        out.append(entry)
+    return out

@@ -110,13 +110,18 @@ class HybridBlockManager:
 
     # --- prefix hits and allocation
 
-    def find_cached_prefix(self, request: Request) -> list[list[CachedBlock]]:
-        """One hit per group, all of one length (see the module docstring)."""
-        if not self.enable_prefix_caching:
+    def find_cached_prefix(
+        self, request: Request, max_blocks: int | None = None
+    ) -> list[list[CachedBlock]]:
+        """One hit per group, all of one length (see the module docstring), of at most
+        `max_blocks` blocks."""
+        if not self.enable_prefix_caching or max_blocks == 0:
             return [[] for _ in self.groups]
         full = [g for g in self.groups if not g.window]
         sliding = [g for g in self.groups if g.window]
-        length = min(len(g.find_cached_prefix(request)) for g in full) if full else None
+        length = max_blocks
+        if full:
+            length = min(len(g.find_cached_prefix(request, max_blocks)) for g in full)
         hits = {}
         while True:
             for group in sliding:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from engine.request import Request
 from engine.sched.beam_search import FinishedBeam
+from engine.sched.prompt_logprobs import PromptLogprobsCollector
 from schemas.public import ErrorInfo
 from schemas.scheduler import TokenLogprobs
 from schemas.tokenizer import SampleDelta
@@ -17,8 +18,9 @@ from schemas.tokenizer import SampleDelta
 class SampleDeltas:
     """Deltas collected since the last `take()`, and the samples still open per request."""
 
-    def __init__(self, on_close: Callable[[str], None]) -> None:
+    def __init__(self, on_close: Callable[[str], None], vocab_size: int = 0) -> None:
         self.open: dict[str, set[int]] = {}  # request id -> samples without a final delta
+        self.prompt_logprobs = PromptLogprobsCollector(vocab_size)
         self._deltas: list[SampleDelta] = []
         self._on_close = on_close  # called with a request's id after its last final delta
         self._num_sent: dict[tuple[str, int], int] = {}  # (request id, index) -> tokens sent
@@ -43,6 +45,8 @@ class SampleDeltas:
             token_ids,
             logprobs=None if logprobs is None else logprobs[: len(token_ids)],
         )
+        if start == 0:  # the request's first tokens: the whole prompt's logprobs go with them
+            delta.prompt_logprobs = self.prompt_logprobs.take(request)
         if request.is_finished:
             delta.finish_reason = request.status.value
             delta.stop_reason = request.stop_reason
@@ -93,4 +97,5 @@ class SampleDeltas:
             open_indices.discard(delta.index)
             if not open_indices:
                 del self.open[delta.request_id]
+                self.prompt_logprobs.forget(delta.request_id)
                 self._on_close(delta.request_id)

@@ -305,16 +305,23 @@ class Scheduler:
         room = self.config.max_num_seqs - self._num_seqs_in_use
         return room >= 1 + request.num_pending_forks and self._admit(request, plan)
 
+    def _prefix_hits(self, request: Request) -> list:
+        """The cached prefix, none for a request wanting prompt logprobs: it needs the logits
+        of every prompt position (vLLM's rule)."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return self.block_manager.find_cached_prefix(request, max_blocks=0)
+        return self.block_manager.find_cached_prefix(request)
+
     def _start_disk_load(self, request: Request, hits: list) -> bool:
         """Read the blocks past the device and CPU hits from disk first (one full-attention
         group only: CacheConfig refuses a disk tier beside windows)."""
         disk = self.block_manager.disk
-        if not disk.enabled:
+        if not disk.enabled or request.sampling_params.prompt_logprobs is not None:
             return False
         return disk.start_load(request, len(hits), sum(hit.on_cpu for hit in hits))
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
-        hits = self.block_manager.find_cached_prefix(request)
+        hits = self._prefix_hits(request)
         if self._start_disk_load(request, hits):
             self.waiting.popleft()  # back at the head once its blocks are read
             return True

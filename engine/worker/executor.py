@@ -32,6 +32,7 @@ from engine.worker.grammar_rows import GrammarRows
 from engine.worker.host_malloc import retain_freed_memory
 from engine.worker.input_batch import InputBatch
 from engine.worker.ngram_proposer import NgramProposer
+from engine.worker.prompt_logprobs import compute_prompt_logprobs
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.worker.spec_verify import VerifyRows, accept, step_output
 from engine.worker.step_check import Capacity, StepCheck
@@ -260,9 +261,13 @@ class Executor:
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta
         )
+        # under tensor parallelism every rank gathers the logits, rank 0 alone reports
+        prompt_logprobs = compute_prompt_logprobs(
+            self.model, hidden, inputs.prompt_spans, self.batch.token_ids, self.shard.rank == 0
+        )
         states, logits_indices = self._with_forks(step, inputs)
         if not states:
-            return StepOutput(step_id=step.step_id)
+            return StepOutput(step_id=step.step_id, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_indices])
         draft_logits = None
         if inputs.draft_indices is not None:  # positions verifying proposals
@@ -277,6 +282,7 @@ class Executor:
         output = self._step_output(step.step_id, states, logits, draft_logits)
         output.beam_candidates = beam_candidates
         output.draft_token_ids = self._propose(step.num_spec_tokens)
+        output.prompt_logprobs = prompt_logprobs
         return output
 
     def _propose(self, num_spec_tokens: dict[str, int]) -> dict[str, list[int]]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.model.attention import AttentionMetadata
+from engine.worker.prompt_logprobs import PromptSpan, prompt_spans
 from schemas.executor import CachedRequest, NewRequest
 from schemas.sampling import SamplingParams
 
@@ -44,6 +45,8 @@ class StepInputs:
     # int64 [num_drafts]: the positions before each sampled sequence's last one that verify
     # its proposals, sequence by sequence; None without proposals
     draft_indices: torch.Tensor | None = None
+    # rows asking for prompt logprobs that compute prompt positions in this step
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 class InputBatch:
@@ -185,6 +188,7 @@ class InputBatch:
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         ends = [s.num_tokens + len(s.draft_token_ids) for s in states]
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == ends[i]]
+        spans = prompt_spans(states, starts, counts, cu_seqlens)
         for state, count in zip(states, counts.tolist()):
             state.num_computed_tokens += count
         meta = AttentionMetadata(
@@ -212,6 +216,7 @@ class InputBatch:
             logits_indices=self._to_device(cu_seqlens[1:][sampled] - 1),
             sampled_states=[states[i] for i in sampled],
             draft_indices=self._draft_indices(states, sampled, cu_seqlens),
+            prompt_spans=spans,
         )
 
     def _draft_indices(self, states, sampled: list[int], cu_seqlens) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from schemas.public import GenerateEvent, Usage
 from services.client import NoKvpagerError, StreamGapError
-from services.http import responses
+from services.http import echo, responses
 from services.http.errors import HttpError
 from services.http.requests import Job
 from services.http.streams import CutOffResponse, Streams
@@ -43,7 +43,7 @@ async def respond(
     client, job: Job, texts: TokenTexts, request: Request, max_buffered: int | None = None
 ) -> Response:
     """`max_buffered`: events a stream may hold for a client that does not read."""
-    if job.top_logprobs is not None:
+    if job.top_logprobs is not None or job.prompt_logprobs:
         await texts.load()
     streams = Streams(client, job.requests, max_buffered if job.stream else None)
     try:
@@ -86,22 +86,25 @@ async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request
         return Response(status_code=CLIENT_CLOSED)
     if collect.exception() is not None:
         raise as_http_error(collect.exception())
-    finals, usages = collect.result()
-    return JSONResponse(responses.whole(job, finals, usages, texts))
+    finals, usages, prompts = collect.result()
+    return JSONResponse(responses.whole(job, finals, usages, texts, prompts))
 
 
-async def _collect(job: Job, streams: Streams) -> tuple[dict[int, GenerateEvent], list[Usage]]:
+async def _collect(job: Job, streams: Streams):
+    """Every choice's final event, the usages, and what the streams said of their prompts."""
     finals: dict[int, GenerateEvent] = {}
     usages: list[Usage] = []
+    prompts = echo.Prompts()
     while (item := await streams.next()) is not None:
         index, event = item
         if event.error is not None:
             raise HttpError.from_info(event.error)
+        prompts.add(index, event)
         if event.finish_reason is not None:
             finals[job.choice_index(index, event.index)] = event
         if event.usage is not None:
             usages.append(event.usage)
-    return finals, usages
+    return finals, usages, prompts
 
 
 async def _disconnected(request: Request) -> None:
@@ -124,15 +127,13 @@ async def _sse(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIte
 
 async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> AsyncIterator[bytes]:
     """Role chunks (chat), a chunk per event, the usage chunk; an error event ends it."""
-    running = responses.RunningUsage(job)
+    chunks = _Chunks(job, texts)
     if first is not None:
-        running.prompt[first[0]] = first[1].num_prompt_tokens or 0
+        chunks.running.prompt[first[0]] = first[1].num_prompt_tokens or 0
     if job.kind == "chat":
         for index in range(len(job.requests) * job.n):
-            yield _data(responses.role_chunk(job, index, running.of(index)))
+            yield _data(responses.role_chunk(job, index, chunks.running.of(index)))
     usages: list[Usage] = []
-    offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
-    tools: dict[int, ToolDeltas] = {}  # per choice, with a tool mode
     async for item in _items(streams, first):
         if item is None:
             yield b": keepalive\n\n"
@@ -141,24 +142,41 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             return
         else:
             index, event = item
-            choice = job.choice_index(index, event.index)
-            running.add(index, event)
-            if job.tool_mode is not None and event.error is None:
-                deltas = tools.setdefault(choice, ToolDeltas(job.tool_mode))
-                for chunk in _tool_chunks(job, choice, event, deltas, running.of(choice)):
-                    yield chunk
-            else:
-                offset = offsets.get(choice, 0)
-                chunk = _event_chunk(job, choice, event, texts, offset, running.of(choice))
-                offsets[choice] = offset + responses.num_chars(event, texts)
-                if chunk is not None:
-                    yield chunk
+            for chunk in chunks.of_event(index, event):
+                yield chunk
             if event.error is not None:
                 return
             if event.usage is not None:
                 usages.append(event.usage)
     if job.include_usage:
         yield _data(responses.usage_chunk(job, usages))
+
+
+class _Chunks:
+    """A stream's chunks per choice: the usage so far, the text offsets (completions'
+    text_offset), the prompts the streams echoed."""
+
+    def __init__(self, job: Job, texts: TokenTexts) -> None:
+        self.job, self.texts = job, texts
+        self.running = responses.RunningUsage(job)
+        self.offsets: dict[int, int] = {}  # characters sent per choice
+        self.prompts = echo.Prompts()
+        self.tools: dict[int, ToolDeltas] = {}  # per choice, with a tool mode
+
+    def of_event(self, index: int, event: GenerateEvent) -> list[bytes]:
+        job, texts = self.job, self.texts
+        choice = job.choice_index(index, event.index)
+        self.running.add(index, event)
+        self.prompts.add(index, event)
+        if job.tool_mode is not None and event.error is None:
+            deltas = self.tools.setdefault(choice, ToolDeltas(job.tool_mode))
+            return _tool_chunks(job, choice, event, deltas, self.running.of(choice))
+        shown = responses.shown_prompt(job, self.prompts, choice)  # echo: in the first chunk
+        offset = self.offsets.get(choice, 0)
+        chunk = _event_chunk(job, choice, event, texts, offset, self.running.of(choice), shown)
+        offset += responses.num_chars(event, texts, job)
+        self.offsets[choice] = offset + echo.num_chars(shown, texts, job.top_logprobs is not None)
+        return [] if chunk is None else [chunk]
 
 
 async def _items(streams: Streams, first) -> AsyncIterator:
@@ -196,10 +214,10 @@ def _tool_chunks(
 
 
 def _event_chunk(
-    job: Job, choice: int, event: GenerateEvent, texts, offset: int, running
+    job: Job, choice: int, event: GenerateEvent, texts, offset: int, running, shown
 ) -> bytes | None:
     if event.error is not None:
         return _data(HttpError.from_info(event.error).body())
-    if not (event.text or event.finish_reason or event.logprobs):
+    if not (event.text or event.finish_reason or event.logprobs or shown):
         return None
-    return _data(responses.chunk(job, choice, event, texts, offset, running))
+    return _data(responses.chunk(job, choice, event, texts, offset, running, shown))

@@ -75,6 +75,9 @@ class Job:
     continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
     top_logprobs: int | None  # None: no logprobs
     tool_mode: ToolMode | None = None  # chat with tools: how the answer becomes tool calls
+    echo: bool = False  # completions: the prompt precedes each choice's text and logprobs
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token dropped)
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the response
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -99,6 +102,7 @@ def build_job(
     tool-calling flags."""
     base_id = request_id or uuid.uuid4().hex
     fields = _sampling(request, kind, max_tokens)
+    prompt_options = _prompt_options(request, kind, fields)
     salt = cache_salt(key_salt, request.cache_salt)
     if salt is not None:
         fields["cache_salt"] = salt
@@ -129,6 +133,7 @@ def build_job(
         continuous_usage=include_usage and options.continuous_usage_stats,
         top_logprobs=_top_logprobs(request, kind),
         tool_mode=mode,
+        **prompt_options,
     )
 
 
@@ -158,6 +163,30 @@ def _sampling(request: SamplingFields, kind: Kind, default_max_tokens: int) -> d
     if top is not None:
         fields["logprobs"] = top
     return fields
+
+
+def _prompt_options(request: Any, kind: Kind, fields: dict[str, Any]) -> dict[str, bool]:
+    """Echo and prompt logprobs, onto `fields`, as vLLM has them: with echo and logprobs, the
+    prompt's logprobs are computed with as many alternatives; `max_tokens: 0` with echo asks
+    for the prompt alone (one token is generated and dropped: its prefill is the work)."""
+    echo = kind == "completion" and request.echo
+    if request.prompt_logprobs is not None:
+        if request.stream:
+            message = "prompt_logprobs: not available with stream: true (vLLM's rule)"
+            raise HttpError.invalid(message, "prompt_logprobs")
+        fields["prompt_logprobs"] = request.prompt_logprobs
+    elif echo and request.logprobs is not None:
+        fields["prompt_logprobs"] = request.logprobs
+    prompt_only = echo and fields["max_tokens"] == 0
+    if prompt_only:
+        fields["max_tokens"] = 1
+    if echo:
+        fields["echo"] = True
+    return {
+        "echo": echo,
+        "prompt_only": prompt_only,
+        "prompt_logprobs": "prompt_logprobs" in fields,
+    }
 
 
 def _top_logprobs(request: Any, kind: Kind) -> int | None:

@@ -34,6 +34,7 @@ class Prepared:
     model: str | None = None  # None: any instance's
     abort_token: str | None = None  # the client's; None: the stream makes one
     cache_salt: str | None = None
+    prompt_text: str | None = None  # with echo: for the stream's first event
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:
@@ -99,7 +100,15 @@ def prepare(
         model=request.model,
         abort_token=request.abort_token,
         cache_salt=request.cache_salt,
+        prompt_text=_echo_text(request, token_ids, inputs) if request.echo else None,
     )
+
+
+def _echo_text(request: GenerateRequest, token_ids: list[int], inputs: InputProcessor) -> str:
+    """The prompt as the client gave it, or its token ids (a rendered chat too) decoded."""
+    if request.prompt is not None:
+        return request.prompt
+    return inputs.tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 def admission_error(prepared: Prepared, in_flight: bool) -> ErrorInfo | None:

@@ -15,9 +15,9 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.frontend.migration import can_move, continuation
 from engine.frontend.output_processor import SampleOutput, SampleUpdate
-from schemas.public import ErrorInfo, GenerateEvent, TokenLogprob, Usage
+from schemas.public import ErrorInfo, GenerateEvent, PromptLogprob, TokenLogprob, Usage
 from schemas.sampling import SamplingParams
-from schemas.scheduler import FinishRequest
+from schemas.scheduler import FinishRequest, PromptLogprobs
 from schemas.tokenizer import SampleDelta
 from services.tokenizer.requests import Prepared
 
@@ -61,6 +61,13 @@ class Stream:
         self._announce_token = prepared.abort_token is None
         self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
+        # fields for the next event: the echoed prompt (first event), the prompt's logprobs
+        self._pending: dict = {}
+        if prepared.prompt_text is not None:
+            self._pending = {
+                "prompt_token_ids": prepared.prompt_token_ids,
+                "prompt_text": prepared.prompt_text,
+            }
         self._samples = [
             _Sample(SampleOutput(tokenizer, prepared.prompt_token_ids, prepared.params))
             for _ in range(prepared.params.n)
@@ -80,6 +87,9 @@ class Stream:
         """Events to publish, and a FinishRequest for the scheduler if a stop string matched."""
         sample = self._samples[delta.index]
         self.generated += delta.token_ids  # (one sample, when it can move)
+        if delta.prompt_logprobs is not None:
+            logprobs = public_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs)
+            self._pending["prompt_logprobs"] = logprobs
         update = None if sample.finish_reason is not None else sample.output.add(delta)
         if update is None:
             return [], None
@@ -133,6 +143,8 @@ class Stream:
             fields["error"] = self.error
         if self._seq == 0 and self._announce_token:
             fields["abort_token"] = self.abort_token
+        fields.update(self._pending)
+        self._pending = {}
         event = GenerateEvent(
             request_id=self.request_id,
             seq=self._seq,
@@ -193,3 +205,21 @@ def _public_logprobs(token_ids: list[int], logprobs) -> list[TokenLogprob] | Non
         TokenLogprob(token_id, lp.logprob, lp.top_token_ids, lp.top_logprobs)
         for token_id, lp in zip(token_ids, logprobs)
     ]
+
+
+def public_prompt_logprobs(
+    prompt_token_ids: list[int], whole: PromptLogprobs
+) -> list[PromptLogprob | None]:
+    """The engine's whole-prompt logprobs as the public list: None for the first token."""
+    out: list[PromptLogprob | None] = [None]
+    for i, token_id in enumerate(prompt_token_ids[1 : 1 + len(whole.logprobs)]):
+        out.append(
+            PromptLogprob(
+                token_id,
+                whole.logprobs[i],
+                whole.ranks[i],
+                whole.top_token_ids[i],
+                whole.top_logprobs[i],
+            )
+        )
+    return out

@@ -23,6 +23,7 @@ from kernels.backend import get_kernel_ops
 from schemas.errors import ConfigError, ExecutorUnavailableError
 from tests.engine.helpers import assert_all_free, hf_generate, random_prompts
 from tests.engine.kv.test_kv_size import LLAMA_31_70B
+from tests.engine.test_prompt_logprobs import check_against, hf_logprobs
 from tests.model_families import build_gemma2, build_gemma3, build_phi3, build_qwen3_moe
 from tests.models import build_llama
 
@@ -103,9 +104,14 @@ def test_qwen2_kv_head_replicated_under_recompute(tiny_qwen2):
 
 
 def test_vocab_not_divisible_by_the_ranks(odd_vocab_llama):
-    with tp_llm(odd_vocab_llama) as llm:
+    """Also prompt logprobs, in chunks: the padding row stays out of their log-softmax."""
+    with tp_llm(odd_vocab_llama, max_num_batched_tokens=16) as llm:
         assert llm.executor.model.embed_tokens.shape[0] == 193
         assert greedy(llm, PROMPTS) == hf_greedy(odd_vocab_llama, PROMPTS)
+        prompt = PROMPTS[-1]
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+        check_against(hf_logprobs(odd_vocab_llama, prompt), prompt, got, 2)
         assert_all_free(llm)
 
 
