@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, kv_cache_dtype_name
 from schemas.errors import ConfigError
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -131,6 +131,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _check_kv_cache_dtype(name: str) -> None:
+    """ConfigError naming the accepted values unless `name` is "auto" or a cache dtype."""
+    if name != "auto":
+        kv_cache_dtype_name(name)
+
+
 def _check_tensor_parallel(size: int, timeout_s: float) -> None:
     if not isinstance(size, int) or size < 1:
         raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {size!r}")
@@ -154,8 +160,9 @@ class ExecutorConfig:
     max_model_len: int = 4096
     attention_backend: str = "auto"
     seed: int = 0
-    # "auto": the model's dtype. "bfloat16" / "float16" halve a float32 model's K/V memory and
-    # the bytes decode attention reads; compute stays in the model's dtype (cpu/torch backends)
+    # "auto": the model's dtype. "fp8" (= "fp8_e4m3") / "fp8_e5m2": one byte a value, with
+    # per-layer scales, on every backend. "bfloat16" / "float16" halve a float32 model's K/V
+    # memory (cpu/torch backends); compute stays in the model's dtype either way
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     # seconds any rank waits in a collective (a step, a keepalive) before the group fails
@@ -165,6 +172,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
+        _check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
@@ -214,6 +222,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
+        _check_kv_cache_dtype(self.kv_cache_dtype)
         # normalised once, here: every reader sees a SpeculativeConfig or None
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)

@@ -13,7 +13,12 @@ Built and loaded by kernels/cpu_build.py.
 import torch
 
 from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
-from kernels.reference import chunk_attention_ref, decode_attention_ref, paged_attention_ref
+from kernels.reference import (
+    FP8_DTYPES,
+    chunk_attention_ref,
+    decode_attention_ref,
+    paged_attention_ref,
+)
 
 _ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
 # the kernel's entry point for each cache dtype (fp8 ones decoded by kernels/cpu/fp8.h)
@@ -62,6 +67,8 @@ def paged_decode(
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     function = getattr(library, _FUNCTIONS[key_cache.dtype])
+    if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
+        k_scale = v_scale = 1.0
     # an fp8 cache's scales are linear: k_scale joins the softmax scale, v_scale the output
     status = function(
         query.data_ptr(),

@@ -49,7 +49,7 @@ class PagedAttention(Protocol):
     ) -> torch.Tensor:
         """Causal attention of a mixed batch over paged K/V: [num_tokens, num_heads, head_dim]
         in query's dtype. The new tokens' K/V are in the cache already. The caches are in
-        query's dtype, or fp8 (dequantised as read); other caches take scales of 1.0."""
+        query's dtype, or fp8 (dequantised as read); other caches ignore the scales."""
 
 
 class CopyBlocks(Protocol):

@@ -313,7 +313,7 @@ def paged_attention(
     long contexts, judged by block_tables.shape[1] * block_size); 1 forces the single pass,
     > 1 forces split-KV with that many context partitions (any batch, also prefill). window,
     softcap: as kernels/ops.py's contract (0: off). The caches may be fp8 (float8_e4m3fn,
-    float8_e5m2) holding values / k_scale and / v_scale; other caches take scales of 1.0."""
+    float8_e5m2) holding values / k_scale and / v_scale; other caches ignore the scales."""
     _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
@@ -357,6 +357,8 @@ def _launch_attention(
     partition_size = triton.cdiv(max_context, num_splits * block_n) * block_n
     group_pad, block_q = _tile_sizes(num_heads // num_kv_heads, max_seqlen_q)
     window, softcap, k_scale, v_scale = masking
+    if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
+        k_scale = v_scale = 1.0
     grid = (num_seqs, triton.cdiv(max_seqlen_q, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,

@@ -8,7 +8,7 @@ i - window < j <= i, transformers' sliding-window mask) and a
 Gemma 2 does). An fp8 cache (float8_e4m3fn or float8_e5m2) stores each K/V value x as
 q = clamp(x / scale) rounded to nearest even, with a per-layer `k_scale` / `v_scale`, and
 attention reads x = q * scale (`quantise_ref`, `dequantise_ref`); other caches store x cast to
-their dtype and take scales of 1.0. Cache layout everywhere:
+their dtype and ignore the scales. Cache layout everywhere:
 
     kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     key_cache = kv_cache[layer, 0]   value_cache = kv_cache[layer, 1]

@@ -35,7 +35,9 @@ class Settings:
     model: str = option("checkpoint folder or known model name", default=DEFAULT_MODEL)
     dtype: str = option("float32 | bfloat16 | float16 | auto", default="auto")
     kv_cache_dtype: str = option(
-        "KV cache dtype: auto (the model's) | bfloat16 | float16", default="auto"
+        "KV cache dtype: auto (the model's) | fp8 (= fp8_e4m3) | fp8_e5m2 | bfloat16 | float16; "
+        "fp8 halves a bf16 cache, scales from the checkpoint else 1.0",
+        default="auto",
     )
     device: str = option("cpu | cuda | cuda:N | auto", default="auto")
     attention_backend: str = option("torch | cpu | triton | auto", default="auto")

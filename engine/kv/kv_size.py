@@ -64,13 +64,15 @@ class KvSizeReport:
     users: int
     tensor_parallel_size: int = 1
     replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
+    dtype: str = ""  # the KV cache's, by name
 
     def lines(self) -> list[str]:
         gib, ranks, replicas = 1024**3, self.tensor_parallel_size, self.replicas
         per = " per rank" if ranks > 1 else ""
         fits = self.paged_sequences * replicas
         lines = [
-            f"KV bytes per token:        {self.bytes_per_token:,}{per}",
+            f"KV bytes per token:        {self.bytes_per_token:,}{per}"
+            + (f" ({self.dtype})" if self.dtype else ""),
             f"KV bytes per sequence:     {self.bytes_per_sequence:,}{per} "
             f"({self.bytes_per_sequence / gib:.2f} GiB)",
             f"KV bytes for all users:    {self.total_bytes:,} ({self.total_bytes / gib:.2f} GiB)",
@@ -113,4 +115,5 @@ def kv_size(
         users=users,
         tensor_parallel_size=tensor_parallel_size,
         replicas=replicas,
+        dtype=str(dtype).removeprefix("torch."),
     )

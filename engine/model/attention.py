@@ -24,6 +24,14 @@ class AttentionMetadata:
     max_seqlen_q: int
 
 
+@dataclass(frozen=True)
+class KvScales:
+    """A layer's fp8 cache scales (engine/model/kv_scales.py); other caches ignore them."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
 class PagedAttention:
     def __init__(self, ops: KernelOps, scale: float) -> None:
         self.ops = ops
@@ -38,11 +46,13 @@ class PagedAttention:
         meta: AttentionMetadata,
         window: int = 0,
         softcap: float = 0.0,
+        kv_scales: KvScales = KvScales(),
     ) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d], layer_cache [2, num_blocks, bs, kv_heads, d];
-        the layer's sliding window (0: full) and attention soft-cap (0: none)."""
+        the layer's sliding window (0: full), attention soft-cap (0: none) and fp8 scales."""
         key_cache, value_cache = layer_cache[0], layer_cache[1]
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        scales = dict(k_scale=kv_scales.k, v_scale=kv_scales.v)
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, **scales)
         return self.ops.paged_attention(
             q,
             key_cache,
@@ -54,4 +64,5 @@ class PagedAttention:
             meta.max_seqlen_q,
             window=window,
             softcap=softcap,
+            **scales,
         )
