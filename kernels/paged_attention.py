@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FP8_DTYPES
+
 LOG2E = 1.4426950408889634
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MIN_PARTITION_SIZE = 256  # tokens of context per split-KV program, at least
 MAX_SPLITS = 64
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from engine.model_config import kv_cache_dtype_name
 from engine.router.routing import ROUTERS, RouterConfig
 from schemas.errors import ConfigError
 
@@ -147,6 +148,8 @@ class Settings:
                 raise ConfigError(f"{name}: must be positive")
         if self.router not in ROUTERS:
             raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
+        if self.kv_cache_dtype != "auto":  # here, before any service starts
+            kv_cache_dtype_name(self.kv_cache_dtype)
         if self.router_overlap_weight < 0:
             raise ConfigError("router_overlap_weight: must be at least 0")
         if self.migration_limit < 0:
