@@ -25,7 +25,6 @@ from benchmarks.roofline import isa_flags
 from engine import LLM, SamplingParams
 from engine.download import resolve_model
 from engine.kv.kv_size import parse_bytes
-from engine.model.attention import KvScales
 
 CHATS = [
     "What is the capital of France?",
@@ -74,7 +73,7 @@ def run(path, prompts, kv_cache_dtype: str, args, scales=None) -> tuple[LLM, lis
     )
     if scales is not None:  # calibrated: replaces the checkpoint's (none here) before any write
         for layer, (k_scale, v_scale) in zip(llm.executor.model.layers, scales, strict=True):
-            layer.kv_scales = KvScales(k_scale, v_scale)
+            layer.k_scale, layer.v_scale = k_scale, v_scale
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=5)
     started = time.perf_counter()
     outputs = [o.outputs[0] for o in llm.generate(prompts, params)]

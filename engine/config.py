@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.model_config import ModelConfig, kv_cache_dtype_name
+from engine.model_config import ModelConfig, check_kv_cache_dtype
 from schemas.errors import ConfigError
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -131,12 +131,6 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_kv_cache_dtype(name: str) -> None:
-    """ConfigError naming the accepted values unless `name` is "auto" or a cache dtype."""
-    if name != "auto":
-        kv_cache_dtype_name(name)
-
-
 def _check_tensor_parallel(size: int, timeout_s: float) -> None:
     if not isinstance(size, int) or size < 1:
         raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {size!r}")
@@ -172,7 +166,6 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
-        _check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
@@ -187,6 +180,7 @@ class ExecutorConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -222,12 +216,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
-        _check_kv_cache_dtype(self.kv_cache_dtype)
         # normalised once, here: every reader sees a SpeculativeConfig or None
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     @classmethod
     def pick(cls, source: Any) -> "EngineConfig":

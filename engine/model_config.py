@@ -38,6 +38,12 @@ def dtype_bytes(dtype: object) -> int:
     return FP8_BYTES[name] if name in FP8_BYTES else DTYPE_BYTES[dtype_name(dtype)]
 
 
+def check_kv_cache_dtype(name: str) -> None:
+    """ConfigError naming the accepted values unless `name` is "auto" or a KV cache dtype."""
+    if name != "auto":
+        kv_cache_dtype_name(name)
+
+
 def kv_cache_dtype_name(name: object) -> str:
     """The canonical dtype of a `kv_cache_dtype` other than "auto": an fp8 name (fp8 = fp8_e4m3
     -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2) or a model dtype ("bf16"); ConfigError else."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.model_config import kv_cache_dtype_name
 from engine.router.routing import ROUTERS, RouterConfig
 from schemas.errors import ConfigError
 
@@ -148,13 +147,14 @@ class Settings:
                 raise ConfigError(f"{name}: must be positive")
         if self.router not in ROUTERS:
             raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
-        if self.kv_cache_dtype != "auto":  # here, before any service starts
-            kv_cache_dtype_name(self.kv_cache_dtype)
         if self.router_overlap_weight < 0:
             raise ConfigError("router_overlap_weight: must be at least 0")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
         self._check_nats_auth()
+        from engine.model_config import check_kv_cache_dtype  # the engine's own rule
+
+        check_kv_cache_dtype(self.kv_cache_dtype)  # here, before any service starts
 
     def _check_nats_auth(self) -> None:
         if (self.nats_user is None) != (self.nats_password is None):

@@ -62,9 +62,9 @@ class KvSizeReport:
     paged_sequences: int  # fit when each holds blocks for avg_tokens
     paged_utilisation: float  # stored tokens / allocated slots under paging
     users: int
+    dtype: str = ""  # the KV cache's, by name
     tensor_parallel_size: int = 1
     replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
-    dtype: str = ""  # the KV cache's, by name
 
     def lines(self) -> list[str]:
         gib, ranks, replicas = 1024**3, self.tensor_parallel_size, self.replicas
@@ -113,7 +113,7 @@ def kv_size(
         paged_sequences=budget // (per_token * blocks_per_avg * block_size),
         paged_utilisation=avg_tokens / (blocks_per_avg * block_size),
         users=users,
+        dtype=str(dtype).removeprefix("torch."),
         tensor_parallel_size=tensor_parallel_size,
         replicas=replicas,
-        dtype=str(dtype).removeprefix("torch."),
     )

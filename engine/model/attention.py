@@ -24,14 +24,6 @@ class AttentionMetadata:
     max_seqlen_q: int
 
 
-@dataclass(frozen=True)
-class KvScales:
-    """A layer's fp8 cache scales (engine/model/kv_scales.py); other caches ignore them."""
-
-    k: float = 1.0
-    v: float = 1.0
-
-
 class PagedAttention:
     def __init__(self, ops: KernelOps, scale: float) -> None:
         self.ops = ops
@@ -46,12 +38,14 @@ class PagedAttention:
         meta: AttentionMetadata,
         window: int = 0,
         softcap: float = 0.0,
-        kv_scales: KvScales = KvScales(),
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d], layer_cache [2, num_blocks, bs, kv_heads, d];
-        the layer's sliding window (0: full), attention soft-cap (0: none) and fp8 scales."""
+        the layer's sliding window (0: full), attention soft-cap (0: none), and its fp8
+        cache's scales (engine/model/kv_scales.py; other caches ignore them)."""
         key_cache, value_cache = layer_cache[0], layer_cache[1]
-        scales = dict(k_scale=kv_scales.k, v_scale=kv_scales.v)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, **scales)
         return self.ops.paged_attention(
             q,

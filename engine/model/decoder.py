@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, KvScales, PagedAttention
+from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import make_linear
 from engine.model.moe import RoutedExperts
 from engine.model.rope import cos_sin_table, longrope_original_length
@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.window = config.window(layer_idx)
         self.softcap = config.attn_logit_softcapping or 0.0
-        self.kv_scales = KvScales()  # an fp8 cache's: the executor sets them (kv_scales.py)
+        self.k_scale = self.v_scale = 1.0  # an fp8 cache's: the loader sets them (kv_scales.py)
         self.local_rope = self.window > 0 and config.local_rope_theta is not None
         self.activation = (
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
@@ -122,7 +122,9 @@ class DecoderLayer(nn.Module):
         k = self._head_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm)
         q, k = ops.rotary(q, k, *(rope.local if self.local_rope else rope.full))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attention(q, k, v, layer_cache, meta, self.window, self.softcap, self.kv_scales)
+        attn = attention(
+            q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale
+        )
         attn = _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
         h, x = ops.add_rms_norm(
             x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps

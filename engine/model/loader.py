@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from engine.model.attention import KvScales
 from engine.model.decoder import Decoder
 from engine.model.kv_scales import read_kv_scales
 from engine.model.sharding import MIXTRAL_NAMES, Part, Shard
@@ -204,10 +203,9 @@ def load_model(
     model = Decoder(config, dtype, max_positions, ops, shard, group)
     load_weights(model, path)
     # an fp8 cache's scales (1.0 where the checkpoint has none); other caches ignore them
-    for layer, (k_scale, v_scale) in zip(
-        model.layers, read_kv_scales(iter_slices(path), config.num_layers), strict=True
-    ):
-        layer.kv_scales = KvScales(k_scale, v_scale)
+    scales = read_kv_scales(iter_slices(path), config.num_layers)
+    for layer, (k_scale, v_scale) in zip(model.layers, scales, strict=True):
+        layer.k_scale, layer.v_scale = k_scale, v_scale
     model = model.to(device).eval()
     model.build_matmuls()
     return model

@@ -150,11 +150,11 @@ def test_scales_come_from_the_checkpoint(tiny_llama, tmp_path):
     )
     llm = make_llm(scaled, kv_cache_dtype="fp8")
     layers = llm.executor.model.layers
-    assert [(layer.kv_scales.k, layer.kv_scales.v) for layer in layers[:2]] == [
+    assert [(layer.k_scale, layer.v_scale) for layer in layers[:2]] == [
         (0.5, 0.25),
         (3.0, 1.0),  # a per-head scale: its largest
     ]
-    assert all((layer.kv_scales.k, layer.kv_scales.v) == (1.0, 1.0) for layer in layers[2:])
+    assert all((layer.k_scale, layer.v_scale) == (1.0, 1.0) for layer in layers[2:])
     prompts = random_prompts([9, 20], seed=13)
     expected = make_llm(tiny_llama).generate(prompts, PARAMS)
     assert check_logprobs_close(expected, llm.generate(prompts, PARAMS)) >= 4
