@@ -32,6 +32,9 @@ import triton.language as tl
 from kernels.reference import FP8_DTYPES
 
 LOG2E = 1.4426950408889634
+# the same inside kernels: compiled Triton reads only constexpr globals (the interpreter reads
+# any, so the tests on CPU did not see the soft-cap path fail to compile for CUDA)
+LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
 MIN_PARTITION_SIZE = 256  # tokens of context per split-KV program, at least
 MAX_SPLITS = 64
 
@@ -108,9 +111,9 @@ def _attend_range(
         # "ieee" only matters for fp32 caches (no tf32); bf16/fp16 use tensor cores anyway
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if SOFTCAP:  # qk_scale is scale * log2(e): cap in natural units, back to log2's
-            capped = scores / (LOG2E * softcap)
+            capped = scores / (LOG2E_IN_KERNEL * softcap)
             # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for any x
-            scores = softcap * LOG2E * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
+            scores = softcap * LOG2E_IN_KERNEL * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
         pos = start + tl.arange(0, BLOCK_N)
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
         if WINDOW:
