@@ -71,24 +71,11 @@ def paged_decode(
         k_scale = v_scale = 1.0
     # an fp8 cache's scales are linear: k_scale joins the softmax scale, v_scale the output
     status = function(
-        query.data_ptr(),
-        query.stride(0),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        torch.get_num_threads(),
-        scale * k_scale,
-        window or 0,
-        softcap or 0.0,
-    )
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(),
+        scale * k_scale, window or 0, softcap or 0.0,
+    )  # fmt: skip
     if status != 0:
         return None
     return out.mul_(v_scale) if v_scale != 1.0 else out

@@ -122,33 +122,22 @@ def reshape_and_cache(
         return
     row_size = num_kv_heads * head_dim
     fp8 = key_cache.dtype in FP8_FORMATS
-    mant, bias, largest = FP8_FORMATS.get(key_cache.dtype, NO_FP8)
+    fp8_format = _fp8_constexprs(*FP8_FORMATS.get(key_cache.dtype, NO_FP8))
     if fp8:
         assert value_cache.dtype == key_cache.dtype, "key and value caches share a dtype"
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        k_scale,
-        v_scale,
-        HEAD_DIM=head_dim,
-        ROW_SIZE=row_size,
-        ROW_PAD=triton.next_power_of_2(row_size),
-        BLOCK_SIZE=key_cache.shape[1],
-        FP8=fp8,
-        MANT=mant,
-        BIAS=bias,
-        MAX=largest,
-        MIN_NORMAL=2.0 ** (1 - bias),
-        INV_STEP=2.0 ** (bias - 1 + mant),
-    )
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), k_scale, v_scale,
+        HEAD_DIM=head_dim, ROW_SIZE=row_size, ROW_PAD=triton.next_power_of_2(row_size),
+        BLOCK_SIZE=key_cache.shape[1], FP8=fp8, **fp8_format,
+    )  # fmt: skip
+
+
+def _fp8_constexprs(mant: int, bias: int, largest: float) -> dict:
+    """The kernel's description of an fp8 format (zeros when the cache is not fp8)."""
+    return dict(
+        MANT=mant, BIAS=bias, MAX=largest,
+        MIN_NORMAL=2.0 ** (1 - bias), INV_STEP=2.0 ** (bias - 1 + mant),
+    )  # fmt: skip

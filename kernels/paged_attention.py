@@ -316,8 +316,7 @@ def paged_attention(
     num_splits: None lets `choose_num_splits` decide (split-KV for small decode batches with
     long contexts, judged by block_tables.shape[1] * block_size); 1 forces the single pass,
     > 1 forces split-KV with that many context partitions (any batch, also prefill). window,
-    softcap: as kernels/ops.py's contract (0: off). The caches may be fp8 (float8_e4m3fn,
-    float8_e5m2) holding values / k_scale and / v_scale; other caches ignore the scales."""
+    softcap, k_scale, v_scale: as kernels/ops.py's contract (fp8 caches: the module doc)."""
     _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
@@ -333,9 +332,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     partial_m = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
     partial_l = torch.empty_like(partial_m)
-    partial_out = query.new_empty(
-        (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32
-    )
+    partial_out = partial_m.new_empty((*partial_m.shape, head_dim))
     partials = (partial_out, partial_m, partial_l)
     _launch_attention(*args, partials, num_splits, scale, max_seqlen_q, masking)
     _launch_reduce(out, partials)
