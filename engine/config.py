@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, check_kv_cache_dtype
 from schemas.errors import ConfigError
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -179,8 +179,9 @@ class ExecutorConfig:
     max_model_len: int = 4096
     attention_backend: str = "auto"
     seed: int = 0
-    # "auto": the model's dtype. "bfloat16" / "float16" halve a float32 model's K/V memory and
-    # the bytes decode attention reads; compute stays in the model's dtype (cpu/torch backends)
+    # "auto": the model's dtype. "fp8" (= "fp8_e4m3") / "fp8_e5m2": one byte a value, with
+    # per-layer scales, on every backend. "bfloat16" / "float16" halve a float32 model's K/V
+    # memory (cpu/torch backends); compute stays in the model's dtype either way
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     # seconds any rank waits in a collective (a step, a keepalive) before the group fails
@@ -209,6 +210,7 @@ class ExecutorConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ class EngineConfig:
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     @classmethod
     def pick(cls, source: Any) -> "EngineConfig":

@@ -14,6 +14,11 @@ from schemas.errors import CheckpointError, ConfigError
 # worker turns a name into a torch.dtype, engine/memory.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# dtypes of a KV cache only (vLLM's names; "fp8" is e4m3): one byte an element, with per-layer
+# scales (engine/model/kv_scales.py)
+FP8_BYTES = {"float8_e4m3fn": 1, "float8_e5m2": 1}
+FP8_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = ("auto", *FP8_ALIASES, *DTYPE_BYTES)
 
 
 def dtype_name(dtype: object) -> str:
@@ -27,7 +32,32 @@ def dtype_name(dtype: object) -> str:
 
 
 def dtype_bytes(dtype: object) -> int:
-    return DTYPE_BYTES[dtype_name(dtype)]
+    """Bytes of one element of a model dtype or of an fp8 KV cache dtype."""
+    name = str(dtype).removeprefix("torch.")
+    name = FP8_ALIASES.get(name, name)
+    return FP8_BYTES[name] if name in FP8_BYTES else DTYPE_BYTES[dtype_name(dtype)]
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """ConfigError naming the accepted values unless `name` is "auto" or a KV cache dtype."""
+    if name != "auto":
+        kv_cache_dtype_name(name)
+
+
+def kv_cache_dtype_name(name: object) -> str:
+    """The canonical dtype of a `kv_cache_dtype` other than "auto": an fp8 name (fp8 = fp8_e4m3
+    -> float8_e4m3fn, fp8_e5m2 -> float8_e5m2) or a model dtype ("bf16"); ConfigError else."""
+    text = str(name).removeprefix("torch.")
+    text = FP8_ALIASES.get(text, text)
+    if text in FP8_BYTES:
+        return text
+    try:
+        return dtype_name(text)
+    except ConfigError:
+        choices = [*KV_CACHE_DTYPES, *DTYPE_ALIASES]
+        raise ConfigError(
+            f"kv_cache_dtype: unknown dtype {name!r}; choose one of {choices}"
+        ) from None
 
 
 @dataclass(frozen=True)

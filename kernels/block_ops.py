@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import as_bytes
+
 CHUNK = 1024  # elements copied per loop step
 
 
@@ -45,10 +47,11 @@ def _copy_blocks_kernel(
 
 
 def _blocks_view(cache: torch.Tensor) -> torch.Tensor:
-    """[num_layers, 2, num_blocks, block_size, kvh, d] -> [num_layers * 2, num_blocks, numel]."""
+    """[num_layers, 2, num_blocks, block_size, kvh, d] -> [num_layers * 2, num_blocks, numel];
+    an fp8 cache as bytes (blocks move as they are; torch has no index_copy_ for fp8)."""
     assert cache.dim() == 6, f"expected a 6-d kv cache, got shape {tuple(cache.shape)}"
     assert cache.is_contiguous(), "the kv cache must be contiguous"
-    return cache.view(cache.shape[0] * 2, cache.shape[2], -1)
+    return as_bytes(cache).view(cache.shape[0] * 2, cache.shape[2], -1)
 
 
 def _launch_copy(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids) -> None:

@@ -25,13 +25,15 @@ SOURCES = Path(__file__).parent / "cpu"
 # whole process (every torch op, and hypothesis refuses to run)
 FLAGS = [
     "-O3",
-    "-march=native",
     "-fno-math-errno",
     "-ffp-contract=fast",
     "-fopenmp",
     "-shared",
     "-fPIC",
 ]
+# the host's own instruction set; tests also build for "x86-64-v3" (AVX2, no AVX-512) to check
+# the code that hosts without AVX-512 run
+NATIVE = "native"
 I64, PTR, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -48,16 +50,20 @@ def _build_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvpager" / "kernels"
 
 
-def _library_path(compiler: str, source: Path) -> Path:
+def _flags(march: str) -> list[str]:
+    return [*FLAGS, f"-march={march}"]
+
+
+def _library_path(compiler: str, source: Path, march: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it includes
-    for part in (source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode()):
+    for part in (source.read_bytes(), *headers, " ".join(_flags(march)).encode(), version.encode()):
         digest.update(part)
     return _build_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, source: Path, target: Path) -> None:
+def _build(compiler: str, source: Path, target: Path, march: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -66,7 +72,7 @@ def _build(compiler: str, source: Path, target: Path) -> None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             subprocess.run(
-                [compiler, *FLAGS, "-o", str(built), str(source)],
+                [compiler, *_flags(march), "-o", str(built), str(source)],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -75,20 +81,22 @@ def _build(compiler: str, source: Path, target: Path) -> None:
 
 
 @functools.cache
-def load_library(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
-    """kernels/cpu/<name>.c compiled and loaded, its functions typed by `signatures`
-    ((function, argtypes) pairs, all returning int), or None when it cannot be built here
-    (logged once)."""
+def load_library(
+    name: str, signatures: tuple[tuple[str, tuple], ...], march: str = NATIVE
+) -> ctypes.CDLL | None:
+    """kernels/cpu/<name>.c compiled for `march` and loaded, its functions typed by
+    `signatures` ((function, argtypes) pairs, all returning int), or None when it cannot be
+    built here (logged once)."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler: the CPU backend keeps its torch twins", kernel=name)
         return None
     source = SOURCES / f"{name}.c"
     try:
-        target = _library_path(compiler, source)
+        target = _library_path(compiler, source, march)
         if not target.exists():
             log.info("building a CPU kernel", kernel=name, path=str(target))
-            _build(compiler, source, target)
+            _build(compiler, source, target, march)
         library = ctypes.CDLL(str(target))  # after torch: shares its libgomp.so.1
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)

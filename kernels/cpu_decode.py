@@ -12,16 +12,29 @@ Built and loaded by kernels/cpu_build.py.
 
 import torch
 
-from kernels.cpu_build import FLOAT, I64, PTR, load_library
-from kernels.reference import chunk_attention_ref, decode_attention_ref, paged_attention_ref
+from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
+from kernels.reference import (
+    FP8_DTYPES,
+    chunk_attention_ref,
+    decode_attention_ref,
+    paged_attention_ref,
+)
 
 _ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
-_SIGNATURES = (("paged_decode_f32", _ARGTYPES), ("paged_decode_bf16", _ARGTYPES))
+# the kernel's entry point for each cache dtype (fp8 ones decoded by kernels/cpu/fp8.h)
+_FUNCTIONS = {
+    torch.float32: "paged_decode_f32",
+    torch.bfloat16: "paged_decode_bf16",
+    torch.float8_e4m3fn: "paged_decode_fp8_e4m3",
+    torch.float8_e5m2: "paged_decode_fp8_e5m2",
+}
+_SIGNATURES = tuple((name, _ARGTYPES) for name in _FUNCTIONS.values())
 
 
-def load():
-    """The compiled library (kernels/cpu/paged_decode.c), or None when it cannot be built."""
-    return load_library("paged_decode", _SIGNATURES)
+def load(march: str = NATIVE):
+    """The compiled library (kernels/cpu/paged_decode.c) for `march` (the host's; tests also
+    load AVX2's), or None when it cannot be built."""
+    return load_library("paged_decode", _SIGNATURES, march)
 
 
 def paged_decode(
@@ -33,12 +46,15 @@ def paged_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """One query token per sequence over paged K/V: fp32 [num_seqs, heads, d], or None when the
-    kernel does not take these inputs (then the caller uses the torch twin). window, softcap:
-    as kernels/reference.py's."""
+    kernel does not take these inputs (then the caller uses the torch twin). window, softcap,
+    k_scale, v_scale: as kernels/reference.py's."""
     library = load()
-    if library is None or key_cache.dtype not in (torch.float32, torch.bfloat16):
+    if library is None or key_cache.dtype not in _FUNCTIONS or value_cache.dtype != key_cache.dtype:
         return None
     query = query.float()
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be apart (qkv view)
@@ -50,37 +66,28 @@ def paged_decode(
     out = torch.empty(query.shape, dtype=torch.float32)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    function = (
-        library.paged_decode_f32 if key_cache.dtype == torch.float32 else library.paged_decode_bf16
-    )
+    function = getattr(library, _FUNCTIONS[key_cache.dtype])
+    if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
+        k_scale = v_scale = 1.0
+    # an fp8 cache's scales are linear: k_scale joins the softmax scale, v_scale the output
     status = function(
-        query.data_ptr(),
-        query.stride(0),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        torch.get_num_threads(),
-        scale,
-        window or 0,
-        softcap or 0.0,
-    )
-    return out if status == 0 else None
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(),
+        scale * k_scale, window or 0, softcap or 0.0,
+    )  # fmt: skip
+    if status != 0:
+        return None
+    return out.mul_(v_scale) if v_scale != 1.0 else out
 
 
 def _decode_rows(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0
-) -> torch.Tensor:
+    query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0, *,
+    k_scale=1.0, v_scale=1.0,
+) -> torch.Tensor:  # fmt: skip
     args = (query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
-    out = paged_decode(*args)
-    return decode_attention_ref(*args) if out is None else out
+    out = paged_decode(*args, k_scale=k_scale, v_scale=v_scale)
+    return decode_attention_ref(*args, k_scale=k_scale, v_scale=v_scale) if out is None else out
 
 
 # Prefill chunks this long or longer go to SDPA (blocked matmuls over a gathered copy of the
@@ -117,14 +124,18 @@ def paged_attention_cpu(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
-    in place through the block tables (bf16 caches without widening), and chunks of
-    SDPA_MIN_CHUNK tokens or more on the twin's SDPA. Returns query's dtype."""
+    in place through the block tables (bf16 and fp8 caches without widening), and chunks of
+    SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather). Returns
+    query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
-    masking = dict(window=window, softcap=softcap)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    masking = dict(window=window, softcap=softcap, **scales)
     if max_seqlen_q == 1:
-        out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap)
+        out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap, **scales)
         return out.to(query.dtype)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
@@ -133,13 +144,17 @@ def paged_attention_cpu(
         return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
     tables = block_tables.index_select(0, seq_of_token[short])
     rows = paged_decode(
-        query[short], key_cache, value_cache, tables, context[short], scale, window, softcap
-    )
+        query[short], key_cache, value_cache, tables, context[short], scale, window, softcap,
+        **scales,
+    )  # fmt: skip
     if rows is None:
         return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
     if short.numel() == query.shape[0]:
         return rows.to(query.dtype)
     out = torch.empty(query.shape, dtype=torch.float32)
     out[short] = rows
-    chunk_attention_ref(query, *args[:-1], q_lens >= SDPA_MIN_CHUNK, out, window, softcap)
+    long_chunks = q_lens >= SDPA_MIN_CHUNK
+    chunk_attention_ref(
+        query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
+    )  # fmt: skip
     return out.to(query.dtype)

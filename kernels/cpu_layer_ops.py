@@ -11,22 +11,28 @@ op, and ran ~0.5 s of a bf16 SmolLM2 decode step against ~0.1 s for the C path).
 import torch
 
 from kernels import reference
-from kernels.cpu_build import FLOAT, I64, PTR, load_library
+from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 
+_FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _PER_DTYPE = (
     ("rope_neox", (PTR, I64, I64, I64, I64, PTR, PTR)),
     ("add_rms_norm", (PTR, PTR, PTR, PTR, I64, I64, FLOAT)),
     ("silu_and_mul", (PTR, PTR, I64, I64)),
 )
-_SIGNATURES = (("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),) + tuple(
-    (f"{name}_{suffix}", argtypes) for name, argtypes in _PER_DTYPE for suffix in ("f32", "bf16")
+_WRITE_KV_FP8 = (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, FLOAT, FLOAT)
+_SUFFIXES = ("f32", "bf16")
+_SIGNATURES = (
+    ("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),
+    *((f"write_kv_{fp8}_{suffix}", _WRITE_KV_FP8) for fp8 in _FP8.values() for suffix in _SUFFIXES),
+    *((f"{name}_{suffix}", argtypes) for name, argtypes in _PER_DTYPE for suffix in _SUFFIXES),
 )
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def load():
-    """The compiled library, or None when it cannot be built here."""
-    return load_library("layer_ops", _SIGNATURES)
+def load(march: str = NATIVE):
+    """The compiled library for `march` (the host's; tests also load AVX2's), or None when it
+    cannot be built here."""
+    return load_library("layer_ops", _SIGNATURES, march)
 
 
 def _kernel(name: str, *tensors: torch.Tensor):
@@ -54,18 +60,32 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     library = load()
+    fp8 = key_cache.dtype in _FP8 and value_cache.dtype == key_cache.dtype
     fits = (
-        _same_cpu_dtype(key, value, key_cache, value_cache)
+        (_same_cpu_dtype(key, value, key_cache, value_cache) or fp8 and _same_cpu_dtype(key, value))
         and _rows_of_heads(key)
         and _rows_of_heads(value)
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
     )
     if library is None or not fits:
-        return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        return reference.reshape_and_cache_ref(
+            key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
     slots = slot_mapping.to(torch.int64).contiguous()
+    if fp8:  # quantised as written: x / scale, clamped, rounded to nearest even
+        write = getattr(library, f"write_kv_{_FP8[key_cache.dtype]}_{_SUFFIX[key.dtype]}")
+        write(
+            key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+            key.shape[0], key.shape[1] * key.shape[2], k_scale, v_scale,
+        )  # fmt: skip
+        return None
     size = key.element_size()  # rows are copied as bytes: fp32 or bf16 alike
     library.write_kv(
         key.data_ptr(),

@@ -22,8 +22,12 @@ class ReshapeAndCache(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative: padding, not written
+        *,
+        k_scale: float = 1.0,  # an fp8 cache stores clamp(k / k_scale) to nearest even
+        v_scale: float = 1.0,
     ) -> None:
-        """Write each token's K/V row into its slot of the caches."""
+        """Write each token's K/V row into its slot of the caches (cast to their dtype, or
+        quantised for an fp8 one: float8_e4m3fn, float8_e5m2)."""
 
 
 class PagedAttention(Protocol):
@@ -40,9 +44,12 @@ class PagedAttention(Protocol):
         *,
         window: int = 0,  # a key at j is seen from i iff i - window < j <= i; 0: every key
         softcap: float = 0.0,  # scores become softcap * tanh(score / softcap); 0: none
+        k_scale: float = 1.0,  # an fp8 cache's K are stored / k_scale: read as q * k_scale
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal attention of a mixed batch over paged K/V: [num_tokens, num_heads, head_dim]
-        in query's dtype. The new tokens' K/V are in the cache already."""
+        in query's dtype. The new tokens' K/V are in the cache already. The caches are in
+        query's dtype, or fp8 (dequantised as read); other caches ignore the scales."""
 
 
 class CopyBlocks(Protocol):

@@ -17,6 +17,10 @@ window and masks per row; soft-capping (SOFTCAP > 0) squashes each score with ta
 Split-KV (flash-decoding) runs the same kernel with the context cut into `num_splits`
 partitions along grid axis 2: each program writes its unnormalised partial output with its
 running max and sum, and `_reduce_splits_kernel` combines them.
+
+An fp8 cache (float8_e4m3fn / float8_e5m2) is widened to the query's dtype as each tile is
+loaded (exact: both formats fit in bf16 and fp16); its scales are linear, so k_scale joins
+the softmax scale and v_scale multiplies the output (each split's partial alike).
 """
 
 import functools
@@ -25,7 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FP8_DTYPES
+
 LOG2E = 1.4426950408889634
+# the same inside kernels: compiled Triton reads only constexpr globals (the interpreter reads
+# any, so the tests on CPU did not see the soft-cap path fail to compile for CUDA)
+LOG2E_IN_KERNEL = tl.constexpr(LOG2E)
 MIN_PARTITION_SIZE = 256  # tokens of context per split-KV program, at least
 MAX_SPLITS = 64
 
@@ -77,6 +86,7 @@ def _attend_range(
     DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
+    WIDEN_KV: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over keys kv_start..kv_end (causal, and
     within `window` keys of each row's position when WINDOW).
@@ -96,14 +106,14 @@ def _attend_range(
         )  # fmt: skip
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        if DOT_FP32 or WIDEN_KV:  # to q's dtype: fp32 under DOT_FP32, else the model's
+            k, v = k.to(q.dtype), v.to(q.dtype)
         # "ieee" only matters for fp32 caches (no tf32); bf16/fp16 use tensor cores anyway
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if SOFTCAP:  # qk_scale is scale * log2(e): cap in natural units, back to log2's
-            capped = scores / (LOG2E * softcap)
+            capped = scores / (LOG2E_IN_KERNEL * softcap)
             # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for any x
-            scores = softcap * LOG2E * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
+            scores = softcap * LOG2E_IN_KERNEL * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
         pos = start + tl.arange(0, BLOCK_N)
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
         if WINDOW:
@@ -131,6 +141,7 @@ def _paged_attention_kernel(
     partial_m_ptr,
     partial_l_ptr,
     qk_scale,
+    v_scale,
     softcap,
     window,
     num_splits,
@@ -156,6 +167,7 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
+    WIDEN_KV: tl.constexpr,
 ):
     seq_idx, q_tile = tl.program_id(0), tl.program_id(1)
     kv_head, split_idx = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
@@ -185,8 +197,10 @@ def _paged_attention_kernel(
         q, seq_len - q_len + token, kv_start, kv_end, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + seq_idx * stride_block_tables_seq, kv_head, qk_scale, softcap, window,
         stride_cache_block, stride_cache_slot, stride_cache_head,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32, SOFTCAP, WINDOW,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32, SOFTCAP, WINDOW, WIDEN_KV,
     )  # fmt: skip
+    if WIDEN_KV:
+        acc = acc * v_scale
     if SPLIT:
         # partials: [num_tokens, num_heads, num_splits] (+ [head_dim] for the output)
         part = token_idx * stride_partial_token + head * stride_partial_head + split_idx
@@ -255,7 +269,10 @@ def _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} KV heads"
     assert key_cache.shape[3] == query.shape[2], "query and cache head_dim differ"
-    assert query.dtype == key_cache.dtype == value_cache.dtype, "query and caches share a dtype"
+    assert key_cache.dtype == value_cache.dtype, "key and value caches share a dtype"
+    assert query.dtype == key_cache.dtype or key_cache.dtype in FP8_DTYPES, (
+        "the caches are in the query's dtype, or fp8"
+    )
     assert key_cache.stride() == value_cache.stride(), "key and value caches must share strides"
     assert query.stride(-1) == 1 and key_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
@@ -283,6 +300,8 @@ def paged_attention(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -297,7 +316,7 @@ def paged_attention(
     num_splits: None lets `choose_num_splits` decide (split-KV for small decode batches with
     long contexts, judged by block_tables.shape[1] * block_size); 1 forces the single pass,
     > 1 forces split-KV with that many context partitions (any batch, also prefill). window,
-    softcap: as kernels/ops.py's contract (0: off)."""
+    softcap, k_scale, v_scale: as kernels/ops.py's contract (fp8 caches: the module doc)."""
     _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
@@ -305,7 +324,7 @@ def paged_attention(
     if num_splits is None:
         num_splits = _auto_num_splits(query, key_cache, block_tables, max_seqlen_q)
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
-    masking = (window or 0, softcap or 0.0)
+    masking = (window or 0, softcap or 0.0, k_scale, v_scale)
     if num_splits == 1:
         unused = torch.empty(0, dtype=torch.float32, device=query.device)
         _launch_attention(*args, (unused, unused, unused), 1, scale, max_seqlen_q, masking)
@@ -313,9 +332,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     partial_m = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
     partial_l = torch.empty_like(partial_m)
-    partial_out = query.new_empty(
-        (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32
-    )
+    partial_out = partial_m.new_empty((*partial_m.shape, head_dim))
     partials = (partial_out, partial_m, partial_l)
     _launch_attention(*args, partials, num_splits, scale, max_seqlen_q, masking)
     _launch_reduce(out, partials)
@@ -340,12 +357,14 @@ def _launch_attention(
     max_context = block_tables.shape[1] * block_size
     partition_size = triton.cdiv(max_context, num_splits * block_n) * block_n
     group_pad, block_q = _tile_sizes(num_heads // num_kv_heads, max_seqlen_q)
-    window, softcap = masking
+    window, softcap, k_scale, v_scale = masking
+    if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
+        k_scale = v_scale = 1.0
     grid = (num_seqs, triton.cdiv(max_seqlen_q, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
         out, partial_out, partial_m, partial_l,
-        scale * LOG2E, softcap, window, num_splits, partition_size,
+        scale * LOG2E * k_scale, v_scale, softcap, window, num_splits, partition_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads * num_splits, num_splits,
@@ -353,8 +372,8 @@ def _launch_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         # the interpreter (CPU) multiplies bf16 bit patterns in tl.dot: upcast there only
-        DOT_FP32=not query.is_cuda and key_cache.dtype == torch.bfloat16,
-        SOFTCAP=softcap > 0, WINDOW=window > 0,
+        DOT_FP32=not query.is_cuda and query.dtype == torch.bfloat16,
+        SOFTCAP=softcap > 0, WINDOW=window > 0, WIDEN_KV=key_cache.dtype != query.dtype,
     )  # fmt: skip
 
 

@@ -5,7 +5,10 @@ torch attention backend (CPU serving) calls them. Attention takes a per-layer `w
 full; else a key at position j is visible to the query at position i iff
 i - window < j <= i, transformers' sliding-window mask) and a
 `softcap` (0: none; else scores become softcap * tanh(scores / softcap) before masking, as
-Gemma 2 does). Cache layout everywhere:
+Gemma 2 does). An fp8 cache (float8_e4m3fn or float8_e5m2) stores each K/V value x as
+q = clamp(x / scale) rounded to nearest even, with a per-layer `k_scale` / `v_scale`, and
+attention reads x = q * scale (`quantise_ref`, `dequantise_ref`); other caches store x cast to
+their dtype and ignore the scales. Cache layout everywhere:
 
     kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     key_cache = kv_cache[layer, 0]   value_cache = kv_cache[layer, 1]
@@ -17,9 +20,31 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# (query [S, heads, d], key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
-# -> fp32 [S, heads, d]
+# (query [S, heads, d], key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
+# *, k_scale, v_scale) -> fp32 [S, heads, d]
 DecodeFn = Callable[..., torch.Tensor]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantise_ref(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it: fp8 takes x / scale in fp32, clamped to the
+    format's largest finite value and rounded to nearest even; any other dtype takes x cast."""
+    if cache_dtype not in FP8_DTYPES:
+        return x.to(cache_dtype)
+    largest = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp(-largest, largest).to(cache_dtype)
+
+
+def dequantise_ref(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache contents as values: fp8 widened to fp32 and times `scale`; others as they are."""
+    return stored.float() * scale if stored.dtype in FP8_DTYPES else stored
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache viewed as uint8 (whole-block copies move bytes; torch lacks some indexing
+    ops for fp8 on the CPU, index_copy_ among them); any other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,28 +97,33 @@ def reshape_and_cache_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write new K/V rows into the paged caches at their slots; negative slots are skipped.
 
     key, value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
-    num_kv_heads, head_dim]; slot_mapping: int64 [num_tokens].
+    num_kv_heads, head_dim]; slot_mapping: int64 [num_tokens]; k_scale, v_scale: an fp8
+    cache's (see the module docstring).
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, offsets] = quantise_ref(key[keep], key_cache.dtype, k_scale)
+    value_cache[blocks, offsets] = quantise_ref(value[keep], value_cache.dtype, v_scale)
 
 
 def _gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scale: float = 1.0
 ) -> torch.Tensor:
-    """[num_tokens, num_kv_heads, head_dim] of one sequence, read through its block table."""
+    """[num_tokens, num_kv_heads, head_dim] of one sequence, read through its block table
+    (an fp8 cache dequantised on the gather, in fp32)."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
     blocks = block_table[:num_blocks].long()
-    return cache.index_select(0, blocks).flatten(0, 1)[:num_tokens]
+    return dequantise_ref(cache.index_select(0, blocks).flatten(0, 1)[:num_tokens], scale)
 
 
 def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
@@ -117,8 +147,9 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Ten
 
 
 def decode_attention_ref(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0
-):
+    query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0, *,
+    k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """All sequences have one query token: one batched gather and attention, no Python loop."""
     num_seqs = query.shape[0]
     block_size = key_cache.shape[1]
@@ -129,18 +160,21 @@ def decode_attention_ref(
     # index_select copies whole blocks (advanced indexing goes element by element, 3x slower)
     k = key_cache.index_select(0, blocks).view(num_seqs, -1, *key_cache.shape[2:]).transpose(1, 2)
     v = value_cache.index_select(0, blocks).view(num_seqs, -1, *key_cache.shape[2:]).transpose(1, 2)
+    k, v = dequantise_ref(k, k_scale), dequantise_ref(v, v_scale)
     positions = torch.arange(num_blocks * block_size, device=query.device)
     mask = _visible(seq_lens[:, None] - 1, positions[None, :], window).view(num_seqs, 1, 1, -1)
     return _attend(query.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
 
 
 def _sequence_attention(
-    q_seq, key_cache, value_cache, block_table, seq_len, scale, window=0, softcap=0.0
-):
+    q_seq, key_cache, value_cache, block_table, seq_len, scale, window=0, softcap=0.0,
+    kv_scales=(1.0, 1.0),
+):  # fmt: skip
     """Causal attention of one sequence's query chunk over its whole cached context."""
     q_len = q_seq.shape[0]
-    k = _gather_context(key_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
-    v = _gather_context(value_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
+    k = _gather_context(key_cache, block_table, seq_len, kv_scales[0]).transpose(0, 1)
+    v = _gather_context(value_cache, block_table, seq_len, kv_scales[1]).transpose(0, 1)
+    k, v = k.unsqueeze(0), v.unsqueeze(0)
     # query i sits at position seq_len - q_len + i and sees keys 0..that position
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q_seq.device)
     mask = _visible(q_pos[:, None], torch.arange(seq_len, device=q_seq.device)[None, :], window)
@@ -162,6 +196,8 @@ def paged_attention_ref(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -171,11 +207,15 @@ def paged_attention_ref(
     seq_lens: int32 [num_seqs] context length of each sequence *including* its new tokens,
     whose K/V must already be in the cache. num_heads is a multiple of num_kv_heads (GQA).
     Returns [num_tokens, num_heads, head_dim] in query's dtype. The one-token rows go to
-    `decode` in one batch (the CPU backend passes its C kernel there). window, softcap: see
-    the module docstring.
+    `decode` in one batch (the CPU backend passes its C kernel there). window, softcap,
+    k_scale, v_scale: see the module docstring.
     """
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if max_seqlen_q == 1:
-        out = decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
+        out = decode(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
+            **scales,
+        )  # fmt: skip
         return out.to(query.dtype)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
@@ -184,11 +224,11 @@ def paged_attention_ref(
         rows = cu_seqlens_q[one].long()
         out[rows] = decode(
             query[rows], key_cache, value_cache, block_tables[one], seq_lens[one], scale,
-            window, softcap,
+            window, softcap, **scales,
         )  # fmt: skip
     chunk_attention_ref(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens > 1,
-        out, window, softcap,
+        out, window, softcap, (k_scale, v_scale),
     )  # fmt: skip
     return out.to(query.dtype)
 
@@ -205,15 +245,17 @@ def chunk_attention_ref(
     out: torch.Tensor,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """The query chunks of the sequences `chosen` (bool [num_seqs]), each attending causally
-    over its cached context, into their rows of `out` (fp32 [num_tokens, heads, d])."""
+    over its cached context, into their rows of `out` (fp32 [num_tokens, heads, d]);
+    kv_scales: an fp8 cache's (k_scale, v_scale)."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end = starts[seq_idx], starts[seq_idx + 1]
         out[start:end] = _sequence_attention(
             query[start:end], key_cache, value_cache, block_tables[seq_idx], lens[seq_idx], scale,
-            window, softcap,
+            window, softcap, kv_scales,
         )  # fmt: skip
 
 
@@ -226,6 +268,7 @@ def copy_blocks_ref(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None
     if block_mapping.numel() == 0:
         return
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    kv_cache = as_bytes(kv_cache)
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 
 
@@ -242,6 +285,7 @@ def swap_blocks_ref(
         return
     src = block_mapping[:, 0].to(src_cache.device)
     dst = block_mapping[:, 1].to(dst_cache.device)
+    src_cache, dst_cache = as_bytes(src_cache), as_bytes(dst_cache)
     dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
 
 

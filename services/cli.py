@@ -29,7 +29,12 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from schemas.sampling import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+    )
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -185,15 +190,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="checkpoint folder or known model name (default: %(default)s)",
     )
     parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model's) | fp8 | fp8_e5m2 | ..."
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:
     from engine.kv.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
-    from engine.model_config import ModelConfig, dtype_name
+    from engine.model_config import ModelConfig, dtype_name, kv_cache_dtype_name
 
     config = ModelConfig.from_path(args.model)
-    dtype = dtype_name(args.dtype or config.checkpoint_dtype)
+    dtype = kv_cache_dtype_name(args.kv_cache_dtype or args.dtype or config.checkpoint_dtype)
     weight_dtype = dtype_name(config.checkpoint_dtype)
     size, gpus = _kv_size_ranks(args, config)
     budget = int(args.budget_gib * 1024**3)
@@ -236,7 +244,15 @@ def _add_kv_size_parser(sub) -> dict[str, Callable]:
     parser.add_argument("model", help="checkpoint folder or config.json")
     parser.add_argument("--tokens", type=int, default=4096, help="max tokens per sequence")
     parser.add_argument("--users", type=int, default=256, help="concurrent sequences")
-    parser.add_argument("--dtype", default=None, help="KV dtype (default: the checkpoint's)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="the KV cache's dtype: fp8 (= fp8_e4m3) | fp8_e5m2 | bf16 | ... (default: the "
+        "checkpoint's); the weights are counted in the checkpoint's dtype either way",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default=None, help="the same as --dtype, by serve's name"
+    )
     parser.add_argument(
         "--budget-gib", type=float, default=80.0, help="KV memory budget (of one rank)"
     )

@@ -43,7 +43,9 @@ class Settings:
     model: str = option("checkpoint folder or known model name", default=DEFAULT_MODEL)
     dtype: str = option("float32 | bfloat16 | float16 | auto", default="auto")
     kv_cache_dtype: str = option(
-        "KV cache dtype: auto (the model's) | bfloat16 | float16", default="auto"
+        "KV cache dtype: auto (the model's) | fp8 (= fp8_e4m3) | fp8_e5m2 | bfloat16 | float16; "
+        "fp8 halves a bf16 cache, scales from the checkpoint else 1.0",
+        default="auto",
     )
     device: str = option("cpu | cuda | cuda:N | auto", default="auto")
     attention_backend: str = option("torch | cpu | triton | auto", default="auto")
@@ -173,6 +175,9 @@ class Settings:
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
         self._check_nats_auth()
+        from engine.model_config import check_kv_cache_dtype  # the engine's own rule
+
+        check_kv_cache_dtype(self.kv_cache_dtype)  # here, before any service starts
 
     def _check_nats_auth(self) -> None:
         if (self.nats_user is None) != (self.nats_password is None):

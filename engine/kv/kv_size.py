@@ -64,6 +64,7 @@ class KvSizeReport:
     paged_sequences: int  # fit when each holds blocks for avg_tokens
     paged_utilisation: float  # stored tokens / allocated slots under paging
     users: int
+    dtype: str = ""  # the KV cache's, by name
     tensor_parallel_size: int = 1
     replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
     # at max_tokens, paged, sliding layers capped at their window; None: no sliding layers
@@ -84,7 +85,8 @@ class KvSizeReport:
         per = " per rank" if ranks > 1 else ""
         fits = self.paged_sequences * replicas
         lines = [
-            f"KV bytes per token:        {self.bytes_per_token:,}{per}",
+            f"KV bytes per token:        {self.bytes_per_token:,}{per}"
+            + (f" ({self.dtype})" if self.dtype else ""),
             f"KV bytes per sequence:     {self.bytes_per_sequence:,}{per} "
             f"({self.bytes_per_sequence / gib:.2f} GiB)",
             f"KV bytes for all users:    {self.total_bytes:,} ({self.total_bytes / gib:.2f} GiB)",
@@ -134,6 +136,7 @@ def kv_size(
         paged_sequences=budget // paged_avg,
         paged_utilisation=avg_tokens / (blocks_per_avg * block_size),
         users=users,
+        dtype=str(dtype).removeprefix("torch."),
         tensor_parallel_size=tensor_parallel_size,
         replicas=replicas,
         windowed_bytes_per_sequence=windowed,

@@ -38,11 +38,15 @@ class PagedAttention:
         meta: AttentionMetadata,
         window: int = 0,
         softcap: float = 0.0,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d], layer_cache [2, num_blocks, bs, kv_heads, d];
-        the layer's sliding window (0: full) and attention soft-cap (0: none)."""
+        the layer's sliding window (0: full), attention soft-cap (0: none), and its fp8
+        cache's scales (engine/model/kv_scales.py; other caches ignore them)."""
         key_cache, value_cache = layer_cache[0], layer_cache[1]
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, **scales)
         return self.ops.paged_attention(
             q,
             key_cache,
@@ -54,4 +58,5 @@ class PagedAttention:
             meta.max_seqlen_q,
             window=window,
             softcap=softcap,
+            **scales,
         )

@@ -66,6 +66,7 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.window = config.window(layer_idx)
         self.softcap = config.attn_logit_softcapping or 0.0
+        self.k_scale = self.v_scale = 1.0  # an fp8 cache's: the loader sets them (kv_scales.py)
         self.local_rope = self.window > 0 and config.local_rope_theta is not None
         self.activation = (
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
@@ -122,7 +123,9 @@ class DecoderLayer(nn.Module):
         k = self._head_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm)
         q, k = ops.rotary(q, k, *(rope.local if self.local_rope else rope.full))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attention(q, k, v, layer_cache, meta, self.window, self.softcap)
+        attn = attention(
+            q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale
+        )
         attn = _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
         h, x = ops.add_rms_norm(
             x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model.decoder import Decoder
+from engine.model.kv_scales import read_kv_scales
 from engine.model.sharding import MIXTRAL_NAMES, Part, Shard
 from engine.model_config import ModelConfig
 from engine.parallel.group import TensorParallel
@@ -44,8 +45,8 @@ def iter_slices(path: Path) -> Iterator[tuple[str, Callable[[Part], torch.Tensor
 
 def _reader(tensor_slice) -> Callable[[Part], torch.Tensor]:
     def read(part: Part) -> torch.Tensor:
-        if part is None:
-            return tensor_slice[:]
+        if part is None:  # a 0-dim tensor (a KV cache scale) takes no slice
+            return tensor_slice[:] if tensor_slice.get_shape() else tensor_slice[()]
         dim, start, stop = part
         return tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
 
@@ -69,7 +70,7 @@ def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
                 for i, row in enumerate((0, q, q + kv))]  # fmt: skip
     proj, _, tensor = kind.partition(".")
     rows = {"q_proj": 0, "k_proj": q, "v_proj": q + kv}
-    if proj in rows:
+    if proj in rows and tensor in ("weight", "bias"):  # not an fp8 cache's output_scale
         param = layer.qkv_weight if tensor == "weight" else layer.qkv_bias
         return [Target(param, rows[proj], shard.layer_part(f"self_attn.{kind}"))]
     params = {"o_proj.weight": layer.o_weight, "q_norm.weight": layer.q_norm,
@@ -201,6 +202,10 @@ def load_model(
 ) -> Decoder:
     model = Decoder(config, dtype, max_positions, ops, shard, group)
     load_weights(model, path)
+    # an fp8 cache's scales (1.0 where the checkpoint has none); other caches ignore them
+    scales = read_kv_scales(iter_slices(path), config.num_layers)
+    for layer, (k_scale, v_scale) in zip(model.layers, scales, strict=True):
+        layer.k_scale, layer.v_scale = k_scale, v_scale
     model = model.to(device).eval()
     model.build_matmuls()
     return model

@@ -18,12 +18,11 @@ from engine.memory import (
     cpu_blocks_that_fit,
     resolve_device,
     resolve_dtype,
-    torch_dtype,
 )
 from engine.model.attention import PagedAttention
 from engine.model.loader import load_model
 from engine.model.sharding import Shard
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, kv_cache_dtype_name
 from engine.parallel.group import TensorParallel
 from engine.parallel.ranks import Ranks
 from engine.worker.beam_candidates import top_continuations
@@ -192,14 +191,12 @@ class Executor:
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
             return self.dtype
-        try:
-            kv_dtype = torch_dtype(self.config.kv_cache_dtype)
-        except ConfigError as exc:
-            raise ConfigError(f"kv_cache_{exc}") from None  # "kv_cache_dtype: unknown ..."
-        if kv_dtype != self.dtype and self.backend == "triton":
+        kv_dtype = getattr(torch, kv_cache_dtype_name(self.config.kv_cache_dtype))
+        fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # every backend takes fp8
+        if kv_dtype != self.dtype and not fp8 and self.backend == "triton":
             raise ConfigError(
-                "kv_cache_dtype: a cache dtype other than the model's runs on the cpu and torch "
-                "attention backends only"
+                "kv_cache_dtype: a cache dtype other than the model's or fp8 runs on the cpu "
+                "and torch attention backends only"
             )
         return kv_dtype
 

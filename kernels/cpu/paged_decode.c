@@ -3,7 +3,8 @@
 //
 // Layouts (the engine's, see kernels/reference.py):
 //   query  [num_seqs, num_heads, head_dim]                   float32, rows query_stride apart
-//   cache  [num_blocks, block_size, num_kv_heads, head_dim]  float32 or bfloat16 (K and V)
+//   cache  [num_blocks, block_size, num_kv_heads, head_dim]  float32, bfloat16, or fp8 e4m3 /
+//                                                            e5m2 (K and V; decoded by fp8.h)
 //   block_tables int32 [num_seqs, table_stride], seq_lens int32 [num_seqs]
 //   out    [num_seqs, num_heads, head_dim]                   float32
 // Work is split over (sequence, kv head) pairs on `num_threads` OpenMP threads; the library
@@ -18,8 +19,11 @@
 // `window` > 0 keeps the keys j with seq_len - 1 - window < j (the sliding window of the query
 // at position seq_len - 1): the loop starts at the block holding the first of them and zeroes
 // the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
+// An fp8 cache's scales are the caller's: it folds k_scale into `scale` and multiplies the
+// output by v_scale (both linear), so the kernel reads the stored values as they are.
 // Returns 0, or -1 for shapes it does not handle (head_dim not a multiple of 8, big groups).
 
+#include "fp8.h"
 #include "simd.h"
 
 #define MAX_GROUP 16
@@ -213,3 +217,9 @@ DEFINE_DISPATCH(dispatch_f32, attend_f32, float)
 DEFINE_DISPATCH(dispatch_bf16, attend_bf16, uint16_t)
 DEFINE_DECODE(paged_decode_f32, dispatch_f32, float)
 DEFINE_DECODE(paged_decode_bf16, dispatch_bf16, uint16_t)
+DEFINE_ATTEND(attend_fp8_e4m3, uint8_t, load_fp8_e4m3)
+DEFINE_ATTEND(attend_fp8_e5m2, uint8_t, load_fp8_e5m2)
+DEFINE_DISPATCH(dispatch_fp8_e4m3, attend_fp8_e4m3, uint8_t)
+DEFINE_DISPATCH(dispatch_fp8_e5m2, attend_fp8_e5m2, uint8_t)
+DEFINE_DECODE(paged_decode_fp8_e4m3, dispatch_fp8_e4m3, uint8_t)
+DEFINE_DECODE(paged_decode_fp8_e5m2, dispatch_fp8_e5m2, uint8_t)

@@ -105,3 +105,13 @@ def test_failure_found_by_the_services(tiny_llama, flags, messages):
     assert "Traceback" not in done.stderr
     assert "kvpager: ready" not in done.stdout
     assert not processes_on(url)
+
+
+def test_kv_cache_dtype_flag(capsys, tiny_llama):
+    """`--kv-cache-dtype` takes vLLM's fp8 names, in `kvpager offline` as in serve; an unknown
+    one is one line naming the accepted values, before anything starts."""
+    args = ["offline", "Hello", "--model", str(tiny_llama), "--max-tokens", "4"]
+    assert main([*args, "--kv-cache-dtype", "fp8"]) == 0
+    assert capsys.readouterr().out.strip()
+    err = _fails(capsys, "serve", "--model", str(tiny_llama), "--kv-cache-dtype", "fp4")
+    assert "kv_cache_dtype: unknown dtype 'fp4'" in err and "'fp8_e5m2'" in err

@@ -45,7 +45,14 @@ def test_bad_environment_values_raise(monkeypatch, env, value):
 
 
 @pytest.mark.parametrize(
-    "fields", [{"instance": "a.b"}, {"prefix": "llm.*"}, {"piece_tokens": 0}, {"step_timeout": 0}]
+    "fields",
+    [
+        {"instance": "a.b"},
+        {"prefix": "llm.*"},
+        {"piece_tokens": 0},
+        {"step_timeout": 0},
+        {"kv_cache_dtype": "fp4"},
+    ],
 )
 def test_invalid_settings_raise(fields):
     with pytest.raises(ConfigError):

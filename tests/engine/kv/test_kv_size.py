@@ -49,6 +49,29 @@ def test_kv_size_command(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_the_seed_example_fits_with_an_fp8_cache(tmp_path, capsys):
+    """The issue's command: an fp8 (e4m3) cache halves the KV bytes a token, so the 256 users
+    fit paged at the 2,048-token average (501), though not all at full length (250); the
+    weights stay bf16, 32.86 GiB a rank. --kv-cache-dtype is the same flag by serve's name."""
+    from services.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_70B))
+    args = ["kv-size", str(tmp_path), "--tokens", "4096", "--users", "256", "--gpus", "4"]
+    for flag in (["--dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"], ["--dtype", "fp8_e5m2"]):
+        assert main([*args, "--gpu-memory", "80GiB", *flag]) == 0
+        out = capsys.readouterr().out
+        assert "weights per rank:          35,278,831,616 (32.86 GiB, bfloat16)" in out
+        assert "KV bytes per token:        40,960 per rank (float8_e" in out  # 81,920 / 2
+        assert "KV bytes for all users:    171,798,691,840 (160.00 GiB)" in out
+        # 42,030,579,712 // (40,960 x 4,096) and // (40,960 x 2,048)
+        assert "contiguous max-length reservation: 250" in out
+        assert "paged at the average length:       501" in out
+        assert "256 users fit paged at the average length" in out
+    assert main([*args, "--dtype", "fp4"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype: unknown dtype 'fp4'" in err and "fp8_e5m2" in err
+
+
 def test_the_seed_example_on_four_80gib_gpus(tmp_path, capsys):
     """70B in bf16 is 70,553,706,496 parameters; four ranks each hold 1/4 of every matrix (the
     norms whole), 2 of the 8 KV heads, and 90% of 80 GiB less their weights for the cache."""
