@@ -179,3 +179,26 @@ def test_blocks_through_a_small_cpu_pool_in_one_step_come_back_exact(tiny_llama,
 def test_the_disk_tier_needs_a_cpu_pool(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="swap_space"):
         disk_llm(tiny_llama, tmp_path / "kv", swap_space=0)
+
+
+def test_fp8_blocks_come_back_from_disk_as_written(tiny_llama, tmp_path):
+    """fp8 blocks travel as bytes: a quarter of fp32's, the same tokens back from disk."""
+    fp8 = dict(kv_cache_dtype="fp8", swap_space=BLOCK_BYTES)  # 4 fp8 blocks, as fp32's 4 above
+    with disk_llm(tiny_llama, tmp_path / "kv", **fp8) as llm:
+        fresh = run_one_by_one(llm, PROMPTS)
+        again = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens == 32
+        assert again.outputs[0].token_ids == fresh[0]
+        assert disk_stats(llm)["num_disk_loaded_blocks"] == 4
+        assert_all_free(llm)
+    (layout_folder,) = (tmp_path / "kv").iterdir()
+    sizes = {f.stat().st_size for f in layout_folder.iterdir()}
+    assert sizes == {88 + 8 * BLOCK_SIZE + BLOCK_BYTES // 4}
+
+
+def test_the_disk_tier_beside_sliding_windows_is_refused(tmp_path):
+    from tests.model_families import build_mistral
+
+    model = build_mistral(tmp_path / "mistral")
+    with pytest.raises(ConfigError, match="full-attention models only"):
+        disk_llm(model, tmp_path / "kv")
