@@ -52,7 +52,7 @@ def kvpager_server(args: argparse.Namespace, port: int, log) -> subprocess.Popen
         sys.executable, "-m", "services.cli", "serve", "--model", str(args.model),
         "--dtype", args.dtype, "--http-port", str(port), "--nats-port", str(free_port()),
         "--served-model-name", NAME, "--max-num-seqs", str(args.max_num_seqs),
-        "--max-model-len", str(args.max_model_len), "--kv-cache-memory", f"{args.kv_gib}GiB",
+        "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_gib << 30),
         "--log-level", "warning",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
