@@ -63,11 +63,11 @@ def serve(
     return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=log)
 
 
-def stop(server: subprocess.Popen) -> None:
-    """SIGTERM (the services drain), SIGKILL after 30 s."""
+def stop(server: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM (the services drain), SIGKILL after `timeout_s`."""
     server.terminate()
     try:
-        server.wait(timeout=30)
+        server.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()

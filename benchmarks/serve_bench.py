@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.nats_peer import free_port  # noqa: E402
+from benchmarks.nats_peer import free_port, stop  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -126,11 +126,7 @@ def run_engine(args, engine: str, out_dir: Path) -> dict[tuple[str, str], dict]:
                 results[dataset, rate] = bench(args, port, dataset, rate, prompts, out)
                 print(f"{engine} {dataset} rate {rate}: {summary(results[dataset, rate])}")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server, timeout_s=60)
         log.close()
     return results
 

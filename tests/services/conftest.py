@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from services.client import Client
@@ -157,3 +158,16 @@ async def client(services) -> AsyncIterator[Client]:
     assert stats.num_used_blocks == 0, stats
     assert stats.num_running == stats.num_waiting == 0, stats
     assert stats.num_free_blocks == stats.num_blocks, stats
+
+
+@pytest.fixture
+async def api(served) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The openai client on the module's served gateway (tests/services/http_fixture.py)."""
+    client = openai.AsyncOpenAI(base_url=served.api_url, api_key="unused", max_retries=0)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def model(api) -> str:
+    return (await api.models.list()).data[0].id

@@ -21,18 +21,6 @@ PROMPT = "The paged cache"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture
-async def api(served):  # noqa: F811
-    client = openai.AsyncOpenAI(base_url=served.api_url, api_key="unused", max_retries=0)
-    yield client
-    await client.close()
-
-
-@pytest.fixture
-async def model(api) -> str:
-    return (await api.models.list()).data[0].id
-
-
 async def test_models_and_health(served, api, tiny_llama):  # noqa: F811
     models = (await api.models.list()).data
     assert [m.id for m in models] == [tiny_llama.name]

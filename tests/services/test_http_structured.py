@@ -57,18 +57,6 @@ def _check(value: dict) -> None:
     assert 0 <= value["count"] <= 9
 
 
-@pytest.fixture
-async def api(served):  # noqa: F811
-    client = openai.AsyncOpenAI(base_url=served.api_url, api_key="unused", max_retries=0)
-    yield client
-    await client.close()
-
-
-@pytest.fixture
-async def model(api) -> str:
-    return (await api.models.list()).data[0].id
-
-
 async def test_eight_answers_match_a_strict_json_schema(api, model, nats_client):  # noqa: F811
     form = {"type": "json_schema", "json_schema": {"name": "fox", "schema": SCHEMA, "strict": True}}
     choices = []

@@ -23,18 +23,6 @@ NO_OPS = {
 }
 
 
-@pytest.fixture
-async def api(served):  # noqa: F811
-    client = openai.AsyncOpenAI(base_url=served.api_url, api_key="unused", max_retries=0)
-    yield client
-    await client.close()
-
-
-@pytest.fixture
-async def model(api) -> str:
-    return (await api.models.list()).data[0].id
-
-
 async def _chunks(url: str, body: dict) -> list[dict]:
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", url, json=body) as response:
