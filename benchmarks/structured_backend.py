@@ -92,13 +92,7 @@ def bench_llguidance(tokenizer_json: str, answer_ids: list[int], rounds: int) ->
             mask = matcher.compute_bitmask()
             assert matcher.consume_token(token_id), matcher.get_error()
             fill_s.append(time.perf_counter() - start)
-    return {
-        "tokenizer": tokenizer_s,
-        "compile": statistics.median(compile_s),
-        "fill": statistics.median(fill_s),
-        "fill_p90": statistics.quantiles(fill_s, n=10)[-1],
-        "mask_bytes": len(mask),
-    }
+    return _timings(tokenizer_s, compile_s, fill_s, len(mask))
 
 
 def bench_xgrammar(tokenizer_dir: Path, vocab_size: int, answer_ids: list[int], rounds: int):
@@ -125,12 +119,17 @@ def bench_xgrammar(tokenizer_dir: Path, vocab_size: int, answer_ids: list[int], 
             matcher.fill_next_token_bitmask(bitmask)
             assert matcher.accept_token(token_id)
             fill_s.append(time.perf_counter() - start)
+    return _timings(tokenizer_s, compile_s, fill_s, bitmask.nbytes)
+
+
+def _timings(tokenizer_s: float, compile_s: list, fill_s: list, mask_bytes: int) -> dict:
+    """One backend's row: tokenizer set-up, median compile, median and p90 mask+advance."""
     return {
         "tokenizer": tokenizer_s,
         "compile": statistics.median(compile_s),
         "fill": statistics.median(fill_s),
         "fill_p90": statistics.quantiles(fill_s, n=10)[-1],
-        "mask_bytes": bitmask.nbytes,
+        "mask_bytes": mask_bytes,
     }
 
 
