@@ -2,6 +2,7 @@
 `LLM.generate`, every decoder matmul, kernel op and the lm_head timed where it is called.
 
     python benchmarks/op_breakdown.py --dtype float32 bfloat16 [-n 64] [--threads 2]
+    python benchmarks/op_breakdown.py --dtype bfloat16 --workload random   # serve_bench's shape
 
 The timers wrap the executor's own callables (no copy of the model code), so every op runs as
 in a plain run, plus a `perf_counter` pair per call (~1 us against ~30 us for the smallest op).
@@ -26,13 +27,15 @@ from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from benchmarks.run import make_workloads, token_source  # noqa: E402
+from benchmarks.workloads import uniform  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
-from kernels import reference  # noqa: E402
+from kernels import cpu_decode, reference  # noqa: E402
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")
 OPS = ("reshape_and_cache", "rotary", "add_rms_norm", "silu_and_mul")
 LONG_CHUNKS = "attention: long chunks (SDPA)"
 SEQUENCE_ATTENTION = reference._sequence_attention  # wrapped afresh for each run
+BF16_CHUNKS = cpu_decode._bf16_chunk_attention  # a bf16 model's long chunks
 
 
 class Clock:
@@ -70,6 +73,7 @@ def instrument(llm, clock: Clock) -> None:
             setattr(layer, name, clock.wrap(f"linear {name}", getattr(layer, name)))
     # the twin's per-sequence SDPA, which the CPU kernel leaves long chunks to
     reference._sequence_attention = clock.wrap(LONG_CHUNKS, SEQUENCE_ATTENTION)
+    cpu_decode._bf16_chunk_attention = clock.wrap(LONG_CHUNKS, BF16_CHUNKS)
     model.lm_head_matmul = clock.wrap("lm_head", model.lm_head_matmul)
     model.forward = clock.wrap("forward", model.forward)
     executor._execute = clock.wrap("step", executor._execute)
@@ -90,12 +94,16 @@ def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda row: -row[1])
 
 
-def long_tailed_requests(model_path: Path, num_requests: int) -> tuple[list, list]:
-    """Prompts and sampling params of run.py's own sharegpt-like workload (same lengths, seed)."""
-    spec = argparse.Namespace(
-        num_requests=num_requests, quick=False, seed=0, workloads=["sharegpt-like"]
-    )
-    work = make_workloads(spec, token_source(model_path))[0]
+def workload_requests(model_path: Path, num_requests: int, name: str) -> tuple[list, list]:
+    """Prompts and sampling params: run.py's own sharegpt-like workload (same lengths, seed), or
+    serve_bench's saturated random one (256 prompt tokens, 128 output tokens each)."""
+    if name == "random":
+        work = uniform(token_source(model_path), num_requests, (256, 256), (128, 128), 0)
+    else:
+        spec = argparse.Namespace(
+            num_requests=num_requests, quick=False, seed=0, workloads=["sharegpt-like"]
+        )
+        work = make_workloads(spec, token_source(model_path))[0]
     prompts = [list(r.prompt_token_ids) for r in work.requests]
     return prompts, [sampling_params(r) for r in work.requests]
 
@@ -103,7 +111,7 @@ def long_tailed_requests(model_path: Path, num_requests: int) -> tuple[list, lis
 def run(args: argparse.Namespace, dtype: str) -> None:
     model_path = resolve_model(args.model)
     cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
-    prompts, params = long_tailed_requests(model_path, args.num_requests)
+    prompts, params = workload_requests(model_path, args.num_requests, args.workload)
     llm = build_llm(cfg)
     clock = Clock()
     instrument(llm, clock)
@@ -131,6 +139,7 @@ def main() -> None:
     parser.add_argument("-n", "--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workload", choices=["sharegpt-like", "random"], default="sharegpt-like")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"ISA flags: {' '.join(isa_flags()) or 'none'}")

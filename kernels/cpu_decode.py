@@ -11,6 +11,7 @@ Built and loaded by kernels/cpu_build.py.
 """
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 from kernels.reference import (
@@ -140,21 +141,60 @@ def paged_attention_cpu(
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
     short = torch.nonzero((q_lens < SDPA_MIN_CHUNK)[seq_of_token]).flatten()
-    if short.numel() == 0:
-        return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
-    tables = block_tables.index_select(0, seq_of_token[short])
-    rows = paged_decode(
-        query[short], key_cache, value_cache, tables, context[short], scale, window, softcap,
-        **scales,
-    )  # fmt: skip
-    if rows is None:
-        return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
-    if short.numel() == query.shape[0]:
-        return rows.to(query.dtype)
     out = torch.empty(query.shape, dtype=torch.float32)
-    out[short] = rows
+    if short.numel():
+        tables = block_tables.index_select(0, seq_of_token[short])
+        rows = paged_decode(
+            query[short], key_cache, value_cache, tables, context[short], scale, window, softcap,
+            **scales,
+        )  # fmt: skip
+        if rows is None:
+            return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
+        if short.numel() == query.shape[0]:
+            return rows.to(query.dtype)
+        out[short] = rows
     long_chunks = q_lens >= SDPA_MIN_CHUNK
-    chunk_attention_ref(
-        query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
-    )  # fmt: skip
+    if _native_bf16_chunks(query, key_cache, softcap):
+        _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window)
+    else:
+        chunk_attention_ref(
+            query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
+        )  # fmt: skip
     return out.to(query.dtype)
+
+
+def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: float) -> bool:
+    """Long chunks of a bf16 model over a bf16 cache run SDPA in bf16 (fp32 softmax and
+    accumulation inside torch's flash kernel, AMX/AVX-512-BF16 matmuls): SmolLM2, 256 tokens
+    causal, 2 threads, 0.85 ms a sequence in fp32 against 0.33 ms. Soft-capped layers keep the
+    twin's written-out fp32 path."""
+    return query.dtype == key_cache.dtype == torch.bfloat16 and not softcap
+
+
+def _bf16_chunk_attention(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, chosen, out,
+    window=0,
+) -> None:  # fmt: skip
+    """chunk_attention_ref's contract (rows of `chosen` sequences into fp32 `out`), in bf16."""
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    block_size = key_cache.shape[1]
+    for seq_idx in torch.nonzero(chosen).flatten().tolist():
+        start, end, seq_len = starts[seq_idx], starts[seq_idx + 1], lens[seq_idx]
+        blocks = block_tables[seq_idx, : -(-seq_len // block_size)].long()
+        k, v = (
+            cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+            for cache in (key_cache, value_cache)
+        )
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+        q_len = end - start
+        if q_len == seq_len and not window:  # no cached context: plain causal
+            mask, causal = None, True
+        else:  # query i sits at position seq_len - q_len + i
+            q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+            k_pos = torch.arange(seq_len)[None, :]
+            mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+            causal = False
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+        out[start:end] = attended[0].transpose(0, 1)

@@ -1,9 +1,9 @@
 """Sampler: one step's logits to one token a row, vectorised over the batch.
 
 Order (vLLM's): grammar bitmask -> min_tokens -> penalties -> [greedy rows: argmax] ->
-temperature -> min_p -> top_k -> top_p -> sample. Sampling is an exponential race,
-`argmax(probs / q)` with `q ~ Exp(1)` (equivalent to Gumbel-max). A seeded row draws its `q`
-from a generator seeded by (seed, output position) alone, so a seeded request samples the same
+temperature -> min_p -> top_k -> top_p -> sample. Sampling is by inverse CDF: one uniform
+draw a row, looked up in the row's cumulative probabilities. A seeded row draws it from a
+generator seeded by (seed, output position) alone, so a seeded request samples the same
 tokens whatever else shares its batch, and a request re-sent elsewhere with its outputs so far
 (a migrated stream) goes on drawing exactly what it would have drawn: no generator state has
 to outlive a process.
@@ -277,7 +277,7 @@ def _sample_random(
         _apply_min_p(logits, batch.min_p)
     if not batch.no_top_k_p:
         logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    return _exponential_race(logits.softmax(dim=-1), batch, generator)
+    return _inverse_cdf(logits.softmax(dim=-1), batch, generator)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -305,22 +305,24 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def _exponential_race(
+def _inverse_cdf(
     probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): picks token i with probability probs[i]."""
-    q = torch.empty_like(probs)
+    """One uniform draw u per row, found in the row's cumulative distribution: the first token
+    whose running mass exceeds u, so token i with probability probs[i] (a zero-probability
+    token never: its running mass equals the one before). One number a row, where an
+    exponential race draws one a vocabulary entry: on a 64-row SmolLM2 step (49,152 entries)
+    torch's `exponential_` took 57 ms on 2 cores, this ~1 ms."""
+    cdf = probs.cumsum_(dim=-1)  # in place: probs are this step's own
+    u = torch.zeros(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device)
     if batch.any_unseeded_random:
-        q.exponential_(generator=generator)
-    else:
-        q.fill_(1.0)  # greedy rows (overridden later) still need defined values
+        u.uniform_(generator=generator)
     if batch.seeded_rows:
-        seeded = torch.Generator(probs.device)  # reseeded for each row's draw
+        seeded = torch.Generator(cdf.device)  # reseeded for each row's draw
         for row, seed in batch.seeded_rows:
-            q[row].exponential_(generator=seeded.manual_seed(seed))
-    # q == 0 would make 0/0 = NaN, which argmax would pick.
-    q.clamp_min_(torch.finfo(torch.float32).tiny)
-    return probs.div_(q).argmax(dim=-1)
+            u[row].uniform_(generator=seeded.manual_seed(seed))
+    u.mul_(cdf[:, -1:])  # the row's total, 1 up to rounding
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(cdf.shape[1] - 1)
 
 
 def _output(

@@ -7,7 +7,11 @@
 //                                                            e5m2 (K and V; decoded by fp8.h)
 //   block_tables int32 [num_seqs, table_stride], seq_lens int32 [num_seqs]
 //   out    [num_seqs, num_heads, head_dim]                   float32
-// Work is split over (sequence, kv head) pairs on `num_threads` OpenMP threads; the library
+// Work is split over (sequence, kv head) pairs on `num_threads` OpenMP threads; with enough
+// sequences a thread takes every kv head of a sequence in turn (the lines the hardware fetched
+// beside its head's rows are then in that core's L2 for the next head: SmolLM2, 64 sequences
+// of 320 tokens, bf16, 30 layers: 1.37 -> 1.25 ms a layer against pairs dealt one by one to
+// either thread). The library
 // links the libgomp that torch already loaded, so both share one runtime. Each K/V row is
 // loaded once for all the query heads of its group: their dot products are independent FMA
 // chains, which is what keeps the core busy (one chain per token stalls on FMA latency, 3x
@@ -186,7 +190,7 @@ static void NAME(const int64_t group, const int64_t chunks, const float *query, 
            block_stride, block_size, kv_head, scale, window, softcap);                         \
 }
 
-// The exported entry point: an OpenMP loop over (sequence, kv head) pairs.
+// The exported entry point: an OpenMP loop over (sequence, kv head) pairs, sequence-major.
 #define DEFINE_DECODE(NAME, DISPATCH, CACHE_T)                                                 \
 int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,                   \
          const CACHE_T *value_cache, const int32_t *block_tables, int64_t table_stride,        \
@@ -198,7 +202,9 @@ int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,    
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size > MAX_BLOCK_SIZE) return -1;    \
     const int64_t token_stride = num_kv_heads * head_dim;                                      \
     const int64_t block_stride = block_size * token_stride;                                    \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)")         \
+    /* a thread takes a sequence's kv heads together, unless too few sequences for the threads */ \
+    const int64_t per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;                   \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, per_task) num_threads(num_threads)") \
     for (int64_t seq = 0; seq < num_seqs; seq++) {                                             \
         for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {                         \
             const int64_t first_head = seq * num_heads + kv_head * group;                      \
