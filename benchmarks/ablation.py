@@ -63,28 +63,43 @@ def ablation_blocks(workload: Workload, cfg: BenchConfig, fraction: float) -> in
     return max(-(-cfg.max_model_len // bs), int(fraction * full))
 
 
+ManagerFactory = Callable[[], BlockManager]
+
+
 def run_ablation(
     workload: Workload, cfg: BenchConfig, num_blocks: int, quiet_wait_s: float = 0.0
 ) -> list[EngineResult]:
     assert all(r.n == 1 for r in workload.requests), "the ablation runs n = 1 workloads only"
     llm = build_llm(cfg, num_blocks=num_blocks, enable_prefix_caching=False)
-    num_cpu_blocks = llm.executor.num_cpu_blocks
-    arms: dict[str, Callable[[Request], int] | int] = {  # a reservation, or CPU pool blocks
-        "paged, recompute preemption": 0,
-        f"paged, swap preemption ({num_cpu_blocks} CPU blocks)": num_cpu_blocks,
-        "contiguous, prompt + max_tokens (oracle)": lambda r: r.max_num_tokens,
-        f"contiguous, max_model_len {cfg.max_model_len}": lambda r: cfg.max_model_len,
+    num_cpu = llm.executor.num_cpu_blocks
+    bs = cfg.block_size
+    arms: dict[str, ManagerFactory] = {  # without a CPU pool, every preemption recomputes
+        "paged, recompute preemption": lambda: BlockManager(num_blocks, bs, False, 0),
+        f"paged, swap preemption ({num_cpu} CPU blocks)": lambda: BlockManager(
+            num_blocks, bs, False, num_cpu
+        ),
+        "contiguous, prompt + max_tokens (oracle)": lambda: ContiguousBlockManager(
+            num_blocks, bs, lambda r: r.max_num_tokens
+        ),
+        f"contiguous, max_model_len {cfg.max_model_len}": lambda: ContiguousBlockManager(
+            num_blocks, bs, lambda r: cfg.max_model_len
+        ),
     }
+    return run_arms(llm, workload, cfg, arms, quiet_wait_s)
+
+
+def run_arms(
+    llm, workload: Workload, cfg: BenchConfig, arms: dict[str, ManagerFactory], quiet_wait_s=0.0
+) -> list[EngineResult]:
+    """The workload once per arm, on one engine whose scheduler gets the arm's block manager
+    (same model, executor, token budget); block accounting checked after each."""
     warm_up(llm)
     results = []
-    for name, arm in arms.items():
+    for name, make_manager in arms.items():
         scheduler = llm.scheduler
         assert not scheduler.has_unfinished and not scheduler.block_manager.num_used_blocks
-        if callable(arm):
-            scheduler.block_manager = ContiguousBlockManager(num_blocks, cfg.block_size, arm)
-        else:  # without a CPU pool, every preemption recomputes
-            scheduler.block_manager = BlockManager(num_blocks, cfg.block_size, False, arm)
-        print(f"[ablation] {name}: {num_blocks} blocks of {cfg.block_size}", flush=True)
+        scheduler.block_manager = make_manager()
+        print(f"[ablation] {name}: {scheduler.block_manager.num_blocks} blocks", flush=True)
         if quiet_wait_s:
             wait_for_quiet(quiet_wait_s)
         watch = CpuWatch()
