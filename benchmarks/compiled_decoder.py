@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, warm_up  # noqa: E402
-from benchmarks.op_breakdown import long_tailed_requests  # noqa: E402
+from benchmarks.op_breakdown import workload_requests  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 from engine.model import decoder as decoder_module  # noqa: E402
@@ -132,7 +132,7 @@ def use_graph(llm, compiled: bool) -> None:
 def run_mode(mode: str, dtype: str, threads: int) -> None:
     torch.set_num_threads(threads)
     model_path = resolve_model("smollm2-135m-instruct")
-    prompts, params = long_tailed_requests(model_path, 64)
+    prompts, params = workload_requests(model_path, 64, "sharegpt-like")
     config = BenchConfig(model_path, dtype=dtype, num_threads=threads)
     if mode == "compiled":
         with plain_layer_weights():
