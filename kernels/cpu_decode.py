@@ -96,6 +96,10 @@ def _decode_rows(
 # setup costs more than its matmuls save (SmolLM2 shapes, 2 threads: 32 chunks of 64 tokens
 # 4.2 ms on the kernel against 7.0 ms; 8 chunks of 256, 15.9 ms against 10.8 ms).
 SDPA_MIN_CHUNK = 128
+# A bf16 model's chunks go to bf16 SDPA from 16 tokens (an AMX host, 2 threads, over 320 tokens
+# of context: 32 chunks of 64 took 23.6 ms on the kernel against 8.6 ms, 128 chunks of 16 24.5
+# against 21.2 ms, 64 chunks of 8 6.3 against 8.9 ms): suffixes after a cached prefix are short.
+BF16_SDPA_MIN_CHUNK = 16
 
 
 def _token_rows(
@@ -130,8 +134,8 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
     in place through the block tables (bf16 and fp8 caches without widening), and chunks of
-    SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather). Returns
-    query's dtype."""
+    SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather); a bf16
+    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16. Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     masking = dict(window=window, softcap=softcap, **scales)
@@ -140,7 +144,9 @@ def paged_attention_cpu(
         return out.to(query.dtype)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
-    short = torch.nonzero((q_lens < SDPA_MIN_CHUNK)[seq_of_token]).flatten()
+    native_bf16 = _native_bf16_chunks(query, key_cache, softcap)
+    min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
+    short = torch.nonzero((q_lens < min_chunk)[seq_of_token]).flatten()
     out = torch.empty(query.shape, dtype=torch.float32)
     if short.numel():
         tables = block_tables.index_select(0, seq_of_token[short])
@@ -153,8 +159,8 @@ def paged_attention_cpu(
         if short.numel() == query.shape[0]:
             return rows.to(query.dtype)
         out[short] = rows
-    long_chunks = q_lens >= SDPA_MIN_CHUNK
-    if _native_bf16_chunks(query, key_cache, softcap):
+    long_chunks = q_lens >= min_chunk
+    if native_bf16:
         _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window)
     else:
         chunk_attention_ref(

@@ -5,7 +5,12 @@ import torch
 
 from kernels import cpu_decode
 from kernels.backend import default_backend_name, get_kernel_ops
-from kernels.cpu_decode import SDPA_MIN_CHUNK, paged_attention_cpu, paged_decode
+from kernels.cpu_decode import (
+    BF16_SDPA_MIN_CHUNK,
+    SDPA_MIN_CHUNK,
+    paged_attention_cpu,
+    paged_decode,
+)
 from kernels.reference import decode_attention_ref, paged_attention_ref
 from tests.kernels.test_paged_attention import (
     DECODE,
@@ -50,10 +55,15 @@ def test_decode_matches_twin_and_dense(head_dim, num_heads, num_kv_heads, block_
 # decode rows, short chunks (the kernel, a row per token) and chunks of SDPA_MIN_CHUNK or more
 # (SDPA) in one batch, one of them after cached context
 SPLIT = ([1, 5, SDPA_MIN_CHUNK, 3, SDPA_MIN_CHUNK + 9], [40, 5, SDPA_MIN_CHUNK, 60, 300])
+# a bf16 model's chunks of BF16_SDPA_MIN_CHUNK or more go to bf16 SDPA: fresh, and after context
+BF16_SPLIT = (
+    [1, BF16_SDPA_MIN_CHUNK - 1, BF16_SDPA_MIN_CHUNK, 40, 7],
+    [30, BF16_SDPA_MIN_CHUNK - 1, 80, 300, 7],
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, SPLIT])
+@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, SPLIT, BF16_SPLIT])
 def test_mixed_batches_equal_the_reference(case, dtype):
     """Decode rows and short prefill chunks run on the kernel (a row per query token, causal
     by its context), long chunks on SDPA: the twin's and dense attention's answer."""
