@@ -41,7 +41,10 @@ WEATHER = {
 }
 CLOCK = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
 }
 
 
