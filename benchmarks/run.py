@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ENGINES = ("kvpager", "nats", "hf-static", "hf-cb", "vllm", "vllm-eager")  # as in peers.py
-WORKLOADS = ("uniform", "sharegpt-like", "shared-prefix", "parallel-n4")
+WORKLOADS = ("uniform", "sharegpt-like", "fixed-output", "shared-prefix", "parallel-n4")
 
 
 def parse_args(argv):
@@ -95,6 +95,7 @@ def make_workloads(args, source) -> list:
         made = {
             "uniform": lambda: wl.uniform(source, n, (16, 64), (8, 32), s),
             "sharegpt-like": lambda: wl.sharegpt_like(source, n, 32, 16, 128, s + 1),
+            "fixed-output": lambda: wl.fixed_output(source, n, 32, 128, 16, s + 4),
             "shared-prefix": lambda: wl.shared_prefix(source, n, 64, (8, 24), (8, 32), s + 2),
             "parallel-n4": lambda: wl.parallel_sampling(
                 source, max(2, n // 4), 4, (16, 64), (8, 32), s + 3
@@ -104,6 +105,7 @@ def make_workloads(args, source) -> list:
         made = {
             "uniform": lambda: wl.uniform(source, n, (32, 256), (32, 256), s),
             "sharegpt-like": lambda: wl.sharegpt_like(source, n, 96, 96, 512, s + 1),
+            "fixed-output": lambda: wl.fixed_output(source, n, 96, 400, 64, s + 4),
             "shared-prefix": lambda: wl.shared_prefix(source, n, 256, (16, 64), (32, 192), s + 2),
             "parallel-n4": lambda: wl.parallel_sampling(
                 source, max(2, n // 4), 4, (32, 256), (32, 192), s + 3
