@@ -50,13 +50,20 @@ class EngineCore:
         publish: Publish,
         plan_ahead: int = 1,
         check_invariants: bool = False,
+        plan_ahead_with_room: bool = True,
     ) -> None:
+        """`plan_ahead_with_room` False (the served scheduler): plan ahead only while the batch
+        is full (requests waiting, or max_num_seqs running). With room, a request arriving
+        during a step then joins the next one, not the one after: SmolLM2 served at 1.5 req/s,
+        prefix_repetition TTFT p50 / p99 89 / 133 ms -> 70 / 93 ms in lockstep, for a TPOT of
+        30.0 -> 28.7 ms. Offline every request is known up front, so planning ahead costs none."""
         assert plan_ahead >= 0, "plan_ahead: steps planned beyond the one the executor runs"
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = EngineMetrics()
         self.deltas = SampleDeltas(self.metrics.done, scheduler.config.vocab_size)
         self.plan_ahead = plan_ahead
+        self.plan_ahead_with_room = plan_ahead_with_room
         self._publish = publish
         self._check = check_invariants
         self._in_flight: deque[tuple[ScheduledStep, bool]] = deque()  # with: back to back
@@ -162,7 +169,15 @@ class EngineCore:
             return False
         if not in_flight:
             return True
-        return len(in_flight) < self.plan_ahead + 1 and scheduler.can_plan_ahead
+        if len(in_flight) >= self.plan_ahead + 1 or not scheduler.can_plan_ahead:
+            return False
+        return self.plan_ahead_with_room or self._is_full
+
+    @property
+    def _is_full(self) -> bool:
+        """No room for a request that arrives now: it would wait whatever is planned."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) or len(scheduler.running) >= scheduler.config.max_num_seqs
 
     def _absorb(self, step: ScheduledStep, done: StepDone, back_to_back: bool) -> None:
         output, now = done.output, time.monotonic()

@@ -143,6 +143,7 @@ class SchedulerService:
             self._publish,
             self.config.plan_ahead,
             check_invariants=self.settings.check_invariants,
+            plan_ahead_with_room=False,  # served: a new arrival joins the next step
         )
         self.kv_events.cleared(core)
         return core

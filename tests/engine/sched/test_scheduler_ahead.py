@@ -231,3 +231,37 @@ def test_an_abandoned_step_is_forgotten_when_a_later_one_is_answered():
     assert a.output_token_ids == [] and b.num_output_tokens == 1
     assert scheduler._sampling == {}  # no step's requests are held any longer
     scheduler.check_invariants()
+
+
+def test_a_served_core_plans_ahead_only_while_full():
+    """With room for more sequences a request arriving mid-step must join the next step, so the
+    served core keeps one step in flight; with max_num_seqs running it plans ahead as before."""
+
+    async def publish(deltas, step_id) -> None:
+        pass
+
+    async def most_in_flight(num_requests: int) -> int:
+        scheduler = make_scheduler(num_blocks=64)
+        requests = [
+            add(scheduler, f"r{i}", [10 + i, 11, 12], max_tokens=4) for i in range(num_requests)
+        ]
+        runner = BookRunner(scheduler, RowBook())
+        most = 0
+        submit = runner.submit
+
+        async def counting_submit(step: ScheduledStep) -> None:
+            nonlocal most
+            await submit(step)
+            most = max(most, len(runner.pending))
+
+        runner.submit = counting_submit
+        core = EngineCore(scheduler, runner, publish, 1, True, plan_ahead_with_room=False)
+        while core.has_work:
+            await core.run_step()
+        assert all(r.status is RequestStatus.FINISHED_LENGTH for r in requests)
+        scheduler.check_invariants()
+        assert scheduler.block_manager.num_free_blocks == 64
+        return most
+
+    assert asyncio.run(most_in_flight(3)) == 1  # 3 of 8 seats taken: lockstep
+    assert asyncio.run(most_in_flight(8)) == 2  # all 8 running: one step planned ahead
