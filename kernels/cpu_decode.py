@@ -147,7 +147,8 @@ def paged_attention_cpu(
     native_bf16 = _native_bf16_chunks(query, key_cache, softcap)
     min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
     short = torch.nonzero((q_lens < min_chunk)[seq_of_token]).flatten()
-    out = torch.empty(query.shape, dtype=torch.float32)
+    # bf16 SDPA's rows go in as they are, the kernel's are rounded once, as .to() would
+    out = torch.empty(query.shape, dtype=query.dtype if native_bf16 else torch.float32)
     if short.numel():
         tables = block_tables.index_select(0, seq_of_token[short])
         rows = paged_decode(
@@ -158,7 +159,7 @@ def paged_attention_cpu(
             return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
         if short.numel() == query.shape[0]:
             return rows.to(query.dtype)
-        out[short] = rows
+        out[short] = rows.to(out.dtype)
     long_chunks = q_lens >= min_chunk
     if native_bf16:
         _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window)
@@ -181,7 +182,7 @@ def _bf16_chunk_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, chosen, out,
     window=0,
 ) -> None:  # fmt: skip
-    """chunk_attention_ref's contract (rows of `chosen` sequences into fp32 `out`), in bf16."""
+    """chunk_attention_ref's contract (rows of `chosen` sequences into `out`), in bf16."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     block_size = key_cache.shape[1]
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
