@@ -135,7 +135,8 @@ def paged_attention_cpu(
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
     in place through the block tables (bf16 and fp8 caches without widening), and chunks of
     SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather); a bf16
-    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16. Returns query's dtype."""
+    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16, its batch assembled in bf16 (the
+    kernel's rows rounded once, as .to() would). Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     masking = dict(window=window, softcap=softcap, **scales)
@@ -147,7 +148,6 @@ def paged_attention_cpu(
     native_bf16 = _native_bf16_chunks(query, key_cache, softcap)
     min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
     short = torch.nonzero((q_lens < min_chunk)[seq_of_token]).flatten()
-    # bf16 SDPA's rows go in as they are, the kernel's are rounded once, as .to() would
     out = torch.empty(query.shape, dtype=query.dtype if native_bf16 else torch.float32)
     if short.numel():
         tables = block_tables.index_select(0, seq_of_token[short])
