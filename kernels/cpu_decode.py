@@ -135,8 +135,7 @@ def paged_attention_cpu(
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
     in place through the block tables (bf16 and fp8 caches without widening), and chunks of
     SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather); a bf16
-    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16, its batch assembled in bf16 (the
-    kernel's rows rounded once, as .to() would). Returns query's dtype."""
+    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16, assembled in bf16. Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     masking = dict(window=window, softcap=softcap, **scales)
