@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 from kernels.reference import (
     FP8_DTYPES,
+    _gather_context,
+    _visible,
     chunk_attention_ref,
     decode_attention_ref,
     paged_attention_ref,
@@ -183,12 +185,10 @@ def _bf16_chunk_attention(
 ) -> None:  # fmt: skip
     """chunk_attention_ref's contract (rows of `chosen` sequences into `out`), in bf16."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    block_size = key_cache.shape[1]
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end, seq_len = starts[seq_idx], starts[seq_idx + 1], lens[seq_idx]
-        blocks = block_tables[seq_idx, : -(-seq_len // block_size)].long()
         k, v = (
-            cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+            _gather_context(cache, block_tables[seq_idx], seq_len).transpose(0, 1).unsqueeze(0)
             for cache in (key_cache, value_cache)
         )
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
@@ -197,9 +197,7 @@ def _bf16_chunk_attention(
             mask, causal = None, True
         else:  # query i sits at position seq_len - q_len + i
             q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-            k_pos = torch.arange(seq_len)[None, :]
-            mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
-            causal = False
+            mask, causal = _visible(q_pos, torch.arange(seq_len)[None, :], window), False
         attended = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
