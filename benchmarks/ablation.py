@@ -78,14 +78,23 @@ def run_ablation(
         f"paged, swap preemption ({num_cpu} CPU blocks)": lambda: BlockManager(
             num_blocks, bs, False, num_cpu
         ),
+        **contiguous_arms(cfg, num_blocks),
+    }
+    return run_arms(llm, workload, cfg, arms, quiet_wait_s)
+
+
+def contiguous_arms(cfg: BenchConfig, num_blocks: int) -> dict[str, ManagerFactory]:
+    """The two pre-paging baselines: reserve prompt + max_tokens (an oracle that knows each
+    output length), or max_model_len, at admission."""
+    bs, max_len = cfg.block_size, cfg.max_model_len
+    return {
         "contiguous, prompt + max_tokens (oracle)": lambda: ContiguousBlockManager(
             num_blocks, bs, lambda r: r.max_num_tokens
         ),
-        f"contiguous, max_model_len {cfg.max_model_len}": lambda: ContiguousBlockManager(
-            num_blocks, bs, lambda r: cfg.max_model_len
+        f"contiguous, max_model_len {max_len}": lambda: ContiguousBlockManager(
+            num_blocks, bs, lambda r: max_len
         ),
     }
-    return run_arms(llm, workload, cfg, arms, quiet_wait_s)
 
 
 def run_arms(

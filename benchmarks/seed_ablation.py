@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.ablation import ContiguousBlockManager, run_arms  # noqa: E402
+from benchmarks.ablation import contiguous_arms, run_arms  # noqa: E402
 from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
@@ -54,16 +54,11 @@ def seed_workload(args, source) -> Workload:
 
 
 def arms(cfg: BenchConfig, num_blocks: int) -> dict:
-    bs, max_len = cfg.block_size, cfg.max_model_len
+    bs = cfg.block_size
     return {
         "paged + prefix sharing": lambda: BlockManager(num_blocks, bs, True, 0),
         "paged, no sharing": lambda: BlockManager(num_blocks, bs, False, 0),
-        "contiguous, prompt + max_tokens (oracle)": lambda: ContiguousBlockManager(
-            num_blocks, bs, lambda r: r.max_num_tokens
-        ),
-        f"contiguous, max_model_len {max_len}": lambda: ContiguousBlockManager(
-            num_blocks, bs, lambda r: max_len
-        ),
+        **contiguous_arms(cfg, num_blocks),
     }
 
 
