@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.public import GenerateEvent, PromptLogprob
-from services.http.tokens import TokenTexts
+from services.http.tokens import TokenTexts, text_offsets
 
 MIN_LOGPROB = -9999.0
 
@@ -53,10 +53,7 @@ def legacy_logprobs(
     logprob and {text: logprob} of the token itself and its top alternatives; and the text
     offset after them."""
     tokens = [texts.text(token_id) for token_id in info.token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    offsets, offset = text_offsets(tokens, offset)
     logprobs = info.logprobs or [None] * len(tokens)
     token_logprobs: list[float | None] = [None]
     top: list[dict[str, float] | None] = [None]

@@ -9,7 +9,7 @@ from schemas.public import GenerateEvent, TokenLogprob, Usage
 from services.http import tool_output
 from services.http.echo import PromptInfo, Prompts, legacy_logprobs, vllm_prompt_logprobs
 from services.http.requests import Job
-from services.http.tokens import TokenTexts
+from services.http.tokens import TokenTexts, text_offsets
 
 
 def usage(usages: list[Usage], prompt_only: bool = False) -> dict[str, Any]:
@@ -218,10 +218,7 @@ def num_chars(event: GenerateEvent, texts: TokenTexts, job: Job) -> int:
 
 def _completion_logprobs(lps: list[TokenLogprob], texts: TokenTexts, offset: int):
     tokens = [texts.text(lp.token_id) for lp in lps]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    offsets, _ = text_offsets(tokens, offset)
     top = [
         {texts.text(tid): tlp for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs)} for lp in lps
     ]

@@ -39,3 +39,13 @@ class TokenTexts:
         if self._tokenizer is None:
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def text_offsets(tokens: list[str], offset: int) -> tuple[list[int], int]:
+    """Each token's `text_offset` in completions' logprobs (from `offset` on), and the offset
+    after the last."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return offsets, offset
