@@ -14,15 +14,17 @@ from kernels import reference
 from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+_ADD_RMS_NORM = (PTR, PTR, PTR, PTR, I64, I64, FLOAT)
 _PER_DTYPE = (
     ("rope_neox", (PTR, I64, I64, I64, I64, PTR, PTR)),
-    ("add_rms_norm", (PTR, PTR, PTR, PTR, I64, I64, FLOAT)),
+    ("add_rms_norm", _ADD_RMS_NORM),
     ("silu_and_mul", (PTR, PTR, I64, I64)),
 )
 _WRITE_KV_FP8 = (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, FLOAT, FLOAT)
 _SUFFIXES = ("f32", "bf16")
 _SIGNATURES = (
     ("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),
+    ("add_rms_norm_bf16_f32_weight", _ADD_RMS_NORM),  # bf16 rows, Gemma's fp32 (1 + w)
     *((f"write_kv_{fp8}_{suffix}", _WRITE_KV_FP8) for fp8 in _FP8.values() for suffix in _SUFFIXES),
     *((f"{name}_{suffix}", argtypes) for name, argtypes in _PER_DTYPE for suffix in _SUFFIXES),
 )
@@ -121,11 +123,24 @@ def rotary(
     return q, k
 
 
+def _norm_kernel(rows: tuple[torch.Tensor, ...], weight: torch.Tensor):
+    """The C add_rms_norm for rows and a weight of one dtype, or for bf16 rows beside a
+    float32 weight (Gemma's (1 + w), scaled in fp32 as the twin does); None otherwise."""
+    gemma = rows[0].dtype == torch.bfloat16 and weight.dtype == torch.float32
+    if not gemma:
+        return _kernel("add_rms_norm", *rows, weight)
+    library = load()
+    if library is None or not (_same_cpu_dtype(*rows) and weight.device.type == "cpu"):
+        return None
+    return library.add_rms_norm_bf16_f32_weight
+
+
 def add_rms_norm(
     residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = (residual, weight) if delta is None else (residual, delta, weight)
-    kernel = _kernel("add_rms_norm", *tensors)
+    rows = (residual,) if delta is None else (residual, delta)
+    tensors = (*rows, weight)
+    kernel = _norm_kernel(rows, weight)
     fits = (
         residual.dim() == 2
         and (delta is None or delta.shape == residual.shape)

@@ -75,7 +75,9 @@ class AddRmsNorm(Protocol):
     def __call__(
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normed, new residual): residual + delta (delta None: residual alone), RMS-normed."""
+        """(normed, new residual): residual + delta (delta None: residual alone), RMS-normed
+        and scaled by `weight`: of residual's dtype (Llama's rule), or float32 beside bf16
+        rows (Gemma's, scaled in fp32 before the one rounding; kernels/reference.py)."""
 
 
 class SiluAndMul(Protocol):

@@ -48,9 +48,14 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As Hugging Face computes it: normalise in fp32, cast back, then scale."""
+    """As Hugging Face computes it: normalise in fp32, then a weight of x's dtype scales the
+    normalised x cast back (Llama's rule: `w * norm(x).to(dtype)`), and a float32 weight
+    beside narrower x scales in fp32 before the one cast (Gemma's `(norm(x) * (1 + w))
+    .to(dtype)`, its (1 + w) kept in fp32). In fp32 the two are the same."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (x32 * weight).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 

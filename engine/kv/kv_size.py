@@ -29,22 +29,24 @@ def parse_bytes(text: str) -> int:
 def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> int:
     """Bytes of the weights one of `size` ranks holds (engine/model/sharding.py): 1/N of every
     sharded matrix (each routed expert's too), the vocab padded to a multiple of N, KV heads
-    replicated past their count, the norms and routers whole."""
+    replicated past their count, the norms and routers whole; Gemma's norms in float32
+    (engine/model/decoder.py: norm_dtype)."""
     hidden, head_dim = config.hidden_size, config.head_dim
     q, kv = config.num_heads // size * head_dim, config.kv_heads_per_rank(size) * head_dim
     attention = (q + 2 * kv) * hidden + hidden * q + ((q + 2 * kv) if config.attention_bias else 0)
-    attention += 2 * head_dim if config.qk_norm else 0
-    norms = (4 if config.gemma_norms else 2) * hidden
     dense = 3 * hidden * (config.intermediate_size // size)
     experts = config.num_experts * (3 * hidden * (config.moe_intermediate_size // size) + hidden)
     layers = sum(
-        attention + norms + (experts if config.is_sparse(i) else dense)
-        for i in range(config.num_layers)
+        attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
     )
     vocab = -(-config.vocab_size // size) * hidden
     embeddings = vocab * (1 if config.tie_word_embeddings else 2)
+    qk_norms = 2 * head_dim if config.qk_norm else 0
+    layer_norms = (4 if config.gemma_norms else 2) * hidden + qk_norms
+    norms = config.num_layers * layer_norms + hidden  # the final norm too
     element = dtype_bytes(dtype)
-    return (layers + embeddings + hidden) * element
+    norm_element = dtype_bytes("float32") if config.gemma_norms else element
+    return (layers + embeddings) * element + norms * norm_element
 
 
 def gpu_kv_budget(

@@ -43,6 +43,14 @@ def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
 MLP_CHUNK_TOKENS = 512
 
 
+def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norm weights: the model's, but float32 for Gemma's (1 + w) scales.
+    Transformers' Gemma norms scale in fp32 and round once (`(norm(x) * (1 + w)).to(dtype)`,
+    not Llama's `w * norm(x).to(dtype)`); the norm ops apply a float32 weight beside
+    narrower activations that way (kernels/reference.py: rms_norm_ref)."""
+    return torch.float32 if config.gemma_norms else dtype
+
+
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
     return x if group is None else group.all_reduce(x)
 
@@ -73,22 +81,24 @@ class DecoderLayer(nn.Module):
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         )
 
-        def param(*shape: int) -> nn.Parameter:
+        norm = norm_dtype(config, dtype)
+
+        def param(*shape: int, dtype: torch.dtype = dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        def optional(on: bool, *shape: int) -> nn.Parameter | None:
-            return param(*shape) if on else None
+        def optional(on: bool, *shape: int, dtype: torch.dtype = dtype) -> nn.Parameter | None:
+            return param(*shape, dtype=dtype) if on else None
 
-        self.input_norm = param(hidden)
+        self.input_norm = param(hidden, dtype=norm)
         self.qkv_weight = param(self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(config.attention_bias, self.q_size + 2 * self.kv_size)
-        self.q_norm = optional(config.qk_norm, self.head_dim)  # one weight for every head
-        self.k_norm = optional(config.qk_norm, self.head_dim)
+        self.q_norm = optional(config.qk_norm, self.head_dim, dtype=norm)  # one for every head
+        self.k_norm = optional(config.qk_norm, self.head_dim, dtype=norm)
         self.o_weight = param(hidden, self.q_size)
         # Gemma's sandwich norms: on the attention output and the MLP output, before the adds
-        self.attn_output_norm = optional(config.gemma_norms, hidden)
-        self.post_attention_norm = param(hidden)  # the MLP's input norm
-        self.mlp_output_norm = optional(config.gemma_norms, hidden)
+        self.attn_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
+        self.post_attention_norm = param(hidden, dtype=norm)  # the MLP's input norm
+        self.mlp_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
         self.experts = None
         if config.is_sparse(layer_idx):
             self.experts = RoutedExperts(config, shard.expert_intermediate_size, dtype)
@@ -187,7 +197,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, idx, dtype, ops, shard, group) for idx in range(config.num_layers)
         )
-        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.norm = nn.Parameter(
+            torch.empty(config.hidden_size, dtype=norm_dtype(config, dtype)), requires_grad=False
+        )
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings

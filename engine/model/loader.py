@@ -154,7 +154,8 @@ def _targets(model: Decoder, name: str) -> list[Target] | None:
 def load_weights(model: Decoder, path: Path) -> int:
     """Copy every checkpoint tensor (this rank's part of it) into its (possibly fused)
     parameter slice; returns the bytes read. Gemma's norms scale by (1 + w): the 1 is added
-    here, once, so every norm kernel computes w * x (exact in fp32)."""
+    here, once, in float32 (their parameters' dtype) to w as the model's dtype holds it, as
+    transformers computes `1 + w.float()`; so every norm kernel scales by its weight."""
     expected = {id(p): p.numel() for p in model.parameters()}
     filled = _vocab_padding(model)
     num_bytes = 0
@@ -169,9 +170,9 @@ def load_weights(model: Decoder, path: Path) -> int:
                 raise CheckpointError(
                     f"{name}: shape {tuple(tensor.shape)} does not fit the config"
                 )
-            dest[offset : offset + tensor.shape[0]].copy_(tensor)
             if model.config.gemma_norms and "norm" in name:
-                dest[offset : offset + tensor.shape[0]] += 1.0
+                tensor = tensor.to(model.embed_tokens.dtype).float() + 1.0
+            dest[offset : offset + tensor.shape[0]].copy_(tensor)
             filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
     missing = [n for n, p in model.named_parameters() if filled.get(id(p)) != expected[id(p)]]
     if missing:

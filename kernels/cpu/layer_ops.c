@@ -4,7 +4,8 @@
 //   write_kv_fp8  the same into an fp8 cache: each value divided by its layer's scale,
 //                 clamped and rounded to e4m3 or e5m2 (fp8.h)
 //   rope_neox     rotate-half rotary embedding, in place on the q and k heads of a qkv row
-//   add_rms_norm  residual += delta, then out = weight * residual / rms(residual)
+//   add_rms_norm  residual += delta, then out = weight * residual / rms(residual) (also
+//                 bf16 rows with a float32 weight: Gemma's)
 //   silu_and_mul  out = silu(gate) * up for the [gate | up] halves of the gate_up matmul
 // Each comes in float32 (_f32) and bfloat16 (_bf16): bf16 values are widened as they are
 // loaded, computed on in float32 and rounded once (to nearest even) as they are stored, so a
@@ -132,9 +133,11 @@ int NAME(T *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_
 // residual [num_tokens, hidden] (contiguous) += delta (NULL: nothing to add; the sum is
 // rounded to T as it is stored, and the norm reads the stored sum, as the twin does), then
 // out = weight * residual * rsqrt(mean(residual^2) + eps). Sums in float with eight partial
-// sums, as torch's vectorised mean does (not bit-equal to it: ~1e-7 relative).
-#define DEFINE_ADD_RMS_NORM(NAME, T, GET, PUT)                                                 \
-int NAME(T *residual, const T *delta, const T *weight, T *out, int64_t num_tokens,            \
+// sums, as torch's vectorised mean does (not bit-equal to it: ~1e-7 relative). The weight is
+// of type W: T, or float beside bf16 rows (Gemma's (1 + w) kept in fp32; the product is in
+// float and rounded once either way).
+#define DEFINE_ADD_RMS_NORM(NAME, T, GET, PUT, W, GET_W)                                       \
+int NAME(T *residual, const T *delta, const W *weight, T *out, int64_t num_tokens,            \
          int64_t hidden, float eps) {                                                          \
     _Pragma("omp parallel for if (num_tokens * hidden >= PARALLEL_ELEMENTS)")                  \
     for (int64_t t = 0; t < num_tokens; t++) {                                                 \
@@ -153,7 +156,7 @@ int NAME(T *residual, const T *delta, const T *weight, T *out, int64_t num_token
         const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);                       \
         T *y = out + t * hidden;                                                               \
         for (int64_t k = 0; k < hidden; k++)                                                   \
-            PUT(y + k, GET(weight + k) * (GET(x + k) * inv_rms));                              \
+            PUT(y + k, GET_W(weight + k) * (GET(x + k) * inv_rms));                            \
     }                                                                                          \
     return 0;                                                                                  \
 }
@@ -180,7 +183,8 @@ int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {         
 
 DEFINE_ROPE(rope_neox_f32, float, get_f32, put_f32)
 DEFINE_ROPE(rope_neox_bf16, uint16_t, get_bf16, put_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, get_f32, put_f32)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, get_bf16, put_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, get_f32, put_f32, float, get_f32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, get_bf16, put_bf16, uint16_t, get_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16_f32_weight, uint16_t, get_bf16, put_bf16, float, get_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16)

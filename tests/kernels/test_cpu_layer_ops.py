@@ -159,6 +159,27 @@ def test_bf16_ops_equal_the_float32_twins_rounded_once():
     torch.testing.assert_close(got.float(), want, rtol=BF16_ULP, atol=1e-6)
 
 
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("hidden", [576, 13, 16])  # lanes of eight, and the scalar tail
+def test_bf16_rows_with_a_float32_weight_scale_in_float32_as_the_twin(with_delta, hidden):
+    """Gemma's (1 + w) kept in fp32: the C kernel's product is in fp32 and rounded once, the
+    twin's too (transformers' Gemma norms), within the C sum's ~1e-7 (one rounding at most)."""
+    torch.manual_seed(hidden)
+    residual = (torch.randn(9, hidden) * 3).bfloat16()
+    delta = torch.randn(9, hidden).bfloat16() if with_delta else None
+    weight = 1.0 + 0.3 * torch.randn(hidden)  # not representable in bf16
+    want_out, want_sum = add_rms_norm_ref(residual.clone(), delta, weight, 1e-6)
+    got_out, got_sum = cpu_layer_ops.add_rms_norm(residual, delta, weight, 1e-6)
+    assert got_sum.data_ptr() == residual.data_ptr()  # the C path, not the twin
+    assert got_out.dtype == want_out.dtype == torch.bfloat16
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got_out.float(), want_out.float(), rtol=BF16_ULP, atol=1e-6)
+    assert (got_out != want_out).float().mean() < 0.01  # rounding-boundary cases only
+    # the twin applies the weight in fp32: one rounding from the fp32 twin, bit for bit
+    want_fp32 = add_rms_norm_ref(want_sum.float(), None, weight, 1e-6)[0]
+    assert torch.equal(want_out, want_fp32.bfloat16())
+
+
 @pytest.mark.parametrize("hidden", [16, 13])  # lanes of eight, and the scalar tail
 def test_bf16_rounding_matches_torch_on_ties_and_special_values(hidden):
     """The residual sum is rounded as torch rounds float32 to bfloat16: ties to even, inf from
