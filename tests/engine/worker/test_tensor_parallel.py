@@ -179,19 +179,22 @@ def test_bad_sizes_are_typed_errors(tiny_llama):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3"])
 def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
-    """Qwen3-MoE: each expert's intermediate dimension halves (32 -> 16 rows a rank), the
-    router and the dense layer as usual; Gemma 2: window 8 and soft-caps on each rank's heads;
-    Phi-3: each rank reads its q, k, v (gate, up) rows out of the fused tensors. Roomy, then
-    under recompute preemption."""
+    """Qwen3-MoE: each expert's intermediate dimension halves (32 -> 16 rows a rank, packed
+    on the CPU backend), the router and the dense layer as usual; Gemma 2: window 8 and
+    soft-caps on each rank's heads; Phi-3: each rank reads its q, k, v (gate, up) rows out of
+    the fused tensors. Roomy, then under recompute preemption."""
     builders = {"qwen3_moe": build_qwen3_moe, "gemma2": build_gemma2, "phi3": build_phi3}
     path = builders[family](tmp_path)
     expected = hf_greedy(path, PROMPTS)
     num_blocks = 20 if family == "gemma2" else 10  # two KV groups: blocks of half the bytes
-    with tp_llm(path, num_blocks=num_blocks, preemption_mode="recompute") as llm:
+    # the CPU backend packs each expert's slice (engine/model/packed_experts.py)
+    backend = "cpu" if family == "qwen3_moe" else "torch"
+    with tp_llm(
+        path, num_blocks=num_blocks, preemption_mode="recompute", attention_backend=backend
+    ) as llm:
         if family == "qwen3_moe":
-            experts = llm.executor.model.layers[0].experts
-            assert tuple(experts.gate_up.shape) == (6, 2 * 16, 64)
-            assert tuple(experts.down.shape) == (6, 64, 16)
+            packed = llm.executor.model.layers[0].experts.packed
+            assert (len(packed.gate_up), len(packed.down), packed.intermediate) == (6, 6, 16)
         assert greedy(llm, PROMPTS[:3]) == expected[:3]
         assert greedy(llm, PROMPTS) == expected
         assert llm.stats()["num_preemptions"] > 0
