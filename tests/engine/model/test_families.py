@@ -53,11 +53,11 @@ def test_one_batch_matches_transformers(family):
 
 
 def test_cpu_backend_matches_transformers(family):
-    """The CPU backend: routed experts on oneDNN-packed matmuls (packed_experts.py)."""
+    """The CPU backend: float32 routed experts stay on the twin (packing them measured slower;
+    bf16 ones run packed: test_bf16.py)."""
     path, prompts, expected = family
     llm, got = run_engine(path, prompts, num_blocks=128, attention_backend="cpu")
-    is_moe = ModelConfig.from_path(path).num_experts > 0
-    assert experts_packed(llm) == ({True} if is_moe else set())
+    assert experts_packed(llm) <= {False}
     assert got == expected
     assert_all_free(llm)
 

@@ -70,7 +70,7 @@ def test_variant_matches_transformers_roomy_and_preempted(family, tmp_path):
     prompts = make_prompts(seed=9)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     llm, got = run_engine(path, prompts, num_blocks=256, attention_backend="cpu")
-    assert experts_packed(llm) == ({True} if config.num_experts else set())
+    assert experts_packed(llm) <= {False}  # float32 experts stay on the twin
     assert got == expected
     assert_all_free(llm)
     # 10 blocks' worth of every layer's bytes: the groups split the same memory

@@ -14,6 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv.kv_size import weight_bytes_per_rank
+from engine.memory import cpu_has_native_bf16
 from engine.model.decoder import Decoder
 from engine.model.loader import load_weights
 from engine.model.sharding import Shard
@@ -23,6 +24,8 @@ from kernels.backend import get_kernel_ops
 from schemas.errors import ConfigError, ExecutorUnavailableError
 from tests.engine.helpers import assert_all_free, hf_generate, random_prompts
 from tests.engine.kv.test_kv_size import LLAMA_31_70B
+from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
+from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.test_prompt_logprobs import check_against, hf_logprobs
 from tests.model_families import build_gemma2, build_gemma3, build_phi3, build_qwen3_moe
 from tests.models import build_llama
@@ -179,25 +182,35 @@ def test_bad_sizes_are_typed_errors(tiny_llama):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3"])
 def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
-    """Qwen3-MoE: each expert's intermediate dimension halves (32 -> 16 rows a rank, packed
-    on the CPU backend), the router and the dense layer as usual; Gemma 2: window 8 and
-    soft-caps on each rank's heads; Phi-3: each rank reads its q, k, v (gate, up) rows out of
-    the fused tensors. Roomy, then under recompute preemption."""
+    """Qwen3-MoE: each expert's intermediate dimension halves (32 -> 16 rows a rank), the
+    router and the dense layer as usual; Gemma 2: window 8 and soft-caps on each rank's heads;
+    Phi-3: each rank reads its q, k, v (gate, up) rows out of the fused tensors. Roomy, then
+    under recompute preemption."""
     builders = {"qwen3_moe": build_qwen3_moe, "gemma2": build_gemma2, "phi3": build_phi3}
     path = builders[family](tmp_path)
     expected = hf_greedy(path, PROMPTS)
     num_blocks = 20 if family == "gemma2" else 10  # two KV groups: blocks of half the bytes
-    # the CPU backend packs each expert's slice (engine/model/packed_experts.py)
-    backend = "cpu" if family == "qwen3_moe" else "torch"
-    with tp_llm(
-        path, num_blocks=num_blocks, preemption_mode="recompute", attention_backend=backend
-    ) as llm:
+    with tp_llm(path, num_blocks=num_blocks, preemption_mode="recompute") as llm:
         if family == "qwen3_moe":
-            packed = llm.executor.model.layers[0].experts.packed
-            assert (len(packed.gate_up), len(packed.down), packed.intermediate) == (6, 6, 16)
+            experts = llm.executor.model.layers[0].experts
+            assert tuple(experts.gate_up.shape) == (6, 2 * 16, 64)
+            assert tuple(experts.down.shape) == (6, 64, 16)
         assert greedy(llm, PROMPTS[:3]) == expected[:3]
         assert greedy(llm, PROMPTS) == expected
         assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16: experts not packed")
+def test_bf16_experts_packed_from_each_rank_slices(tmp_path):
+    """The CPU backend packs each rank's half of every bf16 expert (packed_experts.py)."""
+    path = build_qwen3_moe(tmp_path)
+    prompts = random_prompts([1, 6, 17, 33], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
+    with tp_llm(path, dtype="bfloat16", attention_backend="cpu") as llm:
+        packed = llm.executor.model.layers[0].experts.packed
+        assert (len(packed.gate_up), len(packed.down), packed.intermediate) == (6, 6, 16)
+        assert_follows_transformers(path, prompts, greedy(llm, prompts, params))
         assert_all_free(llm)
 
 
