@@ -29,6 +29,9 @@ class KernelOps:
     silu_and_mul: ops.SiluAndMul = reference.silu_and_mul_ref
     gelu_tanh_and_mul: ops.GeluTanhAndMul = reference.gelu_tanh_and_mul_ref
     fused_moe: ops.FusedMoe = reference.fused_moe_ref
+    # routed experts on oneDNN-packed matmuls where the decoder packs its weights and that pays
+    # (bf16: engine/model/packed_experts.py, the twin's loop) instead of `fused_moe`
+    pack_experts: bool = False
 
 
 def _torch_ops() -> KernelOps:
@@ -42,7 +45,7 @@ def _torch_ops() -> KernelOps:
 
 def _cpu_ops() -> KernelOps:
     """The torch twins, with decode attention (kernels/cpu_decode.py) and the per-layer ops
-    (kernels/cpu_layer_ops.py) on C kernels."""
+    (kernels/cpu_layer_ops.py) on C kernels, and bf16 routed experts on packed matmuls."""
     from kernels import cpu_layer_ops
     from kernels.cpu_decode import paged_attention_cpu
 
@@ -53,6 +56,7 @@ def _cpu_ops() -> KernelOps:
         rotary=cpu_layer_ops.rotary,
         add_rms_norm=cpu_layer_ops.add_rms_norm,
         silu_and_mul=cpu_layer_ops.silu_and_mul,
+        pack_experts=True,
     )
 
 

@@ -15,7 +15,7 @@ their dtype and ignore the scales. Cache layout everywhere:
     slot      = block_id * block_size + offset_in_block
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -308,21 +308,26 @@ def fused_moe_ref(
     [T, k] in hidden's dtype; topk_ids int [T, k]. Returns [T, H] in hidden's dtype. The
     (token, slot) pairs are sorted by expert, so each expert runs two matmuls over all its
     tokens at once; results are added back into their tokens' rows (index_add_)."""
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + slot
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    top_k = topk_ids.shape[1]
     out = torch.zeros_like(hidden)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        start += count
+    for expert, pairs in pairs_by_expert(topk_ids, gate_up.shape[0]):
         tokens = pairs // top_k
         rows = activation(hidden[tokens] @ gate_up[expert].t()) @ down[expert].t()
         out.index_add_(0, tokens, rows * topk_weights.flatten()[pairs, None])
     return out
+
+
+def pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, its pairs) for each expert with tokens; topk_ids [T, k], pair p = token * k +
+    slot, each expert's pairs in token order (a stable sort)."""
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, order[start : start + count]
+        start += count
 
 
 def apply_token_bitmask_ref(

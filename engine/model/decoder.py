@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.kv.kv_groups import kv_groups
 from engine.model.attention import AttentionMetadata, PagedAttention
-from engine.model.linear import make_linear
+from engine.model.linear import make_linear, release
 from engine.model.moe import RoutedExperts
 from engine.model.rope import cos_sin_table, longrope_original_length
 from engine.model.sharding import Shard
@@ -25,14 +25,10 @@ from engine.parallel.group import TensorParallel
 from kernels.backend import KernelOps
 
 
-def _release(weight: nn.Parameter) -> None:
-    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-
-
 def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
     matmul, packed = make_linear(weight, bias, pack)
     if packed:
-        _release(weight)
+        release(weight)
     return matmul
 
 
@@ -108,12 +104,15 @@ class DecoderLayer(nn.Module):
         self.build_matmuls(pack=False)
 
     def build_matmuls(self, pack: bool) -> None:
-        """The four matmuls; once packed, the plain weights are released (they are copies)."""
+        """The four matmuls (a MoE layer: attention's two, and its experts'); once packed, the
+        plain weights are released (they are copies)."""
         self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
         self.o_proj = _matmul(self.o_weight, None, pack)
         if self.experts is None:
             self.gate_up = _matmul(self.gate_up_weight, None, pack)
             self.down = _matmul(self.down_weight, None, pack)
+        else:
+            self.experts.build_matmuls(pack and self.ops.pack_experts)
 
     def forward(
         self,
@@ -227,7 +226,7 @@ class Decoder(nn.Module):
         # a tied lm_head is also the embedding table, so its plain weight stays
         self.lm_head_matmul, packed = make_linear(self.lm_head, None, pack)
         if packed and not self.config.tie_word_embeddings:
-            _release(self.lm_head)
+            release(self.lm_head)
 
     @torch.inference_mode()
     def forward(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import structlog
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.memory import cpu_has_native_bf16
 
@@ -47,3 +48,8 @@ def make_linear(
             matmul = torch.ops.mkldnn._linear_pointwise
             return lambda x: matmul(x.contiguous(), packed, bias, "none", [], ""), True
     return lambda x: F.linear(x, weight, bias), False
+
+
+def release(weight: nn.Parameter) -> None:
+    """Drop a weight whose packed copy replaced it (keeps its dtype and device)."""
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)

@@ -1,6 +1,8 @@
 """Routed experts (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, the
 backend's `fused_moe` runs them (kernels/reference.py's twin: one matmul pair per expert over
-the tokens routed to it; kernels/moe.py on CUDA).
+the tokens routed to it; kernels/moe.py on CUDA). Once the decoder packs its weights on CPU,
+in bf16, engine/model/packed_experts.py runs them instead: the twin's loop on oneDNN-packed
+matmuls.
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
 (engine/model/sharding.py) and the whole router, so the routing is the same on every rank and
@@ -11,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.linear import release
+from engine.model.packed_experts import PACKED_DTYPES, PackedExperts
 from engine.model_config import ModelConfig
 
 
@@ -41,8 +45,24 @@ class RoutedExperts(nn.Module):
         self.router = param(num_experts, hidden)
         self.gate_up = param(num_experts, 2 * intermediate, hidden)
         self.down = param(num_experts, hidden, intermediate)
+        self.packed: PackedExperts | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None
+
+    def build_matmuls(self, pack: bool) -> None:
+        """Packs every expert where oneDNN can and that pays (bf16: packed_experts.py); then the
+        plain stacks, copies, are released."""
+        if pack and not self.is_packed and self.gate_up.dtype in PACKED_DTYPES:
+            self.packed = PackedExperts.pack(self.gate_up, self.down)
+            if self.is_packed:
+                release(self.gate_up)
+                release(self.down)
 
     def forward(self, h: torch.Tensor, fused_moe, activation) -> torch.Tensor:
         """h [T, H] -> [T, H] (this rank's partial sum under tensor parallelism)."""
         weights, ids = route(F.linear(h, self.router), self.top_k, self.renormalise)
+        if self.packed is not None:
+            return self.packed(h, weights, ids, activation)
         return fused_moe(h, self.gate_up, self.down, weights, ids, activation)

@@ -72,7 +72,8 @@ def test_every_implementation_satisfies_its_contract(name):
 
 
 def test_the_contracts_cover_every_op_of_a_backend():
-    fields = {f.name for f in backend.KernelOps.__dataclass_fields__.values()}
+    # every field but the switches (pack_experts) is an op
+    fields = {f.name for f in backend.KernelOps.__dataclass_fields__.values() if f.type is not bool}
     assert fields == set(ops.CONTRACTS) == set(IMPLEMENTATIONS)
 
 

@@ -19,6 +19,7 @@ from tests import model_families
 from tests.engine.model.test_parity import (
     MAX_TOKENS,
     assert_all_free,
+    experts_packed,
     hf_greedy,
     make_prompts,
     run_engine,
@@ -43,15 +44,20 @@ def family(request, tmp_path_factory):
 
 
 def test_one_batch_matches_transformers(family):
+    """The torch backend: routed experts on the twin, `fused_moe_ref`."""
     path, prompts, expected = family
     llm, got = run_engine(path, prompts, num_blocks=128)
+    assert experts_packed(llm) <= {False}
     assert got == expected
     assert_all_free(llm)
 
 
 def test_cpu_backend_matches_transformers(family):
+    """The CPU backend: float32 routed experts stay on the twin (packing them measured slower;
+    bf16 ones run packed: test_bf16.py)."""
     path, prompts, expected = family
     llm, got = run_engine(path, prompts, num_blocks=128, attention_backend="cpu")
+    assert experts_packed(llm) <= {False}
     assert got == expected
     assert_all_free(llm)
 

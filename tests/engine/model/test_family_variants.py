@@ -11,6 +11,7 @@ from tests import model_families as fam
 from tests.engine.model.test_parity import (
     MAX_TOKENS,
     assert_all_free,
+    experts_packed,
     hf_greedy,
     make_prompts,
     run_engine,
@@ -69,6 +70,7 @@ def test_variant_matches_transformers_roomy_and_preempted(family, tmp_path):
     prompts = make_prompts(seed=9)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     llm, got = run_engine(path, prompts, num_blocks=256, attention_backend="cpu")
+    assert experts_packed(llm) <= {False}  # float32 experts stay on the twin
     assert got == expected
     assert_all_free(llm)
     # 10 blocks' worth of every layer's bytes: the groups split the same memory

@@ -52,6 +52,13 @@ def assert_all_free(llm: LLM) -> None:
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
 
 
+def experts_packed(llm: LLM) -> set[bool]:
+    """Whether each MoE layer runs its experts on packed matmuls: {} for a dense model."""
+    return {
+        layer.experts.is_packed for layer in llm.executor.model.layers if layer.experts is not None
+    }
+
+
 def test_one_batch_matches_transformers(model_and_expected):
     path, prompts, expected = model_and_expected
     llm, got = run_engine(path, prompts, num_blocks=128)

@@ -14,6 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv.kv_size import weight_bytes_per_rank
+from engine.memory import cpu_has_native_bf16
 from engine.model.decoder import Decoder
 from engine.model.loader import load_weights
 from engine.model.sharding import Shard
@@ -23,6 +24,8 @@ from kernels.backend import get_kernel_ops
 from schemas.errors import ConfigError, ExecutorUnavailableError
 from tests.engine.helpers import assert_all_free, hf_generate, random_prompts
 from tests.engine.kv.test_kv_size import LLAMA_31_70B
+from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
+from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.test_prompt_logprobs import check_against, hf_logprobs
 from tests.model_families import build_gemma2, build_gemma3, build_phi3, build_qwen3_moe
 from tests.models import build_llama
@@ -195,6 +198,19 @@ def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
         assert greedy(llm, PROMPTS[:3]) == expected[:3]
         assert greedy(llm, PROMPTS) == expected
         assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16: experts not packed")
+def test_bf16_experts_packed_from_each_rank_slices(tmp_path):
+    """The CPU backend packs each rank's half of every bf16 expert (packed_experts.py)."""
+    path = build_qwen3_moe(tmp_path)
+    prompts = random_prompts([1, 6, 17, 33], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
+    with tp_llm(path, dtype="bfloat16", attention_backend="cpu") as llm:
+        packed = llm.executor.model.layers[0].experts.packed
+        assert (len(packed.gate_up), len(packed.down), packed.intermediate) == (6, 6, 16)
+        assert_follows_transformers(path, prompts, greedy(llm, prompts, params))
         assert_all_free(llm)
 
 

@@ -1,0 +1,62 @@
+"""Routed experts on CPU as oneDNN-prepacked matmuls (engine/model/linear.py's `make_linear`),
+one gate_up / down pair per expert, run over the rows of the tokens routed to that expert.
+
+The same math as kernels/reference.py's `fused_moe_ref`, its reference: (token, slot) pairs
+sorted by expert, each expert's two matmuls over all its tokens at once, the activation
+between them, the rows weighted and added back into their tokens (`index_add_`). Only the
+matmuls differ: a weight reordered once into oneDNN's blocked layout instead of MKL re-blocking
+it on every call. Under tensor parallelism the stacks hold the rank's intermediate slices.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from engine.model.linear import LinearFn, make_linear, onednn_packing_supported
+from kernels.reference import pairs_by_expert
+
+# The decoder packs its experts in bf16 only. Measured (benchmarks/moe_experts.py: 1 thread, a
+# Qwen3-MoE-like layer, 16 experts, top-2; an AVX-512/AMX host shared with other jobs), packed
+# against the twin: bf16 1.2-1.3x at 1-256 tokens; float32 0.6-1.0x (0.7x at 1 and 16 tokens),
+# also with oneDNN and MKL held to AVX2. An expert gets only T * k / E rows, and oneDNN's linear
+# costs ~15 us a call outside its kernel (a [1, 8] x [8, 8] one: 15.4 us, F.linear 1.7 us).
+# MKL's float32 sgemm has no such cost on so few rows; torch's bf16 `@` is slower even so.
+PACKED_DTYPES = (torch.bfloat16,)
+
+
+class PackedExperts:
+    """Each expert's gate_up [2 * I, H] and down [H, I] packed; the plain stacks stay unused."""
+
+    def __init__(self, gate_up: list[LinearFn], down: list[LinearFn], intermediate: int) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.intermediate = intermediate  # I: the rank's slice under tensor parallelism
+
+    @classmethod
+    def pack(cls, gate_up: torch.Tensor, down: torch.Tensor) -> "PackedExperts | None":
+        """gate_up [E, 2 * I, H], down [E, H, I] packed expert by expert; None where oneDNN
+        cannot pack them (another device or dtype, or a build without it)."""
+        if not onednn_packing_supported(gate_up):
+            return None
+        gate_up_fns = [make_linear(weight, None) for weight in gate_up]
+        down_fns = [make_linear(weight, None) for weight in down]
+        if not all(packed for _, packed in gate_up_fns + down_fns):
+            return None
+        intermediate = down.shape[2]
+        return cls([fn for fn, _ in gate_up_fns], [fn for fn, _ in down_fns], intermediate)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """hidden [T, H], topk_weights [T, k] in hidden's dtype, topk_ids int [T, k] -> [T, H]."""
+        top_k = topk_ids.shape[1]
+        flat_weights = topk_weights.flatten()
+        out = torch.zeros_like(hidden)
+        for expert, pairs in pairs_by_expert(topk_ids, len(self.gate_up)):
+            tokens = pairs // top_k
+            rows = self.down[expert](activation(self.gate_up[expert](hidden[tokens])))
+            out.index_add_(0, tokens, rows * flat_weights[pairs, None])
+        return out
