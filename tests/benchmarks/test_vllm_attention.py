@@ -1,0 +1,16 @@
+"""benchmarks/vllm_attention.py's own half (vLLM's needs its venv): it times the C kernel and
+prints the table it promises."""
+
+import pytest
+
+from benchmarks import vllm_attention
+from kernels import cpu_decode
+
+pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
+
+
+def test_kvpager_half_runs_and_prints_its_row(capsys):
+    assert vllm_attention.kvpager_ms(seqs=2, context=20, repeats=1, threads=1) > 0
+    vllm_attention.main(["--seqs", "2", "--context", "20", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "ISA:" in out and "| kvpager C kernel |" in out and "1.00x" in out
