@@ -1,4 +1,4 @@
-// fp8 <-> float on eight lanes, for the fp8 KV cache: e4m3 (OCP "fn": no infinities, max 448)
+// fp8 <-> float on LANES lanes, for the fp8 KV cache: e4m3 (OCP "fn": no infinities, max 448)
 // and e5m2 (max 57344). No x86 extension before AVX10.2 converts fp8, so both directions are
 // integer and float lane arithmetic in the GCC/Clang vector types of simd.h, which the compiler
 // emits as AVX-512(VL) or AVX2 code for -march=native, and as SSE or scalar code elsewhere: one

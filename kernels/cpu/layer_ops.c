@@ -111,16 +111,24 @@ DEFINE_WRITE_KV_FP8(write_kv_fp8_e5m2_bf16, uint16_t, quantise_e5m2_bf16)
 // Rows of x hold `num_heads` heads of head_dim back to back (q heads then k heads of a qkv
 // row); each head's halves (a, b) become (a cos - b sin, b cos + a sin). cos/sin are the
 // tokens' rows [num_tokens, head_dim] of the tables engine/model/rope.py builds (half-dim
-// angles repeated). The row stride counts elements.
-#define DEFINE_ROPE(NAME, T, GET, PUT)                                                         \
+// angles repeated). The row stride counts elements. LANES of a half at a time, the rest one
+// by one (bf16, 2,048 tokens of SmolLM2's 9 + 3 heads: 0.67 ms one by one).
+#define DEFINE_ROPE(NAME, T, LOAD, STORE, GET, PUT)                                            \
 int NAME(T *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,   \
          const T *cos_rows, const T *sin_rows) {                                               \
     const int64_t half = head_dim / 2;                                                         \
+    _Pragma("omp parallel for if (num_tokens * num_heads * head_dim >= PARALLEL_ELEMENTS)")    \
     for (int64_t t = 0; t < num_tokens; t++) {                                                 \
         const T *cos = cos_rows + t * head_dim, *sin = sin_rows + t * head_dim;                \
         for (int64_t h = 0; h < num_heads; h++) {                                              \
             T *a = x + t * row_stride + h * head_dim, *b = a + half;                           \
-            for (int64_t i = 0; i < half; i++) {                                               \
+            int64_t i = 0;                                                                     \
+            for (; i + LANES <= half; i += LANES) {                                            \
+                const vec a_i = LOAD(a + i), b_i = LOAD(b + i);                                \
+                STORE(a + i, a_i * LOAD(cos + i) - b_i * LOAD(sin + i));                       \
+                STORE(b + i, b_i * LOAD(cos + half + i) + a_i * LOAD(sin + half + i));         \
+            }                                                                                  \
+            for (; i < half; i++) {                                                            \
                 const float a_i = GET(a + i), b_i = GET(b + i);                                \
                 PUT(a + i, a_i * GET(cos + i) - b_i * GET(sin + i));                           \
                 PUT(b + i, b_i * GET(cos + half + i) + a_i * GET(sin + half + i));             \
@@ -130,32 +138,43 @@ int NAME(T *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_
     return 0;                                                                                  \
 }
 
+static inline float sum_of_lanes(vec v) {  // a fixed pairwise tree: the same order every call
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) v[j] += v[j + width];
+    return v[0];
+}
+
 // residual [num_tokens, hidden] (contiguous) += delta (NULL: nothing to add; the sum is
 // rounded to T as it is stored, and the norm reads the stored sum, as the twin does), then
-// out = weight * residual * rsqrt(mean(residual^2) + eps). Sums in float with eight partial
+// out = weight * residual * rsqrt(mean(residual^2) + eps). Sums in float with LANES partial
 // sums, as torch's vectorised mean does (not bit-equal to it: ~1e-7 relative). The weight is
 // of type W: T, or float beside bf16 rows (Gemma's (1 + w) kept in fp32; the product is in
-// float and rounded once either way).
-#define DEFINE_ADD_RMS_NORM(NAME, T, GET, PUT, W, GET_W)                                       \
+// float and rounded once either way). LANES at a time (bf16, 2,048 x 576 with a delta: 0.52 ms
+// one by one).
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, GET, PUT, W, LOAD_W, GET_W)                  \
 int NAME(T *residual, const T *delta, const W *weight, T *out, int64_t num_tokens,            \
          int64_t hidden, float eps) {                                                          \
     _Pragma("omp parallel for if (num_tokens * hidden >= PARALLEL_ELEMENTS)")                  \
     for (int64_t t = 0; t < num_tokens; t++) {                                                 \
         T *x = residual + t * hidden;                                                          \
-        float sums[8] = {0};                                                                   \
+        const int64_t full = hidden / LANES * LANES;                                           \
         if (delta != NULL) {                                                                   \
             const T *d = delta + t * hidden;                                                   \
-            for (int64_t i = 0; i < hidden; i++) PUT(x + i, GET(x + i) + GET(d + i));          \
+            for (int64_t i = 0; i < full; i += LANES) STORE(x + i, LOAD(x + i) + LOAD(d + i)); \
+            for (int64_t i = full; i < hidden; i++) PUT(x + i, GET(x + i) + GET(d + i));       \
         }                                                                                      \
-        int64_t i = 0;                                                                         \
-        for (; i + 8 <= hidden; i += 8)                                                        \
-            for (int j = 0; j < 8; j++) sums[j] += GET(x + i + j) * GET(x + i + j);            \
-        for (; i < hidden; i++) sums[0] += GET(x + i) * GET(x + i);                            \
-        const float total = ((sums[0] + sums[1]) + (sums[2] + sums[3])) +                      \
-                            ((sums[4] + sums[5]) + (sums[6] + sums[7]));                       \
+        vec sums = (vec){0};                                                                   \
+        for (int64_t i = 0; i < full; i += LANES) {                                            \
+            const vec v = LOAD(x + i);                                                         \
+            sums += v * v;                                                                     \
+        }                                                                                      \
+        float total = sum_of_lanes(sums);                                                      \
+        for (int64_t i = full; i < hidden; i++) total += GET(x + i) * GET(x + i);              \
         const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);                       \
         T *y = out + t * hidden;                                                               \
-        for (int64_t k = 0; k < hidden; k++)                                                   \
+        for (int64_t k = 0; k < full; k += LANES)                                              \
+            STORE(y + k, LOAD_W(weight + k) * (LOAD(x + k) * inv_rms));                        \
+        for (int64_t k = full; k < hidden; k++)                                                \
             PUT(y + k, GET_W(weight + k) * (GET(x + k) * inv_rms));                            \
     }                                                                                          \
     return 0;                                                                                  \
@@ -181,10 +200,13 @@ int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {         
     return 0;                                                                                  \
 }
 
-DEFINE_ROPE(rope_neox_f32, float, get_f32, put_f32)
-DEFINE_ROPE(rope_neox_bf16, uint16_t, get_bf16, put_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, get_f32, put_f32, float, get_f32)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, get_bf16, put_bf16, uint16_t, get_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16_f32_weight, uint16_t, get_bf16, put_bf16, float, get_f32)
+DEFINE_ROPE(rope_neox_f32, float, load_f32, store_f32, get_f32, put_f32)
+DEFINE_ROPE(rope_neox_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, load_f32, store_f32, get_f32, put_f32, float,
+                    load_f32, get_f32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16,
+                    uint16_t, load_bf16, get_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16_f32_weight, uint16_t, load_bf16, store_bf16, get_bf16,
+                    put_bf16, float, load_f32, get_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16)

@@ -1,6 +1,8 @@
-// SIMD helpers shared by the CPU kernels (kernels/cpu/*.c): eight float lanes as GCC/Clang
-// vector types (the compiler picks AVX2 or AVX-512 for -march=native), bf16 loads, and exp.
-// The build hashes this header with each source (kernels/cpu_build.py).
+// SIMD helpers shared by the CPU kernels (kernels/cpu/*.c): float lanes as GCC/Clang vector
+// types, bf16 loads, and exp. Sixteen lanes (one zmm register) where the compiler targets
+// AVX-512, eight (one ymm) elsewhere: on an AVX-512 host the 16-lane kernels did the same
+// work in fewer instructions (kernels/cpu/layer_ops.c gives the measured times). The build
+// hashes this header with each source (kernels/cpu_build.py).
 #ifndef KVPAGER_SIMD_H
 #define KVPAGER_SIMD_H
 
@@ -8,7 +10,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef LANES  // a source may fix its own width before including this header
+#ifdef __AVX512F__
+#define LANES 16
+#else
 #define LANES 8
+#endif
+#endif
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t u32vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
