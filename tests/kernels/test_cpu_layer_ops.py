@@ -1,5 +1,6 @@
 """The CPU backend's per-layer C ops (kernels/cpu/layer_ops.c) against their torch twins."""
 
+import functools
 import platform
 
 import pytest
@@ -19,6 +20,14 @@ pytestmark = pytest.mark.skipif(cpu_layer_ops.load() is None, reason="no C compi
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
+@pytest.fixture(params=["native", "x86-64-v3"])
+def build(request, monkeypatch):
+    """The library for the host (16 lanes where it has AVX-512) and for AVX2 (8 lanes): both
+    widths' vector loops and scalar tails against the twins."""
+    monkeypatch.setattr(cpu_layer_ops, "load", functools.partial(cpu_layer_ops.load, request.param))
+    return request.param
+
+
 def _qkv(num_tokens: int, head_dim: int = HEAD_DIM):
     """q, k, v as the decoder has them: views into one qkv matmul output."""
     sizes = [HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim]
@@ -35,7 +44,7 @@ def _cos_sin(num_tokens: int, head_dim: int = HEAD_DIM):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
-def test_rotary_matches_twin_in_place_on_qkv_views(num_tokens):
+def test_rotary_matches_twin_in_place_on_qkv_views(num_tokens, build):
     torch.manual_seed(num_tokens)
     qkv, q, k, v = _qkv(num_tokens)
     cos, sin = _cos_sin(num_tokens)
@@ -59,7 +68,7 @@ def test_rotary_falls_back_to_the_twin_for_other_dtypes():
 
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("hidden", [576, 13])
-def test_add_rms_norm_matches_twin(with_delta, hidden):
+def test_add_rms_norm_matches_twin(with_delta, hidden, build):
     torch.manual_seed(hidden)
     residual = torch.randn(33, hidden) * 3
     delta = torch.randn(33, hidden) if with_delta else None
@@ -101,8 +110,8 @@ def test_malloc_settings_apply_on_glibc():
 
 
 @pytest.mark.parametrize("inter", [1536, 13])
-def test_silu_and_mul_matches_twin(inter):
-    """Lanes of eight and the scalar tail; gates out to where exp over- and underflows."""
+def test_silu_and_mul_matches_twin(inter, build):
+    """Full vectors and the scalar tail; gates out to where exp over- and underflows."""
     torch.manual_seed(inter)
     gate_up = torch.randn(9, 2 * inter) * 4
     gate_up[0, :inter] = torch.linspace(-200, 200, inter)
@@ -128,7 +137,7 @@ def test_write_kv_copies_bf16_rows_into_a_bf16_cache_exactly():
     assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
 
 
-def test_bf16_ops_equal_the_float32_twins_rounded_once():
+def test_bf16_ops_equal_the_float32_twins_rounded_once(build):
     """bf16 tensors are widened as they load, computed in fp32 and rounded once as they are
     stored: the twins in fp32 on the same (widened) inputs, rounded to bf16, within one
     rounding."""
@@ -160,8 +169,8 @@ def test_bf16_ops_equal_the_float32_twins_rounded_once():
 
 
 @pytest.mark.parametrize("with_delta", [False, True])
-@pytest.mark.parametrize("hidden", [576, 13, 16])  # lanes of eight, and the scalar tail
-def test_bf16_rows_with_a_float32_weight_scale_in_float32_as_the_twin(with_delta, hidden):
+@pytest.mark.parametrize("hidden", [576, 13, 16])  # full vectors, and the scalar tail
+def test_bf16_rows_with_a_float32_weight_scale_in_float32_as_the_twin(with_delta, hidden, build):
     """Gemma's (1 + w) kept in fp32: the C kernel's product is in fp32 and rounded once, the
     twin's too (transformers' Gemma norms), within the C sum's ~1e-7 (one rounding at most)."""
     torch.manual_seed(hidden)
