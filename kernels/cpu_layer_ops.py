@@ -51,7 +51,7 @@ def _same_cpu_dtype(*tensors: torch.Tensor) -> bool:
     return dtype in _SUFFIX and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
-def _rows_of_heads(x: torch.Tensor) -> bool:
+def rows_of_heads(x: torch.Tensor) -> bool:
     """[T, heads, d] with each token's heads back to back (a view into a qkv row is fine)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
@@ -70,8 +70,8 @@ def reshape_and_cache(
     fp8 = key_cache.dtype in _FP8 and value_cache.dtype == key_cache.dtype
     fits = (
         (_same_cpu_dtype(key, value, key_cache, value_cache) or fp8 and _same_cpu_dtype(key, value))
-        and _rows_of_heads(key)
-        and _rows_of_heads(value)
+        and rows_of_heads(key)
+        and rows_of_heads(value)
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
     )
@@ -106,7 +106,7 @@ def rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = _kernel("rope_neox", q, k, cos, sin)
-    if kernel is None or not (_rows_of_heads(q) and _rows_of_heads(k)) or q.shape[-1] % 2:
+    if kernel is None or not (rows_of_heads(q) and rows_of_heads(k)) or q.shape[-1] % 2:
         return reference.rotary_ref(q, k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
     for x in (q, k):

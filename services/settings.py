@@ -49,6 +49,11 @@ class Settings:
     )
     device: str = option("cpu | cuda | cuda:N | auto", default="auto")
     attention_backend: str = option("torch | cpu | triton | auto", default="auto")
+    kv_layout: str = option(
+        "order of values in a KV block: auto (AMX tiles where the cpu backend takes them, a "
+        "bf16 model on an AMX CPU) | token-major",
+        default="auto",
+    )
     block_size: int = option("tokens per KV block", default=16)
     num_blocks: int | None = option("KV blocks (default: what fits)", default=None)
     kv_cache_memory: int | None = option("bytes for the KV cache", default=None)

@@ -64,7 +64,12 @@ def model_identity(model_path: Path) -> dict:
 
 
 def block_layout(
-    model_path: Path, shape: tuple[int, ...], dtype: torch.dtype, rank: int, world_size: int
+    model_path: Path,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+    kv_layout: str = "token-major",
 ) -> BlockLayout:
     identity = {
         "format": VERSION,
@@ -74,6 +79,8 @@ def block_layout(
         "rank": rank,
         "world_size": world_size,
     }
+    if kv_layout != "token-major":  # the folders token-major caches wrote keep their names
+        identity["kv_layout"] = kv_layout
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
     return BlockLayout(tuple(shape), dtype, digest)
 

@@ -56,8 +56,11 @@ def open_disk(
     rank: int,
     size: int,
     windows: tuple[int, ...] = (),
+    kv_layout: str = "token-major",
 ) -> "DiskStore | None":
-    """The disk tier under the CPU pool, if configured (it reads back through the pool)."""
+    """The disk tier under the CPU pool, if configured (it reads back through the pool).
+    kv_layout: the order of values inside a block (kernels/backend.py), part of the files'
+    identity: a folder written in one layout is never read in another."""
     if config.kv_disk_dir is None:
         return None
     if any(windows):  # its files hold every layer of a block: one full-attention group
@@ -66,7 +69,7 @@ def open_disk(
         raise ConfigError("kv_disk_dir: the disk tier needs a CPU pool (set swap_space)")
     shape = list(cpu_cache.shape)
     del shape[2]  # one block: [layers, 2, block_size, kv_heads, head_dim]
-    layout = block_layout(config.model_path, tuple(shape), kv_dtype, rank, size)
+    layout = block_layout(config.model_path, tuple(shape), kv_dtype, rank, size, kv_layout)
     return DiskStore(Path(config.kv_disk_dir), config.kv_disk_bytes, layout)
 
 

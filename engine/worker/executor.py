@@ -35,7 +35,7 @@ from engine.worker.prompt_logprobs import compute_prompt_logprobs
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.worker.spec_verify import VerifyRows, accept, step_output
 from engine.worker.step_check import Capacity, StepCheck
-from kernels.backend import default_backend_name, get_kernel_ops
+from kernels.backend import default_backend_name, get_kernel_ops, with_cache_layout
 from schemas.errors import ConfigError
 from schemas.executor import RankReset, RankStep, ScheduledStep
 from schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
@@ -75,8 +75,9 @@ class Executor:
         )
         self._allocate_caches()
         self.disk = open_disk(
-            config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows
-        )
+            config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows,
+            self.ops.kv_layout,
+        )  # fmt: skip
         self.attention = PagedAttention(self.ops, model_config.attention_scale)
         self.batch = self._new_batch()
         # unseeded requests draw from one engine-wide generator seeded by `seed`
@@ -106,8 +107,13 @@ class Executor:
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = default_backend_name()
-        self.ops = get_kernel_ops(self.backend)
         self.kv_dtype = self._kv_dtype()
+        shard, model_config = self.shard, self.model_config
+        cache_shape = (shard.num_heads, shard.num_kv_heads, shard.head_dim, config.block_size)
+        self.ops = with_cache_layout(
+            get_kernel_ops(self.backend), self.dtype, self.kv_dtype, cache_shape,
+            model_config.attn_logit_softcapping or 0.0, config.kv_layout,
+        )  # fmt: skip
         if self.device.type == "cpu":
             retain_freed_memory()
 
@@ -121,6 +127,7 @@ class Executor:
             backend=self.backend,
             rank=rank,
             world_size=size,
+            kv_layout=self.ops.kv_layout,
             num_threads=torch.get_num_threads(),  # on CPU: OMP_NUM_THREADS, or every core
             load_s=round(load_s, 2),
         )

@@ -4,7 +4,7 @@ prints the table it promises."""
 import pytest
 
 from benchmarks import vllm_attention
-from kernels import cpu_decode
+from kernels import cpu_decode, cpu_tiles
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
 
@@ -14,3 +14,10 @@ def test_kvpager_half_runs_and_prints_its_row(capsys):
     vllm_attention.main(["--seqs", "2", "--context", "20", "--repeats", "1", "--threads", "1"])
     out = capsys.readouterr().out
     assert "ISA:" in out and "| kvpager C kernel |" in out and "1.00x" in out
+
+
+@pytest.mark.skipif(not cpu_tiles.available(), reason="no AMX on this host")
+def test_an_amx_host_gets_the_tile_kernels_row(capsys):
+    assert vllm_attention.kvpager_ms(seqs=2, context=20, repeats=1, threads=1, tiles=True) > 0
+    vllm_attention.main(["--seqs", "2", "--context", "20", "--repeats", "1", "--threads", "1"])
+    assert "| kvpager AMX tiles |" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from kernels import (
     block_ops,
     cpu_decode,
     cpu_layer_ops,
+    cpu_tiles,
     kv_write,
     moe,
     ops,
@@ -22,11 +23,15 @@ IMPLEMENTATIONS = {
         reference.reshape_and_cache_ref,
         cpu_layer_ops.reshape_and_cache,
         kv_write.reshape_and_cache,
+        cpu_tiles.reshape_and_cache_tiles,
+        cpu_tiles.reshape_and_cache_tiles_ref,
     ],
     "paged_attention": [
         reference.paged_attention_ref,
         cpu_decode.paged_attention_cpu,
         paged_attention.paged_attention,
+        cpu_tiles.paged_attention_tiles,
+        cpu_tiles.paged_attention_tiles_ref,
     ],
     "copy_blocks": [reference.copy_blocks_ref, block_ops.copy_blocks],
     "swap_blocks": [reference.swap_blocks_ref, block_ops.swap_blocks],
@@ -72,8 +77,10 @@ def test_every_implementation_satisfies_its_contract(name):
 
 
 def test_the_contracts_cover_every_op_of_a_backend():
-    # every field but the switches (pack_experts) is an op
-    fields = {f.name for f in backend.KernelOps.__dataclass_fields__.values() if f.type is not bool}
+    # every field but the switches (pack_experts) and the cache layout's name is an op
+    fields = {
+        f.name for f in backend.KernelOps.__dataclass_fields__.values() if f.type not in (bool, str)
+    }
     assert fields == set(ops.CONTRACTS) == set(IMPLEMENTATIONS)
 
 

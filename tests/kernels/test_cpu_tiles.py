@@ -1,0 +1,180 @@
+"""The AMX cache layout (kernels/cpu_tiles.py): its torch twins on any host, its C write on
+the host's build and AVX2's, and the tile attention kernel (AMX hosts only) against the
+token-major twin and dense attention over the same values."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import cpu_tiles
+from kernels.cpu_decode import BF16_SDPA_MIN_CHUNK
+from kernels.cpu_tiles import (
+    from_tiles,
+    paged_attention_tiles,
+    paged_attention_tiles_ref,
+    reshape_and_cache_tiles,
+    reshape_and_cache_tiles_ref,
+    to_tiles,
+)
+from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+from tests.kernels.test_paged_attention import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    assert_close,
+    dense_attention,
+    make_batch,
+)
+
+needs_amx = pytest.mark.skipif(not cpu_tiles.available(), reason="no AMX on this host")
+
+
+def _tiled(batch):
+    """The batch with its caches in the tile layout (same values)."""
+    return dataclasses.replace(
+        batch,
+        key_cache=to_tiles(batch.key_cache, False),
+        value_cache=to_tiles(batch.value_cache, True),
+    )
+
+
+def test_the_layout_puts_each_value_where_the_kernel_reads_it():
+    """K: a kv head's slab is [dim pairs][tokens][2]; V: [token pairs][dims][2]."""
+    blocks, block_size, heads, dim = 3, 16, 2, 32
+    cache = torch.randn(blocks, block_size, heads, dim)
+    slab = block_size * dim
+    keys, values = to_tiles(cache, False).flatten(1), to_tiles(cache, True).flatten(1)
+    for b, t, h, d in [(0, 0, 0, 0), (1, 5, 1, 7), (2, 15, 1, 31), (0, 9, 0, 16)]:
+        assert keys[b, h * slab + (d // 2) * block_size * 2 + t * 2 + d % 2] == cache[b, t, h, d]
+        assert values[b, h * slab + (t // 2) * dim * 2 + d * 2 + t % 2] == cache[b, t, h, d]
+    for value in (False, True):
+        assert torch.equal(from_tiles(to_tiles(cache, value), value), cache)
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3"])
+def test_the_write_lays_rows_out_as_the_twins_do(march, monkeypatch):
+    """The C write (the host's build and AVX2's) = the tile twin = the token-major write then
+    to_tiles; negative slots are skipped; rows may be views into a wider qkv row."""
+    library = cpu_tiles.load(march)
+    if library is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_tiles, "load", lambda march_=None: library)
+    gen = torch.Generator().manual_seed(3)
+    blocks, block_size, heads, dim, tokens = 6, 32, 3, 64, 40
+    qkv = torch.randn(tokens, 5 * heads * dim, generator=gen).bfloat16()
+    key = qkv[:, : heads * dim].view(tokens, heads, dim)
+    value = qkv[:, 2 * heads * dim : 3 * heads * dim].view(tokens, heads, dim)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[::7] = -1
+    start = torch.randn(blocks, block_size, heads, dim, generator=gen).bfloat16()
+    tiled = (to_tiles(start, False), to_tiles(start, True))
+    by_c, by_twin, token_major = (
+        (tiled[0].clone(), tiled[1].clone()),
+        (tiled[0].clone(), tiled[1].clone()),
+        (start.clone(), start.clone()),
+    )
+    reshape_and_cache_tiles(key, value, *by_c, slots)
+    reshape_and_cache_tiles_ref(key, value, *by_twin, slots)
+    reshape_and_cache_ref(key, value, *token_major, slots)
+    for is_value in (0, 1):
+        expected = to_tiles(token_major[is_value], bool(is_value))
+        assert torch.equal(by_twin[is_value], expected)
+        assert torch.equal(by_c[is_value], expected)
+    assert not torch.equal(by_c[0], tiled[0])  # it wrote something
+
+
+# (head_dim, num_heads, num_kv_heads, block_size): SmolLM2's 64/9/3, Qwen3's test shape, a
+# group of one and of sixteen, long blocks
+CONFIGS = [(64, 9, 3, 16), (32, 4, 2, 16), (128, 8, 1, 32), (64, 16, 1, 16), (64, 4, 4, 64)]
+BF16_SPLIT = (
+    [1, BF16_SDPA_MIN_CHUNK - 1, BF16_SDPA_MIN_CHUNK, 40, 7],
+    [30, BF16_SDPA_MIN_CHUNK - 1, 80, 300, 7],
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "block_size"), CONFIGS)
+@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, BF16_SPLIT])
+def test_tile_attention_equals_the_token_major_twin(
+    case, head_dim, num_heads, num_kv_heads, block_size
+):
+    """Decode rows and short chunks on tiles, long chunks on bf16 SDPA over gathered copies:
+    the token-major twin's answer on the same values, and dense attention's."""
+    batch = make_batch(*case, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cpu")
+    scale = head_dim**-0.5
+    out = paged_attention_tiles(*_tiled(batch).args(scale))
+    assert out.dtype == torch.bfloat16
+    assert_close("vs twin", out, paged_attention_ref(*batch.args(scale)), torch.bfloat16)
+    assert_close("vs dense", out, dense_attention(batch, scale), torch.bfloat16)
+    twin = paged_attention_tiles_ref(*_tiled(batch).args(scale))
+    assert_close("vs tile twin", out, twin, torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [1, 17, 100])
+def test_windows_match_the_twin(window):
+    batch = make_batch(*MIXED, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    args = batch.args(0.125)
+    out = paged_attention_tiles(*_tiled(batch).args(0.125), window=window)
+    assert_close("window", out, paged_attention_ref(*args, window=window), torch.bfloat16)
+
+
+@needs_amx
+def test_decode_is_exact_to_the_fp32_twin():
+    """P goes onto tiles as bf16 twice (rounded, and what rounding left): ~1e-6 of the fp32
+    twin on the same bf16 values, before the output's own rounding to bf16."""
+    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    tiled = _tiled(batch)
+    out = cpu_tiles.paged_decode_tiles(
+        batch.query, tiled.key_cache, tiled.value_cache, batch.block_tables, batch.seq_lens, 0.125
+    )
+    twin = paged_attention_ref(*dataclasses.replace(batch, query=batch.query.float()).args(0.125))
+    assert out is not None and (out - twin).abs().max() < 1e-5
+
+
+@needs_amx
+def test_garbage_past_a_sequence_is_never_read():
+    """Slots after a sequence's last token (and padding blocks) may hold NaN: 0 * NaN would
+    poison the output if the kernel let them into p.V."""
+    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    clean = paged_attention_tiles(*_tiled(batch).args(0.125))
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        last = batch.block_tables[seq, (seq_len - 1) // 16]
+        batch.key_cache[last, (seq_len - 1) % 16 + 1 :] = float("nan")
+        batch.value_cache[last, (seq_len - 1) % 16 + 1 :] = float("nan")
+    batch.block_tables[:, -1] = 0  # padding points anywhere
+    out = paged_attention_tiles(*_tiled(batch).args(0.125))
+    assert torch.equal(out, clean)
+
+
+@needs_amx
+def test_query_rows_may_be_apart():
+    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    wide = torch.randn(batch.query.shape[0], 15 * 64).bfloat16()
+    wide[:, : 9 * 64] = batch.query.flatten(1)
+    apart = dataclasses.replace(_tiled(batch), query=wide[:, : 9 * 64].view(-1, 9, 64))
+    assert torch.equal(
+        paged_attention_tiles(*apart.args(0.125)), paged_attention_tiles(*_tiled(batch).args(0.125))
+    )
+
+
+def test_soft_capping_takes_the_twin():
+    """The layout is not picked for a soft-capped model; a capped call still answers right."""
+    batch = make_batch(*MIXED, 4, 2, 32, 16, torch.bfloat16, "cpu")
+    out = paged_attention_tiles(*_tiled(batch).args(0.125), softcap=5.0)
+    assert_close(
+        "softcap", out, paged_attention_ref(*batch.args(0.125), softcap=5.0), torch.bfloat16
+    )
+
+
+def test_the_layout_is_picked_only_where_it_fits():
+    fits = cpu_tiles.fits
+    bf16 = torch.bfloat16
+    assert not fits(torch.float32, torch.float32, 9, 3, 64, 16)
+    assert not fits(bf16, torch.float8_e4m3fn, 9, 3, 64, 16)
+    assert not fits(bf16, bf16, 9, 3, 48, 16)  # head_dim not a multiple of 32
+    assert not fits(bf16, bf16, 9, 3, 64, 8)  # blocks under 16 tokens
+    assert not fits(bf16, bf16, 32, 1, 64, 16)  # 32 query heads a kv head
+    assert not fits(bf16, bf16, 9, 3, 64, 16, softcap=50.0)
+    assert fits(bf16, bf16, 9, 3, 64, 16) == cpu_tiles.available()
