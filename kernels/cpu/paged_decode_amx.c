@@ -90,6 +90,14 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
     return 0;
 }
 
+// the decode entry point's parameters (paged_decode.c's, for a bf16 query), with AMX or without
+#define DECODE_PARAMS                                                                          \
+    const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,                   \
+        const uint16_t *value_cache, const int32_t *block_tables, int64_t table_stride,      \
+        const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,             \
+        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_threads,      \
+        float scale, int64_t window, float softcap
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
@@ -317,13 +325,7 @@ static void attend(const shape *s, const uint16_t *query, const int32_t *table, 
 // holding an equal share of the tokens (a pair goes where its middle falls), so the pair it
 // prefetches for is its own next one (0.93-0.95 ms a layer against 0.97-1.05 for OpenMP's
 // dynamic schedule).
-int paged_decode_tiles_bf16(const uint16_t *query, int64_t query_stride,
-                            const uint16_t *key_cache, const uint16_t *value_cache,
-                            const int32_t *block_tables, int64_t table_stride,
-                            const int32_t *seq_lens, float *out, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t num_threads, float scale,
-                            int64_t window, float softcap) {
+int paged_decode_tiles_bf16(DECODE_PARAMS) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 32 || head_dim > MAX_DIM ||
         block_size % TILE_TOKENS || num_heads / num_kv_heads > MAX_GROUP)
         return -1;
@@ -359,13 +361,7 @@ int paged_decode_tiles_bf16(const uint16_t *query, int64_t query_stride,
 
 int amx_tiles_ready(void) { return -1; }
 
-int paged_decode_tiles_bf16(const uint16_t *query, int64_t query_stride,
-                            const uint16_t *key_cache, const uint16_t *value_cache,
-                            const int32_t *block_tables, int64_t table_stride,
-                            const int32_t *seq_lens, float *out, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t num_threads, float scale,
-                            int64_t window, float softcap) {
+int paged_decode_tiles_bf16(DECODE_PARAMS) {
     return -1;
 }
 

@@ -178,3 +178,11 @@ def test_the_layout_is_picked_only_where_it_fits():
     assert not fits(bf16, bf16, 32, 1, 64, 16)  # 32 query heads a kv head
     assert not fits(bf16, bf16, 9, 3, 64, 16, softcap=50.0)
     assert fits(bf16, bf16, 9, 3, 64, 16) == cpu_tiles.available()
+
+
+def test_a_build_without_amx_declines():
+    """AVX2's build has the write but no tile kernel: it says so, and the layout is not picked."""
+    library = cpu_tiles.load("x86-64-v3")
+    if library is None:
+        pytest.skip("no C compiler")
+    assert library.amx_tiles_ready() == -1
