@@ -60,29 +60,37 @@ def paged_decode(
     library = load()
     if library is None or key_cache.dtype not in _FUNCTIONS or value_cache.dtype != key_cache.dtype:
         return None
-    query = query.float()
+    if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
+        k_scale = v_scale = 1.0
+    # an fp8 cache's scales are linear: k_scale joins the softmax scale, v_scale the output
+    out = call_decode_kernel(
+        getattr(library, _FUNCTIONS[key_cache.dtype]), query.float(), key_cache, value_cache,
+        block_tables, seq_lens, scale * k_scale, window, softcap,
+    )  # fmt: skip
+    return out.mul_(v_scale) if out is not None and v_scale != 1.0 else out
+
+
+def call_decode_kernel(
+    function, query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap
+) -> torch.Tensor | None:  # fmt: skip
+    """A C decode kernel with paged_decode.c's entry point (its query in the kernel's dtype):
+    fp32 [num_seqs, heads, d], or None when the caches are not contiguous or it declines."""
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return None
     if not rows_of_heads(query):  # rows may be apart (a qkv view)
         query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        return None
     out = torch.empty(query.shape, dtype=torch.float32)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    function = getattr(library, _FUNCTIONS[key_cache.dtype])
-    if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
-        k_scale = v_scale = 1.0
-    # an fp8 cache's scales are linear: k_scale joins the softmax scale, v_scale the output
     status = function(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(),
-        scale * k_scale, window or 0, softcap or 0.0,
+        scale, window or 0, softcap or 0.0,
     )  # fmt: skip
-    if status != 0:
-        return None
-    return out.mul_(v_scale) if v_scale != 1.0 else out
+    return None if status != 0 else out
 
 
 def _decode_rows(
@@ -202,7 +210,10 @@ def _short_rows(
         )  # fmt: skip
         if rows is None:
             return None
-        out[short] = rows.to(out.dtype)
+        if short.numel() == query.shape[0]:  # every row: a plain copy, not a scatter
+            out.copy_(rows)
+        else:
+            out[short] = rows.to(out.dtype)
     return q_lens >= min_chunk
 
 

@@ -165,22 +165,10 @@ def paged_decode_tiles(
     [num_seqs, heads, d], or None when the kernel does not take these inputs."""
     if not available() or query.dtype != torch.bfloat16 or key_cache.dtype != torch.bfloat16:
         return None
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        return None
-    if not rows_of_heads(query):
-        query = query.contiguous()
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty(query.shape, dtype=torch.float32)
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    status = load().paged_decode_tiles_bf16(
-        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(),
-        scale, window or 0, softcap or 0.0,
+    return cpu_decode.call_decode_kernel(
+        load().paged_decode_tiles_bf16, query, key_cache, value_cache, block_tables, seq_lens,
+        scale, window, softcap,
     )  # fmt: skip
-    return None if status != 0 else out
 
 
 def paged_attention_tiles(

@@ -113,9 +113,9 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 #define MAX_GROUP 16   // a tile's rows
 #define MAX_DIM 256
 #define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
 // the chunk's helpers inline into attend: called, they ran 1.16-1.27 ms a layer against 0.93-1.10
 #define INLINE static inline __attribute__((always_inline))
-#define XFEATURE_XTILEDATA 18
 
 // the tile registers (the intrinsics take literal numbers)
 #define T_Q 0   // 32 dims of the group's queries        rows = group, 64 bytes
