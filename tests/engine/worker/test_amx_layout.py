@@ -11,7 +11,7 @@ from engine.worker.disk_files import block_layout
 from kernels import cpu_tiles
 from schemas.errors import ConfigError
 from tests import model_families
-from tests.engine.helpers import assert_all_free, make_llm, random_prompts
+from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.engine.model.test_bf16 import MAX_TOKENS, assert_follows_transformers
 
 needs_amx = pytest.mark.skipif(not cpu_tiles.available(), reason="no AMX on this host")
@@ -55,21 +55,33 @@ def test_swapped_blocks_come_back_in_the_layout_they_left(tiny_qwen3):
     assert_all_free(roomy)
 
 
+def _generates_and_frees(llm, path) -> None:
+    """A short greedy run against transformers (bf16: within the tie margin of its logits;
+    float32: its `generate`, token for token), every block free after it."""
+    prompts = random_prompts([1, 6, 17, 40], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    if llm.executor.dtype == torch.bfloat16:
+        assert_follows_transformers(path, prompts, outputs)
+    else:
+        expected = hf_generate(path, prompts, max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert outputs == expected
+    assert_all_free(llm)
+
+
 def test_the_setting_keeps_the_token_major_layout(tiny_qwen3):
     llm = make_llm(tiny_qwen3, **TILES, kv_layout="token-major")
     assert llm.executor.ops.kv_layout == cpu_tiles.TOKEN_MAJOR
+    _generates_and_frees(llm, tiny_qwen3)
     with pytest.raises(ConfigError, match="kv_layout"):
         make_llm(tiny_qwen3, **TILES, kv_layout="sideways")
 
 
 def test_fp32_and_small_blocks_stay_token_major(tiny_qwen3):
-    assert (
-        make_llm(tiny_qwen3, **{**TILES, "dtype": "float32"}).executor.ops.kv_layout
-        == "token-major"
-    )
-    assert (
-        make_llm(tiny_qwen3, **{**TILES, "block_size": 8}).executor.ops.kv_layout == "token-major"
-    )
+    for overrides in ({"dtype": "float32"}, {"block_size": 8}):
+        llm = make_llm(tiny_qwen3, **{**TILES, **overrides})
+        assert llm.executor.ops.kv_layout == "token-major"
+        _generates_and_frees(llm, tiny_qwen3)
 
 
 def test_disk_folders_are_apart_per_layout(tiny_qwen3):
