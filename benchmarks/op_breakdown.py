@@ -8,8 +8,10 @@ The timers wrap the executor's own callables (no copy of the model code), so eve
 in a plain run, plus a `perf_counter` pair per call (~1 us against ~30 us for the smallest op).
 Ops are synchronous CPU calls, so wall time per call is the op's. "attention: long chunks
 (SDPA)" is the part of attention spent on prefill chunks too long for the C kernel (one call
-per chunk and layer); "forward, other" is the decoder's own Python (views, splits, embedding,
-the per-layer loop). Prints each dtype's table, with the host's ISA flags.
+per chunk and layer; the tile layout has none); "activation and mul" is the MLP's
+silu_and_mul (bound to the layer at load, so timed there); "forward, other" is the decoder's
+own Python (views, splits, embedding, the per-layer loop). Prints each dtype's table, with the
+host's ISA flags.
 """
 
 import argparse
@@ -69,6 +71,7 @@ def instrument(llm, clock: Clock) -> None:
     executor.attention.ops = model.ops = timed_ops
     for layer in model.layers:
         layer.ops = timed_ops
+        layer.activation = clock.wrap("activation and mul", layer.activation)  # bound at init
         for name in LINEARS:
             setattr(layer, name, clock.wrap(f"linear {name}", getattr(layer, name)))
     # the twin's per-sequence SDPA, which the CPU kernel leaves long chunks to
@@ -85,7 +88,11 @@ def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
     linear = sum(s[f"linear {n}"] for n in LINEARS)
     derived = {
         "linear, all four": linear,
-        "forward, other": s["forward"] - linear - s["attention"] - sum(s[n] for n in OPS),
+        "forward, other": s["forward"]
+        - linear
+        - s["attention"]
+        - s["activation and mul"]
+        - sum(s[n] for n in OPS),
         "step outside forward and lm_head": s["step"] - s["forward"] - s["lm_head"],
         "outside steps (scheduler, output)": elapsed - s["step"],
     }
