@@ -14,6 +14,7 @@
 // A SmolLM2 decode step of 64 tokens called the twins 120 times for ~25 ms in all.
 
 #include "fp8.h"
+#include <immintrin.h>
 #include "simd.h"
 
 // Rows are split over OpenMP threads (torch's team: torch.set_num_threads sets it) from this
@@ -25,8 +26,12 @@
 static inline void store_f32(float *p, vec v) { memcpy(p, &v, sizeof(v)); }
 
 // Round to nearest even, as torch's float -> bfloat16 does; a NaN stays a (quiet) NaN
-// instead of rounding into infinity.
+// instead of rounding into infinity. AVX512-BF16 does it in one vcvtneps2bf16 (which also
+// flushes values under 2^-126 to zero): bf16 silu_and_mul of 64 x 1,536, 2 threads, 46 -> 33 us.
 static inline void store_bf16(uint16_t *p, vec v) {
+#if defined(__AVX512BF16__) && LANES == 16
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
     u32vec bits;
     memcpy(&bits, &v, sizeof(bits));
     const u32vec nan = (u32vec)((bits & 0x7FFFFFFFu) > 0x7F800000u);
@@ -34,6 +39,7 @@ static inline void store_bf16(uint16_t *p, vec v) {
     rounded = (rounded & ~nan) | (((bits >> 16) | 0x40u) & nan);
     const u16vec half = __builtin_convertvector(rounded, u16vec);
     memcpy(p, &half, sizeof(half));
+#endif
 }
 
 static inline float get_f32(const float *p) { return *p; }
