@@ -135,7 +135,10 @@ class Sampler:
         self.generator = generator  # for rows without a seed of their own; None: torch's global
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.to(torch.float32, copy=True)  # edited in place below; caller's untouched
+        # the edits below are in place, and the caller's logits stay untouched: a copy where
+        # there are edits (a bf16 model's logits become a new float tensor anyway)
+        edits = batch.bitmask is not None or batch.banned_rows is not None
+        logits = logits.to(torch.float32, copy=edits or batch.penalties is not None)
         if batch.bitmask is not None:  # the grammar first, as vLLM: logprobs see it too
             apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         if batch.banned_rows is not None:
@@ -144,9 +147,9 @@ class Sampler:
             _apply_penalties(logits, batch.penalties)
         logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
         if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = _greedy(logits)
         else:
-            greedy = logits.argmax(dim=-1) if batch.any_greedy else None
+            greedy = _greedy(logits) if batch.any_greedy else None
             sampled = _sample_random(logits, batch, self.generator)
             if greedy is not None:
                 sampled = torch.where(batch.greedy_mask, greedy, sampled)
@@ -268,11 +271,17 @@ def _apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
     logits -= penalties.presence.unsqueeze(1) * (penalties.output_counts > 0).float()
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax a row (the first of equal maxima, as argmax): torch's `max` over the last dim is
+    2.6x faster than its `argmax` on CPU (64 x 49,152 fp32, 2 threads: 0.88 against 2.28 ms)."""
+    return logits.max(dim=-1).indices
+
+
 def _sample_random(
     logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Edits logits in place; returns int64 [num_rows] (meaningless on greedy rows)."""
-    logits /= batch.temperature.unsqueeze(1)
+    """Returns int64 [num_rows] (meaningless on greedy rows); logits stay as they are."""
+    logits = logits / batch.temperature.unsqueeze(1)
     if batch.min_p is not None:
         _apply_min_p(logits, batch.min_p)
     if not batch.no_top_k_p:

@@ -59,6 +59,16 @@ def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
     assert out.logprobs is None and out.top_logprobs is None
 
 
+def test_greedy_takes_the_first_of_equal_maxima_across_a_wide_row() -> None:
+    """Rows as wide as a real vocab, with many equal maxima anywhere in them (the vectorised
+    reduction works in lanes: the lowest index must still win)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 3, (16, 49_152), generator=gen).float()
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 16)
+    first_max = (logits == logits.amax(dim=-1, keepdim=True)).int().argmax(dim=-1)
+    assert torch.equal(out.sampled_token_ids, first_max)
+
+
 def test_greedy_rows_ignore_random_rows_in_a_mixed_batch() -> None:
     torch.manual_seed(1)
     logits = torch.randn(64, 50)
@@ -67,10 +77,13 @@ def test_greedy_rows_ignore_random_rows_in_a_mixed_batch() -> None:
     assert torch.equal(out.sampled_token_ids[1::2], logits[1::2].argmax(dim=-1))
 
 
-def test_input_logits_are_not_modified() -> None:
+@pytest.mark.parametrize("repetition_penalty", [1.5, 1.0])  # edits to a copy, or no copy
+def test_input_logits_are_not_modified(repetition_penalty) -> None:
     logits = torch.randn(3, 10)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.7, top_k=3, min_p=0.1, repetition_penalty=1.5)] * 3
+    params = [
+        SamplingParams(temperature=0.7, top_k=3, min_p=0.1, repetition_penalty=repetition_penalty)
+    ] * 3
     sample(logits, params, outputs=[[1, 2], [3], []])
     assert torch.equal(logits, before)
 
