@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.worker.top_k_top_p import top_k_top_p
 from kernels.bitmask import apply_token_bitmask
 from schemas.sampling import SamplingParams
 
@@ -285,7 +286,7 @@ def _sample_random(
     if batch.min_p is not None:
         _apply_min_p(logits, batch.min_p)
     if not batch.no_top_k_p:
-        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        logits = top_k_top_p(logits, batch.top_k, batch.top_p)
     return _inverse_cdf(logits.softmax(dim=-1), batch, generator)
 
 
@@ -294,24 +295,6 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     probs = logits.softmax(dim=-1)
     threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
     logits.masked_fill_(probs < threshold, float("-inf"))
-
-
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Keep the top_k largest logits (ties with the k-th kept too), then the smallest prefix of
-    the rest, by probability, whose mass reaches top_p."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        kth_largest = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p == 1 keep everything: rounding could push mass_before past 1.0.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
 def _inverse_cdf(
