@@ -339,3 +339,23 @@ def apply_token_bitmask_ref(
         for token in range(min(logits.shape[1], 32 * len(words[j]))):
             if not (words[j][token // 32] >> (token % 32)) & 1:
                 logits[row, token] = float("-inf")
+
+
+def top_k_top_p_ref(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the top_k largest logits (ties with the k-th kept too), then the smallest prefix of
+    the rest, by probability, whose mass reaches top_p; the others become -inf (a new tensor):
+    each row sorted whole. top_k int64 [rows] (the vocab size: none), top_p float [rows] (1.0:
+    none), or None."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth_largest = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p == 1 keep everything: rounding could push mass_before past 1.0.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)

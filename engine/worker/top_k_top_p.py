@@ -6,11 +6,16 @@ step took 98 ms on 2 threads, where the rest of a temperature-1 sampler takes ~6
 whose requests send top_p (many clients do) ran at about half speed. The tokens a nucleus
 keeps are nearly always among a row's largest few dozen, so the candidates come from `topk`
 (CANDIDATES of them: 2.9 ms), and only a row they cannot settle (a flat distribution, a top_k
-past them, ties with its k-th running past them) is sorted whole. The kept sets are the
-sorted filter's, row for row.
+past them, ties with its k-th running past them) goes on: a top_p alone to the C nucleus
+kernel (kernels/cpu_sampling.py: a histogram of the row's mass, only the boundary's bucket
+sorted), anything else sorted whole. The kept sets are the sorted filter's
+(kernels/reference.py top_k_top_p_ref), row for row.
 """
 
 import torch
+
+from kernels import cpu_sampling
+from kernels.reference import top_k_top_p_ref
 
 CANDIDATES = 64
 
@@ -52,24 +57,22 @@ def top_k_top_p(
     out[untouched] = logits[untouched]
     unsettled = torch.nonzero(~settled & ~untouched).flatten()
     if unsettled.numel():
-        k, p = (None if t is None else t[unsettled] for t in (top_k, top_p))
-        out[unsettled] = top_k_top_p_sorted(logits[unsettled], k, p)
+        out[unsettled] = _unsettled_rows(logits[unsettled], *_rows_of(unsettled, top_k, top_p))
     return out
 
 
-def top_k_top_p_sorted(
+def _rows_of(rows: torch.Tensor, *values: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if v is None else v[rows] for v in values]
+
+
+def _unsettled_rows(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """top_k_top_p's filter over each row sorted whole (its definition, and the rows the
-    candidates do not settle)."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        kth_largest = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p == 1 keep everything: rounding could push mass_before past 1.0.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    """Rows the candidates did not settle: top_p alone on the C nucleus kernel (no sort), the
+    rest (a top_k past the candidates, ties, no kernel) sorted whole."""
+    vocab = logits.shape[1]
+    if top_p is not None and (top_k is None or bool((top_k >= vocab).all())):
+        out = cpu_sampling.top_p(logits, top_p)
+        if out is not None:
+            return out
+    return top_k_top_p_ref(logits, top_k, top_p)

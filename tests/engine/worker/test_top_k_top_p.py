@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.worker import top_k_top_p as filters
-from engine.worker.top_k_top_p import CANDIDATES, top_k_top_p, top_k_top_p_sorted
+from engine.worker.top_k_top_p import CANDIDATES, top_k_top_p
+from kernels.reference import top_k_top_p_ref as top_k_top_p_sorted
 
 VOCAB = 2_000
 
@@ -53,7 +54,8 @@ def test_peaked_rows_never_sort_the_vocabulary(monkeypatch):
     def refuse(*args):
         raise AssertionError("sorted a settled row")
 
-    monkeypatch.setattr(filters, "top_k_top_p_sorted", refuse)
+    monkeypatch.setattr(filters, "top_k_top_p_ref", refuse)
+    monkeypatch.setattr(filters.cpu_sampling, "top_p", refuse)
     logits = _rows(4.0)
     out = top_k_top_p(logits, None, torch.full((len(logits),), 0.9))
     assert (out.isfinite().sum(dim=-1) <= CANDIDATES).all()
