@@ -104,6 +104,8 @@ def bench(args, port: int, dataset: str, rate: str, num_prompts: int, out: Path)
         "--metric-percentiles", "50,99", "--goodput", *args.goodput,
         "--save-result", "--result-dir", str(out.parent), "--result-filename", name,
     ]  # fmt: skip
+    if args.top_p is not None:  # the client sends none unless asked: both engines sample plainly
+        command += ["--top-p", str(args.top_p)]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     return json.loads((out.parent / name).read_text())
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--moderate-prompts", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"])
+    parser.add_argument("--top-p", type=float, help="sent with every request (default: none)")
     parser.add_argument("--vllm-python", type=Path, default=Path("/tmp/vllm-venv/bin/python"))
     parser.add_argument("--out", type=Path, default=HERE / "results/serve")
     args = parser.parse_args()
