@@ -1,15 +1,14 @@
-"""Top-k and top-p (nucleus) filtering of sampling logits, without sorting the vocabulary where
-a row's kept tokens are among its largest few.
+"""Top-k and top-p (nucleus) filtering of sampling logits, without sorting the vocabulary.
 
-Both filters are defined on each row sorted by logit, and torch's CPU sort of a 64 x 49,152
-step took 98 ms on 2 threads, where the rest of a temperature-1 sampler takes ~6: a batch
-whose requests send top_p (many clients do) ran at about half speed. The tokens a nucleus
-keeps are nearly always among a row's largest few dozen, so the candidates come from `topk`
-(CANDIDATES of them: 2.9 ms), and only a row they cannot settle (a flat distribution, a top_k
-past them, ties with its k-th running past them) goes on: a top_p alone to the C nucleus
-kernel (kernels/cpu_sampling.py: a histogram of the row's mass, only the boundary's bucket
-sorted), anything else sorted whole. The kept sets are the sorted filter's
-(kernels/reference.py top_k_top_p_ref), row for row.
+Both filters are defined on each row sorted by logit (kernels/reference.py top_k_top_p_ref),
+and torch's CPU sort of a 64 x 49,152 step took 98 ms on 2 threads, where the rest of a
+temperature-1 sampler takes ~6: a batch whose requests send top_p (many clients do) ran at
+about half speed. Now a row with top_p alone goes to the C nucleus kernel
+(kernels/cpu_sampling.py: the row's mass in a histogram by logit, only the boundary's bucket
+sorted; 64 rows 7.7-13 ms). A row with a top_k is settled on `topk`'s CANDIDATES largest
+(2.9 ms) when its kept tokens are all among them (the k-th and its ties, then the nucleus
+inside them); only what neither settles (a top_k past the candidates, ties running past
+them, no C compiler) is sorted whole. The kept sets are the sorted filter's, row for row.
 """
 
 import torch
@@ -26,6 +25,50 @@ def top_k_top_p(
     """Keep the top_k largest logits (ties with the k-th kept too), then the smallest prefix of
     the rest, by probability, whose mass reaches top_p; the others become -inf (a new tensor).
     top_k int64 [rows] (the vocab size: none), top_p float [rows] (1.0: none), or None."""
+    rows, vocab = logits.shape
+    none = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    has_k = none if top_k is None else top_k < vocab
+    has_p = none if top_p is None else top_p < 1.0
+    out, left = None, has_k | has_p
+    nucleus = has_p & ~has_k
+    if nucleus.any():
+        kept = _on_rows(_nucleus, nucleus, logits, top_k, top_p)
+        if kept is not None and bool(nucleus.all()):
+            return kept
+        if kept is not None:
+            out, left = logits.clone(), has_k
+            out[nucleus] = kept
+    if not left.any():
+        return logits.clone() if out is None else out
+    filtered = _on_rows(_candidates_or_sorted, left, logits, top_k, top_p)
+    if out is None and bool(left.all()):
+        return filtered  # every row on one path: no copies in and out
+    out = logits.clone() if out is None else out  # a row with neither keeps every logit
+    out[left] = filtered
+    return out
+
+
+def _on_rows(filter_, rows, logits, top_k, top_p):
+    """`filter_` over the rows `rows` (bool) picks, indexed only when it is not all of them."""
+    if bool(rows.all()):
+        return filter_(logits, top_k, top_p)
+    picked = torch.nonzero(rows).flatten()
+    return filter_(logits[picked], *_rows_of(picked, top_k, top_p))
+
+
+def _nucleus(logits, top_k, top_p) -> torch.Tensor | None:
+    return cpu_sampling.top_p(logits, top_p)
+
+
+def _rows_of(rows: torch.Tensor, *values: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if v is None else v[rows] for v in values]
+
+
+def _candidates_or_sorted(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """The filter for rows that each have a top_k or a top_p: on topk's candidates where they
+    settle the row, the rest sorted whole."""
     rows, vocab = logits.shape
     width = min(CANDIDATES, vocab)
     values, ids = logits.topk(width, dim=-1)  # each row's largest, in descending order
@@ -53,26 +96,7 @@ def top_k_top_p(
         reaches = (probs.sum(dim=-1) >= top_p) | (width == vocab)
         settled = settled | (~has_k & has_p & reaches)
     out = torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
-    untouched = ~has_k & ~has_p
-    out[untouched] = logits[untouched]
-    unsettled = torch.nonzero(~settled & ~untouched).flatten()
+    unsettled = torch.nonzero(~settled).flatten()
     if unsettled.numel():
-        out[unsettled] = _unsettled_rows(logits[unsettled], *_rows_of(unsettled, top_k, top_p))
+        out[unsettled] = top_k_top_p_ref(logits[unsettled], *_rows_of(unsettled, top_k, top_p))
     return out
-
-
-def _rows_of(rows: torch.Tensor, *values: torch.Tensor | None) -> list[torch.Tensor | None]:
-    return [None if v is None else v[rows] for v in values]
-
-
-def _unsettled_rows(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Rows the candidates did not settle: top_p alone on the C nucleus kernel (no sort), the
-    rest (a top_k past the candidates, ties, no kernel) sorted whole."""
-    vocab = logits.shape[1]
-    if top_p is not None and (top_k is None or bool((top_k >= vocab).all())):
-        out = cpu_sampling.top_p(logits, top_p)
-        if out is not None:
-            return out
-    return top_k_top_p_ref(logits, top_k, top_p)

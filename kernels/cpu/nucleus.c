@@ -18,8 +18,8 @@
 
 #include "simd.h"
 
-#define BUCKETS_PER_NAT 32
-#define BUCKETS 4096  // 128 nats below a row's max; the last bucket takes everything further down
+#define BUCKETS_PER_NAT 64
+#define BUCKETS 4096  // 64 nats below a row's max; the last bucket takes everything further down
 
 typedef struct {
     float value;
@@ -61,29 +61,37 @@ static double exps(const float *x, float *out, int64_t n, float max) {
     return total;
 }
 
+typedef struct {  // a thread's scratch: per bucket its mass and count, per value its bucket
+    double mass[BUCKETS];
+    int64_t count[BUCKETS];
+    uint16_t *bucket;
+} scratch;
+
 // one row: out[i] = x[i] where kept, -inf where not (out holds the row's exps meanwhile);
 // returns -1 out of memory
-static int nucleus_row(const float *x, float *out, int64_t n, float top_p, double *mass) {
+static int nucleus_row(const float *x, float *out, int64_t n, float top_p, scratch *t) {
     const float max = row_max(x, n);
     if (max == -INFINITY) {  // nothing to keep
         for (int64_t i = 0; i < n; i++) out[i] = -INFINITY;
         return 0;
     }
     const double inv_total = 1.0 / exps(x, out, n, max);
-    memset(mass, 0, BUCKETS * sizeof(double));
-    for (int64_t i = 0; i < n; i++) mass[bucket_of(x[i], max)] += out[i] * inv_total;
+    memset(t->mass, 0, sizeof(t->mass));
+    memset(t->count, 0, sizeof(t->count));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = t->bucket[i] = (uint16_t)bucket_of(x[i], max);
+        t->mass[b] += out[i] * inv_total;
+        t->count[b]++;
+    }
     int64_t edge = 0;  // the bucket the cut falls in, and the mass of the buckets above it
     double before = 0.0;
-    while (edge < BUCKETS - 1 && before + mass[edge] < top_p) before += mass[edge++];
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; i++) count += bucket_of(x[i], max) == edge;
-    entry *inside = malloc((count ? count : 1) * sizeof(entry));
+    while (edge < BUCKETS - 1 && before + t->mass[edge] < top_p) before += t->mass[edge++];
+    entry *inside = malloc((t->count[edge] ? t->count[edge] : 1) * sizeof(entry));
     if (!inside) return -1;
-    count = 0;
+    int64_t count = 0;
     for (int64_t i = 0; i < n; i++) {
-        const int64_t b = bucket_of(x[i], max);
-        if (b == edge) inside[count++] = (entry){x[i], out[i] * inv_total, i};
-        out[i] = b < edge ? x[i] : -INFINITY;
+        if (t->bucket[i] == edge) inside[count++] = (entry){x[i], out[i] * inv_total, i};
+        out[i] = t->bucket[i] < edge ? x[i] : -INFINITY;
     }
     qsort(inside, count, sizeof(entry), larger_first);
     for (int64_t j = 0; j < count && before < top_p; j++) {  // kept while the mass before < top_p
@@ -100,12 +108,16 @@ int top_p_f32(const float *logits, float *out, const float *top_p, int64_t rows,
     int status = 0;
 #pragma omp parallel
     {
-        double *mass = malloc(BUCKETS * sizeof(double));
+        scratch *t = malloc(sizeof(scratch));
+        uint16_t *buckets = malloc((vocab ? vocab : 1) * sizeof(uint16_t));
+        if (t) t->bucket = buckets;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            if (!mass || nucleus_row(logits + r * stride, out + r * stride, vocab, top_p[r], mass))
+            if (!t || !buckets ||
+                nucleus_row(logits + r * stride, out + r * stride, vocab, top_p[r], t))
                 status = -1;
-        free(mass);
+        free(buckets);
+        free(t);
     }
     return status;
 }

@@ -48,17 +48,32 @@ def test_ties_with_the_kth_past_the_candidates_are_kept():
     _same_kept(out, top_k_top_p_sorted(logits, top_k, None))
 
 
-def test_peaked_rows_never_sort_the_vocabulary(monkeypatch):
-    """Rows whose nucleus lies among the candidates are settled there: the sort never runs."""
+@pytest.mark.parametrize("nucleus_kernel", [True, False])
+def test_settled_rows_never_sort_the_vocabulary(monkeypatch, nucleus_kernel):
+    """top_p alone goes to the nucleus kernel; without it (no compiler) a peaked row is settled
+    on the candidates, and so is a top_k inside them: the sort never runs."""
 
     def refuse(*args):
         raise AssertionError("sorted a settled row")
 
     monkeypatch.setattr(filters, "top_k_top_p_ref", refuse)
-    monkeypatch.setattr(filters.cpu_sampling, "top_p", refuse)
+    if not nucleus_kernel:
+        monkeypatch.setattr(filters.cpu_sampling, "top_p", lambda *args: None)
     logits = _rows(4.0)
-    out = top_k_top_p(logits, None, torch.full((len(logits),), 0.9))
+    rows = len(logits)
+    out = top_k_top_p(logits, None, torch.full((rows,), 0.9))
     assert (out.isfinite().sum(dim=-1) <= CANDIDATES).all()
+    top_k = torch.tensor([5, VOCAB] * (rows // 2))
+    out = top_k_top_p(logits, top_k, torch.full((rows,), 0.9))
+    assert (out.isfinite().sum(dim=-1) <= CANDIDATES).all()
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.1])
+def test_without_the_nucleus_kernel_the_kept_tokens_are_the_same(monkeypatch, scale):
+    monkeypatch.setattr(filters.cpu_sampling, "top_p", lambda *args: None)
+    logits = _rows(scale)
+    top_p = torch.tensor([0.9, 0.5, 0.99, 1.0] * 3)
+    _same_kept(top_k_top_p(logits, None, top_p), top_k_top_p_sorted(logits, None, top_p))
 
 
 def test_the_input_is_left_as_it_was():
