@@ -156,50 +156,34 @@ def paged_attention_cpu(
     if max_seqlen_q == 1:
         out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap, **scales)
         return out.to(query.dtype)
-    if _native_bf16_chunks(query, key_cache, softcap):
-        out = _bf16_batch(query, *args[:-1], window)
-        return (
-            paged_attention_ref(query, *args, decode=_decode_rows, **masking)
-            if out is None
-            else out
-        )
-    out = torch.empty(query.shape, dtype=torch.float32)
-    long_chunks = _short_rows(query, *args[:-1], SDPA_MIN_CHUNK, paged_decode, out, **masking)
+    native_bf16 = _native_bf16_chunks(query, key_cache, softcap)
+    min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
+    out = torch.empty(query.shape, dtype=query.dtype if native_bf16 else torch.float32)
+    long_chunks = _short_rows(query, *args[:-1], min_chunk, out, **masking)
     if long_chunks is None:
         return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
-    chunk_attention_ref(
-        query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
-    )  # fmt: skip
+    if native_bf16:
+        _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window)
+    else:
+        chunk_attention_ref(
+            query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
+        )  # fmt: skip
     return out.to(query.dtype)
 
 
-def _bf16_batch(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0
-) -> torch.Tensor | None:  # fmt: skip
-    """A bf16 model's batch in bf16: decode tokens and chunks under BF16_SDPA_MIN_CHUNK tokens
-    on the kernel, longer chunks on bf16 SDPA over gathered copies; None where the kernel
-    declines."""
-    args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    out = torch.empty(query.shape, dtype=query.dtype)
-    long_chunks = _short_rows(query, *args, BF16_SDPA_MIN_CHUNK, paged_decode, out, window)
-    if long_chunks is not None:
-        _bf16_chunk_attention(query, *args, long_chunks, out, window)
-    return None if long_chunks is None else out
-
-
 def _short_rows(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, min_chunk,
-    decode, out, window=0, softcap=0.0, *, k_scale=1.0, v_scale=1.0,
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, min_chunk, out,
+    window=0, softcap=0.0, *, k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor | None:  # fmt: skip
-    """The rows of chunks under `min_chunk` tokens (decode tokens among them) on `decode`, a
-    row per query token over the keys it sees, into `out`. Returns which sequences are left
-    (bool [num_seqs]: their chunks are long), or None where `decode` declines."""
+    """The rows of chunks under `min_chunk` tokens (decode tokens among them) on the C kernel,
+    a row per query token over the keys it sees, into `out`. Returns which sequences are left
+    (bool [num_seqs]: their chunks are long), or None where the kernel declines."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
     short = torch.nonzero((q_lens < min_chunk)[seq_of_token]).flatten()
     if short.numel():
         tables = block_tables.index_select(0, seq_of_token[short])
-        rows = decode(
+        rows = paged_decode(
             query[short], key_cache, value_cache, tables, context[short], scale, window, softcap,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip

@@ -138,8 +138,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # the edits below are in place, and the caller's logits stay untouched: a copy where
         # there are edits (a bf16 model's logits become a new float tensor anyway)
-        edits = batch.bitmask is not None or batch.banned_rows is not None
-        logits = logits.to(torch.float32, copy=edits or batch.penalties is not None)
+        edits = (batch.bitmask, batch.banned_rows, batch.penalties)
+        logits = logits.to(torch.float32, copy=any(e is not None for e in edits))
         if batch.bitmask is not None:  # the grammar first, as vLLM: logprobs see it too
             apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         if batch.banned_rows is not None:

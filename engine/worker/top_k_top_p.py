@@ -25,27 +25,35 @@ def top_k_top_p(
     """Keep the top_k largest logits (ties with the k-th kept too), then the smallest prefix of
     the rest, by probability, whose mass reaches top_p; the others become -inf (a new tensor).
     top_k int64 [rows] (the vocab size: none), top_p float [rows] (1.0: none), or None."""
-    rows, vocab = logits.shape
-    none = torch.zeros(rows, dtype=torch.bool, device=logits.device)
-    has_k = none if top_k is None else top_k < vocab
-    has_p = none if top_p is None else top_p < 1.0
-    out, left = None, has_k | has_p
+    has_k, has_p = _asks(logits, top_k, top_p)
+    filtered = []  # (rows, their filtered logits)
     nucleus = has_p & ~has_k
     if nucleus.any():
         kept = _on_rows(_nucleus, nucleus, logits, top_k, top_p)
-        if kept is not None and bool(nucleus.all()):
-            return kept
-        if kept is not None:
-            out, left = logits.clone(), has_k
-            out[nucleus] = kept
-    if not left.any():
-        return logits.clone() if out is None else out
-    filtered = _on_rows(_candidates_or_sorted, left, logits, top_k, top_p)
-    if out is None and bool(left.all()):
-        return filtered  # every row on one path: no copies in and out
-    out = logits.clone() if out is None else out  # a row with neither keeps every logit
-    out[left] = filtered
+        if kept is not None:  # else (no compiler) those rows go with the rest
+            filtered.append((nucleus, kept))
+            has_p = has_p & ~nucleus
+    rest = has_k | has_p
+    if rest.any():
+        filtered.append((rest, _on_rows(_candidates_or_sorted, rest, logits, top_k, top_p)))
+    if len(filtered) == 1 and bool(filtered[0][0].all()):
+        return filtered[0][1]  # every row on one path: no copies in and out
+    out = logits.clone()  # a row with neither keeps every logit
+    for rows, values in filtered:
+        out[rows] = values
     return out
+
+
+def _asks(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows have a top_k, and which a top_p (bool [rows] each)."""
+    rows, vocab = logits.shape
+    none = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    return (
+        none if top_k is None else top_k < vocab,
+        none if top_p is None else top_p < 1.0,
+    )
 
 
 def _on_rows(filter_, rows, logits, top_k, top_p):
@@ -69,13 +77,11 @@ def _candidates_or_sorted(
 ) -> torch.Tensor:
     """The filter for rows that each have a top_k or a top_p: on topk's candidates where they
     settle the row, the rest sorted whole."""
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     width = min(CANDIDATES, vocab)
     values, ids = logits.topk(width, dim=-1)  # each row's largest, in descending order
-    none = torch.zeros(rows, dtype=torch.bool, device=logits.device)
-    has_k = none if top_k is None else top_k < vocab
-    has_p = none if top_p is None else top_p < 1.0
-    kept, settled = values.clone(), none
+    has_k, has_p = _asks(logits, top_k, top_p)
+    kept, settled = values.clone(), torch.zeros_like(has_k)
     if top_k is not None:
         kth = values.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
         kept.masked_fill_(values < kth, float("-inf"))
