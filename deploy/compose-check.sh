@@ -194,7 +194,7 @@ choose_passwords() {
   local role name
   for role in SERVICE GATEWAY CLIENT; do
     name=KVPAGER_${role}_PASSWORD
-    [[ -n ${!name:-} ]] || export "$name=$(python3 -c 'import secrets; print(secrets.token_urlsafe(24))')"
+    [[ -n ${!name:-} ]] || export "$name=$(python3 -c 'import secrets; print("kvp-" + secrets.token_urlsafe(24))')"
   done
   export KVPAGER_NATS_USER=client KVPAGER_NATS_PASSWORD=$KVPAGER_CLIENT_PASSWORD
   export KVPAGER_NATS_INBOX_PREFIX=_INBOX_client

@@ -42,9 +42,10 @@ HAS_GATEWAY = "http" in build_parser()[1]
 LONG_RUNNING = ("tokenizer", "scheduler", "executor", *(("http",) if HAS_GATEWAY else ()))
 # ${NAME}, ${NAME:-default} or ${NAME:?error}, as compose interpolates them
 VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
-# the NATS users' passwords (deploy/nats.conf), which compose requires
+# the NATS users' passwords (deploy/nats.conf), which compose requires; a letter first, since
+# nats-server parses a variable's value ("12-..." reads as a date, "-..." as a number)
 PASSWORDS = {
-    f"KVPAGER_{role}_PASSWORD": secrets.token_urlsafe(24)
+    f"KVPAGER_{role}_PASSWORD": "kvp-" + secrets.token_urlsafe(24)
     for role in ("SERVICE", "GATEWAY", "CLIENT")
 }
 CLIENT = {
@@ -285,6 +286,22 @@ def test_the_image_gets_every_package():
     assert "deploy/wheels/" in copied  # a local torch wheel (deploy/compose-check.sh)
     # the check's venv and logs stay out of the build context
     assert _docker_ignored("deploy/.check/venv", patterns)
+
+
+# after the letter, what nats-server would read as a date, a negative number, a size or a bool
+LETTER_FIRST = ("kvp12-25-ab", "kvp-9x", "k1k", "kvp_true", "kvp007")
+
+
+@pytest.mark.parametrize("password", LETTER_FIRST)
+def test_nats_conf_takes_letter_first_passwords(password):
+    """deploy/nats.conf reads the passwords unquoted: the rule it states must be enough."""
+    env = {**os.environ, **{name: password for name in PASSWORDS}}
+    conf = str(ROOT / "deploy" / "nats.conf")
+    check = subprocess.run(
+        [str(nats_server_binary()), "-c", conf, "-t"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stderr
+    assert "is valid" in check.stdout + check.stderr
 
 
 def test_health_checks_pass(local):
