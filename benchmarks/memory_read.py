@@ -10,55 +10,48 @@ four decoder linears (30 layers, each from memory) on oneDNN's packed weights (t
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.cpu_kernels import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, best_ms  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from engine.model.linear import make_linear  # noqa: E402
 
-SMOLLM2_LINEARS = [
-    (960, 576),
-    (576, 576),
-    (3072, 576),
-    (576, 1536),
-]  # (out, in): qkv o gate_up down
-LAYERS = 30
+# (out, in) of the decoder's four linears: qkv, o_proj, gate_up, down
+LINEARS = [
+    ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    (HIDDEN, HEADS * HEAD_DIM),
+    (2 * INTER, HIDDEN),
+    (HIDDEN, INTER),
+]
 
 
 def read_rate(megabytes: int) -> float:
     """GB/s of an fp32 sum over `megabytes`, best of a few rounds."""
     x = torch.randn(megabytes * (1 << 20) // 4)
-    rounds = max(3, 2048 // megabytes)
-    for _ in range(2):
-        x.sum()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
+    ms = best_ms(x.sum, max(3, 2048 // megabytes))
+    return x.numel() * 4 / ms / 1e6
 
 
-def linear_rate(rows: int, rounds: int = 10) -> tuple[float, float]:
+def linear_rate(rows: int, repeats: int = 10) -> tuple[float, float]:
     """(ms a step, GB/s of weights) for SmolLM2's decoder linears at `rows` tokens, bf16."""
     layers = []
     for _ in range(LAYERS):
-        weights = [torch.randn(out, inp).bfloat16() * 0.05 for out, inp in SMOLLM2_LINEARS]
+        weights = [torch.randn(out, inp).bfloat16() * 0.05 for out, inp in LINEARS]
         layers.append([make_linear(w, None)[0] for w in weights])
-    inputs = {inp: torch.randn(rows, inp).bfloat16() for _, inp in SMOLLM2_LINEARS}
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
+    inputs = {inp: torch.randn(rows, inp).bfloat16() for _, inp in LINEARS}
+
+    def step() -> None:
         for linears in layers:
-            for (_, inp), linear in zip(SMOLLM2_LINEARS, linears):
+            for (_, inp), linear in zip(LINEARS, linears):
                 linear(inputs[inp])
-        best = min(best, time.perf_counter() - start)
-    weight_bytes = sum(out * inp * 2 for out, inp in SMOLLM2_LINEARS) * LAYERS
-    return best * 1e3, weight_bytes / best / 1e9
+
+    ms = best_ms(step, repeats)
+    weight_bytes = sum(out * inp * 2 for out, inp in LINEARS) * LAYERS
+    return ms, weight_bytes / ms / 1e6
 
 
 def main() -> None:
