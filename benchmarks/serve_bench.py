@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.nats_peer import free_port, stop  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
+from engine.download import resolve_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SMOLLM2 = Path.home() / ".cache/kvpager/models/smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # downloaded and converted on first use
 NAME = "bench-model"
 DATASETS = {
     "random": ["--random-input-len", "256", "--random-output-len", "128"],
@@ -159,7 +160,7 @@ def _ratio(a, b) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=SMOLLM2)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=4)
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, default=Path("/tmp/vllm-venv/bin/python"))
     parser.add_argument("--out", type=Path, default=HERE / "results/serve")
     args = parser.parse_args()
+    args.model = resolve_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"ISA: {' '.join(isa_flags())}; {args.dtype}, {args.threads} threads, {args.model.name}")
     runs = {engine: run_engine(args, engine, args.out) for engine in args.engines}
