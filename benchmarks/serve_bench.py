@@ -27,7 +27,6 @@ from benchmarks.roofline import isa_flags  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_MODEL = "smollm2-135m-instruct"  # downloaded and converted on first use
 NAME = "bench-model"
 DATASETS = {
     "random": ["--random-input-len", "256", "--random-output-len", "128"],
@@ -160,7 +159,7 @@ def _ratio(a, b) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="name or folder")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=4)
