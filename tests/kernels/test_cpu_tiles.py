@@ -1,6 +1,7 @@
 """The AMX cache layout (kernels/cpu_tiles.py): its torch twins on any host, its C write on
-the host's build and AVX2's, and the tile attention kernel (AMX hosts only) against the
-token-major twin and dense attention over the same values."""
+the host's build and AVX2's, and the tile attention kernel against the token-major twin and
+dense attention over the same values: the host's build (AMX tiles on an AMX host) and Cooper
+Lake's (AVX512-BF16 dot products, no AMX) wherever the CPU has AVX512-BF16."""
 
 import dataclasses
 
@@ -26,7 +27,25 @@ from tests.kernels.test_paged_attention import (
     make_batch,
 )
 
-needs_amx = pytest.mark.skipif(not cpu_tiles.available(), reason="no AMX on this host")
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as info:
+        return next((set(line.split()) for line in info if line.startswith("flags")), set())
+
+
+@pytest.fixture(params=["native", "cooperlake"])
+def tile_kernel(request, monkeypatch):
+    """cpu_tiles with its library built for `march`: the host's, or AVX512-BF16 without AMX
+    (its own half, kernels/cpu/tiles_dpbf16.h, which an AMX host's build does not run)."""
+    march = request.param
+    if march != "native" and "avx512_bf16" not in _cpu_flags():
+        pytest.skip("no AVX512-BF16 on this host")
+    library = cpu_tiles.load(march)
+    if library is None or library.tiles_ready() != 0:
+        pytest.skip(f"no tile kernel in the {march} build on this host")
+    monkeypatch.setattr(cpu_tiles, "load", lambda march_=None: library)
+    monkeypatch.setattr(cpu_tiles, "available", lambda: True)
+    return march
 
 
 def _tiled(batch):
@@ -91,9 +110,9 @@ CONFIGS = [(64, 9, 3, 16), (32, 4, 2, 16), (128, 8, 1, 32), (64, 16, 1, 16), (64
 UNITS = ([1, 2, 3, 4, 9, 16, 17, 40], [30, 2, 50, 80, 9, 300, 17, 47])
 
 
-@needs_amx
 @pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads", "block_size"), CONFIGS)
 @pytest.mark.parametrize("case", [DECODE, MIXED, PREFILL, UNITS])
+@pytest.mark.usefixtures("tile_kernel")
 def test_tile_attention_equals_the_token_major_twin(
     case, head_dim, num_heads, num_kv_heads, block_size
 ):
@@ -109,9 +128,9 @@ def test_tile_attention_equals_the_token_major_twin(
     assert_close("vs tile twin", out, twin, torch.bfloat16)
 
 
-@needs_amx
 @pytest.mark.parametrize("case", [MIXED, PREFILL, UNITS])
 @pytest.mark.parametrize("window", [1, 17, 100])
+@pytest.mark.usefixtures("tile_kernel")
 def test_windows_match_the_twin(window, case):
     batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
     args = batch.args(0.125)
@@ -120,7 +139,7 @@ def test_windows_match_the_twin(window, case):
 
 
 def _fp32_tile_output(batch, scale):
-    """The kernel's own fp32 output (before the rounding to bf16), or None without AMX."""
+    """The kernel's own fp32 output (before the rounding to bf16), or None without the kernel."""
     tiled = _tiled(batch)
     return cpu_tiles._tile_attention(
         batch.query, tiled.key_cache, tiled.value_cache, batch.block_tables, batch.cu_seqlens_q,
@@ -128,19 +147,19 @@ def _fp32_tile_output(batch, scale):
     )  # fmt: skip
 
 
-@needs_amx
 @pytest.mark.parametrize("case", [DECODE, MIXED, UNITS])
+@pytest.mark.usefixtures("tile_kernel")
 def test_rows_are_exact_to_the_fp32_twin(case):
-    """P goes onto tiles as bf16 twice (rounded, and what rounding left): ~1e-6 of the fp32
-    twin on the same bf16 values, before the output's own rounding to bf16; decode units and
-    prefill units alike."""
+    """P carries ~16 bits (onto AMX tiles as bf16 twice: rounded, and what rounding left; in
+    fp32 in the AVX512-BF16 half): ~1e-6 of the fp32 twin on the same bf16 values, before the
+    output's own rounding to bf16; decode units and prefill units alike."""
     batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
     out = _fp32_tile_output(batch, 0.125)
     twin = paged_attention_ref(*dataclasses.replace(batch, query=batch.query.float()).args(0.125))
     assert out is not None and (out - twin).abs().max() < 1e-5
 
 
-@needs_amx
+@pytest.mark.usefixtures("tile_kernel")
 def test_decode_calls_take_one_token_a_sequence():
     batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
     tiled = _tiled(batch)
@@ -150,8 +169,8 @@ def test_decode_calls_take_one_token_a_sequence():
     assert torch.equal(out, _fp32_tile_output(batch, 0.125))
 
 
-@needs_amx
 @pytest.mark.parametrize("case", [DECODE, MIXED])
+@pytest.mark.usefixtures("tile_kernel")
 def test_garbage_past_a_sequence_is_never_read(case):
     """Slots after a sequence's last token (and padding blocks) may hold NaN: 0 * NaN would
     poison the output if the kernel let them into p.V."""
@@ -166,7 +185,7 @@ def test_garbage_past_a_sequence_is_never_read(case):
     assert torch.equal(out, clean)
 
 
-@needs_amx
+@pytest.mark.usefixtures("tile_kernel")
 def test_query_rows_may_be_apart():
     batch = make_batch(*MIXED, 9, 3, 64, 16, torch.bfloat16, "cpu")
     wide = torch.randn(batch.query.shape[0], 15 * 64).bfloat16()
@@ -177,7 +196,7 @@ def test_query_rows_may_be_apart():
     )
 
 
-@needs_amx
+@pytest.mark.usefixtures("tile_kernel")
 def test_a_batch_its_starts_do_not_cover_is_refused():
     batch = make_batch(*MIXED, 9, 3, 64, 16, torch.bfloat16, "cpu")
     short = dataclasses.replace(_tiled(batch), cu_seqlens_q=batch.cu_seqlens_q - 1)
@@ -224,9 +243,9 @@ def test_the_layout_is_picked_only_where_it_fits():
     assert fits(bf16, bf16, 9, 3, 64, 16) == cpu_tiles.available()
 
 
-def test_a_build_without_amx_declines():
+def test_a_build_without_amx_or_avx512_bf16_declines():
     """AVX2's build has the write but no tile kernel: it says so, and the layout is not picked."""
     library = cpu_tiles.load("x86-64-v3")
     if library is None:
         pytest.skip("no C compiler")
-    assert library.amx_tiles_ready() == -1
+    assert library.tiles_ready() == -1

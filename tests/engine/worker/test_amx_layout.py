@@ -14,7 +14,9 @@ from tests import model_families
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.engine.model.test_bf16 import MAX_TOKENS, assert_follows_transformers
 
-needs_amx = pytest.mark.skipif(not cpu_tiles.available(), reason="no AMX on this host")
+needs_tiles = pytest.mark.skipif(
+    not cpu_tiles.available(), reason="neither AMX nor AVX512-BF16 on this host"
+)
 # head_dim 32, 4 query heads over 2 kv heads: a shape the tiles take, at 16-token blocks
 TILES = dict(dtype="bfloat16", attention_backend="cpu", block_size=16)
 
@@ -24,7 +26,7 @@ def tiny_qwen3(tmp_path_factory):
     return model_families.build_qwen3(tmp_path_factory.mktemp("qwen3-tiles"))
 
 
-@needs_amx
+@needs_tiles
 def test_a_bf16_model_on_tiles_follows_transformers(tiny_qwen3):
     llm = make_llm(tiny_qwen3, **TILES)
     assert llm.executor.ops.kv_layout == cpu_tiles.LAYOUT
@@ -35,7 +37,7 @@ def test_a_bf16_model_on_tiles_follows_transformers(tiny_qwen3):
     assert_all_free(llm)
 
 
-@needs_amx
+@needs_tiles
 def test_swapped_blocks_come_back_in_the_layout_they_left(tiny_qwen3):
     """Swaps copy whole blocks, so the tile layout survives them: the same tokens as a run
     with room for everything."""

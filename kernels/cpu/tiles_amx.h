@@ -1,0 +1,96 @@
+// The AMX half of kernels/cpu/paged_tiles.c: a chunk's q.k^T and p.V on the tile unit.
+// Included by paged_tiles.c after its shapes (shape, unit, unit_state, CHUNK) are defined.
+//
+// P goes onto the tiles as bf16 twice, its rounding and what the rounding left (hi + lo), so
+// the weights carry ~16 bits and the output matches the float32 twin to ~1e-6 (P alone
+// rounded: 7e-4; the second product cost ~5% in decode, 8-10% in prefill).
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// the tile registers (the intrinsics take literal numbers)
+#define T_Q 0   // 32 dims of the unit's query rows       rows = rows, 64 bytes
+#define T_K 1   // 32 dims (16 pairs) x 16 tokens         rows = 16, 64 bytes
+#define T_S 2   // scores, rows x 16 tokens (fp32)       rows = rows, 64 bytes
+#define T_P 3   // weights, rows x 16 tokens (bf16)      rows = rows, 32 bytes
+#define T_PL 4  // what rounding the weights left        rows = rows, 32 bytes
+#define T_V 5   // 8 token pairs x 16 dims               rows = 8, 64 bytes
+#define T_O 6   // output, rows x 16 dims (fp32)         rows = rows, 64 bytes
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+// Linux hands out the tile registers' state only to a process that asks for it.
+int tiles_ready(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+// the tiles' shapes for units of `rows` query rows (a thread's units change rows rarely)
+static void tiles_for_rows(int64_t rows) {
+    tile_config config;
+    memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    const uint8_t tile_rows[] = {rows, 16, rows, rows, rows, 8, rows};
+    const uint16_t colsb[] = {64, 64, 64, 32, 32, 64, 64};
+    for (int i = 0; i < 7; i++) config.rows[i] = tile_rows[i], config.colsb[i] = colsb[i];
+    _tile_loadconfig(&config);
+}
+
+static void tiles_done(void) { _tile_release(); }
+
+// float lanes rounded to bf16 (nearest even, as torch: one vcvtneps2bf16) into `dst`; returns
+// the rounded values
+static inline vec round_bf16(vec x, uint16_t *dst) {
+    const __m256i half = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    _mm256_storeu_si256((__m256i *)dst, half);
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+}
+
+typedef struct {  // a chunk's softmax weights, as the tiles take them
+    uint16_t hi[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+    uint16_t lo[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+} weights;
+
+INLINE void keep_weights(weights *w, int64_t row, int64_t at, vec p) {
+    round_bf16(p - round_bf16(p, &w->hi[row][at]), &w->lo[row][at]);
+}
+
+// S = Q K^T for the chunk's `tiles` tiles of 16 keys
+INLINE void chunk_scores(const shape *s, const unit *u, const uint16_t *const keys[],
+                         int64_t tiles, float scores[][CHUNK]) {
+    for (int64_t t = 0; t < tiles; t++) {
+        _tile_zero(T_S);
+        for (int64_t c = 0; c < s->head_dim / 32; c++) {
+            _tile_loadd(T_Q, u->query + c * 32, u->query_step * 2);
+            _tile_loadd(T_K, keys[t] + c * 16 * s->block_size * 2, s->block_size * 4);
+            _tile_dpbf16ps(T_S, T_Q, T_K);
+        }
+        _tile_stored(T_S, &scores[0][t * TILE_TOKENS], CHUNK * 4);
+    }
+}
+
+// O += P V for the chunk, into the unit's running output
+INLINE void chunk_values(const shape *s, const unit *u, unit_state *st,
+                         const uint16_t *const values[], int64_t tiles, const weights *w) {
+    float out[MAX_ROWS][16] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < s->head_dim / 16; c++) {
+        _tile_zero(T_O);
+        for (int64_t t = 0; t < tiles; t++) {
+            _tile_loadd(T_V, values[t] + c * 32, s->head_dim * 4);
+            _tile_loadd(T_P, &w->hi[0][t * TILE_TOKENS], CHUNK * 2);
+            _tile_dpbf16ps(T_O, T_P, T_V);
+            _tile_loadd(T_PL, &w->lo[0][t * TILE_TOKENS], CHUNK * 2);
+            _tile_dpbf16ps(T_O, T_PL, T_V);
+        }
+        _tile_stored(T_O, out, 64);
+        for (int64_t g = 0; g < u->rows; g++) {
+            const vec a = load_f32(&st->acc[g][c * 16]) + load_f32(out[g]);
+            memcpy(&st->acc[g][c * 16], &a, sizeof(a));
+        }
+    }
+}
