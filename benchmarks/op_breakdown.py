@@ -3,6 +3,7 @@
 
     python benchmarks/op_breakdown.py --dtype float32 bfloat16 [-n 64] [--threads 2]
     python benchmarks/op_breakdown.py --dtype bfloat16 --workload random   # serve_bench's shape
+    python benchmarks/op_breakdown.py --dtype bfloat16 --workload prefix-repetition  # its other
 
 The timers wrap the executor's own callables (no copy of the model code), so every op runs as
 in a plain run, plus a `perf_counter` pair per call (~1 us against ~30 us for the smallest op).
@@ -29,7 +30,7 @@ from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from benchmarks.run import make_workloads, token_source  # noqa: E402
-from benchmarks.workloads import uniform  # noqa: E402
+from benchmarks.workloads import multi_prefix, uniform  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 from kernels import cpu_decode, reference  # noqa: E402
 
@@ -103,9 +104,13 @@ def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
 
 def workload_requests(model_path: Path, num_requests: int, name: str) -> tuple[list, list]:
     """Prompts and sampling params: run.py's own sharegpt-like workload (same lengths, seed), or
-    serve_bench's saturated random one (256 prompt tokens, 128 output tokens each)."""
+    one of serve_bench's saturated ones: random (256 prompt tokens, 128 output tokens each) or
+    prefix-repetition (8 prefixes of 256 tokens, each request's own 64-token suffix, 64 out)."""
     if name == "random":
         work = uniform(token_source(model_path), num_requests, (256, 256), (128, 128), 0)
+    elif name == "prefix-repetition":
+        users = max(1, num_requests // 8)
+        work = multi_prefix(token_source(model_path), 8, users, 256, (64, 64), 64, 0)
     else:
         spec = argparse.Namespace(
             num_requests=num_requests, quick=False, seed=0, workloads=["sharegpt-like"]
@@ -147,7 +152,10 @@ def main() -> None:
     parser.add_argument("-n", "--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--workload", choices=["sharegpt-like", "random"], default="sharegpt-like")
+    parser.add_argument(
+        "--workload", choices=["sharegpt-like", "random", "prefix-repetition"],
+        default="sharegpt-like",
+    )  # fmt: skip
     parser.add_argument("--kv-layout", choices=["auto", "token-major"], default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

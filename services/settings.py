@@ -51,7 +51,7 @@ class Settings:
     attention_backend: str = option("torch | cpu | triton | auto", default="auto")
     kv_layout: str = option(
         "order of values in a KV block: auto (AMX tiles where the cpu backend takes them, a "
-        "bf16 model on an AMX CPU) | token-major",
+        "bf16 model on an AMX or AVX512-BF16 CPU) | token-major",
         default="auto",
     )
     block_size: int = option("tokens per KV block", default=16)

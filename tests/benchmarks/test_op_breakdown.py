@@ -2,7 +2,7 @@
 
 import time
 
-from benchmarks.op_breakdown import LINEARS, OPS, Clock, table
+from benchmarks.op_breakdown import LINEARS, OPS, Clock, table, workload_requests
 
 
 def test_clock_counts_calls_and_time_and_keeps_results_and_errors():
@@ -32,3 +32,12 @@ def test_table_derives_the_rest_of_the_forward_and_of_the_step():
     assert rows["outside steps (scheduler, output)"] == 1.0
     assert "forward" not in rows and "step" not in rows
     assert list(rows.values()) == sorted(rows.values(), reverse=True)
+
+
+def test_prefix_repetition_is_serve_benchs_shape(tiny_llama):
+    """8 prefixes of 256 tokens, each request's own 64-token suffix, 64 tokens out."""
+    prompts, params = workload_requests(tiny_llama, 16, "prefix-repetition")
+    assert len(prompts) == 16 and all(len(p) == 320 for p in prompts)
+    assert len({tuple(p[:256]) for p in prompts}) == 8
+    assert len({tuple(p[256:]) for p in prompts}) == 16
+    assert all(p.max_tokens == 64 and p.ignore_eos for p in params)
