@@ -57,7 +57,8 @@ INLINE void score_block(const shape *s, const unit *u, const uint16_t *const key
         }
     }
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < tiles; t++) _mm512_store_ps(&scores[r0 + r][t * TILE_TOKENS], acc[r][t]);
+        for (int t = 0; t < tiles; t++)
+            _mm512_store_ps(&scores[r0 + r][t * TILE_TOKENS], acc[r][t]);
 }
 
 INLINE void chunk_scores(const shape *s, const unit *u, const uint16_t *const keys[],
@@ -93,7 +94,8 @@ INLINE void value_block(const shape *s, unit_state *st, const uint16_t *const va
                 const float *p = &w->p[r0 + r][t * TILE_TOKENS + 2 * j];
                 const __m512 pe = _mm512_set1_ps(p[0]), po = _mm512_set1_ps(p[1]);
                 for (int c = 0; c < D; c++)
-                    acc[r][c] = _mm512_fmadd_ps(po, odd[c], _mm512_fmadd_ps(pe, even[c], acc[r][c]));
+                    acc[r][c] =
+                        _mm512_fmadd_ps(po, odd[c], _mm512_fmadd_ps(pe, even[c], acc[r][c]));
             }
         }
     }

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from benchmarks.roofline import isa_flags
 from kernels import cpu_tiles
 from kernels.cpu_tiles import (
     from_tiles,
@@ -28,17 +29,12 @@ from tests.kernels.test_paged_attention import (
 )
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as info:
-        return next((set(line.split()) for line in info if line.startswith("flags")), set())
-
-
 @pytest.fixture(params=["native", "cooperlake"])
 def tile_kernel(request, monkeypatch):
     """cpu_tiles with its library built for `march`: the host's, or AVX512-BF16 without AMX
     (its own half, kernels/cpu/tiles_dpbf16.h, which an AMX host's build does not run)."""
     march = request.param
-    if march != "native" and "avx512_bf16" not in _cpu_flags():
+    if march != "native" and "avx512_bf16" not in isa_flags():
         pytest.skip("no AVX512-BF16 on this host")
     library = cpu_tiles.load(march)
     if library is None or library.tiles_ready() != 0:
