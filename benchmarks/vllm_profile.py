@@ -6,8 +6,9 @@ through `LLM.generate` under torch's profiler, inside vLLM's own virtualenv.
 REQUEST.json holds a vllm_peer.worker_config, the prompts' token ids and each request's
 sampling (n, temperature, max_tokens, seed; ignore_eos, as vllm_worker.py sets it). The engine
 runs in this process (no engine-core process), so the profiler sees the model's ops on this
-thread: a round without the profiler gives the throughput, a second one with it the split. Prints RESULT_MARKER and JSON: the plain round's
-seconds, the profiled round's, and the profiled round's self CPU seconds per category.
+thread: a round without the profiler gives the throughput, a second one with it the split.
+Prints RESULT_MARKER and JSON: the plain round's seconds, the profiled round's, and the
+profiled round's self CPU seconds per category.
 """
 
 import json
