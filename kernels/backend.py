@@ -123,10 +123,20 @@ def get_kernel_ops(name: str) -> KernelOps:
     return _BACKENDS[name]()
 
 
-def default_backend_name() -> str:
-    """ "triton" with a CUDA device; else "cpu" when its C kernel builds here, else "torch"."""
-    if torch.cuda.is_available():
+def default_backend_name(device: torch.device) -> str:
+    """ "triton" on a CUDA device; on CPU "cpu" when its C kernel builds here, else "torch"."""
+    if device.type == "cuda":
         return "triton"
     from kernels import cpu_decode
 
     return "cpu" if cpu_decode.load() is not None else "torch"
+
+
+def check_backend_device(name: str, device: torch.device) -> None:
+    """ConfigError for the C kernels on a device other than the CPU: they read host memory.
+    (Triton on CPU tensors is left to Triton: its interpreter runs there, the tests use it.)"""
+    if name == "cpu" and device.type != "cpu":
+        raise ConfigError(
+            f"attention_backend 'cpu' runs on a CPU device, not {device.type}: "
+            "set device='cpu' or another attention_backend"
+        )

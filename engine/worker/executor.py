@@ -35,7 +35,12 @@ from engine.worker.prompt_logprobs import compute_prompt_logprobs
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.worker.spec_verify import VerifyRows, accept, step_output
 from engine.worker.step_check import Capacity, StepCheck
-from kernels.backend import default_backend_name, get_kernel_ops, with_cache_layout
+from kernels.backend import (
+    check_backend_device,
+    default_backend_name,
+    get_kernel_ops,
+    with_cache_layout,
+)
 from schemas.errors import ConfigError
 from schemas.executor import RankReset, RankStep, ScheduledStep
 from schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
@@ -106,7 +111,8 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.backend = config.attention_backend
         if self.backend == "auto":
-            self.backend = default_backend_name()
+            self.backend = default_backend_name(self.device)
+        check_backend_device(self.backend, self.device)
         self.kv_dtype = self._kv_dtype()
         shard, model_config = self.shard, self.model_config
         cache_shape = (shard.num_heads, shard.num_kv_heads, shard.head_dim, config.block_size)

@@ -23,10 +23,11 @@ from schemas.scheduler import StepDone
 
 
 def step_thread(device: torch.device | None) -> ThreadPoolExecutor:
-    """The one thread every step runs on (CUDA's current device is per thread: set it once)."""
+    """The one thread every step runs on (CUDA's current device is per thread: set it once).
+    A bare "cuda" names no index, and set_device refuses it: the thread keeps the default."""
 
     def init() -> None:
-        if device is not None and device.type == "cuda":
+        if device is not None and device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
 
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpager-step", initializer=init)

@@ -11,6 +11,8 @@ from engine import LLM
 def make_llm(path, **overrides) -> LLM:
     args = dict(dtype="float32", block_size=8, num_blocks=128, attention_backend="torch")
     args.update(overrides)
+    if args["attention_backend"] == "cpu":
+        args.setdefault("device", "cpu")  # the C kernels read host memory, also on a GPU host
     return LLM(str(path), **args)
 
 

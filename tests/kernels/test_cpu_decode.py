@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import cpu_decode
-from kernels.backend import default_backend_name, get_kernel_ops
+from kernels.backend import check_backend_device, default_backend_name, get_kernel_ops
 from kernels.cpu_decode import (
     BF16_SDPA_MIN_CHUNK,
     SDPA_MIN_CHUNK,
@@ -12,6 +12,7 @@ from kernels.cpu_decode import (
     paged_decode,
 )
 from kernels.reference import decode_attention_ref, paged_attention_ref
+from schemas.errors import ConfigError
 from tests.kernels.test_paged_attention import (
     DECODE,
     MIXED,
@@ -95,11 +96,16 @@ def test_table_padding_is_never_read():
     assert_close("out", out, dense_attention(batch, scale), torch.float32)
 
 
-def test_cpu_is_the_default_backend_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: triton is the default")
-    assert default_backend_name() == "cpu"
+def test_cpu_is_the_default_backend_on_a_cpu_device():
+    assert default_backend_name(torch.device("cpu")) == "cpu"
+    assert default_backend_name(torch.device("cuda")) == "triton"
     assert get_kernel_ops("cpu").paged_attention is paged_attention_cpu
+
+
+def test_the_c_kernels_refuse_a_cuda_device():
+    check_backend_device("cpu", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="runs on a CPU device"):
+        check_backend_device("cpu", torch.device("cuda"))
 
 
 def test_loading_the_library_keeps_subnormal_floats():

@@ -56,7 +56,7 @@ def test_cpu_backend_matches_transformers(family):
     """The CPU backend: float32 routed experts stay on the twin (packing them measured slower;
     bf16 ones run packed: test_bf16.py)."""
     path, prompts, expected = family
-    llm, got = run_engine(path, prompts, num_blocks=128, attention_backend="cpu")
+    llm, got = run_engine(path, prompts, num_blocks=128, attention_backend="cpu", device="cpu")
     assert experts_packed(llm) <= {False}
     assert got == expected
     assert_all_free(llm)
@@ -88,7 +88,14 @@ def test_phi3_longrope_short_and_long_sequences_in_one_batch(tmp_path):
     path = model_families.build_phi3(tmp_path, original_length=32)
     prompts = [p for p in make_prompts() if len(p) + 12 <= 32 or len(p) > 32]
     assert len(prompts) == 12  # 1-17 tokens, and 33 and 41
-    llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=64, attention_backend="cpu")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=8,
+        num_blocks=64,
+        attention_backend="cpu",
+        device="cpu",
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 12)
     assert_all_free(llm)
@@ -104,7 +111,14 @@ def test_gemma2_logprobs_match_the_soft_capped_logits(tmp_path):
         logits = model(torch.tensor([prompt])).logits[0, -1]
     assert logits.abs().max() < 2.0  # the cap is active
     want = torch.log_softmax(logits, dim=-1).topk(5)
-    llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=32, attention_backend="cpu")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=8,
+        num_blocks=32,
+        attention_backend="cpu",
+        device="cpu",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     first = llm.generate([prompt], params)[0].outputs[0].logprobs[0]
     assert first.top_token_ids == want.indices.tolist()

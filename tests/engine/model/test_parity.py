@@ -40,6 +40,8 @@ def model_and_expected(request):
 
 def run_engine(path, prompts, **engine_args):
     engine_args.setdefault("attention_backend", "torch")
+    if engine_args["attention_backend"] == "cpu":
+        engine_args.setdefault("device", "cpu")  # the C kernels read host memory
     llm = LLM(str(path), dtype="float32", block_size=BLOCK_SIZE, **engine_args)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return llm, [o.outputs[0].token_ids for o in outs]
