@@ -17,9 +17,11 @@ import asyncio
 import dataclasses
 import functools
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,7 +134,9 @@ async def _serve(
     server = EmbeddedNats(settings, options) if embedded else None
     children: dict[str, Child] = {}
     client = None
+    journal_dir = tempfile.mkdtemp(prefix="kvpager-run-")  # 0700: journals name requests
     try:
+        settings = dataclasses.replace(settings, journal_dir=journal_dir)
         gateway = settings  # what the HTTP children connect with
         if server is not None:
             settings, gateway = _start_server(server, settings, options)
@@ -143,7 +147,8 @@ async def _serve(
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
             _say(*ready_banner(settings, stats, max_model_len, http))
-            supervisor = Supervisor(client.nc, children, settings.liveness_timeout)
+            timeout_s = settings.liveness_timeout
+            supervisor = Supervisor(client.nc, children, timeout_s, journal_dir)
             await _supervise(supervisor, signals, settings.heartbeat_interval)
         return 0
     finally:
@@ -152,6 +157,7 @@ async def _serve(
         await _stop_services(children, signals, settings)
         if server is not None:
             server.stop()
+        shutil.rmtree(journal_dir, ignore_errors=True)
 
 
 def _start_server(server: EmbeddedNats, settings: Settings, options: ServeSettings):
@@ -198,7 +204,7 @@ def _spawns(
         child_env = gateway_env if command in HTTP_COMMANDS else env
         if instance is not None:
             child_env = {**child_env, "KVPAGER_INSTANCE": instance}
-        argv = [sys.executable, "-m", "services.cli", command]
+        argv = processes.python_module("services.cli", command)  # never the caller's folder
         spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
     return spawns
 
