@@ -1,11 +1,14 @@
-"""`kvpager serve` started from a hostile folder, and losing its tokenizer mid-stream.
+"""`kvpager serve` started from a hostile folder, refusing poisoned requests, and losing its
+tokenizer mid-stream.
 
 The folder holds look-alikes of kvpager's packages and of standard modules that write a
-marker if imported: serve's children must never import them. A tokenizer killed with SIGKILL
-leaves raw NATS streams that only serve can end: each gets a final `unavailable` event.
+marker if imported: serve's children must never import them. A request on serve's poison list
+is refused by both front doors. A tokenizer killed with SIGKILL leaves raw NATS streams that
+only serve can end: each gets a final `unavailable` event.
 """
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +17,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import msgspec
+import psutil
 import pytest
 
+from schemas.public import GenerateRequest
 from services.client import Client
+from services.inflight import POISON_FILE, request_key
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import QUIET_ENV, wait_for_line
 from tests.services.test_serve import Served, _child, _generate_after_heal
@@ -24,6 +32,7 @@ from tests.services.test_serve import Served, _child, _generate_after_heal
 EVIL = "open({marker!r}, 'a').write(__name__ + '\\n')\nraise SystemExit(7)\n"
 LOOK_ALIKES = ("services", "engine", "schemas", "kvpager")
 SHADOWED_MODULES = ("resource", "json", "typing", "signal")
+JSON = {"Content-Type": "application/json"}
 
 
 def hostile_folder(folder: Path) -> Path:
@@ -41,13 +50,14 @@ def hostile_folder(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hostile(tiny_llama, tmp_path_factory) -> Iterator[tuple[Served, Path]]:
+def hostile(tiny_llama, tmp_path_factory) -> Iterator[tuple[Served, Path, str]]:
     """serve, run as the installed `kvpager` command runs (its own folder not on sys.path),
     from inside the hostile folder."""
     log_dir = tmp_path_factory.mktemp("serve-hostile")
     marker = hostile_folder(log_dir / "cwd")
-    port = free_port()
+    port, http_port = free_port(), free_port()
     args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
+    args += ["--http-port", str(http_port)]
     env = {**os.environ, **QUIET_ENV, "KVPAGER_LIVENESS_TIMEOUT": "3"}
     env["KVPAGER_HEARTBEAT_INTERVAL"] = "0.5"
     with open(log_dir / "out.txt", "wb") as out, open(log_dir / "err.txt", "wb") as err:
@@ -60,28 +70,69 @@ def hostile(tiny_llama, tmp_path_factory) -> Iterator[tuple[Served, Path]]:
         )
     try:
         wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
-        yield Served(process, f"nats://127.0.0.1:{port}", log_dir), marker
+        served = Served(process, f"nats://127.0.0.1:{port}", log_dir)
+        yield served, marker, f"http://127.0.0.1:{http_port}"
     finally:
         if process.poll() is None:
             process.kill()
         process.wait()
 
 
-async def test_serve_started_in_a_hostile_folder_runs_none_of_its_code(hostile):
-    served, marker = hostile
+async def test_serve_started_in_a_hostile_folder_runs_none_of_its_code(hostile, tiny_llama):
+    served, marker, http_url = hostile
     client = await Client.connect(served.url)
     try:
         events = [e async for e in client.generate(prompt="Hi", max_tokens=4, temperature=0)]
     finally:
         await client.close()
     assert events[-1].finish_reason == "length" and events[-1].error is None
+    async with httpx.AsyncClient() as http:
+        body = _completion(tiny_llama.name, "Hi")
+        answer = await http.post(f"{http_url}/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
     assert not marker.exists(), marker.read_text()
+
+
+async def test_a_poisoned_request_is_refused_at_both_front_doors(hostile, tiny_llama):
+    """The list the supervisor writes after a request's second crash, written here."""
+    served, _, http_url = hostile
+    model = tiny_llama.name
+    tokenizer = psutil.Process(_child(served, "tokenizer").pid)
+    journal_dir = Path(tokenizer.environ()["KVPAGER_JOURNAL_DIR"])
+    deadly = GenerateRequest(prompt="deadly", max_tokens=3)  # the client adds its ids
+    keys = [request_key(msgspec.json.encode(deadly)), request_key(_http_body(model, "deadly"))]
+    (journal_dir / POISON_FILE).write_text("".join(f"{key}\n" for key in keys))
+    client = await Client.connect(served.url)
+    try:
+        refused = [e async for e in client.generate(deadly)]
+        served_ok = [e async for e in client.generate(prompt="deadly", max_tokens=2)]
+    finally:
+        await client.close()
+    assert len(refused) == 1 and refused[0].error.type == "invalid_request"
+    assert "crashed a kvpager service twice" in refused[0].error.message
+    assert served_ok[-1].finish_reason == "length"
+    async with httpx.AsyncClient() as http:
+        url = f"{http_url}/v1/completions"
+        reformatted = _http_body(model, "deadly", indent=2)  # the same request, other bytes
+        refused_http = await http.post(url, content=reformatted, headers=JSON)
+        served_http = await http.post(url, json=_completion(model, "deadly", max_tokens=2))
+    assert refused_http.status_code == 400, refused_http.text
+    assert refused_http.json()["error"]["code"] == "invalid_request"
+    assert served_http.status_code == 200, served_http.text
+
+
+def _completion(model: str, prompt: str, max_tokens: int = 3) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def _http_body(model: str, prompt: str, indent: int | None = None) -> bytes:
+    return json.dumps(_completion(model, prompt), indent=indent).encode()
 
 
 async def test_a_killed_tokenizer_s_raw_streams_get_a_typed_final_event(hostile):
     """The client would wait for 10 minutes; serve ends its streams within seconds, restarts
     the tokenizer, and serves the next request."""
-    served, marker = hostile
+    served, marker, _ = hostile
     tokenizer = _child(served, "tokenizer")
     client = await Client.connect(served.url, idle_timeout=600.0)
     try:
