@@ -10,7 +10,9 @@
 
 A child that exits during start-up stops everything, with exit status 2 (a set-up problem a
 restart would not mend). Once ready, a child that exits or hangs is restarted with backoff;
-one that keeps crashing stops everything, with exit status 2.
+one that keeps crashing stops everything, with exit status 2, unless each crash came while
+it was admitting a request (the children journal that in a private run folder, `journal_dir`:
+services/inflight.py). Children run `python -P`: nothing in the caller's folder is imported.
 """
 
 import asyncio

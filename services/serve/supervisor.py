@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 
@@ -160,7 +161,10 @@ class Supervisor:
         orphans, self.orphans = self.orphans, {}
         for request_id, (reply_to, msgpack) in orphans.items():
             data, headers = encode_public(_orphan_event(request_id), msgpack)
-            await self.nc.publish(reply_to, data, headers=headers)
+            try:
+                await self.nc.publish(reply_to, data, headers=headers)
+            except nats.errors.Error as exc:  # closing: the client's idle timeout ends it
+                log.warning("final event not sent", request_id=request_id, error=repr(exc))
         if orphans:
             log.warning("streams of a dead service ended", num_streams=len(orphans))
 
