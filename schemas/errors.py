@@ -77,3 +77,8 @@ class InvalidStepError(KvpagerError):
     refused whole, and the executor's state stays as it was."""
 
     type = "invalid_step"
+
+
+class PoisonedRequestError(InvalidRequestError):
+    """The same request crashed a kvpager service twice: `kvpager serve` refuses it for the
+    rest of the deployment's life (services/inflight.py)."""

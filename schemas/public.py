@@ -22,6 +22,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 INT32_MAX = 2**31 - 1  # counts and token ids beyond this can never be served
 NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+# `seq` of the final event `kvpager serve` sends for a stream whose tokenizer died: serve
+# cannot know how many events went before it (its error type is "unavailable")
+ORPHANED_SEQ = -1
 Count = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
@@ -305,6 +308,11 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     @property
     def is_final(self) -> bool:
         return self.usage is not None
+
+    @property
+    def is_orphaned(self) -> bool:
+        """The final event serve sends when the stream's tokenizer died (seq ORPHANED_SEQ)."""
+        return self.seq == ORPHANED_SEQ and self.is_final
 
 
 class Health(msgspec.Struct):

@@ -8,8 +8,9 @@ Every stream ends with exactly one final event (`event.is_final`). Closing or ca
 iterator before it sends `llm.abort`. When the client's NATS connection drops, or a stream
 hears nothing (not even a keepalive) for `idle_timeout` seconds, its events may be lost: the
 client aborts the request and ends the stream with a final event of its own, error type
-"connection_lost". A request with no kvpager listening raises NoKvpagerError; a gap in `seq`
-raises StreamGapError.
+"connection_lost". A stream whose tokenizer died under `kvpager serve` ends with serve's final
+event: error type "unavailable", seq -1 (`event.is_orphaned`). A request with no kvpager
+listening raises NoKvpagerError; a gap in `seq` raises StreamGapError.
 """
 
 import asyncio
@@ -141,7 +142,7 @@ class Client:
                     event = _lost_event(request_id or "", seq, num_tokens, self.idle_timeout)
                 elif request_id is not None and event.request_id != request_id:
                     continue  # not this stream's: someone publishing into our inbox
-                elif event.seq != seq:
+                elif event.seq != seq and not event.is_orphaned:  # the orphan's seq is -1
                     raise StreamGapError(f"{event.request_id}: seq {event.seq}, expected {seq}")
                 request_id = request_id or event.request_id  # raw requests: learnt here
                 if event.abort_token is not None:  # a request sent without one

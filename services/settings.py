@@ -146,6 +146,11 @@ class Settings:
     migration_limit: int = option(
         "times a stream moves to another instance after its own failed, then an error", default=3
     )
+    journal_dir: str | None = option(
+        "folder of the in-flight journals and the poison list (set by `kvpager serve` for its "
+        "children: services/inflight.py); unset: no journal",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         for name in ("prefix", "instance"):

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from schemas.errors import PoisonedRequestError
 from schemas.public import ModelCard
 from services.http import metrics, tokenize
 from services.http.completions import as_http_error, respond
@@ -28,6 +29,7 @@ from services.http.gateway import Gateway
 from services.http.guard import Guard
 from services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
 from services.http.structured import ToolSettings
+from services.inflight import request_key
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +74,9 @@ async def _complete(request: Request, kind: Kind) -> Response:
         body = await read_body(
             request, gateway.settings.max_request_bytes, gateway.http.http_header_timeout
         )
-        openai_request = decode(body, kind, gateway.http.allow_unknown_fields)
+        key = request_key(body)
+        with gateway.journal.admitting(key):  # a crash in here blames the request
+            openai_request = decode(body, kind, gateway.http.allow_unknown_fields)
         card = await gateway.models.resolve(openai_request.model)
         default = COMPLETION_MAX_TOKENS
         if kind == "chat":  # at most half the context: the prompt must fit beside it
@@ -80,12 +84,14 @@ async def _complete(request: Request, kind: Kind) -> Response:
         key_salt = request.scope.get("state", {}).get("key_salt")
         http = gateway.http
         tools = ToolSettings(http.enable_auto_tool_choice, http.tool_call_parser)
-        job = build_job(openai_request, kind, _request_id(request), default, key_salt, tools)
+        with gateway.journal.admitting(key):
+            job = build_job(openai_request, kind, _request_id(request), default, key_salt, tools)
         buffered = gateway.http.stream_buffer_events
         return await respond(gateway.client, job, gateway.tokens, request, buffered)
-    except HttpError as exc:
-        log.info("request refused", path=request.url.path, status=exc.status, code=exc.code)
-        return _error(exc)
+    except (HttpError, PoisonedRequestError) as exc:
+        error = exc if isinstance(exc, HttpError) else HttpError.invalid(str(exc), None)
+        log.info("request refused", path=request.url.path, status=error.status, code=error.code)
+        return _error(error)
 
 
 def _request_id(request: Request) -> str | None:

@@ -1,12 +1,13 @@
 """What every route of the gateway shares: the NATS client, the settings, the model list, and
 the token texts of logprobs."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.client import Client
 from services.http.models import Models
 from services.http.settings import HttpSettings
 from services.http.tokens import TokenTexts
+from services.inflight import Journal
 from services.settings import Settings
 
 
@@ -17,8 +18,10 @@ class Gateway:
     http: HttpSettings
     models: Models
     tokens: TokenTexts
+    journal: Journal = field(default_factory=lambda: Journal(None))  # what serve reads if we crash
 
     @classmethod
     def create(cls, client: Client, settings: Settings, http: HttpSettings) -> "Gateway":
         models = Models(client, http.served_model_name)
-        return cls(client, settings, http, models, TokenTexts(settings.model))
+        tokens, journal = TokenTexts(settings.model), Journal(settings.journal_dir)
+        return cls(client, settings, http, models, tokens, journal)

@@ -10,16 +10,20 @@
 
 A child that exits during start-up stops everything, with exit status 2 (a set-up problem a
 restart would not mend). Once ready, a child that exits or hangs is restarted with backoff;
-one that keeps crashing stops everything, with exit status 2.
+one that keeps crashing stops everything, with exit status 2, unless each crash came while
+it was admitting a request (the children journal that in a private run folder, `journal_dir`:
+services/inflight.py). Children run `python -P`: nothing in the caller's folder is imported.
 """
 
 import asyncio
 import dataclasses
 import functools
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,7 +136,9 @@ async def _serve(
     server = EmbeddedNats(settings, options) if embedded else None
     children: dict[str, Child] = {}
     client = None
+    journal_dir = tempfile.mkdtemp(prefix="kvpager-run-")  # 0700: journals name requests
     try:
+        settings = dataclasses.replace(settings, journal_dir=journal_dir)
         gateway = settings  # what the HTTP children connect with
         if server is not None:
             settings, gateway = _start_server(server, settings, options)
@@ -143,7 +149,8 @@ async def _serve(
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
             _say(*ready_banner(settings, stats, max_model_len, http))
-            supervisor = Supervisor(client.nc, children, settings.liveness_timeout)
+            timeout_s = settings.liveness_timeout
+            supervisor = Supervisor(client.nc, children, timeout_s, journal_dir)
             await _supervise(supervisor, signals, settings.heartbeat_interval)
         return 0
     finally:
@@ -152,6 +159,7 @@ async def _serve(
         await _stop_services(children, signals, settings)
         if server is not None:
             server.stop()
+        shutil.rmtree(journal_dir, ignore_errors=True)
 
 
 def _start_server(server: EmbeddedNats, settings: Settings, options: ServeSettings):
@@ -198,7 +206,7 @@ def _spawns(
         child_env = gateway_env if command in HTTP_COMMANDS else env
         if instance is not None:
             child_env = {**child_env, "KVPAGER_INSTANCE": instance}
-        argv = [sys.executable, "-m", "services.cli", command]
+        argv = processes.python_module("services.cli", command)  # never the caller's folder
         spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
     return spawns
 

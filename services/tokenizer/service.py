@@ -22,6 +22,7 @@ from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
 from schemas.scheduler import FinishRequest
 from schemas.tokenizer import SampleDelta, TokenBatch
 from services.discovery import Discovery
+from services.inflight import Journal, request_key
 from services.liveness import repeat
 from services.settings import Settings
 from services.subjects import TOKENIZER_QUEUE, Subjects, is_inbox
@@ -55,6 +56,7 @@ class TokenizerService:
         self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
+        self.journal = Journal(settings.journal_dir)  # what serve reads if we crash
         self.instances = Instances(nc, settings)
         self.dispatch = Dispatch(
             nc,
@@ -105,7 +107,9 @@ class TokenizerService:
         await self.watch.check_reconnect()
         msgpack = is_msgpack(msg.headers)
         try:
-            prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
+            key = request_key(msg.data, msgpack, self.limits.max_request_bytes)
+            with self.journal.admitting(key):  # a crash in here blames the request
+                prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
@@ -116,6 +120,7 @@ class TokenizerService:
             return
         stream = Stream(prepared, self.tokenizer, msg.reply, msgpack)
         self.streams[prepared.request_id] = stream
+        self.journal.stream_opened(prepared.request_id, msg.reply, msgpack)
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
         self._spawn(self.dispatch.route(stream, prepared.prompt_token_ids, prepared.params))
@@ -222,6 +227,7 @@ class TokenizerService:
 
     def _close(self, stream: Stream) -> None:
         self.streams.pop(stream.request_id, None)
+        self.journal.stream_closed(stream.request_id)
         self.instances.router.release(stream.request_id)
         timer = self._timers.pop(stream.request_id, None)
         if timer is not None:
