@@ -71,6 +71,11 @@ class Settings:
         "most bytes of the disk tier's files, e.g. 4GiB (least recently used go first)",
         default=ByteSize(0),
     )
+    kv_disk_key_file: str | None = option(
+        "the disk tier's HMAC key file (created once, 0600; instances sharing a folder share "
+        "it; default: <cache dir>/nats/kv-disk.key)",
+        default=None,
+    )
     max_num_seqs: int = option("most requests running at once", default=256)
     max_num_batched_tokens: int = option("token budget of one step", default=2048)
     max_model_len: int | None = option("prompt + output limit (default: the model's)", default=None)
