@@ -260,6 +260,8 @@ class EngineConfig:
     kv_disk_dir: str | None = None  # a disk tier under the CPU pool (None: off)
     kv_disk_bytes: int = 0  # its bound, in bytes of files
     kv_disk_key_file: str | None = None  # its files' MAC key (None: in the cache dir)
+    # special-token text in chat messages becomes real tokens (off: refused, engine/frontend)
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         _check_disk(self)

@@ -137,6 +137,11 @@ class Settings:
     max_beam_width: int = option("widest beam search per request", default=16)
     max_stop_strings: int = option("most stop strings per request", default=16)
     max_stop_string_chars: int = option("longest stop string (characters)", default=256)
+    allow_special_tokens_in_content: bool = option(
+        "tokenize special-token text inside chat messages and tools (<|im_start|> ...) as the "
+        "real tokens, as vLLM does (default: refused with a 400 naming the message)",
+        default=False,
+    )
     router: str = option(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )
