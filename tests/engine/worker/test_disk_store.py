@@ -5,6 +5,7 @@ import hashlib
 import hmac
 import os
 import stat
+import zlib
 
 import pytest
 import torch
@@ -68,13 +69,15 @@ def test_a_file_reads_back_only_as_written(tmp_path):
     assert read_block(tmp_path, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4]) is None  # torn
 
 
-def forge(path, payload: bytes, key: bytes | None) -> None:
-    """Replace a file's K/V with `payload` and recompute its check as a forger can: under a
-    key of their own, or as a plain (unkeyed) checksum."""
+def forge(path, payload: bytes, key: bytes | str) -> None:
+    """Replace a file's K/V with `payload` and recompute its check as a forger can: the CRC-32
+    version 1 had, a plain hash ("crc32", "sha256"), or an HMAC under a key of their own."""
     data = bytearray(path.read_bytes())
     data[len(data) - len(payload) :] = payload
     data[MAC_OFFSET : HEADER.size] = bytes(32)
-    if key is None:
+    if key == "crc32":
+        tag = zlib.crc32(data[HEADER.size :]).to_bytes(4, "little").ljust(32, b"\0")
+    elif key == "sha256":
         tag = hashlib.sha256(bytes(data)).digest()
     else:
         tag = hmac.new(key, bytes(data), hashlib.sha256).digest()
@@ -82,7 +85,7 @@ def forge(path, payload: bytes, key: bytes | None) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("forger_key", [None, b"k" * 32])
+@pytest.mark.parametrize("forger_key", ["crc32", "sha256", b"k" * 32])
 def test_a_forged_file_with_a_recomputed_check_is_dropped_and_counted(tmp_path, forger_key):
     cache = cpu_cache(2)
     store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
