@@ -41,10 +41,6 @@ class ConnectionPool:
     def __init__(self, max_connections: int) -> None:
         self.max_connections = max_connections
         self._open: OrderedDict[HeaderTimeoutProtocol, None] = OrderedDict()
-        self.num_evicted = 0
-
-    def __len__(self) -> int:
-        return len(self._open)
 
     def admit(self, protocol: "HeaderTimeoutProtocol") -> bool:
         if len(self._open) >= self.max_connections:
@@ -53,7 +49,6 @@ class ConnectionPool:
                 return False
             self.remove(oldest_idle)
             oldest_idle.transport.close()
-            self.num_evicted += 1
         self._open[protocol] = None
         return True
 
