@@ -12,6 +12,8 @@ each a file of its own (mode 0600, folder 0700) under the cache dir:
     <cache_dir>/nats/auth.conf                 the nats-server authorization block, rebuilt
                                                from the identities whenever one is added
     <cache_dir>/nats/servers/<port>.pid        embedded servers running, reloaded on an add
+    <cache_dir>/nats/kv-disk.key               the disk tier's HMAC key (engine/paths.py,
+                                               created by the first executor with a disk tier)
 
 A client identity publishes only the public subjects and subscribes only under its own
 inbox prefix `_INBOX_<name>`: the server, not kvpager, refuses anything else, so no client
