@@ -195,6 +195,8 @@ class ExecutorConfig:
     # most `kv_disk_bytes` of files (least recently used go first); None: off
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 0
+    # the disk files' MAC key (created once); None: <cache dir>/nats/kv-disk.key
+    kv_disk_key_file: str | None = None
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
@@ -257,6 +259,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     kv_disk_dir: str | None = None  # a disk tier under the CPU pool (None: off)
     kv_disk_bytes: int = 0  # its bound, in bytes of files
+    kv_disk_key_file: str | None = None  # its files' MAC key (None: in the cache dir)
+    # special-token text in chat messages becomes real tokens (off: refused, engine/frontend)
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         _check_disk(self)

@@ -65,7 +65,11 @@ class LLM:
         self.config = EngineConfig(**engine_args)
         self.model_config = ModelConfig.from_path(path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.config.allow_special_tokens_in_content,
+        )
         executor_config = self.config.executor_config(path, self.model_config)
         self.runner = InProcessExecutor(
             lambda: build_executor(executor_config, self.model_config),

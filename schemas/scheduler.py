@@ -51,6 +51,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     disk_stored: list[bytes] = []
     disk_removed: list[bytes] = []
     disk_listed: bool = False
+    disk_rejected: int = 0  # files that failed their MAC since the last step (deleted)
     # the prompt positions this step computed, for the sequences that asked (prompt_logprobs)
     prompt_logprobs: dict[str, PromptLogprobs] = {}
 

@@ -12,6 +12,8 @@ each a file of its own (mode 0600, folder 0700) under the cache dir:
     <cache_dir>/nats/auth.conf                 the nats-server authorization block, rebuilt
                                                from the identities whenever one is added
     <cache_dir>/nats/servers/<port>.pid        embedded servers running, reloaded on an add
+    <cache_dir>/nats/kv-disk.key               the disk tier's HMAC key (engine/paths.py,
+                                               created by the first executor with a disk tier)
 
 A client identity publishes only the public subjects and subscribes only under its own
 inbox prefix `_INBOX_<name>`: the server, not kvpager, refuses anything else, so no client
@@ -33,6 +35,7 @@ from services.subjects import Subjects
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 SERVICE, GATEWAY, DEFAULT_CLIENT = "service", "gateway", "default"
 KINDS = ("service", "gateway", "client")
+SERVICE_USER_PREFIX = "kvpager-"  # a service identity's NATS user is kvpager-<name>
 # The discovery subjects a gateway answers (nats.micro: $SRV.<verb>[.<name>[.<id>]]).
 GATEWAY_SERVICES = ("kvpager-http", "kvpager-metrics")
 
@@ -47,7 +50,7 @@ class Identity:
 
     @property
     def user(self) -> str:
-        return f"kvpager-{self.name}" if self.kind == "service" else self.name
+        return SERVICE_USER_PREFIX + self.name if self.kind == "service" else self.name
 
     @property
     def inbox_prefix(self) -> str:
@@ -171,12 +174,26 @@ def prepare_server(prefix: str, folder: Path | None = None) -> Path:
 
 def add_client(name: str, prefix: str, folder: Path | None = None) -> tuple[Path, bool]:
     """A new client identity; auth.conf rebuilt. (its file, whether it existed already)"""
-    if name in (SERVICE, GATEWAY):
-        raise ConfigError(f"identity name {name!r} is reserved")
+    _check_client_name(name, folder)
     existed = identity_path(name, folder).exists()
     ensure(name, "client", folder)
     write_config(prefix, folder)
     return identity_path(name, folder), existed
+
+
+def _check_client_name(name: str, folder: Path | None) -> None:
+    """Refuse a name whose NATS user another identity holds or may hold: nats-server refuses
+    a config naming one user twice, so every later (re)load would fail."""
+    if name in (SERVICE, GATEWAY) or name.lower().startswith(SERVICE_USER_PREFIX):
+        raise ConfigError(
+            f"identity name {name!r} is reserved: {SERVICE!r}, {GATEWAY!r} and names starting "
+            f"with {SERVICE_USER_PREFIX!r} belong to kvpager's own services"
+        )
+    if not NAME.match(name):
+        raise ConfigError(f"identity name {name!r}: letters, digits and '-', at most 64")
+    taken = {identity.user: identity.name for identity in identities(folder)}
+    if taken.get(name, name) != name:
+        raise ConfigError(f"identity name {name!r}: NATS user {name!r} is taken by {taken[name]!r}")
 
 
 def pid_file(port: int, folder: Path | None = None) -> Path:

@@ -71,6 +71,11 @@ class Settings:
         "most bytes of the disk tier's files, e.g. 4GiB (least recently used go first)",
         default=ByteSize(0),
     )
+    kv_disk_key_file: str | None = option(
+        "the disk tier's HMAC key file (created once, 0600; instances sharing a folder share "
+        "it; default: <cache dir>/nats/kv-disk.key)",
+        default=None,
+    )
     max_num_seqs: int = option("most requests running at once", default=256)
     max_num_batched_tokens: int = option("token budget of one step", default=2048)
     max_model_len: int | None = option("prompt + output limit (default: the model's)", default=None)
@@ -132,6 +137,11 @@ class Settings:
     max_beam_width: int = option("widest beam search per request", default=16)
     max_stop_strings: int = option("most stop strings per request", default=16)
     max_stop_string_chars: int = option("longest stop string (characters)", default=256)
+    allow_special_tokens_in_content: bool = option(
+        "tokenize special-token text inside chat messages and tools (<|im_start|> ...) as the "
+        "real tokens, as vLLM does (default: refused with a 400 naming the message)",
+        default=False,
+    )
     router: str = option(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )

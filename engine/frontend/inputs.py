@@ -3,9 +3,18 @@
 `InputProcessor` tokenizes a prompt, applies the chat template to messages, and checks the
 token ids against the vocabulary; the offline `LLM` and the tokenizer service both call it.
 A server's own caps on requests live with it (services/tokenizer/limits.py).
+
+Special-token text inside a conversation (`<|im_start|>system` in a user message, a tool's
+result or a tool definition) is refused by default. The template's output is tokenized as one
+text, so that text would become the real control token: whoever writes a message, or a web
+page a tool fetched, could open a system turn. OpenAI never turns message text into control
+tokens; vLLM does (the injection). Refusing, rather than tokenizing it as plain text, keeps
+every accepted conversation's tokens exactly transformers' `apply_chat_template`'s;
+`allow_special_tokens_in_content` restores the pass-through for trusted callers.
 """
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -17,9 +26,16 @@ from schemas.sampling import SamplingParams
 class InputProcessor:
     """Token ids for a prompt, a conversation or given ids, checked against the vocabulary."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        allow_special_tokens_in_content: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        allow = allow_special_tokens_in_content
+        self._special_text = None if allow else special_token_pattern(tokenizer)
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
     def check_structured(self, params: SamplingParams) -> None:
@@ -56,6 +72,9 @@ class InputProcessor:
         the template, as transformers' `apply_chat_template(tools=...)` takes them."""
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", "messages")
+        if self._special_text is not None:
+            _refuse_special_text(self._special_text, messages, "messages")
+            _refuse_special_text(self._special_text, tools, "tools")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
@@ -73,3 +92,38 @@ class InputProcessor:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab})", param)
         return token_ids
+
+
+def special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern | None:
+    """Every special token's text, which encode() turns into its id wherever it appears;
+    longest first, so one that contains another is named whole."""
+    texts = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    texts = {text for text in texts | set(tokenizer.all_special_tokens) if text}
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(text) for text in sorted(texts, key=len, reverse=True)))
+
+
+def _refuse_special_text(pattern: re.Pattern, value, param: str) -> None:
+    for path, text in _strings(value, param):
+        found = pattern.search(text)
+        if found is not None:
+            raise InvalidRequestError(
+                f"{path}: contains the special token {found.group()!r} as text, which would "
+                "become a real control token (e.g. a turn marker); remove it, or start kvpager "
+                "with --allow-special-tokens-in-content",
+                param=path,
+            )
+
+
+def _strings(value, path: str) -> Iterator[tuple[str, str]]:
+    """Every string in a message / tool definition (keys too), with where it is."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key, path)
+            yield from _strings(item, f"{path}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for idx, item in enumerate(value):
+            yield from _strings(item, f"{path}[{idx}]")

@@ -12,7 +12,8 @@ request is admitted, so a restart over a warm folder serves its first request fr
 A request whose prefix misses on the device and in the CPU pool but goes on on disk leaves the
 waiting queue while CPU blocks it reserved are filled (`StepOutput.disk_loaded`); it then goes
 back to the queue's head and is admitted with those blocks as CPU hits. A failed read is a miss:
-the request computes from there. Each request tries the disk once per admission.
+the request computes from there (a file failing its MAC too, also counted apart). Each request
+tries the disk once per admission.
 """
 
 from collections import OrderedDict
@@ -41,6 +42,7 @@ class DiskTier:
         self.loads: list[DiskBlock] = []
         self.kv_events: list[KvEvent] | None = None
         self.num_stored_blocks = self.num_loaded_blocks = self.num_failed_loads = 0
+        self.num_rejected_files = 0  # failed their MAC (forged or altered): deleted, a miss
         if enabled:
             cpu.on_evict = self._store
 
@@ -125,6 +127,7 @@ class DiskTier:
         for block_hash in output.disk_removed:
             self._remove(block_hash)
         self.listed = self.listed or output.disk_listed
+        self.num_rejected_files += output.disk_rejected
         resolved = set(output.disk_loaded) | set(output.disk_failed)
         ready = []
         for seq_id, (request, awaited) in list(self.waiting.items()):

@@ -10,26 +10,40 @@ or layout is never even looked at. A file:
     header (HEADER)  |  token ids (int64 x num_tokens)  |  block bytes [layers, 2, block_size,
                                                           kv_heads, head_dim] in the KV dtype
 
-The header repeats the layout id and the block hash and carries the payload size and a CRC-32
-of everything after it; a file that is short, long, torn or altered reads as a miss. Files are
-written under a temporary name and renamed into place, so readers (other instances sharing the
-folder) see a whole file or none.
+The header repeats the layout id and the block hash and carries the payload size and an
+HMAC-SHA256 of everything else (header fields, token ids, block bytes) under a secret key kept
+outside the folder (`load_key`): a checksum anyone can recompute would let whoever can write the
+folder feed chosen K/V to every request sharing a prefix. A file that is short, long or torn
+reads as a miss; one whose MAC fails raises `ForgedBlockError` (the store drops and counts it).
+Files are written under a temporary name (mode 0600 whatever the umask) and renamed into place,
+so readers (other instances sharing the folder) see a whole file or none.
 """
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-MAGIC, VERSION = b"KVPB", 1
-# magic, version, num_tokens, layout id, block hash, payload bytes, crc32
-HEADER = struct.Struct("<4sII32s32sQI")
+from schemas.errors import ConfigError
+
+# version 2: the CRC-32 became an HMAC (and, through the layout id, a new folder: version 1
+# files are never read)
+MAGIC, VERSION = b"KVPB", 2
+# magic, version, num_tokens, layout id, block hash, payload bytes, HMAC-SHA256
+HEADER = struct.Struct("<4sII32s32sQ32s")
+MAC_OFFSET = HEADER.size - 32
 SUFFIX = ".kvb"
+KEY_BYTES = 32
+
+
+class ForgedBlockError(Exception):
+    """A whole file whose MAC does not match: written without the key, or altered."""
 
 
 @dataclass(frozen=True)
@@ -99,19 +113,60 @@ def hash_of(name: str) -> bytes | None:
         return None
 
 
+def load_key(path: Path) -> bytes:
+    """The disk tier's MAC key: created once (random, mode 0600, its folder 0700 if new) and
+    read ever after. A key others may read or write is refused: it would authenticate their
+    files."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        private_dir(path.parent)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            os.fchmod(file.fileno(), 0o600)
+            file.write(secrets.token_bytes(KEY_BYTES))
+        try:
+            os.link(temporary, path)  # fails if a concurrent start made one: use theirs
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink()
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ConfigError(f"kv_disk_key_file: {path} has mode {oct(mode & 0o777)}; make it 0600")
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        raise ConfigError(f"kv_disk_key_file: {path} must hold {KEY_BYTES} bytes")
+    return key
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) as 0700 whatever the umask; an existing folder is
+    left as it is (it may be the user's, e.g. /var/tmp)."""
+    if not path.exists():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)
+
+
 def write_block(
-    folder: Path, layout: BlockLayout, block_hash: bytes, token_ids: list[int], block: torch.Tensor
+    folder: Path,
+    layout: BlockLayout,
+    key: bytes,
+    block_hash: bytes,
+    token_ids: list[int],
+    block: torch.Tensor,
 ) -> int:
     """Write one block (a contiguous CPU tensor of layout.shape) atomically; its file size."""
     tokens = torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()
     payload = memoryview(block.reshape(-1).view(torch.uint8).numpy())
-    crc = zlib.crc32(payload, zlib.crc32(tokens))
-    header = HEADER.pack(
-        MAGIC, VERSION, len(token_ids), layout.layout_id, block_hash, len(payload), crc
-    )
+    fields = (MAGIC, VERSION, len(token_ids), layout.layout_id, block_hash, len(payload))
+    header = bytearray(HEADER.pack(*fields, bytes(32)))
+    header[MAC_OFFSET:] = _mac(key, header, tokens, payload)
     final = folder / file_name(block_hash)
     temporary = folder / f".{final.name}.{os.getpid()}.{id(block):x}.tmp"
-    with open(temporary, "wb") as f:
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # the umask may have taken owner bits too
         f.write(header)
         f.write(tokens)
         f.write(payload)
@@ -120,10 +175,10 @@ def write_block(
 
 
 def read_block(
-    folder: Path, layout: BlockLayout, block_hash: bytes, token_ids: list[int]
+    folder: Path, layout: BlockLayout, key: bytes, block_hash: bytes, token_ids: list[int]
 ) -> torch.Tensor | None:
     """The block stored under `block_hash` for exactly `token_ids`, or None: missing, torn,
-    corrupt, of another layout or of other tokens."""
+    of another layout or of other tokens. ForgedBlockError: a whole file failing its MAC."""
     try:
         with open(folder / file_name(block_hash), "rb") as f:
             data = bytearray(os.fstat(f.fileno()).st_size)
@@ -134,7 +189,14 @@ def read_block(
     expected = HEADER.size + 8 * len(token_ids) + layout.num_bytes
     if len(data) != expected:
         return None
-    magic, version, num_tokens, layout_id, stored_hash, num_bytes, crc = HEADER.unpack_from(data)
+    view = memoryview(data)
+    header = bytearray(view[: HEADER.size])
+    header[MAC_OFFSET:] = bytes(32)
+    if not hmac.compare_digest(
+        _mac(key, header, view[HEADER.size :]), view[MAC_OFFSET : HEADER.size]
+    ):
+        raise ForgedBlockError(f"{file_name(block_hash)}: MAC mismatch")
+    magic, version, num_tokens, layout_id, stored_hash, num_bytes, _ = HEADER.unpack_from(data)
     header_ok = (magic, version, layout_id, stored_hash) == (
         MAGIC,
         VERSION,
@@ -143,12 +205,17 @@ def read_block(
     )
     if not header_ok or num_tokens != len(token_ids) or num_bytes != layout.num_bytes:
         return None
-    body = memoryview(data)[HEADER.size :]
-    if zlib.crc32(body) != crc:
-        return None
     tokens = torch.frombuffer(data, dtype=torch.int64, count=num_tokens, offset=HEADER.size)
     if tokens.tolist() != list(token_ids):
         return None
     offset = HEADER.size + 8 * num_tokens
     raw = torch.frombuffer(data, dtype=torch.uint8, count=num_bytes, offset=offset)
     return raw.view(layout.dtype).view(layout.shape)
+
+
+def _mac(key: bytes, *parts) -> bytes:
+    """HMAC-SHA256 of the parts in order (the header with its MAC field zeroed first)."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()

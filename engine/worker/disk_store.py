@@ -11,8 +11,10 @@
 A read of a block still waiting to be written is served from its snapshot. The writer keeps
 the folder within `capacity_bytes`, least recently used first (a read refreshes a file's mtime,
 so the order survives a restart), and rescans the folder when idle: files of other instances
-sharing it are reported as found, files gone are reported as removed. Only block hashes leave
-this module; the scheduler turns them into its accounting (engine/kv/disk_index.py).
+sharing it are reported as found, files gone are reported as removed. A file failing its MAC
+(disk_files.py) is deleted, reported as removed and counted (`disk_rejected`), never served.
+Only block hashes leave this module; the scheduler turns them into its accounting
+(engine/kv/disk_index.py).
 """
 
 import os
@@ -28,11 +30,15 @@ import structlog
 import torch
 
 from engine.config import ExecutorConfig
+from engine.paths import kv_disk_key_file
 from engine.worker.disk_files import (
     BlockLayout,
+    ForgedBlockError,
     block_layout,
     file_name,
     hash_of,
+    load_key,
+    private_dir,
     read_block,
     write_block,
 )
@@ -70,18 +76,23 @@ def open_disk(
     shape = list(cpu_cache.shape)
     del shape[2]  # one block: [layers, 2, block_size, kv_heads, head_dim]
     layout = block_layout(config.model_path, tuple(shape), kv_dtype, rank, size, kv_layout)
-    return DiskStore(Path(config.kv_disk_dir), config.kv_disk_bytes, layout)
+    key = load_key(Path(config.kv_disk_key_file or kv_disk_key_file()))
+    return DiskStore(Path(config.kv_disk_dir), config.kv_disk_bytes, layout, key)
 
 
 class DiskStore:
-    def __init__(self, root: Path, capacity_bytes: int, layout: BlockLayout) -> None:
+    def __init__(self, root: Path, capacity_bytes: int, layout: BlockLayout, key: bytes) -> None:
         self.layout = layout
         self.capacity_bytes = capacity_bytes
+        self.key = key  # the files' MAC key (disk_files.load_key)
         self.folder = Path(root) / layout.folder_name
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            private_dir(Path(root))
+            self.folder.mkdir(mode=0o700, exist_ok=True)
+            self.folder.chmod(0o700)  # its files name prefixes: other users see none
         except OSError as exc:
             raise ConfigError(f"kv_disk_dir: cannot create {self.folder}: {exc}") from None
+        self.num_rejected = 0  # files that failed their MAC, deleted (reported, then reset)
         self._lock = threading.Lock()  # index, pending, reports
         self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self.num_bytes = 0
@@ -144,6 +155,7 @@ class DiskStore:
             output.disk_stored = self._found[:MAX_LISTED_PER_STEP]
             self._found = self._found[MAX_LISTED_PER_STEP:]
             output.disk_removed, self._removed = self._removed, []
+            output.disk_rejected, self.num_rejected = self.num_rejected, 0
             if self._listed and not self._found:  # the last chunk of the listing
                 output.disk_listed, self._listed = True, False
 
@@ -191,7 +203,16 @@ class DiskStore:
             pending = self._pending.get(block.block_hash)
         if pending is not None:
             return pending
-        content = read_block(self.folder, self.layout, block.block_hash, block.token_ids)
+        try:
+            content = read_block(
+                self.folder, self.layout, self.key, block.block_hash, block.token_ids
+            )
+        except ForgedBlockError:
+            log.warning("disk tier file failed its MAC: deleted", block_hash=block.block_hash.hex())
+            _unlink(self.folder / file_name(block.block_hash))
+            with self._lock:
+                self.num_rejected += 1
+            content = None
         with self._lock:
             if content is None:
                 self._forget(block.block_hash)
@@ -226,7 +247,7 @@ class DiskStore:
         for i, block in enumerate(blocks):
             try:
                 size = write_block(
-                    self.folder, self.layout, block.block_hash, block.token_ids,
+                    self.folder, self.layout, self.key, block.block_hash, block.token_ids,
                     snapshot[:, :, i].contiguous(),
                 )  # fmt: skip
             except Exception as exc:  # disk full, folder removed: the block is not kept
@@ -286,11 +307,15 @@ class DiskStore:
     def _evict_over_capacity(self) -> None:
         while self.num_bytes > self.capacity_bytes and self.index:
             block_hash = next(iter(self.index))
-            try:
-                os.unlink(self.folder / file_name(block_hash))
-            except OSError:
-                pass  # already gone (a sharing instance evicted it)
+            _unlink(self.folder / file_name(block_hash))
             self._forget(block_hash)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # already gone (a sharing instance evicted it)
 
 
 def _touch(path: Path) -> None:

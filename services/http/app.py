@@ -50,7 +50,10 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
             Route("/health", _health, methods=["GET"]),
         ]
     handlers = {HTTPException: _http_exception, Exception: _internal_error}
-    guard = Middleware(Guard, api_keys=gateway.http.api_keys, hosts=gateway.http.hosts)
+    http = gateway.http
+    guard = Middleware(
+        Guard, api_keys=http.api_keys, hosts=http.hosts, max_in_flight=http.http_max_concurrency
+    )
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
     app.state.gateway = gateway
     return app

@@ -46,9 +46,12 @@ async def respond(
     if job.top_logprobs is not None or job.prompt_logprobs:
         await texts.load()
     streams = Streams(client, job.requests, max_buffered if job.stream else None)
-    try:
-        if not job.stream:
+    if not job.stream:
+        try:
             return await _whole(job, streams, texts, request)
+        finally:
+            streams.close()  # ended already, or the client left: its requests are aborted
+    try:
         first = await _first(streams)
     except BaseException:
         streams.close()
@@ -81,7 +84,10 @@ async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request
     finally:
         gone.cancel()
         if not collect.done():
-            collect.cancel()  # the client went away: abort
+            collect.cancel()  # the client went away
+            # a cancel is only a request: until the task has unwound it is neither cancelled
+            # nor done, and asking for its exception raised InvalidStateError
+            await asyncio.wait({collect})
     if collect.cancelled():
         return Response(status_code=CLIENT_CLOSED)
     if collect.exception() is not None:

@@ -1,4 +1,7 @@
 """The gateway's door, an ASGI middleware in front of every route, in this order:
+- requests in flight, at most `--http-max-concurrency` (a 503 past it): requests, not
+  connections (those have their own bound, services/http/protocol.py), so idle sockets take
+  no request's slot;
 - the Host header, against `--allowed-hosts` when given (a 400 otherwise: a DNS-rebinding
   page cannot reach a gateway on loopback under its own name);
 - API keys on the model routes (/v1/*, /tokenize, /detokenize), while /health, /metrics and
@@ -34,18 +37,35 @@ def key_salt(key: str) -> str:
 
 class Guard:
     def __init__(
-        self, app: ASGIApp, api_keys: tuple[str, ...] = (), hosts: tuple[str, ...] = ()
+        self,
+        app: ASGIApp,
+        api_keys: tuple[str, ...] = (),
+        hosts: tuple[str, ...] = (),
+        max_in_flight: int | None = None,
     ) -> None:
         self.app = app
         self._digests = [(hashlib.sha256(key.encode()).digest(), key_salt(key)) for key in api_keys]
         self._hosts = hosts
+        self._max_in_flight = max_in_flight
+        self.num_in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refusal = self._refusal(scope) if scope["type"] == "http" else None
-        if refusal is not None:
-            await refusal(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if self._max_in_flight is not None and self.num_in_flight >= self._max_in_flight:
+            message = f"the gateway has {self.num_in_flight} requests in flight; retry later"
+            await _refuse(503, message, "overloaded")(scope, receive, send)
+            return
+        self.num_in_flight += 1
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+        finally:
+            self.num_in_flight -= 1
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         if self._hosts and not host_allowed(_header(scope, b"host"), self._hosts):

@@ -2,6 +2,7 @@
 metrics` (/metrics alone): uvicorn serving a Starlette app over one NATS connection."""
 
 import contextlib
+import resource
 import signal
 import socket
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from services.credentials import GATEWAY
 from services.discovery import Discovery
 from services.http.app import build_app
 from services.http.gateway import Gateway
-from services.http.protocol import with_header_timeout
+from services.http.protocol import protocol_class
 from services.http.settings import HttpSettings
 from services.runtime import connect, setup_logging
 from services.settings import Settings
@@ -38,6 +39,7 @@ def run(settings: Settings, http: HttpSettings, metrics_only: bool = False) -> i
     else:
         port = http.http_port or DEFAULT_HTTP_PORT
     sock = listen(http.http_host, port)
+    _raise_open_files(http.http_max_connections)
     return uvloop.run(_serve(settings, http, sock, metrics_only))
 
 
@@ -55,6 +57,18 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+def _raise_open_files(max_connections: int) -> None:
+    """Room for every connection the pool admits: a soft RLIMIT_NOFILE of 1024 (a common
+    default) would fail accept() before the pool's bound ever applied."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + 256  # NATS, logs, the listening socket
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        if raised < wanted:
+            log.warning("open files limited", limit=raised, http_max_connections=max_connections)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -81,12 +95,12 @@ async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, me
     app = build_app(Gateway.create(Client(nc, settings.prefix), settings, http), metrics_only)
     config = uvicorn.Config(
         app,
-        http=with_header_timeout(http.http_header_timeout),
+        http=protocol_class(http.http_header_timeout, http.http_max_connections),
         log_config=None,
         access_log=False,
         lifespan="off",
         timeout_keep_alive=http.http_keep_alive_timeout,  # type: ignore[arg-type]  (a float works)
-        limit_concurrency=http.http_max_concurrency,
+        # no limit_concurrency: it counts connections as requests (Guard bounds requests)
         timeout_graceful_shutdown=int(settings.drain_timeout),
     )
     log.info("listening", url=url, nats_url=settings.nats_url)

@@ -9,10 +9,16 @@ request's wait until h11 has parsed the request line and headers.
 Each connection's kernel send buffer has a fixed size (SEND_BUFFER_BYTES). It also hands
 each request a way to drop its connection at once (`ABORT_EXTENSION` in the
 scope's extensions), which `CutOffResponse` uses on a client that does not read.
+
+Connections are bounded apart from requests (`ConnectionPool`, --http-max-connections):
+uvicorn's `limit_concurrency` counts open connections too, so a flood of idle sockets took
+every request slot. Past the bound a new connection closes the one idle longest (waiting for
+a request head, as nginx reuses connections), so idle sockets cannot lock requests out.
 """
 
 import asyncio
 import socket
+from collections import OrderedDict
 
 import h11
 import structlog
@@ -27,12 +33,44 @@ log = structlog.get_logger(__name__)
 SEND_BUFFER_BYTES = 256 * 1024
 
 
+class ConnectionPool:
+    """One server's open connections, at most `max_connections`, in the order they last
+    became idle: a connection past the bound closes the longest-idle one, or is refused when
+    every one has a request in flight."""
+
+    def __init__(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self._open: OrderedDict[HeaderTimeoutProtocol, None] = OrderedDict()
+
+    def admit(self, protocol: "HeaderTimeoutProtocol") -> bool:
+        if len(self._open) >= self.max_connections:
+            oldest_idle = next((p for p in self._open if p.idle), None)
+            if oldest_idle is None:
+                return False
+            self.remove(oldest_idle)
+            oldest_idle.transport.close()
+        self._open[protocol] = None
+        return True
+
+    def went_idle(self, protocol: "HeaderTimeoutProtocol") -> None:
+        if protocol in self._open:
+            self._open.move_to_end(protocol)
+
+    def remove(self, protocol: "HeaderTimeoutProtocol") -> None:
+        self._open.pop(protocol, None)
+
+
 class HeaderTimeoutProtocol(H11Protocol):
-    header_timeout: float = 10.0  # set per server by `with_header_timeout`
+    header_timeout: float = 10.0  # set per server by `protocol_class`
+    pool: ConnectionPool = ConnectionPool(1 << 30)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
+        if not self.pool.admit(self):
+            log.warning("connection refused: every connection has a request in flight")
+            transport.abort()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:  # a fixed size: no autotuning up to tcp_wmem's 4 MiB a client
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -53,11 +91,18 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self.pool.remove(self)
         super().connection_lost(exc)
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for a request head: no request of this connection is in flight."""
+        return self._header_timer is not None
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
         self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout)
+        self.pool.went_idle(self)
 
     def _disarm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -71,8 +116,7 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(header_timeout: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for uvicorn's `http=` setting, with this server's timeout."""
-    return type(
-        "HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": header_timeout}
-    )
+def protocol_class(header_timeout: float, max_connections: int) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for uvicorn's `http=` setting: this server's timeout and pool."""
+    attributes = {"header_timeout": header_timeout, "pool": ConnectionPool(max_connections)}
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), attributes)

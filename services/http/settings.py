@@ -63,7 +63,12 @@ class HttpSettings:
         "seconds an idle keep-alive connection stays open", default=5.0
     )
     http_max_concurrency: int = option(
-        "most connections and requests at once; past it, 503", default=1024
+        "most requests in flight at once (not connections); past it, 503", default=1024
+    )
+    http_max_connections: int = option(
+        "most open TCP connections; past it, a new one closes the connection idle longest "
+        "(refused only when all have requests in flight); above --http-max-concurrency",
+        default=4096,
     )
     stream_buffer_events: int = option(
         "events one stream may have waiting for a client that does not read; past it, the "
@@ -92,6 +97,11 @@ class HttpSettings:
         for name in ("http_max_concurrency", "stream_buffer_events"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
+        if self.http_max_connections <= self.http_max_concurrency:
+            raise ConfigError(
+                f"http_max_connections: {self.http_max_connections} must be above "
+                f"http_max_concurrency {self.http_max_concurrency} (requests need connections)"
+            )
 
     @property
     def api_keys(self) -> tuple[str, ...]:

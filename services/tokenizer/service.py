@@ -52,7 +52,8 @@ class TokenizerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, vocab_size)
+        allow_special = settings.allow_special_tokens_in_content
+        self.inputs = InputProcessor(tokenizer, vocab_size, allow_special)
         self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}

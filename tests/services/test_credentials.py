@@ -57,6 +57,25 @@ def test_reserved_and_bad_names_are_refused(nats_dir):
             credentials.add_client(name, "llm")
 
 
+def test_service_users_are_refused_and_nothing_is_written(nats_dir):
+    credentials.prepare_server("llm")
+    before = {path: path.read_bytes() for path in nats_dir.rglob("*") if path.is_file()}
+    for name in ("kvpager-service", "kvpager-gateway", "KVPAGER-service", "kvpager-x"):
+        with pytest.raises(credentials.ConfigError, match="reserved"):
+            credentials.add_client(name, "llm")
+    after = {path: path.read_bytes() for path in nats_dir.rglob("*") if path.is_file()}
+    assert after == before  # no identity file, auth.conf untouched
+    done = kvpager("credentials", "add", "kvpager-service")
+    assert done.returncode != 0 and "reserved" in done.stderr, (done.stdout, done.stderr)
+    assert not credentials.identity_path("kvpager-service").exists()
+    checked = subprocess.run(
+        [str(nats_server_binary()), "-t", "-c", str(nats_dir / "auth.conf")],
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
 def test_inbox_subjects():
     for subject in ("_INBOX.abc", "_INBOX_alice.abc.def", "_INBOX.x.*x"):
         assert is_inbox(subject), subject

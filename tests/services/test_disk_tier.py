@@ -25,6 +25,7 @@ def disk_env(folder) -> dict[str, str]:
         "KVPAGER_SWAP_SPACE": str(4 * BLOCK_BYTES),
         "KVPAGER_KV_DISK_DIR": str(folder),
         "KVPAGER_KV_DISK_BYTES": "1MiB",
+        "KVPAGER_KV_DISK_KEY_FILE": str(folder.with_name(folder.name + ".key")),
         "KVPAGER_DTYPE": "float32",
     }
 

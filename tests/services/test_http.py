@@ -240,6 +240,34 @@ async def test_disconnect_mid_stream_frees_blocks(served, model, nats_client):  
     assert stats.num_used_blocks == 0 and stats.num_running == 0, stats
 
 
+async def test_disconnect_from_a_whole_response_aborts_quietly(served, model, nats_client):  # noqa: F811
+    """A client leaving a non-streamed request: the request is aborted, its blocks freed, and
+    the gateway logs no traceback (an InvalidStateError from a future set twice)."""
+    body = {"model": model, "prompt": PROMPT * 8, "max_tokens": 900, "ignore_eos": True}
+    aborted = (await nats_client.stats()).num_finished.get("abort", 0)
+    err = served.log_dir / "err.txt"
+    logged = len(served.output()), len(err.read_text())
+    async with httpx.AsyncClient(timeout=60) as http:
+        request = asyncio.ensure_future(http.post(f"{served.api_url}/completions", json=body))
+        for _ in range(200):
+            if (await nats_client.stats()).num_used_blocks > 0:
+                break
+            await asyncio.sleep(0.02)
+        request.cancel()  # closes its connection
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    for _ in range(100):
+        stats = await nats_client.stats()
+        if stats.num_finished.get("abort", 0) > aborted and stats.num_used_blocks == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert stats.num_finished.get("abort", 0) == aborted + 1, stats
+    assert stats.num_used_blocks == 0 and stats.num_running == 0, stats
+    await asyncio.sleep(0.5)  # the gateway's clean-up, logged after the abort
+    output = served.output()[logged[0] :] + err.read_text()[logged[1] :]
+    assert "Traceback" not in output and "InvalidStateError" not in output, output
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 

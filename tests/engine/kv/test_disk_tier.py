@@ -10,11 +10,12 @@ from engine import SamplingParams
 from engine.kv.block_hash import prompt_block_hashes
 from schemas.errors import ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
+from tests.engine.worker.test_disk_store import forge
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 BLOCK_SIZE = 8
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # layers, K/V, slots, kv heads, head_dim, fp32
-FILE_BYTES = 88 + 8 * BLOCK_SIZE + BLOCK_BYTES  # header, token ids, block
+FILE_BYTES = 116 + 8 * BLOCK_SIZE + BLOCK_BYTES  # header, token ids, block
 PROMPTS = random_prompts([40] * 8, seed=5)  # 5 full blocks each; 8 x 6 blocks > 16 + 4
 
 
@@ -24,6 +25,7 @@ def disk_llm(path, folder: Path, **overrides):
         swap_space=4 * BLOCK_BYTES,
         kv_disk_dir=str(folder),
         kv_disk_bytes=1 << 20,
+        kv_disk_key_file=str(folder.parent / "kv-disk.key"),  # not the user's cache dir
         block_size=BLOCK_SIZE,
     )
     args.update(overrides)
@@ -109,7 +111,7 @@ def test_corrupt_and_truncated_files_are_misses(tiny_llama, written):
     folder, fresh = written
     files = block_files(folder, PROMPTS[0])
     data = bytearray(files[1].read_bytes())
-    data[-1] ^= 0xFF  # one flipped bit of K/V: the checksum catches it
+    data[-1] ^= 0xFF  # one flipped byte of K/V: the MAC catches it
     files[1].write_bytes(bytes(data))
     with open(block_files(folder, PROMPTS[1])[0], "r+b") as f:
         f.truncate(FILE_BYTES // 2)  # a torn write
@@ -118,8 +120,27 @@ def test_corrupt_and_truncated_files_are_misses(tiny_llama, written):
         assert [o.outputs[0].token_ids for o in outs] == fresh[:2]
         assert [o.num_cached_tokens for o in outs] == [8, 0]  # up to the bad block
         stats = disk_stats(llm)
-        assert stats["num_disk_failed_loads"] == 2
+        assert stats["num_disk_failed_loads"] == 2 and stats["num_disk_rejected_files"] == 1
         assert_all_free(llm)
+    assert not files[1].exists()  # dropped
+
+
+@pytest.mark.parametrize("forger_key", ["crc32", b"forger's key".ljust(32)])
+def test_a_forged_file_with_a_recomputed_checksum_is_refused(tiny_llama, written, forger_key):
+    """Whoever can write the folder puts another block's K/V in a file and recomputes its
+    check (the CRC-32 of version 1, or an HMAC under their own key): refused, deleted,
+    counted, and the output is the undisturbed run's."""
+    folder, fresh = written
+    target, source = block_files(folder, PROMPTS[0])[1], block_files(folder, PROMPTS[1])[1]
+    forge(target, source.read_bytes()[-BLOCK_BYTES:], forger_key)
+    with disk_llm(tiny_llama, folder) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == fresh[0]
+        assert out.num_cached_tokens == 8  # the block before the forged one
+        stats = disk_stats(llm)
+        assert stats["num_disk_rejected_files"] == 1 and stats["num_disk_failed_loads"] == 1
+        assert_all_free(llm)
+    assert not target.exists()
 
 
 def test_lru_by_bytes_keeps_within_the_bound(tiny_llama, tmp_path):
@@ -193,7 +214,7 @@ def test_fp8_blocks_come_back_from_disk_as_written(tiny_llama, tmp_path):
         assert_all_free(llm)
     (layout_folder,) = (tmp_path / "kv").iterdir()
     sizes = {f.stat().st_size for f in layout_folder.iterdir()}
-    assert sizes == {88 + 8 * BLOCK_SIZE + BLOCK_BYTES // 4}
+    assert sizes == {116 + 8 * BLOCK_SIZE + BLOCK_BYTES // 4}
 
 
 def test_the_disk_tier_beside_sliding_windows_is_refused(tmp_path):

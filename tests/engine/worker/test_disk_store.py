@@ -1,18 +1,34 @@
-"""The executor's disk tier on real files: the format's checks, LRU by bytes, the listing at
-start and a rescan of a folder another store writes to."""
+"""The executor's disk tier on real files: the format's checks, its MAC and modes, LRU by
+bytes, the listing at start and a rescan of a folder another store writes to."""
 
 import hashlib
+import hmac
+import os
+import stat
+import zlib
 
+import pytest
 import torch
 
-from engine.worker.disk_files import BlockLayout, file_name, read_block, write_block
+from engine.worker.disk_files import (
+    HEADER,
+    MAC_OFFSET,
+    BlockLayout,
+    ForgedBlockError,
+    file_name,
+    load_key,
+    read_block,
+    write_block,
+)
 from engine.worker.disk_store import DiskStore
+from schemas.errors import ConfigError
 from schemas.executor import DiskBlock
 from schemas.scheduler import StepOutput
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head_dim
 LAYOUT = BlockLayout(SHAPE, torch.float32, hashlib.sha256(b"layout").digest())
-FILE_BYTES = 88 + 8 * 4 + 2 * 2 * 4 * 8 * 4
+FILE_BYTES = 116 + 8 * 4 + 2 * 2 * 4 * 8 * 4
+KEY = hashlib.sha256(b"the test's key").digest()
 
 
 def block_hash(i: int) -> bytes:
@@ -37,24 +53,90 @@ def report(store: DiskStore) -> StepOutput:
 
 def test_a_file_reads_back_only_as_written(tmp_path):
     block = torch.randn(SHAPE)
-    assert write_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4], block) == FILE_BYTES
-    assert torch.equal(read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4]), block)
-    assert read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 5]) is None  # other tokens
-    assert read_block(tmp_path, LAYOUT, block_hash(2), [1, 2, 3, 4]) is None  # no such file
+    assert write_block(tmp_path, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4], block) == FILE_BYTES
+    assert torch.equal(read_block(tmp_path, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4]), block)
+    assert read_block(tmp_path, LAYOUT, KEY, block_hash(1), [1, 2, 3, 5]) is None  # tokens
+    assert read_block(tmp_path, LAYOUT, KEY, block_hash(2), [1, 2, 3, 4]) is None  # no file
     other = BlockLayout(SHAPE, torch.float32, hashlib.sha256(b"other").digest())
-    assert read_block(tmp_path, other, block_hash(1), [1, 2, 3, 4]) is None
+    assert read_block(tmp_path, other, KEY, block_hash(1), [1, 2, 3, 4]) is None
     path = tmp_path / file_name(block_hash(1))
     data = bytearray(path.read_bytes())
-    data[100] ^= 1
+    data[130] ^= 1
     path.write_bytes(bytes(data))
-    assert read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4]) is None  # checksum
+    with pytest.raises(ForgedBlockError):  # one flipped bit
+        read_block(tmp_path, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4])
     path.write_bytes(bytes(data[:50]))
-    assert read_block(tmp_path, LAYOUT, block_hash(1), [1, 2, 3, 4]) is None  # torn header
+    assert read_block(tmp_path, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4]) is None  # torn
+
+
+def forge(path, payload: bytes, key: bytes | str) -> None:
+    """Replace a file's K/V with `payload` and recompute its check as a forger can: the CRC-32
+    version 1 had, a plain hash ("crc32", "sha256"), or an HMAC under a key of their own."""
+    data = bytearray(path.read_bytes())
+    data[len(data) - len(payload) :] = payload
+    data[MAC_OFFSET : HEADER.size] = bytes(32)
+    if key == "crc32":
+        tag = zlib.crc32(data[HEADER.size :]).to_bytes(4, "little").ljust(32, b"\0")
+    elif key == "sha256":
+        tag = hashlib.sha256(bytes(data)).digest()
+    else:
+        tag = hmac.new(key, bytes(data), hashlib.sha256).digest()
+    data[MAC_OFFSET : HEADER.size] = tag
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("forger_key", ["crc32", "sha256", b"k" * 32])
+def test_a_forged_file_with_a_recomputed_check_is_dropped_and_counted(tmp_path, forger_key):
+    cache = cpu_cache(2)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
+    report(store)
+    store.save(blocks(range(2)), cache, cache)
+    store.flush()
+    path = store.folder / file_name(block_hash(0))
+    forge(path, cache[:, :, 1].contiguous().numpy().tobytes(), forger_key)  # block 1's K/V
+    target = torch.zeros_like(cache)
+    store.load(blocks(range(2)), target)
+    output = report(store)
+    assert output.disk_failed == [block_hash(0)] and output.disk_loaded == [block_hash(1)]
+    assert output.disk_rejected == 1 and block_hash(0) in output.disk_removed
+    assert not target[:, :, 0].any()  # never served
+    assert not path.exists() and block_hash(0) not in store.index  # dropped
+    assert report(store).disk_rejected == 0  # counted once
+    store.close()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o277])
+def test_folders_files_and_key_are_private_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        key = load_key(tmp_path / "keys" / "kv-disk.key")
+        store = DiskStore(tmp_path / "kv", 1 << 20, LAYOUT, key)
+        cache = cpu_cache(2)
+        store.save(blocks(range(2)), cache, cache)
+        store.flush()
+        store.close()
+    finally:
+        os.umask(old)
+    assert load_key(tmp_path / "keys" / "kv-disk.key") == key and len(key) == 32  # kept
+    files = [tmp_path / "keys" / "kv-disk.key", *store.folder.iterdir()]
+    assert len(files) == 3
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    for folder in (tmp_path / "keys", tmp_path / "kv", store.folder):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+def test_a_key_others_can_read_is_refused(tmp_path):
+    path = tmp_path / "kv-disk.key"
+    load_key(path)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="0600"):
+        load_key(path)
 
 
 def test_saved_blocks_load_into_other_cpu_blocks_and_keep_within_the_bound(tmp_path):
     cache = cpu_cache(6)
-    store = DiskStore(tmp_path, 4 * FILE_BYTES, LAYOUT)
+    store = DiskStore(tmp_path, 4 * FILE_BYTES, LAYOUT, KEY)
     assert report(store).disk_listed  # an empty listing, sent at once
     store.save(blocks(range(6)), cache, cache)
     store.flush()
@@ -74,10 +156,10 @@ def test_saved_blocks_load_into_other_cpu_blocks_and_keep_within_the_bound(tmp_p
 
 
 def test_a_restart_lists_the_folder(tmp_path):
-    store = DiskStore(tmp_path, 1 << 20, LAYOUT)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
     store.save(blocks(range(3)), cpu_cache(3), cpu_cache(1))
     store.close()
-    again = DiskStore(tmp_path, 1 << 20, LAYOUT)
+    again = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
     output = report(again)
     assert set(output.disk_stored) == {block_hash(i) for i in range(3)} and output.disk_listed
     assert not report(again).disk_stored  # once
@@ -87,7 +169,10 @@ def test_a_restart_lists_the_folder(tmp_path):
 
 
 def test_stores_sharing_a_folder_see_each_others_files(tmp_path):
-    first, second = DiskStore(tmp_path, 1 << 20, LAYOUT), DiskStore(tmp_path, 1 << 20, LAYOUT)
+    first, second = (
+        DiskStore(tmp_path, 1 << 20, LAYOUT, KEY),
+        DiskStore(tmp_path, 1 << 20, LAYOUT, KEY),
+    )
     report(second)
     cache = cpu_cache(2)
     first.save(blocks(range(2)), cache, cache)
