@@ -254,6 +254,7 @@ class Executor:
         if self.disk is not None:  # into CPU blocks this step leaves alone
             self.disk.load(step.blocks_from_disk, self.cpu_cache)
         output = self._forward(step)
+        output.failed = self.grammars.take_failed()
         if self.disk is not None:
             self.disk.report(output, wait=not step.num_scheduled_tokens)
         return output

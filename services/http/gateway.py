@@ -3,6 +3,7 @@ the token texts of logprobs."""
 
 from dataclasses import dataclass
 
+from engine.structured.compile_pool import CompilePool
 from services.client import Client
 from services.http.models import Models
 from services.http.settings import HttpSettings
@@ -17,8 +18,10 @@ class Gateway:
     http: HttpSettings
     models: Models
     tokens: TokenTexts
+    grammars: CompilePool  # structured specs' compile checks, in worker processes
 
     @classmethod
     def create(cls, client: Client, settings: Settings, http: HttpSettings) -> "Gateway":
         models = Models(client, http.served_model_name)
-        return cls(client, settings, http, models, TokenTexts(settings.model))
+        grammars = CompilePool(settings.grammar_limits)
+        return cls(client, settings, http, models, TokenTexts(settings.model), grammars)

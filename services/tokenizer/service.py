@@ -51,7 +51,9 @@ class TokenizerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, vocab_size)
+        self.inputs = InputProcessor(
+            tokenizer, vocab_size, settings.grammar_limits, compile_workers=True
+        )
         self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
@@ -106,6 +108,7 @@ class TokenizerService:
         msgpack = is_msgpack(msg.headers)
         try:
             prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
+            await self.inputs.compile_structured(prepared.params)  # in a worker process
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
@@ -298,6 +301,7 @@ class TokenizerService:
         await self._wait_for_streams(min(self.settings.finish_timeout, 2.0))
         for stream in list(self.streams.values()):
             await self._end(stream, error)
+        self.inputs.close()
 
     async def _wait_for_streams(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
