@@ -12,8 +12,10 @@ no torch. Specs that compiled are remembered by sha256, so a repeated spec costs
 """
 
 import asyncio
+import ctypes
 import multiprocessing
 import resource
+import signal
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -29,6 +31,7 @@ from schemas.sampling import StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
 NUM_REMEMBERED = 1024  # sha256 of specs that compiled
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # --- in the worker process ---------------------------------------------------------------
 
@@ -37,9 +40,20 @@ _compiler: GrammarCompiler | None = None  # the worker's own (None: a check with
 
 def _start_worker(memory: int, tokenizer_json: str | None, vocab_size: int, eos: int) -> None:
     global _compiler
+    _die_with_parent()
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     if tokenizer_json is not None:
         _compiler = GrammarCompiler.from_tokenizer_json(tokenizer_json, vocab_size, eos)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies (a killed tokenizer or gateway would
+    otherwise leave its workers waiting on their queue forever)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc Linux: the pool's own shutdown is all there is
+        return
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _compile(data: bytes) -> tuple[str, str | None] | None:
