@@ -7,6 +7,7 @@ import pytest
 
 from engine import SamplingParams, StructuredOutputsParams
 from engine.worker.grammar_rows import GrammarRows
+from schemas.scheduler import StepOutput
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 PROMPTS = random_prompts([12, 20, 9], seed=5)
@@ -80,3 +81,27 @@ def test_a_compile_past_its_budget_fails_its_request_alone(llm, monkeypatch):
     monkeypatch.undo()
     again = llm.generate(PROMPTS, params, use_tqdm=False)  # the next compile works
     assert again[1].outputs[0].text in CHOICE.structured_outputs.choice
+
+
+def test_the_scheduler_fails_a_row_the_executor_reports():
+    """Hand-made outputs: a `failed` row ends its request (every sample) with invalid_request
+    and frees its blocks; the request beside it keeps its token and runs on."""
+    from tests.engine.sched.test_scheduler import add, make_scheduler, run_step
+
+    scheduler = make_scheduler(num_blocks=16)
+    victim = add(scheduler, "victim", 6, max_tokens=4, n=2, temperature=1.0)
+    other = add(scheduler, "other", 5, max_tokens=4)
+    step = scheduler.schedule()
+    rows = [s for s in step.num_scheduled_tokens if scheduler.seqs[s].num_output_placeholders]
+    output = StepOutput(step.step_id, rows, [7] * len(rows), failed={victim.seq_id: "no mask"})
+    scheduler.update_from_output(step, output)
+    scheduler.check_invariants()
+    failed = scheduler.take_failed()
+    assert list(failed) == ["victim"] and failed["victim"].type == "invalid_request"
+    assert failed["victim"].message == "no mask"
+    assert victim.is_finished and "victim" not in scheduler.groups
+    assert other.output_token_ids == [7] and not other.is_finished
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+    assert other.output_token_ids == [7] * 4
+    assert scheduler.block_manager.num_free_blocks == 16
