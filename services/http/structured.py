@@ -10,7 +10,9 @@ over the spec, milliseconds), then `check_compiles`, awaited, compiles it in a w
 (engine/structured/compile_pool.py): the gateway's event loop never runs llguidance.
 """
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -89,23 +91,16 @@ async def check_compiles(pool: CompilePool, source: str, spec: dict[str, Any]) -
         await pool.check_async(msgspec.convert(spec, StructuredOutputsParams))
 
 
-class _named:
+@contextlib.contextmanager
+def _named(source: str) -> Iterator[None]:
     """Errors of a spec as 400s naming the client's field (`source`)."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, traceback) -> None:
-        source = self.source
-        if isinstance(exc, msgspec.ValidationError):
-            raise HttpError.invalid(f"{source}: {exc}", source) from exc
-        if isinstance(exc, InvalidRequestError):
-            param = exc.param if source == "structured_outputs" else source
-            message = str(exc).replace("structured_outputs", source, 1)
-            raise HttpError.invalid(message, param) from exc
+    try:
+        yield
+    except msgspec.ValidationError as exc:
+        raise HttpError.invalid(f"{source}: {exc}", source) from exc
+    except InvalidRequestError as exc:
+        param = exc.param if source == "structured_outputs" else source
+        raise HttpError.invalid(str(exc).replace("structured_outputs", source, 1), param) from exc
 
 
 def _as_spec(fields: dict[str, Any], limits: GrammarLimits) -> dict[str, Any]:
