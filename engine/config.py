@@ -195,6 +195,8 @@ class ExecutorConfig:
     # most `kv_disk_bytes` of files (least recently used go first); None: off
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 0
+    # seconds a step waits for one request's grammar to compile; past it, that request fails
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
@@ -257,11 +259,14 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     kv_disk_dir: str | None = None  # a disk tier under the CPU pool (None: off)
     kv_disk_bytes: int = 0  # its bound, in bytes of files
+    grammar_compile_timeout: float = 10.0  # seconds one grammar may take to compile
 
     def __post_init__(self) -> None:
         _check_disk(self)
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
+        if self.grammar_compile_timeout <= 0:
+            raise ConfigError("grammar_compile_timeout: must be positive")
         # normalised once, here: every reader sees a SpeculativeConfig or None
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)

@@ -84,7 +84,10 @@ class Executor:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.step_check = StepCheck(self.capacity)
         self.grammars = GrammarRows(
-            config.model_path, model_config.vocab_size, model_config.eos_token_ids
+            config.model_path,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+            config.grammar_compile_timeout,
         )
         spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -23,7 +23,7 @@ import torch
 
 from engine.structured.compile_thread import CompileThread
 from engine.structured.grammar import GrammarCompiler, fill_bitmask
-from engine.structured.limits import DEFAULT_LIMITS, GrammarLimits
+from engine.structured.limits import DEFAULT_LIMITS
 from engine.worker.input_batch import RequestState
 from schemas.errors import ConfigError, InvalidRequestError
 
@@ -36,7 +36,7 @@ class GrammarRows:
         model_path: Path,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
-        limits: GrammarLimits = DEFAULT_LIMITS,
+        compile_timeout: float = DEFAULT_LIMITS.compile_timeout,
     ) -> None:
         self.model_path = model_path
         self.vocab_size = vocab_size
@@ -44,7 +44,7 @@ class GrammarRows:
         self.matchers: dict[str, llguidance.LLMatcher] = {}
         self.failed: dict[str, str] = {}  # seq id -> why, until the next step's output
         self._compiler: GrammarCompiler | None = None
-        self._thread = CompileThread(limits.compile_timeout)
+        self._thread = CompileThread(compile_timeout)
 
     @property
     def compiler(self) -> GrammarCompiler:
