@@ -197,6 +197,8 @@ class ExecutorConfig:
     kv_disk_bytes: int = 0
     # the disk files' MAC key (created once); None: <cache dir>/nats/kv-disk.key
     kv_disk_key_file: str | None = None
+    # seconds a step waits for one request's grammar to compile; past it, that request fails
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
@@ -262,11 +264,14 @@ class EngineConfig:
     kv_disk_key_file: str | None = None  # its files' MAC key (None: in the cache dir)
     # special-token text in chat messages becomes real tokens (off: refused, engine/frontend)
     allow_special_tokens_in_content: bool = False
+    grammar_compile_timeout: float = 10.0  # seconds one grammar may take to compile
 
     def __post_init__(self) -> None:
         _check_disk(self)
         if self.plan_ahead < 0:
             raise ConfigError("plan_ahead: must be >= 0")
+        if self.grammar_compile_timeout <= 0:
+            raise ConfigError("grammar_compile_timeout: must be positive")
         # normalised once, here: every reader sees a SpeculativeConfig or None
         object.__setattr__(
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)

@@ -68,7 +68,7 @@ class LLM:
         self.inputs = InputProcessor(
             self.tokenizer,
             self.model_config.vocab_size,
-            self.config.allow_special_tokens_in_content,
+            allow_special_tokens_in_content=self.config.allow_special_tokens_in_content,
         )
         executor_config = self.config.executor_config(path, self.model_config)
         self.runner = InProcessExecutor(

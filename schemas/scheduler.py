@@ -54,6 +54,9 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     disk_rejected: int = 0  # files that failed their MAC since the last step (deleted)
     # the prompt positions this step computed, for the sequences that asked (prompt_logprobs)
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    # sequences the executor could not constrain (grammar not compiled, matcher in error):
+    # seq id -> why; each request ends alone with that error, this step's token dropped
+    failed: dict[str, str] = {}
 
     def emitted_token_ids(self, idx: int) -> list[int]:
         """Every token row `idx`'s sequence emitted in this step, in order."""

@@ -14,6 +14,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.kv.kv_size import parse_bytes
 from engine.router.routing import ROUTERS, RouterConfig
+from engine.structured.limits import GrammarLimits
 from schemas.errors import ConfigError
 
 ENV_PREFIX = "KVPAGER_"
@@ -142,6 +143,46 @@ class Settings:
         "real tokens, as vLLM does (default: refused with a 400 naming the message)",
         default=False,
     )
+    grammar_max_bytes: int = option(
+        "structured outputs: largest grammar, JSON schema, regex or choice list (bytes)",
+        default=GrammarLimits.max_bytes,
+    )
+    grammar_max_rules: int = option(
+        "structured outputs: most rules of a Lark/GBNF grammar, or $defs of a JSON schema",
+        default=GrammarLimits.max_rules,
+    )
+    grammar_max_depth: int = option(
+        "structured outputs: deepest JSON schema, its nesting plus $ref hops",
+        default=GrammarLimits.max_depth,
+    )
+    grammar_max_alternatives: int = option(
+        "structured outputs: most `|` of a grammar, choices, or entries of one anyOf/oneOf/allOf",
+        default=GrammarLimits.max_alternatives,
+    )
+    grammar_max_subschemas: int = option(
+        "structured outputs: most schema objects in one JSON schema",
+        default=GrammarLimits.max_subschemas,
+    )
+    grammar_max_patterns: int = option(
+        "structured outputs: most `pattern`s (and patternProperties) in one JSON schema",
+        default=GrammarLimits.max_patterns,
+    )
+    grammar_max_repeat: int = option(
+        "structured outputs: largest regex repetition {n,m}, also as a product of nested ones",
+        default=GrammarLimits.max_repeat,
+    )
+    grammar_compile_timeout: float = option(
+        "structured outputs: seconds one grammar may take to compile (else a 400)",
+        default=GrammarLimits.compile_timeout,
+    )
+    grammar_compile_memory: ByteSize = option(
+        "structured outputs: address space of a grammar compile worker process, e.g. 1GiB",
+        default=ByteSize(GrammarLimits.compile_memory),
+    )
+    grammar_compile_workers: int = option(
+        "structured outputs: compile worker processes per gateway and per tokenizer",
+        default=GrammarLimits.compile_workers,
+    )
     router: str = option(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )
@@ -194,6 +235,7 @@ class Settings:
             raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
+        _ = self.grammar_limits  # raises ConfigError naming a grammar limit out of range
         self._check_nats_auth()
         from engine.model_config import check_kv_cache_dtype  # the engine's own rule
 
@@ -209,6 +251,12 @@ class Settings:
             )
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ConfigError("nats_tls_cert and nats_tls_key: give both or neither")
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        """The structured-outputs limits (engine/structured/limits.py)."""
+        names = [f.name for f in dataclasses.fields(GrammarLimits)]
+        return GrammarLimits(**{name: getattr(self, f"grammar_{name}") for name in names})
 
     @property
     def has_nats_auth(self) -> bool:

@@ -18,35 +18,78 @@ from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.structured.compile_pool import CompilePool
+from engine.structured.compile_thread import CompileThread
 from engine.structured.grammar import GrammarCompiler
+from engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, check_spec
 from schemas.errors import InvalidRequestError
 from schemas.sampling import SamplingParams
 
 
 class InputProcessor:
-    """Token ids for a prompt, a conversation or given ids, checked against the vocabulary."""
+    """Token ids for a prompt, a conversation or given ids, checked against the vocabulary.
+
+    Structured-outputs specs are checked against `grammar_limits` first, then compiled: by a
+    server (`compile_workers`) in worker processes, so that a grammar that crashes llguidance
+    costs a worker; offline, in a large-stack thread of the caller's process."""
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
+        *,
         allow_special_tokens_in_content: bool = False,
+        grammar_limits: GrammarLimits = DEFAULT_LIMITS,
+        compile_workers: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         allow = allow_special_tokens_in_content
         self._special_text = None if allow else special_token_pattern(tokenizer)
+        self.grammar_limits = grammar_limits
+        self.compile_workers = compile_workers
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._thread = CompileThread(grammar_limits.compile_timeout)
+        self._pool: CompilePool | None = None
+
+    def limit_structured(self, params: SamplingParams) -> None:
+        """A spec over a size limit is refused, naming the limit (cheap: no compile)."""
+        if params.structured_outputs is not None:
+            check_spec(params.structured_outputs, self.grammar_limits)
 
     def check_structured(self, params: SamplingParams) -> None:
-        """A structured-outputs spec that cannot be compiled is refused here, naming the
-        field, before the request reaches a scheduler (the executor compiles it again, from
-        its own cache)."""
-        if params.structured_outputs is None:
+        """A structured-outputs spec over a limit or that cannot be compiled is refused here,
+        naming the field, before the request reaches a scheduler (the executor compiles it
+        again, from its own cache). Blocking: the offline door's."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        check_spec(spec, self.grammar_limits)
+        if self.compile_workers:
+            self.pool.check(spec)
             return
         if self._grammars is None:
             self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size)
-        self._grammars.check(params.structured_outputs)
+        grammars = self._grammars
+        self._thread.run(lambda: grammars.check(spec), f"structured_outputs.{spec.kind}")
+
+    async def compile_structured(self, params: SamplingParams) -> None:
+        """A server's compile check, in a worker process, awaited (after limit_structured)."""
+        if params.structured_outputs is not None:
+            await self.pool.check_async(params.structured_outputs)
+
+    @property
+    def pool(self) -> CompilePool:
+        """The compile workers, started on the first structured request."""
+        if self._pool is None:
+            tokenizer_json = self.tokenizer.backend_tokenizer.to_str()
+            eos = self.tokenizer.eos_token_id or 0
+            self._pool = CompilePool(self.grammar_limits, tokenizer_json, self.vocab_size, eos)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     def prompt_ids(
         self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True

@@ -120,20 +120,48 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 def required_schema(functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
     """At least one call (exactly one unless `parallel`), each to one of `functions` with
-    parameters matching its schema (vLLM's schema for tool_choice "required")."""
+    parameters matching its schema (vLLM's schema for tool_choice "required").
+
+    Each function's parameters move under the root's `$defs` (as `tool<i>`), their local
+    `$ref`s rewritten to match: a `#/$defs/Address` of nested Pydantic models names the
+    parameters' own `$defs`, which would not exist at the root of the array schema."""
     variants = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [function["name"]]},
-                "parameters": parameters_schema(function),
+                "parameters": {"$ref": f"#/$defs/tool{i}"},
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for function in functions
+        for i, function in enumerate(functions)
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    defs = {
+        f"tool{i}": _rooted(parameters_schema(f), f"#/$defs/tool{i}")
+        for i, f in enumerate(functions)
+    }
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": variants},
+        "$defs": defs,
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _rooted(node: Any, root: str) -> Any:
+    """`node` with each local `$ref` ("#", "#/...") made relative to `root` instead."""
+    if isinstance(node, list):
+        return [_rooted(item, root) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        else:
+            out[key] = _rooted(value, root)
+    return out

@@ -383,6 +383,7 @@ class Scheduler:
         emitted = {seq_id: output.emitted_token_ids(i) for i, seq_id in enumerate(output.seq_ids)}
         for abandoned in [s for s in self._sampling if s < step.step_id]:
             del self._sampling[abandoned]  # outputs come in order: theirs never will
+        self._fail_rows(output.failed)
         updated = []
         for request in self._sampling.pop(step.step_id, []):
             try:
@@ -409,6 +410,15 @@ class Scheduler:
         self.abort(request_id)
         message = f"the request failed while its output was processed: {exc!r}"
         self.failed[request_id] = ErrorInfo(getattr(exc, "type", "internal_error"), message)
+
+    def _fail_rows(self, failed: dict[str, str]) -> None:
+        """Samples the executor could not constrain to their grammar: each request ends alone
+        with a typed error (never unconstrained)."""
+        for seq_id, message in failed.items():
+            request = self.seqs.get(seq_id)
+            if request is not None and request.request_id not in self.failed:
+                self.abort(request.request_id)
+                self.failed[request.request_id] = ErrorInfo("invalid_request", message)
 
     def take_failed(self) -> dict[str, ErrorInfo]:
         """Requests failed since the last call: request id -> its error."""

@@ -11,6 +11,7 @@ token 32 * w + i may come next; once the grammar is complete it allows only EOS,
 ends by EOS ("stop"), as in vLLM.
 """
 
+import hashlib
 import json
 from collections import OrderedDict
 
@@ -25,6 +26,12 @@ DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (per tokenizer)
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: fewer tokens to sample
 
 
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's own budgets, a smaller grammar size than its default (500,000 symbols):
+    the size checks (engine/structured/limits.py) pass far less than this already."""
+    return llguidance.LLParserLimits(max_grammar_size=200_000)
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a spec; raises InvalidRequestError naming the field when
     the spec cannot even be read (a schema that is not JSON)."""
@@ -32,11 +39,14 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "json":
         try:
             schema = json.loads(spec.json)
-        except ValueError as exc:
-            raise _invalid("json", f"not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise _invalid("json", f"not valid JSON: {exc!r}") from exc
         if not isinstance(schema, dict | bool):
             raise _invalid("json", "a JSON schema is an object")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:  # a schema it cannot read (an integer past 64 bits, ...) is the client's error
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except Exception as exc:
+            raise _invalid("json", str(exc)) from exc
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
             {"type": "object"}, defaults=JSON_OPTIONS
@@ -55,7 +65,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 def validate(spec: StructuredOutputsParams) -> None:
     """Compile-check a spec without a tokenizer (what the HTTP gateway can do): raises
     InvalidRequestError naming `structured_outputs.<field>`."""
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec))
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec), limits=parser_limits())
     if error and not error.startswith("WARNING"):
         raise _invalid(spec.kind, error)
 
@@ -109,12 +119,13 @@ class GrammarCompiler:
         return self._compiled(spec).deep_copy()
 
     def _compiled(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        key = _key(spec)
+        key = spec_key(spec)
         template = self._cache.get(key)
         if template is not None:
             self._cache.move_to_end(key)
             return template
-        template = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0)
+        text = grammar_text(spec)
+        template = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=parser_limits())
         if template.is_error():
             raise _invalid(spec.kind, template.get_error())
         self.num_compiled += 1
@@ -124,15 +135,16 @@ class GrammarCompiler:
         return template
 
 
-def _key(spec: StructuredOutputsParams) -> bytes:
-    return msgspec.msgpack.encode(spec)
+def spec_key(spec: StructuredOutputsParams) -> bytes:
+    """A spec's cache key: the sha256 of its msgpack bytes (32 bytes, whatever its size)."""
+    return hashlib.sha256(msgspec.msgpack.encode(spec)).digest()
 
 
-def fill_bitmask(matcher: llguidance.LLMatcher, num_words: int) -> bytes:
-    """The packed int32 mask of the tokens `matcher` allows next, `num_words` words long.
-
-    A matcher in error (a token it refused: never, with its masks applied) allows everything
-    rather than nothing, which would leave the sampler no token."""
+def fill_bitmask(matcher: llguidance.LLMatcher, num_words: int) -> bytes | None:
+    """The packed int32 mask of the tokens `matcher` allows next, `num_words` words long;
+    None when the matcher is in error (a limit hit, a refused token): its request must end
+    with an error, never go on unconstrained."""
     if matcher.is_error():
-        return b"\xff" * (4 * num_words)
-    return matcher.compute_bitmask()[: 4 * num_words]
+        return None
+    mask = matcher.compute_bitmask()[: 4 * num_words]
+    return None if matcher.is_error() else mask

@@ -89,7 +89,10 @@ class Executor:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.step_check = StepCheck(self.capacity)
         self.grammars = GrammarRows(
-            config.model_path, model_config.vocab_size, model_config.eos_token_ids
+            config.model_path,
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+            config.grammar_compile_timeout,
         )
         spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -260,6 +263,7 @@ class Executor:
         if self.disk is not None:  # into CPU blocks this step leaves alone
             self.disk.load(step.blocks_from_disk, self.cpu_cache)
         output = self._forward(step)
+        output.failed = self.grammars.take_failed()
         if self.disk is not None:
             self.disk.report(output, wait=not step.num_scheduled_tokens)
         return output

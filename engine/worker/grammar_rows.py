@@ -9,6 +9,11 @@ MB for 256 sequences, past NATS's default 1 MB message). The executor appends ev
 token itself, so its matchers are always up to date: it fills each structured row's mask just
 before sampling (~30 us a row) and advances the matcher by the tokens the row emitted. Only
 the spec's strings cross NATS, once, in the request's SamplingParams.
+
+A row whose grammar cannot be compiled (in a large-stack thread, with a time budget) or
+whose matcher errs mid-generation is reported in the step's output (`failed`): the scheduler
+ends that request alone with a typed error, and the token sampled for it is dropped. It
+never goes on unconstrained.
 """
 
 from pathlib import Path
@@ -16,20 +21,30 @@ from pathlib import Path
 import llguidance
 import torch
 
+from engine.structured.compile_thread import CompileThread
 from engine.structured.grammar import GrammarCompiler, fill_bitmask
+from engine.structured.limits import DEFAULT_LIMITS
 from engine.worker.input_batch import RequestState
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, InvalidRequestError
 
 
 class GrammarRows:
     """Matchers by seq id; the compiler (and its tokenizer view) is built on first use."""
 
-    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        compile_timeout: float = DEFAULT_LIMITS.compile_timeout,
+    ) -> None:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else 0
         self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self.failed: dict[str, str] = {}  # seq id -> why, until the next step's output
         self._compiler: GrammarCompiler | None = None
+        self._thread = CompileThread(compile_timeout)
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -47,9 +62,15 @@ class GrammarRows:
         spec = state.params.structured_outputs
         if spec is None:
             return
-        matcher = self.compiler.matcher(spec)
+        param = f"structured_outputs.{spec.kind}"
+        try:
+            matcher = self._thread.run(lambda: self.compiler.matcher(spec), param)
+        except InvalidRequestError as exc:
+            self.failed[state.seq_id] = str(exc)
+            return
         matcher.consume_tokens(state.output_token_ids)
         self.matchers[state.seq_id] = matcher
+        self._check(state.seq_id, matcher)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """A parallel sample or beam copy: the parent's matcher as it stands."""
@@ -59,24 +80,46 @@ class GrammarRows:
 
     def remove(self, seq_id: str) -> None:
         self.matchers.pop(seq_id, None)
+        self.failed.pop(seq_id, None)
 
     def clear(self) -> None:
         self.matchers.clear()
+        self.failed.clear()
+
+    def take_failed(self) -> dict[str, str]:
+        """Rows failed since the last call: seq id -> the typed error's message."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def bitmask(
         self, states: list[RequestState], offsets: list[int], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows int64 [m], bitmask int32 [m, words]) for the structured states' sampling
         rows (`offsets[i]`: state i's row), or None when no state is structured."""
-        picked = [(offsets[i], self.matchers.get(s.seq_id)) for i, s in enumerate(states)]
-        picked = [(row, matcher) for row, matcher in picked if matcher is not None]
+        picked = [(offsets[i], s.seq_id) for i, s in enumerate(states) if s.seq_id in self.matchers]
         if not picked:
             return None
         num_words = self.compiler.num_words
-        packed = b"".join(fill_bitmask(matcher, num_words) for _, matcher in picked)
+        packed = b"".join(self._mask(seq_id, num_words) for _, seq_id in picked)
         bitmask = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(picked), -1)
         rows = torch.tensor([row for row, _ in picked], dtype=torch.int64, device=device)
         return rows, bitmask
+
+    def _mask(self, seq_id: str, num_words: int) -> bytes:
+        """The row's mask; a matcher in error fails its row, whose token is then dropped (the
+        mask allows only EOS, so that the sampler still has a token to draw)."""
+        mask = fill_bitmask(self.matchers[seq_id], num_words)
+        if mask is not None:
+            return mask
+        self._check(seq_id, self.matchers[seq_id])
+        words = bytearray(4 * num_words)
+        words[self.eos_token_id // 8] |= 1 << (self.eos_token_id % 8)
+        return bytes(words)
+
+    def _check(self, seq_id: str, matcher: llguidance.LLMatcher) -> None:
+        if matcher.is_error() and seq_id not in self.failed:
+            error = matcher.get_error()
+            self.failed[seq_id] = f"structured_outputs: the grammar failed mid-generation: {error}"
 
     def accept(self, state: RequestState, token_ids: list[int]) -> None:
         """The tokens a row emitted this step. A complete grammar keeps allowing EOS only, so
@@ -85,3 +128,4 @@ class GrammarRows:
         matcher = self.matchers.get(state.seq_id)
         if matcher is not None and not matcher.is_stopped():
             matcher.consume_tokens(token_ids)
+            self._check(state.seq_id, matcher)

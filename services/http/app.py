@@ -28,7 +28,7 @@ from services.http.errors import HttpError, error_body
 from services.http.gateway import Gateway
 from services.http.guard import Guard
 from services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
-from services.http.structured import ToolSettings
+from services.http.structured import ToolSettings, check_compiles
 from services.inflight import request_key
 
 log = structlog.get_logger(__name__)
@@ -87,8 +87,12 @@ async def _complete(request: Request, kind: Kind) -> Response:
         key_salt = request.scope.get("state", {}).get("key_salt")
         http = gateway.http
         tools = ToolSettings(http.enable_auto_tool_choice, http.tool_call_parser)
+        limits = gateway.settings.grammar_limits
+        request_id = _request_id(request)
         with gateway.journal.admitting(key):
-            job = build_job(openai_request, kind, _request_id(request), default, key_salt, tools)
+            job = build_job(openai_request, kind, request_id, default, key_salt, tools, limits)
+        if job.structured is not None:  # compiled in a worker process, awaited
+            await check_compiles(gateway.grammars, *job.structured)
         buffered = gateway.http.stream_buffer_events
         return await respond(gateway.client, job, gateway.tokens, request, buffered)
     except (HttpError, PoisonedRequestError) as exc:

@@ -58,6 +58,8 @@ def decode(body: bytes, kind: type, allow_unknown: bool = False) -> Any:
         raise HttpError.invalid(str(exc), param_of(str(exc))) from exc
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise HttpError.invalid(f"malformed JSON: {exc}", None) from exc
+    except RecursionError:  # nested past the decoder's recursion: the client's error
+        raise HttpError.invalid("request body: JSON nested too deep", None) from None
 
 
 def param_of(message: str) -> str | None:

@@ -3,6 +3,7 @@ the token texts of logprobs."""
 
 from dataclasses import dataclass, field
 
+from engine.structured.compile_pool import CompilePool
 from services.client import Client
 from services.http.models import Models
 from services.http.settings import HttpSettings
@@ -18,10 +19,12 @@ class Gateway:
     http: HttpSettings
     models: Models
     tokens: TokenTexts
+    grammars: CompilePool  # structured specs' compile checks, in worker processes
     journal: Journal = field(default_factory=lambda: Journal(None))  # what serve reads if we crash
 
     @classmethod
     def create(cls, client: Client, settings: Settings, http: HttpSettings) -> "Gateway":
         models = Models(client, http.served_model_name)
         tokens, journal = TokenTexts(settings.model), Journal(settings.journal_dir)
-        return cls(client, settings, http, models, tokens, journal)
+        grammars = CompilePool(settings.grammar_limits)
+        return cls(client, settings, http, models, tokens, grammars, journal)

@@ -92,7 +92,8 @@ async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, me
     url = f"http://{host}:{port}"
     what = "Prometheus metrics" if metrics_only else "OpenAI-compatible HTTP gateway"
     discovery = await Discovery.register(nc, name, settings, what, url=url)
-    app = build_app(Gateway.create(Client(nc, settings.prefix), settings, http), metrics_only)
+    gateway = Gateway.create(Client(nc, settings.prefix), settings, http)
+    app = build_app(gateway, metrics_only)
     config = uvicorn.Config(
         app,
         http=protocol_class(http.http_header_timeout, http.http_max_connections),
@@ -107,6 +108,7 @@ async def _serve(settings: Settings, http: HttpSettings, sock: socket.socket, me
     try:
         await _Server(config).serve(sockets=[sock])  # SIGINT / SIGTERM end it
     finally:
+        gateway.grammars.close()
         await discovery.stop()
         try:
             await nc.drain()

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
+from engine.structured.limits import DEFAULT_LIMITS, GrammarLimits
 from schemas.openai import (
     IGNORED,
     ChatCompletionRequest,
@@ -78,6 +79,8 @@ class Job:
     echo: bool = False  # completions: the prompt precedes each choice's text and logprobs
     prompt_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token dropped)
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the response
+    # (the client's field, the spec) of a structured request: compiled before it is sent
+    structured: tuple[str, dict[str, Any]] | None = None
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -96,10 +99,11 @@ def build_job(
     max_tokens: int,
     key_salt: str | None = None,
     tools: ToolSettings = NO_AUTO_TOOLS,
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS,
 ) -> Job:
     """`max_tokens`: the default when the request gives none; `key_salt`: the API key's
     prefix-cache salt (services/http/guard.py), None without keys; `tools`: the gateway's
-    tool-calling flags."""
+    tool-calling flags; `grammar_limits`: the sizes a structured spec may have."""
     base_id = request_id or uuid.uuid4().hex
     fields = _sampling(request, kind, max_tokens)
     prompt_options = _prompt_options(request, kind, fields)
@@ -107,9 +111,9 @@ def build_job(
     if salt is not None:
         fields["cache_salt"] = salt
     mode, tool_spec = tool_mode(request, tools) if kind == "chat" else (None, None)
-    spec = structured_spec(request, tool_spec)
-    if spec is not None:
-        fields["structured_outputs"] = spec
+    structured = structured_spec(request, tool_spec, grammar_limits)
+    if structured is not None:
+        fields["structured_outputs"] = structured[1]
     prompts = _chat_prompt(request) if kind == "chat" else _completion_prompts(request)
     requests = [
         _generate_request({**fields, **prompt, "request_id": f"{base_id}-{i}"}, request, kind)
@@ -133,6 +137,7 @@ def build_job(
         continuous_usage=include_usage and options.continuous_usage_stats,
         top_logprobs=_top_logprobs(request, kind),
         tool_mode=mode,
+        structured=structured,
         **prompt_options,
     )
 

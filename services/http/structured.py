@@ -4,16 +4,23 @@
 Sources, at most one a request (else a 400 naming the second): `response_format`
 (`json_object`, `json_schema`), vLLM's `structured_outputs` and `guided_*`, and
 `tool_choice` `required` or named (enforced by a JSON schema built from the tools, as vLLM).
+
+A spec is checked in two steps: its sizes against the grammar limits as it is built (a walk
+over the spec, milliseconds), then `check_compiles`, awaited, compiles it in a worker process
+(engine/structured/compile_pool.py): the gateway's event loop never runs llguidance.
 """
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
 from engine.frontend.tool_calls import parameters_schema, required_schema
-from engine.structured.grammar import validate
+from engine.structured.compile_pool import CompilePool
+from engine.structured.limits import GrammarLimits, check_schema, check_spec
 from schemas.errors import InvalidRequestError
 from schemas.openai import NamedToolChoice, SamplingFields
 from schemas.sampling import StructuredOutputsParams
@@ -45,9 +52,10 @@ class ToolSettings:
 
 
 def structured_spec(
-    request: SamplingFields, tool_spec: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The request's one structured-outputs spec, as StructuredOutputsParams' fields."""
+    request: SamplingFields, tool_spec: dict[str, Any] | None, limits: GrammarLimits
+) -> tuple[str, dict[str, Any]] | None:
+    """The request's one structured-outputs spec, as StructuredOutputsParams' fields, and
+    the client's field it came from; checked against `limits` (not yet compiled)."""
     found: list[tuple[str, dict[str, Any]]] = []
     form = request.response_format
     if form is not None and form.type == "json_object":
@@ -56,14 +64,14 @@ def structured_spec(
         if form.json_schema is None or form.json_schema.schema is None:
             message = "response_format: json_schema needs json_schema.schema"
             raise HttpError.invalid(message, "response_format")
-        found.append(("response_format", {"json": json.dumps(form.json_schema.schema)}))
+        found.append(("response_format", {"json": form.json_schema.schema}))
     if request.structured_outputs is not None:
         fields = msgspec.structs.asdict(request.structured_outputs)
-        found.append(("structured_outputs", _as_spec(fields)))
+        found.append(("structured_outputs", fields))
     for name, field in GUIDED.items():
         value = getattr(request, name)
         if value is not None:
-            found.append((name, _as_spec({field: value})))
+            found.append((name, {field: value}))
     if tool_spec is not None:
         found.append(("tool_choice", tool_spec))
     if len(found) > 1:
@@ -71,15 +79,23 @@ def structured_spec(
         raise HttpError.invalid(message, found[1][0])
     if not found:
         return None
-    source, spec = found[0]
-    _validate(source, spec)
-    return spec
+    source, fields = found[0]
+    with _named(source):
+        return source, _as_spec(fields, limits)
 
 
-def _validate(source: str, spec: dict[str, Any]) -> None:
-    """A spec that cannot be compiled is a 400 naming the client's field, before NATS."""
+async def check_compiles(pool: CompilePool, source: str, spec: dict[str, Any]) -> None:
+    """A spec that cannot be compiled is a 400 naming the client's field, before NATS; the
+    compile runs in a worker process, awaited."""
+    with _named(source):
+        await pool.check_async(msgspec.convert(spec, StructuredOutputsParams))
+
+
+@contextlib.contextmanager
+def _named(source: str) -> Iterator[None]:
+    """Errors of a spec as 400s naming the client's field (`source`)."""
     try:
-        validate(msgspec.convert(spec, StructuredOutputsParams))
+        yield
     except msgspec.ValidationError as exc:
         raise HttpError.invalid(f"{source}: {exc}", source) from exc
     except InvalidRequestError as exc:
@@ -87,10 +103,14 @@ def _validate(source: str, spec: dict[str, Any]) -> None:
         raise HttpError.invalid(str(exc).replace("structured_outputs", source, 1), param) from exc
 
 
-def _as_spec(fields: dict[str, Any]) -> dict[str, Any]:
+def _as_spec(fields: dict[str, Any], limits: GrammarLimits) -> dict[str, Any]:
+    """The spec's fields, a schema given as an object turned to text once its shape passed
+    the limits (a schema too deep would overflow the encoder's recursion)."""
     spec = {name: value for name, value in fields.items() if value not in (None, False)}
     if isinstance(spec.get("json"), dict | bool):
+        check_schema(spec["json"], limits)
         spec["json"] = json.dumps(spec["json"])
+    check_spec(msgspec.convert(spec, StructuredOutputsParams), limits)
     return spec
 
 
@@ -101,9 +121,16 @@ def tool_mode(request: Any, settings: ToolSettings) -> tuple[ToolMode | None, di
         if choice not in (None, "none"):
             raise HttpError.invalid("tool_choice: needs tools", "tool_choice")
         return None, None
-    functions = [msgspec.to_builtins(tool.function) for tool in tools]
     if choice == "none":
         return None, None
+    try:
+        functions = [msgspec.to_builtins(tool.function) for tool in tools]
+        return _tool_spec(request, choice, functions, settings)
+    except RecursionError:  # parameters nested past the encoder's recursion: a 400, not a 500
+        raise HttpError.invalid("tools: parameters are nested too deep", "tools") from None
+
+
+def _tool_spec(request: Any, choice: Any, functions: list[dict], settings: ToolSettings):
     if isinstance(choice, NamedToolChoice):
         named = [f for f in functions if f["name"] == choice.function.name]
         if not named:

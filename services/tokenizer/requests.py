@@ -87,7 +87,7 @@ def prepare(
     """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
     limits.check_fields(request)
     params = sampling_params(request)
-    inputs.check_structured(params)
+    inputs.limit_structured(params)  # sizes only: the service then awaits the compile check
     param = prompt_field(request)
     token_ids = prompt_token_ids(request, param, inputs)
     limits.check_prompt(len(token_ids), param)

@@ -52,8 +52,13 @@ class TokenizerService:
         self.settings = settings
         self.subjects = Subjects(settings.prefix, settings.instance)
         self.tokenizer = tokenizer
-        allow_special = settings.allow_special_tokens_in_content
-        self.inputs = InputProcessor(tokenizer, vocab_size, allow_special)
+        self.inputs = InputProcessor(
+            tokenizer,
+            vocab_size,
+            allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
+            grammar_limits=settings.grammar_limits,
+            compile_workers=True,
+        )
         self.limits = RequestLimits.from_settings(settings)
         self.replica_id = uuid.uuid4().hex[:12]
         self.streams: dict[str, Stream] = {}
@@ -111,6 +116,7 @@ class TokenizerService:
             key = request_key(msg.data, msgpack, self.limits.max_request_bytes)
             with self.journal.admitting(key):  # a crash in here blames the request
                 prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
+            await self.inputs.compile_structured(prepared.params)  # in a worker process
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))
@@ -305,6 +311,7 @@ class TokenizerService:
         await self._wait_for_streams(min(self.settings.finish_timeout, 2.0))
         for stream in list(self.streams.values()):
             await self._end(stream, error)
+        self.inputs.close()
 
     async def _wait_for_streams(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -145,6 +145,29 @@ async def test_required_tool_choice(api, model, nats_client, stream):  # noqa: F
         assert isinstance(json.loads(arguments), dict), (name, arguments)
 
 
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=3)
+
+
+class Trip(pydantic.BaseModel):
+    start: Place
+    end: Place
+
+
+async def test_required_tool_choice_with_nested_models(api, model, nats_client):  # noqa: F811
+    """Nested Pydantic models put `$defs` and `$ref`s in the parameters: the forced array
+    still compiles, and every call's arguments validate against the model."""
+    parameters = Trip.model_json_schema()
+    assert "$defs" in parameters
+    trip = {"type": "function", "function": {"name": "plan_trip", "parameters": parameters}}
+    fields = dict(tools=[trip, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    calls = await _tool_calls(api, model, False, **fields)
+    assert calls and all(name in ("plan_trip", "get_time") for name, _ in calls)
+    for name, arguments in calls:
+        if name == "plan_trip":
+            Trip.model_validate_json(arguments)
+
+
 async def _tool_calls(api, model, stream: bool, **fields) -> list[tuple[str, str]]:
     """(name, arguments) of each call, from a whole answer or reassembled from deltas."""
     common = dict(model=model, messages=MESSAGES, max_tokens=150, temperature=1.0, seed=3)
