@@ -37,7 +37,7 @@ from services.tokenizer.requests import (
 )
 from services.tokenizer.streams import Stream, error_event
 from services.tokenizer.watch import StreamWatch
-from services.wire import encode_public, pack, unpack
+from services.wire import encode_public, pack, payload_budget, unpack
 
 log = structlog.get_logger(__name__)
 _batch_decoder = msgspec.msgpack.Decoder(TokenBatch)
@@ -114,7 +114,7 @@ class TokenizerService:
         if refusal is not None:
             await self._refuse(msg.reply, msgpack, prepared.request_id, refusal, prepared)
             return
-        stream = Stream(prepared, self.tokenizer, msg.reply, msgpack)
+        stream = Stream(prepared, self.tokenizer, msg.reply, msgpack, payload_budget(self.nc))
         self.streams[prepared.request_id] = stream
         if prepared.timeout_s is not None:
             self._arm(prepared.request_id, prepared.timeout_s, self._on_deadline)
