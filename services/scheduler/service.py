@@ -212,7 +212,8 @@ class SchedulerService:
             f"sampling parameters: {num_bytes} bytes on the wire exceed this server's limit "
             f"({limit}: a quarter of NATS max_payload)"
         )
-        return ErrorInfo("invalid_request", message, "sampling_params")
+        param = "structured_outputs" if add.sampling_params.structured_outputs else "stop"
+        return ErrorInfo("invalid_request", message, param)
 
     def _finish(self, finish: FinishRequest) -> None:
         if self.core is None:
