@@ -89,11 +89,12 @@ async def test_a_step_of_64_requests_with_16_stop_strings_each(client, offline):
 
 async def test_beam_candidates_travel_in_step_parts(client, offline):
     stop_ids = list(range(100, 300))  # 16 beams x 216 candidates: over 16 KiB a step
-    request = {"prompt": "Once upon a time", "beam_width": 16, "n": 2, "max_tokens": 6}
-    jobs = [collect(client.generate(**request, temperature=0.0, stop_token_ids=stop_ids))]
+    request = {"beam_width": 16, "n": 2, "max_tokens": 6, "temperature": 0.0}
+    prompt = "Once upon a time"
+    jobs = [collect(client.generate(**request, prompt=prompt, stop_token_ids=stop_ids))]
     (events,) = await _beside(client, jobs)
-    params = SamplingParams(**request, temperature=0.0, stop_token_ids=stop_ids)
-    (expected,) = offline.beam_search([request["prompt"]], params, use_tqdm=False)
+    params = SamplingParams(**request, stop_token_ids=stop_ids)
+    (expected,) = offline.beam_search([prompt], params, use_tqdm=False)
     by_index: dict[int, list[int]] = {}
     for event in events:
         by_index.setdefault(event.index, []).extend(event.token_ids)
@@ -131,3 +132,12 @@ async def test_prompt_logprob_values_are_bounded(client):
     error = events[-1].error
     assert error.type == "invalid_request" and error.param == "prompt_logprobs"
     assert "63000 prompt logprob values" in error.message and "limit (50000)" in error.message
+
+
+async def test_a_final_event_over_the_limit_ends_its_stream_with_a_typed_error(client):
+    request = {"prompt": "Hello", "max_tokens": 200, "logprobs": 20, "ignore_eos": True}
+    jobs = [collect(client.generate(**request, temperature=0.0, stream=False))]
+    (events,) = await _beside(client, jobs)
+    error = events[-1].error
+    assert events[-1].is_final and error.type == "invalid_request" and error.param == "logprobs"
+    assert "max_payload" in error.message
