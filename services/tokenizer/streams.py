@@ -219,8 +219,8 @@ def error_event(request_id: str, error: ErrorInfo, num_prompt_tokens: int = 0) -
 
 def over_the_limit(event: GenerateEvent, num_bytes: int) -> GenerateEvent:
     """What goes instead of an event too large for the wire (a non-streamed answer with many
-    tokens' logprobs): its place in the stream, and on a final event a typed error."""
-    if not event.is_final:
+    tokens' logprobs): its place in the stream, and on a sample's last event a typed error."""
+    if event.finish_reason is None and not event.is_final:
         return GenerateEvent(request_id=event.request_id, seq=event.seq, index=event.index)
     message = (
         f"the response ({num_bytes} bytes) is over the server's NATS max_payload: "
