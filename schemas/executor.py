@@ -96,7 +96,8 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 # --- Over NATS: what the executor service receives on `<prefix>.internal.<instance>.executor.
-# steps`, in publish order: the pieces of a step's long token lists, then the step itself.
+# steps`, in publish order: the pieces of a step's long token lists, its leading new requests
+# when the step is too large for one message, then the step itself.
 
 
 class StepPiece(msgspec.Struct, tag="piece", array_like=True):
@@ -107,11 +108,18 @@ class StepPiece(msgspec.Struct, tag="piece", array_like=True):
     token_ids: list[int]
 
 
+class StepRequests(msgspec.Struct, tag="requests", array_like=True):
+    """Leading NewRequests of the next step, sent ahead when the whole step would not fit in
+    one message (services/fit.py); the RunStep's own `new_requests` follow them."""
+
+    new_requests: list[NewRequest]
+
+
 class RunStep(msgspec.Struct, tag="step", array_like=True):
     step: ScheduledStep
 
 
-SchedulerMessage = StepPiece | RunStep
+SchedulerMessage = StepPiece | StepRequests | RunStep
 
 
 # --- Over torch.distributed: what tensor-parallel ranks 1..N-1 receive from rank 0, in order

@@ -263,8 +263,10 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     """One event of a stream. `seq` counts 0, 1, 2... per stream, so a gap is visible.
 
     Every stream ends with exactly one final event, the one with `usage` set; it has a
-    `finish_reason` and, when the request failed, `error`. With `stream: false` it is the only
-    event and carries all the text and token ids.
+    `finish_reason` and, when the request failed, `error`. With `stream: false` it carries all
+    the text and token ids, and is the only event except when a long prompt's
+    `prompt_logprobs` do not fit one message: they then come over several events (in order,
+    `finish_reason` unset but on the last), to be joined.
     """
 
     request_id: str
@@ -300,7 +302,10 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     prompt_logprobs: (
         Annotated[
             list[PromptLogprob | None],
-            Meta(description="with prompt_logprobs: one per prompt token, null for the first"),
+            Meta(
+                description="with prompt_logprobs: one per prompt token, null for the first; "
+                "a long prompt's over several events, to be joined in order"
+            ),
         ]
         | None
     ) = None

@@ -108,7 +108,8 @@ TokenizerMessage = PromptPiece | AddRequest | FinishRequest
 
 
 # From the executor: `ExecutorReady` (request-reply on `.scheduler.attach`), then one
-# `StepDone` or `StepFailed` per ScheduledStep on `.scheduler.outputs`.
+# `StepDone` or `StepFailed` per ScheduledStep on `.scheduler.outputs` (a StepDone too
+# large for one message after its `StepPart`s).
 
 
 class ExecutorReady(msgspec.Struct, array_like=True):
@@ -142,6 +143,16 @@ class StepDone(msgspec.Struct, tag="done", array_like=True):
     wait_s: float  # previous output sent to this step received: idle on scheduler + NATS
 
 
+class StepPart(msgspec.Struct, tag="part", array_like=True, omit_defaults=True):
+    """Per-sequence outputs of step `step_id` sent ahead of its StepDone when the whole output
+    would not fit in one message (services/fit.py). A sequence's prompt logprobs may span
+    several parts, in order; the StepDone's own entries come last."""
+
+    step_id: int
+    beam_candidates: dict[str, list[tuple[int, float]]] = {}
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
+
+
 class StepFailed(msgspec.Struct, tag="failed", array_like=True):
     step_id: int
     message: str
@@ -149,7 +160,7 @@ class StepFailed(msgspec.Struct, tag="failed", array_like=True):
     error_type: str = "internal_error"
 
 
-ExecutorMessage = StepDone | StepFailed
+ExecutorMessage = StepPart | StepDone | StepFailed
 
 
 class SchedulerInfo(msgspec.Struct):

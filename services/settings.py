@@ -183,6 +183,19 @@ class Settings:
         "structured outputs: compile worker processes per gateway and per tokenizer",
         default=GrammarLimits.compile_workers,
     )
+    max_stop_token_ids: int = option("most stop_token_ids per request", default=256)
+    max_beam_candidates: int = option(
+        "most candidates one beam row returns per step (beam_width + stop token ids)",
+        default=1024,
+    )
+    max_prompt_logprob_values: int = option(
+        "most prompt logprob values per request: (prompt_logprobs + 1) x prompt tokens",
+        default=1 << 18,
+    )
+    max_sampling_params_bytes: int = option(
+        "largest sampling parameters (stop strings, schema...) as sent between services",
+        default=256 << 10,
+    )
     router: str = option(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )

@@ -9,6 +9,7 @@ selection into block operations: a beam chosen twice forks (sharing blocks, copy
 a beam not chosen is freed.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,3 +107,12 @@ class BeamSearchGroup:
             if self.params.early_stopping:
                 return True
         return not self.improvement_possible
+
+
+def num_candidates(params: SamplingParams, eos_ids: Iterable[int]) -> int:
+    """Candidates one beam row needs: the selection keeps the group's `width` best
+    continuations and ends those on a stop token, so a beam contributes at most `width` of its
+    own best tokens plus the stop tokens ranked among them. (The group's pool of
+    (1 + stops) x width, as transformers keeps it, then never runs short: it holds at most
+    stops x width ends.) Bounded at admission (the tokenizer service's limits)."""
+    return params.beam_width + len(set(eos_ids) | set(params.stop_token_ids))

@@ -27,15 +27,24 @@ from engine.worker.executor import Executor
 from engine.worker.step_runner import InProcessExecutor
 from engine.worker.tensor_parallel import build_executor
 from schemas.errors import ExecutorUnavailableError, InvalidStepError
-from schemas.executor import Attached, RunStep, ScheduledStep, SchedulerMessage, StepPiece
-from schemas.scheduler import ExecutorReady, SchedulerInfo, StepFailed
+from schemas.executor import (
+    Attached,
+    NewRequest,
+    RunStep,
+    ScheduledStep,
+    SchedulerMessage,
+    StepPiece,
+    StepRequests,
+)
+from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
 from services.connection import flush_sent
 from services.discovery import Discovery
+from services.fit import split_done
 from services.liveness import PeerGone, Reconnects, ping, repeat
 from services.pieces import Pieces
 from services.settings import Settings
 from services.subjects import Subjects
-from services.wire import pack, unpack
+from services.wire import pack, payload_budget, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +78,7 @@ class ExecutorService:
         self._attaching = False
         config = self.executor.config  # pieces of more than one step's rows are refused
         self._pieces = Pieces(settings.step_timeout, config.max_num_seqs * config.max_model_len)
+        self._ahead: list[NewRequest] = []  # StepRequests of the next step
         self._last_step_id: int | None = None
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
@@ -164,6 +174,7 @@ class ExecutorService:
             except ExecutorUnavailableError as exc:
                 await self._exit_lost(str(exc))
             self._pieces.clear()
+            self._ahead = []
             self._last_step_id = None
         self.executor_id = uuid.uuid4().hex[:12]
         await self._answer_pings()
@@ -180,6 +191,8 @@ class ExecutorService:
         message = unpack(_decoder, msg.data, msg.subject)
         if isinstance(message, StepPiece):
             self._pieces.add(message.seq_id, message.token_ids)
+        elif isinstance(message, StepRequests):
+            self._hold(message.new_requests)
         elif isinstance(message, RunStep):
             async with self._lock:
                 await self._run_step(message.step)
@@ -190,6 +203,7 @@ class ExecutorService:
         expected = None if self._last_step_id is None else self._last_step_id + 1
         if expected is not None and step.step_id != expected:
             self._pieces.clear()
+            self._ahead = []
             await self._fail(
                 step.step_id, f"got step {step.step_id}, expected {expected}", "invalid_step"
             )
@@ -209,11 +223,38 @@ class ExecutorService:
             log.exception("step failed", step_id=step.step_id)
             await self._fail(step.step_id, repr(exc))
             return
-        await self.nc.publish(self.subjects.scheduler_outputs, pack(done))
+        await self._answer(done)
         self._last_activity = time.monotonic()
 
+    async def _answer(self, done: StepDone) -> None:
+        """The step's output, its large per-sequence parts ahead when it would not fit in one
+        message. Should a publish still fail, the step fails at once: the scheduler never
+        waits for its step timeout."""
+        subject = self.subjects.scheduler_outputs
+        parts, done = split_done(done, payload_budget(self.nc))
+        try:
+            for part in parts:
+                await self.nc.publish(subject, pack(part))
+            await self.nc.publish(subject, pack(done))
+        except nats.errors.MaxPayloadError as exc:
+            step_id = done.output.step_id
+            await self._fail(step_id, f"step {step_id}'s output is over the wire's limit: {exc}")
+
+    def _hold(self, new_requests: list[NewRequest]) -> None:
+        """Keep the next step's leading new requests, bounded like the pieces (a step holds at
+        most max_num_seqs rows)."""
+        if len(self._ahead) + len(new_requests) > self.executor.config.max_num_seqs:
+            log.error("new requests sent ahead beyond max_num_seqs: dropped")
+            self._ahead = []
+            return
+        self._ahead += new_requests
+
     def _with_pieces(self, step: ScheduledStep) -> ScheduledStep:
-        """Put the token ids sent ahead as StepPieces back in front of their NewRequests."""
+        """Put the new requests and token ids sent ahead (StepRequests, StepPieces) back in
+        front of the step's own."""
+        if self._ahead:
+            ahead, self._ahead = self._ahead, []
+            step = msgspec.structs.replace(step, new_requests=ahead + step.new_requests)
         if not self._pieces:
             return step
         new_requests = [

@@ -35,8 +35,8 @@ class Prompts:
         info = self.by_index.setdefault(prompt_index, PromptInfo())
         if event.prompt_token_ids is not None:
             info.text, info.token_ids = event.prompt_text or "", tuple(event.prompt_token_ids)
-        if event.prompt_logprobs is not None:
-            info.logprobs = event.prompt_logprobs
+        if event.prompt_logprobs is not None:  # a long prompt's come over several events
+            info.logprobs = (info.logprobs or []) + event.prompt_logprobs
 
     def first_show(self, choice: int, prompt_index: int) -> PromptInfo | None:
         """The prompt, the first time `choice` asks; None after that."""

@@ -3,7 +3,8 @@
 After each step, what the block manager cached and evicted goes out on
 `<prefix>.internal.<instance>.kv.events` as one numbered `KvEvents` (numbered per scheduler id,
 from 0, so a router sees a gap), together with the load; a load change alone goes out too.
-A new engine core (the executor attached or restarted) starts with `CacheCleared`.
+A new engine core (the executor attached or restarted) starts with `CacheCleared`. Events too
+many for one message (a disk tier's listing) go in several, numbered in turn.
 """
 
 from nats.aio.client import Client as NATS
@@ -11,7 +12,7 @@ from nats.aio.client import Client as NATS
 from engine.core import EngineCore
 from schemas.scheduler import ExecutorReady
 from schemas.tokenizer import CacheCleared, InstanceLoad, KvEvent, KvEvents
-from services.wire import pack
+from services.wire import pack, pack_within, payload_budget
 
 
 def instance_load(core: EngineCore | None, ready: ExecutorReady | None) -> InstanceLoad:
@@ -50,6 +51,9 @@ class KvEventPublisher:
         load = instance_load(core, ready)
         if not self._pending and load == self._last_load:
             return
-        batch = KvEvents(self.instance, self.scheduler_id, self._seq, self._pending, load)
-        self._seq, self._pending, self._last_load = self._seq + 1, [], load
-        await self.nc.publish(self.subject, pack(batch))
+        runs = pack_within(self._pending, payload_budget(self.nc) - len(pack(load))) or [[]]
+        self._pending, self._last_load = [], load
+        for events in runs:
+            batch = KvEvents(self.instance, self.scheduler_id, self._seq, events, load)
+            self._seq += 1
+            await self.nc.publish(self.subject, pack(batch))

@@ -11,12 +11,13 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from schemas.executor import RunStep, ScheduledStep, StepPiece
+from schemas.executor import RunStep, ScheduledStep, StepPiece, StepRequests
 from schemas.public import ErrorInfo
-from schemas.scheduler import ExecutorMessage, StepDone, StepFailed
+from schemas.scheduler import ExecutorMessage, StepDone, StepFailed, StepPart
+from services.fit import join_done, split_step
 from services.pieces import split
 from services.subjects import Subjects
-from services.wire import pack, unpack
+from services.wire import pack, payload_budget, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -24,7 +25,9 @@ _decoder = msgspec.msgpack.Decoder(ExecutorMessage)
 
 
 class ExecutorLink:
-    """Sends ScheduledSteps (long token lists ahead as StepPieces) and awaits each answer.
+    """Sends ScheduledSteps (long token lists ahead as StepPieces, and leading new requests as
+    StepRequests when the step would not fit in one message) and awaits each answer (a StepDone
+    after its StepParts, if any).
 
     Several steps may be on their way at once (the scheduler plans ahead); each has its own
     future from the moment it is sent, so an answer that comes before anyone awaits it is kept.
@@ -46,23 +49,33 @@ class ExecutorLink:
         self.step_timeout_s = step_timeout_s
         self._lose_executor = lose_executor  # a step not answered in time
         self._pending: dict[int, asyncio.Future] = {}  # by step id
+        self._parts: dict[int, list[StepPart]] = {}  # by step id, until its StepDone
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.scheduler_outputs, cb=self._on_output)
 
+    @property
+    def _piece_tokens(self) -> int:
+        """Ids per StepPiece: `piece_tokens`, fewer if they could not fit the server's limit
+        (a token id packs into at most 5 bytes)."""
+        return max(1, min(self.piece_tokens, payload_budget(self.nc) // 6))
+
     async def submit(self, step: ScheduledStep) -> None:
-        subject = self.subjects.executor_steps
-        if sum(len(new.token_ids) for new in step.new_requests) > self.piece_tokens:
-            step = await self._send_pieces(step)
+        subject, piece_tokens = self.subjects.executor_steps, self._piece_tokens
+        if sum(len(new.token_ids) for new in step.new_requests) > piece_tokens:
+            step = await self._send_pieces(step, piece_tokens)
+        ahead, step = split_step(step, payload_budget(self.nc))
         self._pending[step.step_id] = asyncio.get_running_loop().create_future()
+        for new_requests in ahead:
+            await self.nc.publish(subject, pack(StepRequests(new_requests)))
         await self.nc.publish(subject, pack(RunStep(step)))
 
-    async def _send_pieces(self, step: ScheduledStep) -> ScheduledStep:
+    async def _send_pieces(self, step: ScheduledStep, piece_tokens: int) -> ScheduledStep:
         """The step's long token lists ahead in StepPieces; the RunStep keeps at most
         `piece_tokens` ids in all (services/pieces.py has the rule, shared with tokenizers)."""
-        room, new_requests = self.piece_tokens, []
+        room, new_requests = piece_tokens, []
         for new in step.new_requests:
-            pieces, tail = split(new.token_ids, self.piece_tokens, keep=room)
+            pieces, tail = split(new.token_ids, piece_tokens, keep=room)
             room -= len(tail)
             for piece in pieces:
                 await self.nc.publish(
@@ -92,6 +105,7 @@ class ExecutorLink:
             return None
         finally:
             self._pending.pop(step_id, None)
+            self._parts.pop(step_id, None)
 
     def cancel(self) -> None:
         """Every awaited or not yet awaited answer is None: the steps are abandoned."""
@@ -99,6 +113,7 @@ class ExecutorLink:
             if not pending.done():
                 pending.set_result(None)
         self._pending.clear()
+        self._parts.clear()
 
     async def _on_output(self, msg: Msg) -> None:
         message = unpack(_decoder, msg.data, msg.subject)
@@ -109,4 +124,16 @@ class ExecutorLink:
         if pending is None or pending.done():
             log.error("answer to no pending step: dropped", step_id=step_id)
             return
+        if isinstance(message, StepPart):  # the rest of the answer follows
+            self._parts.setdefault(step_id, []).append(message)
+            return
+        if isinstance(message, StepDone):
+            message = self._joined(step_id, message)
         pending.set_result(message)
+
+    def _joined(self, step_id: int, done: StepDone) -> StepDone | StepFailed:
+        """The StepDone with its parts; a StepFailed if they do not join (parts lost)."""
+        try:
+            return join_done(self._parts.pop(step_id, []), done)
+        except ValueError as exc:
+            return StepFailed(step_id, f"the step's output parts do not join: {exc}")

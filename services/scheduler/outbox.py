@@ -1,13 +1,19 @@
 """Where the engine core's SampleDeltas go: each request's tokenizer replica, one TokenBatch
-per subject and step, in order."""
+per subject and step (several when one would not fit the wire), in order."""
 
 import asyncio
 from collections.abc import Callable
 
+import nats.errors
+import structlog
 from nats.aio.client import Client as NATS
 
+from schemas.public import ErrorInfo
 from schemas.tokenizer import SampleDelta, TokenBatch
-from services.wire import pack
+from services.fit import split_deltas
+from services.wire import pack, payload_budget
+
+log = structlog.get_logger(__name__)
 
 
 class Outbox:
@@ -37,7 +43,26 @@ class Outbox:
                 del self.routes[request_id]
         return batches
 
-    async def publish(self, batches: dict[str, list[SampleDelta]], step_id: int) -> None:
+    async def publish(self, batches: dict[str, list[SampleDelta]], step_id: int) -> set[str]:
+        """Publish every subject's deltas; returns the requests whose deltas could not go (over
+        the wire's limit even when cut): each got an error delta instead, the caller ends them."""
+        failed: set[str] = set()
+        budget = payload_budget(self.nc)
         async with self._lock:  # two publishes must not interleave one subject's batches
             for subject, batch in batches.items():
-                await self.nc.publish(subject, pack(TokenBatch(step_id, batch)))
+                for run in split_deltas(batch, budget):
+                    failed |= await self._publish(subject, TokenBatch(step_id, run))
+        return failed
+
+    async def _publish(self, subject: str, batch: TokenBatch) -> set[str]:
+        try:
+            await self.nc.publish(subject, pack(batch))
+            return set()
+        except nats.errors.MaxPayloadError:
+            failed = {delta.request_id for delta in batch.deltas}
+            log.error("deltas over the wire's limit: failing their requests", requests=failed)
+        error = ErrorInfo("internal_error", "the request's output is over the wire's limit")
+        samples = sorted({(delta.request_id, delta.index) for delta in batch.deltas})
+        errors = [SampleDelta(r, i, finish_reason="error", error=error) for r, i in samples]
+        await self.nc.publish(subject, pack(TokenBatch(batch.step_id, errors)))
+        return failed

@@ -43,7 +43,7 @@ from services.scheduler.outbox import Outbox
 from services.scheduler.watch import PeerWatch
 from services.settings import Settings
 from services.subjects import Subjects, is_inbox
-from services.wire import encode_public, pack, unpack
+from services.wire import encode_public, pack, payload_budget, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -183,6 +183,8 @@ class SchedulerService:
         if self.executor is None:
             message = "no executor is attached (it stopped or restarted); retry soon"
             return ErrorInfo("executor_unavailable", message)
+        if (error := self._params_fit(add)) is not None:
+            return error
         request = Request(
             seq_id=add.request_id,
             prompt_token_ids=token_ids,
@@ -199,6 +201,19 @@ class SchedulerService:
         log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
         self._work.set()
         return None
+
+    def _params_fit(self, add: AddRequest) -> ErrorInfo | None:
+        """Each NewRequest travels whole in one message (services/fit.py cuts a step between
+        them): its sampling params must leave room in the server's max_payload."""
+        num_bytes, limit = len(pack(add.sampling_params)), payload_budget(self.nc) // 4
+        if num_bytes <= limit:
+            return None
+        message = (
+            f"sampling parameters: {num_bytes} bytes on the wire exceed this server's limit "
+            f"({limit}: a quarter of NATS max_payload)"
+        )
+        param = "structured_outputs" if add.sampling_params.structured_outputs else "stop"
+        return ErrorInfo("invalid_request", message, param)
 
     def _finish(self, finish: FinishRequest) -> None:
         if self.core is None:
@@ -256,7 +271,8 @@ class SchedulerService:
         """The core's deltas to their tokenizers, then the KV events and load to routers."""
         open_requests = self.core.deltas.open
         batches = self.outbox.route(deltas, is_open=open_requests.__contains__)
-        await self.outbox.publish(batches, step_id)
+        for request_id in await self.outbox.publish(batches, step_id):
+            self._finish(FinishRequest(request_id, "abort"))  # its stream has ended already
         await self.kv_events.publish(self.core, self.executor)
 
     async def _wait_for_work(self, core: EngineCore | None) -> None:

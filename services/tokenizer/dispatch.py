@@ -24,7 +24,7 @@ from services.settings import Settings
 from services.subjects import Subjects
 from services.tokenizer.instances import Instances
 from services.tokenizer.streams import Stream
-from services.wire import pack
+from services.wire import pack, payload_budget
 
 log = structlog.get_logger(__name__)
 
@@ -116,7 +116,7 @@ class Dispatch:
     async def _send_add(self, stream: Stream, ids: list[int], params) -> AddResult | None:
         """Pieces of a long prompt, then the AddRequest; None: nothing serves the instance."""
         subjects = self.subjects.for_instance(stream.instance)
-        size = self.settings.piece_tokens
+        size = max(1, min(self.settings.piece_tokens, payload_budget(self.nc) // 6))  # 5 B an id
         pieces, tail = split(ids, size, keep=size)
         for piece in pieces:
             await self.nc.publish(
@@ -156,6 +156,9 @@ class Dispatch:
         except nats.errors.TimeoutError:  # the add may have landed: take it back
             await self.nc.publish(subject, pack(FinishRequest(add.request_id, "abort")))
             return AddResult(ErrorInfo("unavailable", "the scheduler did not answer in time"))
+        except nats.errors.MaxPayloadError:  # its sampling params: a smaller server than usual
+            message = "sampling parameters: the request is over the server's NATS max_payload"
+            return AddResult(ErrorInfo("invalid_request", message))
         return msgspec.msgpack.decode(reply.data, type=AddResult)
 
     async def move(self, stream: Stream, error: ErrorInfo) -> None:

@@ -2,13 +2,20 @@
 size before parsing, the fields before tokenizing, the prompt's length once tokenized. Each
 violation is an InvalidRequestError naming the field (RequestTooLongError for the prompt), so
 a client gets one typed error. The offline LLM has none of these: they are a server's.
+
+Some caps keep every internal message within the wire's limit (services/fit.py cuts the rest):
+one sequence's sampling params travel whole in each step that (re)starts it, and one beam row's
+candidates travel whole in the step's output.
 """
 
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.sched.beam_search import num_candidates
 from schemas.errors import ConfigError, InvalidRequestError, RequestTooLongError
 from schemas.public import GenerateRequest
+from schemas.sampling import SamplingParams
+from services.wire import pack
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,10 @@ class RequestLimits:
     max_beam_width: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_beam_candidates: int = 1024  # one beam row's candidates in a step's output
+    max_prompt_logprob_values: int = 1 << 18  # (prompt_logprobs + 1) x prompt tokens
+    max_sampling_params_bytes: int = 256 << 10  # their msgpack size, in every internal message
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -45,6 +56,37 @@ class RequestLimits:
         _at_most("stop", len(stop), self.max_stop_strings, "stop strings")
         longest = max((len(s) for s in stop), default=0)
         _at_most("stop", longest, self.max_stop_string_chars, "characters")
+        num_ids = len(request.stop_token_ids)
+        _at_most("stop_token_ids", num_ids, self.max_stop_token_ids, "stop token ids")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What the sampling params put on the wire: their own size, and beam candidates."""
+        num_bytes = len(pack(params))
+        _at_most(
+            "structured_outputs" if params.structured_outputs else "stop",
+            num_bytes,
+            self.max_sampling_params_bytes,
+            "bytes of sampling parameters",
+        )
+        if params.is_beam_search:
+            candidates = num_candidates(params, eos_ids=())  # the model's EOS ids come on top
+            _at_most(
+                "stop_token_ids",
+                candidates,
+                self.max_beam_candidates,
+                "beam candidates per beam (beam_width + distinct stop token ids)",
+            )
+
+    def check_prompt_logprobs(self, params: SamplingParams, num_tokens: int) -> None:
+        if params.prompt_logprobs is None:
+            return
+        values = (params.prompt_logprobs + 1) * num_tokens
+        _at_most(
+            "prompt_logprobs",
+            values,
+            self.max_prompt_logprob_values,
+            "prompt logprob values ((prompt_logprobs + 1) x prompt tokens)",
+        )
 
     def check_prompt(self, num_tokens: int, param: str) -> None:
         limit = self.max_prompt_tokens

@@ -87,10 +87,12 @@ def prepare(
     """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
     limits.check_fields(request)
     params = sampling_params(request)
+    limits.check_params(params)
     inputs.limit_structured(params)  # sizes only: the service then awaits the compile check
     param = prompt_field(request)
     token_ids = prompt_token_ids(request, param, inputs)
     limits.check_prompt(len(token_ids), param)
+    limits.check_prompt_logprobs(params, len(token_ids))
     return Prepared(
         request_id=request_id,
         prompt_token_ids=token_ids,

@@ -12,6 +12,7 @@ import time
 import uuid
 
 import msgspec
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -36,9 +37,9 @@ from services.tokenizer.requests import (
     prepare_body,
     request_id_of,
 )
-from services.tokenizer.streams import Stream, error_event
+from services.tokenizer.streams import Stream, error_event, over_the_limit
 from services.tokenizer.watch import StreamWatch
-from services.wire import encode_public, pack, unpack
+from services.wire import encode_public, pack, payload_budget, unpack
 
 log = structlog.get_logger(__name__)
 _batch_decoder = msgspec.msgpack.Decoder(TokenBatch)
@@ -125,7 +126,7 @@ class TokenizerService:
         if refusal is not None:
             await self._refuse(msg.reply, msgpack, prepared.request_id, refusal, prepared)
             return
-        stream = Stream(prepared, self.tokenizer, msg.reply, msgpack)
+        stream = Stream(prepared, self.tokenizer, msg.reply, msgpack, payload_budget(self.nc))
         self.streams[prepared.request_id] = stream
         self.journal.stream_opened(prepared.request_id, msg.reply, msgpack)
         if prepared.timeout_s is not None:
@@ -256,7 +257,12 @@ class TokenizerService:
     async def _publish_events(self, reply_to: str, msgpack: bool, events: list[GenerateEvent]):
         for event in events:
             data, headers = encode_public(event, msgpack)
-            await self.nc.publish(reply_to, data, headers=headers)
+            try:
+                await self.nc.publish(reply_to, data, headers=headers)
+            except nats.errors.MaxPayloadError:  # the stream still ends, with a typed error
+                log.error("event over the wire's limit", request_id=event.request_id)
+                data, headers = encode_public(over_the_limit(event, len(data)), msgpack)
+                await self.nc.publish(reply_to, data, headers=headers)
 
     # --- health and models -----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from engine.frontend.migration import can_move, continuation
@@ -20,6 +21,7 @@ from schemas.sampling import SamplingParams
 from schemas.scheduler import FinishRequest, PromptLogprobs
 from schemas.tokenizer import SampleDelta
 from services.tokenizer.requests import Prepared
+from services.wire import DEFAULT_MAX_PAYLOAD, PAYLOAD_HEADROOM
 
 
 @dataclass
@@ -34,7 +36,12 @@ class _Sample:
 
 class Stream:
     def __init__(
-        self, prepared: Prepared, tokenizer: PreTrainedTokenizerBase, reply_to: str, msgpack: bool
+        self,
+        prepared: Prepared,
+        tokenizer: PreTrainedTokenizerBase,
+        reply_to: str,
+        msgpack: bool,
+        max_event_bytes: int = DEFAULT_MAX_PAYLOAD - PAYLOAD_HEADROOM,
     ) -> None:
         self.request_id = prepared.request_id
         self.reply_to = reply_to
@@ -72,6 +79,7 @@ class Stream:
             _Sample(SampleOutput(tokenizer, prepared.prompt_token_ids, prepared.params))
             for _ in range(prepared.params.n)
         ]
+        self._prompt_logprob_rows = prompt_logprob_rows(prepared.params, max_event_bytes)
 
     def may_abort(self, abort_token: str | None) -> bool:
         """An abort comes from the stream's owner: it carries the stream's token."""
@@ -87,9 +95,9 @@ class Stream:
         """Events to publish, and a FinishRequest for the scheduler if a stop string matched."""
         sample = self._samples[delta.index]
         self.generated += delta.token_ids  # (one sample, when it can move)
-        if delta.prompt_logprobs is not None:
+        if delta.prompt_logprobs is not None:  # it may come in several deltas: they follow on
             logprobs = public_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs)
-            self._pending["prompt_logprobs"] = logprobs
+            self._pending["prompt_logprobs"] = self._pending.get("prompt_logprobs", []) + logprobs
         update = None if sample.finish_reason is not None else sample.output.add(delta)
         if update is None:
             return [], None
@@ -99,8 +107,7 @@ class Stream:
         elif update.stop_matched:
             stop = sample.output.stop_string
             finish = FinishRequest(self.request_id, "stop", delta.index, stop)
-        event = self._event(delta.index, sample, update)
-        return ([event] if event is not None else []), finish
+        return self._event(delta.index, sample, update), finish
 
     def _finish_sample(self, sample: _Sample) -> None:
         output = sample.output
@@ -114,7 +121,7 @@ class Stream:
         elif output.finish_reason == "abort":
             self.error = self.abort_error
 
-    def _event(self, index: int, sample: _Sample, update: SampleUpdate) -> GenerateEvent | None:
+    def _event(self, index: int, sample: _Sample, update: SampleUpdate) -> list[GenerateEvent]:
         text, token_ids = update.text, update.token_ids
         logprobs = _public_logprobs(token_ids, update.logprobs)
         if not self.streaming:
@@ -123,11 +130,11 @@ class Stream:
             if logprobs is not None:
                 sample.logprobs = (sample.logprobs or []) + logprobs
             if sample.finish_reason is None:
-                return None
+                return []
             text, token_ids, logprobs = "".join(sample.texts), sample.token_ids, sample.logprobs
         elif not text and not token_ids and sample.finish_reason is None:
-            return None
-        return self._next_event(
+            return []
+        return self._next_events(
             index=index,
             text=text,
             token_ids=list(token_ids),
@@ -137,9 +144,21 @@ class Stream:
             cumulative_score=sample.output.cumulative_score,
         )
 
-    def _next_event(self, **fields) -> GenerateEvent:
-        final = self.done
-        if fields["finish_reason"] is not None and self.error is not None:
+    def _next_events(self, **fields) -> list[GenerateEvent]:
+        """The next event, after events with the leading prompt logprobs alone when they are
+        too many for one message (the client joins them: they follow on)."""
+        events = []
+        rows = self._pending.get("prompt_logprobs") or []
+        while len(rows) > self._prompt_logprob_rows:
+            head, rows = rows[: self._prompt_logprob_rows], rows[self._prompt_logprob_rows :]
+            self._pending["prompt_logprobs"] = head
+            events.append(self._next_event(final=False, index=fields["index"]))
+            self._pending["prompt_logprobs"] = rows
+        return [*events, self._next_event(**fields)]
+
+    def _next_event(self, final: bool | None = None, **fields) -> GenerateEvent:
+        final = self.done if final is None else final
+        if fields.get("finish_reason") is not None and self.error is not None:
             fields["error"] = self.error
         if self._seq == 0 and self._announce_token:
             fields["abort_token"] = self.abort_token
@@ -162,7 +181,7 @@ class Stream:
         for index, sample in enumerate(self._samples):
             if sample.finish_reason is None:
                 sample.finish_reason = finish_reason
-                events.append(self._next_event(index=index, finish_reason=finish_reason))
+                events += self._next_events(index=index, finish_reason=finish_reason)
         return events
 
     def continuation(self) -> tuple[list[int], SamplingParams] | None:
@@ -198,6 +217,26 @@ def error_event(request_id: str, error: ErrorInfo, num_prompt_tokens: int = 0) -
     )
 
 
+def over_the_limit(event: GenerateEvent, num_bytes: int) -> GenerateEvent:
+    """What goes instead of an event too large for the wire (a non-streamed answer with many
+    tokens' logprobs): its place in the stream, and on a sample's last event a typed error."""
+    if event.finish_reason is None and not event.is_final:
+        return GenerateEvent(request_id=event.request_id, seq=event.seq, index=event.index)
+    message = (
+        f"the response ({num_bytes} bytes) is over the server's NATS max_payload: "
+        "ask for fewer tokens or logprobs, or stream it"
+    )
+    error = ErrorInfo("invalid_request", message, "logprobs")
+    return GenerateEvent(
+        request_id=event.request_id,
+        seq=event.seq,
+        index=event.index,
+        finish_reason="error",
+        usage=event.usage,
+        error=error,
+    )
+
+
 def _public_logprobs(token_ids: list[int], logprobs) -> list[TokenLogprob] | None:
     if logprobs is None:
         return None
@@ -207,12 +246,21 @@ def _public_logprobs(token_ids: list[int], logprobs) -> list[TokenLogprob] | Non
     ]
 
 
+def prompt_logprob_rows(params: SamplingParams, max_event_bytes: int) -> int:
+    """Prompt logprob rows one event may carry: half its room over a row's largest JSON."""
+    k = params.prompt_logprobs or 0
+    widest = PromptLogprob(2**31, -1.2345678901234567e-300, 2**31, [2**31] * k, [-1e-300] * k)
+    return max(1, max_event_bytes // (2 * len(msgspec.json.encode(widest))))
+
+
 def public_prompt_logprobs(
     prompt_token_ids: list[int], whole: PromptLogprobs
 ) -> list[PromptLogprob | None]:
-    """The engine's whole-prompt logprobs as the public list: None for the first token."""
-    out: list[PromptLogprob | None] = [None]
-    for i, token_id in enumerate(prompt_token_ids[1 : 1 + len(whole.logprobs)]):
+    """The engine's prompt logprobs as the public list, positions `whole.start` on: None for
+    the first token (which has none) when they start the prompt."""
+    out: list[PromptLogprob | None] = [None] if whole.start == 1 else []
+    start = whole.start
+    for i, token_id in enumerate(prompt_token_ids[start : start + len(whole.logprobs)]):
         out.append(
             PromptLogprob(
                 token_id,

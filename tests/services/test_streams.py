@@ -1,11 +1,14 @@
 """Stream: SampleDeltas to numbered events, stop strings, one final event (no NATS)."""
 
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
 from schemas.public import ErrorInfo
 from schemas.sampling import SamplingParams
+from schemas.scheduler import PromptLogprobs
 from schemas.tokenizer import SampleDelta
+from services.fit import split_rows
 from services.tokenizer.requests import Prepared
 from services.tokenizer.streams import Stream
 
@@ -70,3 +73,36 @@ def test_end_closes_open_samples_with_one_final_event(tokenizer):
     assert len(events) == 1 and events[0].is_final and events[0].seq == 1
     assert events[0].finish_reason == "error" and events[0].error.type == "unavailable"
     assert stream.on_delta(SampleDelta("r", 0, [6])) == ([], None)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_in_pieces_join_and_leave_in_events_that_fit(tokenizer, stream):
+    """Deltas carry a long prompt's logprobs in slices; the events carry them in order, each
+    event within its byte budget, and only the last event is final."""
+    k, num = 5, 400
+    prompt = [(7 * i) % 300 + 3 for i in range(num)]
+    params = SamplingParams(prompt_logprobs=k)
+    prepared = Prepared("r", prompt, params, stream, None)
+    stream_ = Stream(prepared, tokenizer, "inbox", msgpack=False, max_event_bytes=8192)
+    whole = PromptLogprobs(
+        1,
+        [-1.0 - i for i in range(num - 1)],
+        [1] * (num - 1),
+        [[3] * k] * (num - 1),
+        [[-0.5] * k] * (num - 1),
+    )
+    slices = split_rows(whole, 2048)
+    assert len(slices) > 3
+    events = []
+    for piece in slices[:-1]:
+        events += stream_.on_delta(SampleDelta("r", 0, prompt_logprobs=piece))[0]
+    last = SampleDelta("r", 0, [9], finish_reason="length", prompt_logprobs=slices[-1])
+    events += stream_.on_delta(last)[0]
+    assert [e.seq for e in events] == list(range(len(events))) and len(events) > 3
+    assert all(len(msgspec.json.encode(e)) <= 8192 for e in events)
+    assert [e.is_final for e in events] == [False] * (len(events) - 1) + [True]
+    rows = [row for e in events for row in (e.prompt_logprobs or [])]
+    assert rows[0] is None and len(rows) == num
+    assert [row.token_id for row in rows[1:]] == prompt[1:]
+    assert [row.logprob for row in rows[1:]] == whole.logprobs
+    assert events[-1].token_ids == [9] and events[0].num_prompt_tokens == num
