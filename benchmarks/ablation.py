@@ -20,13 +20,14 @@ never preempt).
 import gc
 from collections.abc import Callable
 
+from kvpager.engine.kv.block_manager import BlockManager, CachedBlock
+from kvpager.engine.request import Request
+
 from benchmarks.config import BenchConfig
 from benchmarks.kvpager_offline import build_llm, drive, warm_up
 from benchmarks.machine import CpuWatch, wait_for_quiet
 from benchmarks.metrics import EngineResult
 from benchmarks.workloads import Workload
-from engine.kv.block_manager import BlockManager, CachedBlock
-from engine.request import Request
 
 
 class ContiguousBlockManager(BlockManager):

@@ -27,13 +27,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.engine.download import resolve_model  # noqa: E402
+from kvpager.engine.model import decoder as decoder_module  # noqa: E402
+from kvpager.kernels import reference  # noqa: E402
+
 from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, warm_up  # noqa: E402
 from benchmarks.op_breakdown import workload_requests  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from engine.download import resolve_model  # noqa: E402
-from engine.model import decoder as decoder_module  # noqa: E402
-from kernels import reference  # noqa: E402
 
 STEP = {}  # the running step's attention, KV cache and metadata, for the custom op
 TIMES: collections.Counter = collections.Counter()

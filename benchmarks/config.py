@@ -37,6 +37,6 @@ class BenchConfig:
 
 def kv_bytes_per_token(model_path: Path, dtype: torch.dtype) -> int:
     """K and V bytes of one token over all layers, from the checkpoint's config."""
-    from engine.model_config import ModelConfig
+    from kvpager.engine.model_config import ModelConfig
 
     return ModelConfig.from_path(model_path).kv_bytes_per_token(dtype)

@@ -36,11 +36,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvpager.engine.download import resolve_model
+from kvpager.services.client import Client
+
 from benchmarks.machine import CpuWatch
 from benchmarks.nats_peer import free_port, stop
 from benchmarks.roofline import isa_flags
-from engine.download import resolve_model
-from services.client import Client
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +83,7 @@ class Turn:
 
 
 def serve(args: argparse.Namespace, model: str, port: int, disk_dir: str | None):
-    from engine.kv.kv_size import parse_bytes
+    from kvpager.engine.kv.kv_size import parse_bytes
 
     env = {
         **os.environ,
@@ -98,7 +99,15 @@ def serve(args: argparse.Namespace, model: str, port: int, disk_dir: str | None)
     if disk_dir is not None:
         env["KVPAGER_KV_DISK_DIR"] = disk_dir
         env["KVPAGER_KV_DISK_BYTES"] = args.disk_bytes
-    command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvpager.services.cli",
+        "serve",
+        "--nats-port",
+        str(port),
+    ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -211,7 +220,7 @@ def summarize(turns: list[Turn], wall_s: float, stats) -> dict:
 
 
 def model_vocab(model: str) -> int:
-    from engine.model_config import ModelConfig
+    from kvpager.engine.model_config import ModelConfig
 
     return ModelConfig.from_path(model).vocab_size
 

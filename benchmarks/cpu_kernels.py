@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.worker.host_malloc import retain_freed_memory  # noqa: E402
-from kernels import cpu_decode, cpu_layer_ops, reference  # noqa: E402
+from kvpager.engine.worker.host_malloc import retain_freed_memory  # noqa: E402
+from kvpager.kernels import cpu_decode, cpu_layer_ops, reference  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, BLOCK = 30, 9, 3, 64, 576, 1536, 16
 

@@ -19,12 +19,12 @@ import argparse
 import time
 
 import torch
+from kvpager.engine import LLM, SamplingParams
+from kvpager.engine.download import resolve_model
+from kvpager.engine.kv.kv_size import parse_bytes
 from transformers import AutoTokenizer
 
 from benchmarks.roofline import isa_flags
-from engine import LLM, SamplingParams
-from engine.download import resolve_model
-from engine.kv.kv_size import parse_bytes
 
 CHATS = [
     "What is the capital of France?",

@@ -51,7 +51,7 @@ def prompts(num: int, length: int, vocab_size: int = 384) -> list[list[int]]:
 
 
 def _time_kvpager(path: Path, batch: list[list[int]], output_len: int) -> dict:
-    from engine import LLM, SamplingParams
+    from kvpager.engine import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import httpx
+from kvpager.engine.download import resolve_model
 
 from benchmarks.nats_peer import free_port, stop
-from engine.download import resolve_model
 
 DEFAULT_GUIDELLM = Path(__file__).parents[1] / ".venv-guidellm" / "bin" / "guidellm"
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
 
 
 def start_serve(model: str, http_port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "services.cli", "serve", "--model", model]
+    command = [sys.executable, "-P", "-m", "kvpager.services.cli", "serve", "--model", model]
     command += ["--nats-port", str(free_port()), "--http-port", str(http_port)]
     env = {**os.environ, "KVPAGER_LOG_LEVEL": "warning"}
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)

@@ -24,14 +24,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.engine.config import ModelConfig  # noqa: E402
+from kvpager.engine.download import resolve_model  # noqa: E402
+from kvpager.engine.model.decoder import DecoderLayer, RopeRows  # noqa: E402
+from kvpager.engine.model.sharding import Shard  # noqa: E402
+from kvpager.kernels import reference  # noqa: E402
+from kvpager.kernels.backend import KernelOps, get_kernel_ops  # noqa: E402
+
 from benchmarks.cpu_kernels import best_ms  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.download import resolve_model  # noqa: E402
-from engine.model.decoder import DecoderLayer, RopeRows  # noqa: E402
-from engine.model.sharding import Shard  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.backend import KernelOps, get_kernel_ops  # noqa: E402
 
 
 class TorchChain(nn.Module):

@@ -62,7 +62,7 @@ def check_correctness(device, dtype) -> dict[str, bool]:
 
 
 def _check_kv_write(device, dtype) -> dict[str, bool]:
-    from kernels import kv_write, reference
+    from kvpager.kernels import kv_write, reference
 
     key, value = torch.randn(2, 37, 8, 80, dtype=dtype, device=device)
     cache = torch.randn(2, 20, 16, 8, 80, dtype=dtype, device=device)
@@ -75,7 +75,7 @@ def _check_kv_write(device, dtype) -> dict[str, bool]:
 
 
 def _check_attention(device, dtype) -> dict[str, bool]:
-    from kernels import paged_attention, reference
+    from kvpager.kernels import paged_attention, reference
 
     paged, _ = paged_decode_inputs(3, 1000, 28, 4, 128, dtype, device)  # GQA 7
     paged[5].copy_(torch.tensor([1, 999, 513]))
@@ -90,7 +90,7 @@ def _check_attention(device, dtype) -> dict[str, bool]:
 
 
 def _check_block_ops(device, dtype) -> dict[str, bool]:
-    from kernels import block_ops, reference
+    from kvpager.kernels import block_ops, reference
 
     kv_cache = torch.randn(2, 2, 12, 16, 8, 80, dtype=dtype, device=device)
     twin, mapping = kv_cache.clone(), torch.tensor([[3, 0], [11, 5], [4, 7]])
@@ -111,8 +111,7 @@ def _check_block_ops(device, dtype) -> dict[str, bool]:
 
 def time_decode(args, dtype) -> list[dict]:
     import triton.testing
-
-    from kernels.paged_attention import choose_num_splits, paged_attention
+    from kvpager.kernels.paged_attention import choose_num_splits, paged_attention
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -170,7 +169,7 @@ def _format_row(row) -> str:
 def smoke_check() -> bool:
     """Tiny decode and KV write under the Triton interpreter, against the twins."""
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernels
-    from kernels import kv_write, paged_attention, reference
+    from kvpager.kernels import kv_write, paged_attention, reference
 
     torch.manual_seed(0)
     paged, _ = paged_decode_inputs(2, 40, 4, 2, 80, torch.float32, "cpu")

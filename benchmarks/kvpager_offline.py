@@ -11,16 +11,17 @@ allocated blocks. Sampling time is measured and taken off the clock.
 import time
 from dataclasses import dataclass, field
 
+from kvpager.engine import LLM, SamplingParams
+from kvpager.engine.core import EngineCore
+from kvpager.engine.frontend.output_processor import SampleOutput
+from kvpager.engine.request import Request
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.schemas.executor import ScheduledStep
+from kvpager.schemas.tokenizer import SampleDelta
+
 from benchmarks.config import BenchConfig
 from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
-from engine import LLM, SamplingParams
-from engine.core import EngineCore
-from engine.frontend.output_processor import SampleOutput
-from engine.request import Request
-from engine.sched.scheduler import Scheduler
-from schemas.executor import ScheduledStep
-from schemas.tokenizer import SampleDelta
 
 
 def build_llm(cfg: BenchConfig, **overrides) -> LLM:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.client import Client
+from kvpager.services.client import Client
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ async def _stream(client: Client, request: LoadRequest) -> StreamResult:
 
 def expected_tokens(model_path: str | Path, requests: list[LoadRequest]) -> dict[str, list[int]]:
     """Greedy tokens of an unloaded offline run: each distinct prompt once, at its longest."""
-    from engine import LLM, SamplingParams
+    from kvpager.engine import LLM, SamplingParams
 
     longest: dict[tuple[int, ...], int] = {}
     for request in requests:
@@ -207,7 +207,15 @@ def _serve(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen
         "KVPAGER_PREEMPTION_MODE": "swap",
         "KVPAGER_LOG_LEVEL": "warning",
     }
-    command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvpager.services.cli",
+        "serve",
+        "--nats-port",
+        str(port),
+    ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -264,7 +272,7 @@ def _model(name: str | None) -> Path:
         from tests.models import build_llama  # the test suite's seeded random checkpoint
 
         return build_llama(Path(tempfile.mkdtemp(prefix="kvpager-load-")))
-    from engine.download import resolve_model
+    from kvpager.engine.download import resolve_model
 
     return Path(name) if Path(name).is_dir() else resolve_model(name, progress=True)
 

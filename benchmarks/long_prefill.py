@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 
+from kvpager.engine.download import resolve_model
+from kvpager.services.client import Client
+
 from benchmarks.nats_peer import free_port, stop
 from benchmarks.roofline import isa_flags
-from engine.download import resolve_model
-from services.client import Client
 
 
 def parse_args(argv=None):
@@ -42,7 +43,15 @@ def start(model: str, port: int, threshold: int, threads: int) -> subprocess.Pop
         "KVPAGER_LOG_LEVEL": "warning",
         "OMP_NUM_THREADS": str(threads),
     }
-    command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvpager.services.cli",
+        "serve",
+        "--nats-port",
+        str(port),
+    ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 

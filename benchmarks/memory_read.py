@@ -16,9 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.engine.model.linear import make_linear  # noqa: E402
+
 from benchmarks.cpu_kernels import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, best_ms  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from engine.model.linear import make_linear  # noqa: E402
 
 # (out, in) of the decoder's four linears: qkv, o_proj, gate_up, down
 LINEARS = [

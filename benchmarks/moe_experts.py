@@ -16,11 +16,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.memory import cpu_has_native_bf16  # noqa: E402
-from engine.model.moe import route  # noqa: E402
-from engine.model.packed_experts import PackedExperts  # noqa: E402
-from kernels import cpu_layer_ops  # noqa: E402
-from kernels.reference import fused_moe_ref  # noqa: E402
+from kvpager.engine.memory import cpu_has_native_bf16  # noqa: E402
+from kvpager.engine.model.moe import route  # noqa: E402
+from kvpager.engine.model.packed_experts import PackedExperts  # noqa: E402
+from kvpager.kernels import cpu_layer_ops  # noqa: E402
+from kvpager.kernels.reference import fused_moe_ref  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 512, 256, 16, 2
 

@@ -15,11 +15,12 @@ import sys
 import time
 from typing import IO
 
+from kvpager.schemas.public import GenerateEvent
+
 from benchmarks.config import BenchConfig
 from benchmarks.machine import CpuWatch
 from benchmarks.metrics import EngineResult, SequenceTimes
 from benchmarks.workloads import BenchRequest, Workload
-from schemas.public import GenerateEvent
 
 ENGINE = "kvpager NATS"
 
@@ -59,7 +60,15 @@ def serve(
         "OMP_NUM_THREADS": str(cfg.num_threads),  # every service's, each executor's too
         **(env or {}),
     }
-    command = [sys.executable, "-m", "services.cli", "serve", "--nats-port", str(port)]
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvpager.services.cli",
+        "serve",
+        "--nats-port",
+        str(port),
+    ]
     return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=log)
 
 

@@ -33,6 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.engine.download import resolve_model  # noqa: E402
+from kvpager.kernels import cpu_decode, reference  # noqa: E402
+
 from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm, sampling_params, warm_up  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
@@ -40,8 +43,6 @@ from benchmarks.run import make_workloads, token_source  # noqa: E402
 from benchmarks.vllm_peer import worker_config, worker_env  # noqa: E402
 from benchmarks.vllm_profile import RESULT_MARKER  # noqa: E402
 from benchmarks.workloads import multi_prefix, uniform  # noqa: E402
-from engine.download import resolve_model  # noqa: E402
-from kernels import cpu_decode, reference  # noqa: E402
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")
 OPS = ("reshape_and_cache", "rotary", "add_rms_norm", "silu_and_mul")

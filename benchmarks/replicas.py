@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from kvpager.services.http.metrics import gather_stats
+from kvpager.services.settings import Settings
 
 from benchmarks.config import BenchConfig
 from benchmarks.load import _ready  # the load benchmark's wait for a healthy server
@@ -34,8 +36,6 @@ from benchmarks.metrics import SequenceTimes, percentiles
 from benchmarks.nats_peer import free_port, serve, stop, stream, warm_up
 from benchmarks.roofline import isa_flags
 from benchmarks.workloads import BenchRequest, Workload, arrival_times, multi_prefix
-from services.http.metrics import gather_stats
-from services.settings import Settings
 
 # An estimate, for the full run to check: on the 2-core EPYC one thread prefilled SmolLM2-135M
 # at ~350 tokens/s (a smoke run) and decodes a full batch at ~80 tok/s (benchmarks/reports/
@@ -328,7 +328,7 @@ def build_workload(args: argparse.Namespace, model_path: Path) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.download import resolve_model
+    from kvpager.engine.download import resolve_model
 
     args = parse_args(argv)
     started = time.perf_counter()

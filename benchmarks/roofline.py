@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from engine.model_config import ModelConfig
+from kvpager.engine.model_config import ModelConfig
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 MATMUL_SIZE = 2048

@@ -183,11 +183,12 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from kvpager.engine.download import resolve_model
+
     from benchmarks import report as rep
     from benchmarks.ablation import ablation_blocks, run_ablation
     from benchmarks.config import BenchConfig
     from benchmarks.scheduler_cost import run_scheduler_cost
-    from engine.download import resolve_model
 
     started = time.perf_counter()
     out_dir = args.out or Path(__file__).resolve().parent / "results" / (
@@ -259,9 +260,10 @@ def main(argv=None) -> None:
 def _hardware(dtypes: list[str], model_path: Path, workloads) -> dict:
     """ISA flags, the matmul peak per dtype (measured here, on the engines' threads) and each
     workload's roofline at that peak (benchmarks/roofline.py)."""
+    from kvpager.engine.memory import torch_dtype
+    from kvpager.engine.model_config import ModelConfig
+
     from benchmarks import roofline
-    from engine.memory import torch_dtype
-    from engine.model_config import ModelConfig
 
     model_config = ModelConfig.from_path(model_path)
     peaks = {dtype: roofline.matmul_peak_gflops(torch_dtype(dtype)) for dtype in dtypes}

@@ -11,11 +11,11 @@ import random
 import statistics
 import time
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request
-from engine.sched.scheduler import Scheduler
-from schemas.sampling import SamplingParams
-from schemas.scheduler import StepOutput
+from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.request import Request
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import StepOutput
 
 
 def _step_output(scheduler: Scheduler, step, rng: random.Random) -> StepOutput:

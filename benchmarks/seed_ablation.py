@@ -27,14 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.engine.download import resolve_model  # noqa: E402
+from kvpager.engine.kv.block_manager import BlockManager  # noqa: E402
+
 from benchmarks.ablation import contiguous_arms, run_arms  # noqa: E402
 from benchmarks.config import BenchConfig  # noqa: E402
 from benchmarks.kvpager_offline import build_llm  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
 from benchmarks.run import token_source  # noqa: E402
 from benchmarks.workloads import Workload, shared_prefix  # noqa: E402
-from engine.download import resolve_model  # noqa: E402
-from engine.kv.block_manager import BlockManager  # noqa: E402
 
 COLUMNS = [
     ("admitted at once", "peak_running", "{:.0f}"),

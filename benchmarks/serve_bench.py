@@ -22,9 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.engine.download import resolve_model  # noqa: E402
+
 from benchmarks.nats_peer import free_port, stop  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from engine.download import resolve_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NAME = "bench-model"
@@ -49,7 +50,7 @@ METRICS = [
 
 def kvpager_server(args: argparse.Namespace, port: int, log) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "services.cli", "serve", "--model", str(args.model),
+        sys.executable, "-P", "-m", "kvpager.services.cli", "serve", "--model", str(args.model),
         "--dtype", args.dtype, "--http-port", str(port), "--nats-port", str(free_port()),
         "--served-model-name", NAME, "--max-num-seqs", str(args.max_num_seqs),
         "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_gib << 30),

@@ -21,7 +21,7 @@ import json.encoder
 import random
 import time
 
-from engine import LLM, SamplingParams
+from kvpager.engine import LLM, SamplingParams
 
 FUNCTIONS = [
     json.encoder.py_encode_basestring_ascii,

@@ -17,12 +17,12 @@ import time
 
 import numpy as np
 import torch
+from kvpager.engine.worker.input_batch import InputBatch
+from kvpager.engine.worker.step_check import Capacity, StepCheck
+from kvpager.schemas.executor import CachedRequest, NewRequest, ScheduledStep
+from kvpager.schemas.sampling import SamplingParams
 
 from benchmarks.roofline import isa_flags
-from engine.worker.input_batch import InputBatch
-from engine.worker.step_check import Capacity, StepCheck
-from schemas.executor import CachedRequest, NewRequest, ScheduledStep
-from schemas.sampling import SamplingParams
 
 BLOCK = 16
 

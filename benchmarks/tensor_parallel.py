@@ -28,9 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvpager.engine import LLM, SamplingParams  # noqa: E402
+from kvpager.engine.config import ModelConfig  # noqa: E402
+
 from benchmarks.machine import CpuWatch, wait_for_quiet  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
 
 CPU_MODEL_DIR = Path("/tmp/kvpager-bench/tp-llama-135m")
 
@@ -54,9 +55,8 @@ def cpu_model() -> Path:
     """Random weights at SmolLM2-135M's size (30 layers, hidden 576 -> 768 for 12 heads)."""
     if (CPU_MODEL_DIR / "config.json").is_file():
         return CPU_MODEL_DIR
+    from kvpager.engine.download import resolve_model
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.download import resolve_model
 
     config = LlamaConfig(
         vocab_size=49152,
@@ -180,8 +180,7 @@ def _all_reduce_worker(rank: int, size: int, port: int, shapes, backend: str, qu
 def all_reduce_us(size: int, config: ModelConfig, backend: str, batches=(1, 32, 256)) -> dict:
     """One step runs 2 all-reduces a layer plus the embedding's (and one logits all-gather)."""
     import torch.multiprocessing as mp
-
-    from engine.parallel.spawn import free_port
+    from kvpager.engine.parallel.spawn import free_port
 
     queue = mp.get_context("spawn").SimpleQueue()
     shapes = [(batch, config.hidden_size) for batch in batches]

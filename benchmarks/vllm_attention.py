@@ -23,11 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvpager.kernels import cpu_tiles  # noqa: E402
+from kvpager.kernels.cpu_decode import paged_decode  # noqa: E402
+from kvpager.kernels.cpu_tiles import paged_decode_tiles, to_tiles  # noqa: E402
+
 from benchmarks.machine import CpuWatch  # noqa: E402
 from benchmarks.roofline import isa_flags  # noqa: E402
-from kernels import cpu_tiles  # noqa: E402
-from kernels.cpu_decode import paged_decode  # noqa: E402
-from kernels.cpu_tiles import paged_decode_tiles, to_tiles  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 

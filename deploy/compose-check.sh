@@ -348,8 +348,8 @@ kill_executor() {
 both_instances() {
   timeout 30 "$VENV/bin/python" - <<'PY'
 import asyncio, os, sys
-from services.client import Client
-from services.http.metrics import gather_stats
+from kvpager.services.client import Client
+from kvpager.services.http.metrics import gather_stats
 async def main():
     client = await Client.connect(
         os.environ["KVPAGER_NATS_URL"], user=os.environ["KVPAGER_NATS_USER"],
@@ -369,7 +369,7 @@ PY
 streams_survive_kill() {
   timeout 300 "$VENV/bin/python" - "$1" <<'PY'
 import asyncio, os, signal, sys
-from services.client import Client
+from kvpager.services.client import Client
 async def main(pid):
     client = await Client.connect(
         os.environ["KVPAGER_NATS_URL"], user=os.environ["KVPAGER_NATS_USER"],

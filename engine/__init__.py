@@ -1,13 +1,13 @@
 """kvpager's engine: paged KV cache, scheduler, model and the offline `LLM` API (no NATS)."""
 
-from schemas.errors import (
+from kvpager.schemas.errors import (
     CheckpointError,
     ConfigError,
     InvalidRequestError,
     KvpagerError,
     RequestTooLongError,
 )
-from schemas.sampling import SamplingParams, StructuredOutputsParams
+from kvpager.schemas.sampling import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -24,7 +24,7 @@ __all__ = [
 def __getattr__(name: str):
     # Importing LLM pulls in torch and transformers; keep `import engine` light.
     if name == "LLM":
-        from engine.llm import LLM
+        from kvpager.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

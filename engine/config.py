@@ -6,8 +6,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.model_config import ModelConfig, check_kv_cache_dtype
-from schemas.errors import ConfigError
+from kvpager.engine.model_config import ModelConfig, check_kv_cache_dtype
+from kvpager.schemas.errors import ConfigError
 
 SPECULATIVE_METHODS = ("ngram",)
 

@@ -15,17 +15,17 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from engine.config import CacheConfig, EngineConfig
-from engine.request import Request, RequestStatus
-from engine.sched.metrics import EngineMetrics
-from engine.sched.sample_deltas import SampleDeltas
-from engine.sched.scheduler import Scheduler
-from engine.sched.stats import build_stats
-from schemas.errors import ConfigError
-from schemas.executor import ScheduledStep
-from schemas.public import ErrorInfo, Stats
-from schemas.scheduler import ExecutorReady, StepDone
-from schemas.tokenizer import SampleDelta
+from kvpager.engine.config import CacheConfig, EngineConfig
+from kvpager.engine.request import Request, RequestStatus
+from kvpager.engine.sched.metrics import EngineMetrics
+from kvpager.engine.sched.sample_deltas import SampleDeltas
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.engine.sched.stats import build_stats
+from kvpager.schemas.errors import ConfigError
+from kvpager.schemas.executor import ScheduledStep
+from kvpager.schemas.public import ErrorInfo, Stats
+from kvpager.schemas.scheduler import ExecutorReady, StepDone
+from kvpager.schemas.tokenizer import SampleDelta
 
 Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
 

@@ -29,10 +29,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import structlog
 import torch
+from kvpager.engine.paths import cache_dir
+from kvpager.schemas.errors import CheckpointError
 from tqdm import tqdm
-
-from engine.paths import cache_dir
-from schemas.errors import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -13,25 +13,24 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+from kvpager.engine.config import EngineConfig
+from kvpager.engine.core import EngineCore, build_scheduler
+from kvpager.engine.download import resolve_model
+from kvpager.engine.frontend.event_loop import LoopThread
+from kvpager.engine.frontend.inputs import InputProcessor
+from kvpager.engine.frontend.output_processor import SampleOutput
+from kvpager.engine.frontend.outputs import CompletionOutput, RequestOutput, prompt_logprob_list
+from kvpager.engine.logs import ensure_logging
+from kvpager.engine.memory import resolve_device
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.request import Request
+from kvpager.engine.worker.step_runner import InProcessExecutor
+from kvpager.engine.worker.tensor_parallel import build_executor
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.tokenizer import SampleDelta
 from tqdm import tqdm
 from transformers import AutoTokenizer
-
-from engine.config import EngineConfig
-from engine.core import EngineCore, build_scheduler
-from engine.download import resolve_model
-from engine.frontend.event_loop import LoopThread
-from engine.frontend.inputs import InputProcessor
-from engine.frontend.output_processor import SampleOutput
-from engine.frontend.outputs import CompletionOutput, RequestOutput, prompt_logprob_list
-from engine.logs import ensure_logging
-from engine.memory import resolve_device
-from engine.model_config import ModelConfig
-from engine.request import Request
-from engine.worker.step_runner import InProcessExecutor
-from engine.worker.tensor_parallel import build_executor
-from schemas.errors import InvalidRequestError
-from schemas.sampling import SamplingParams
-from schemas.tokenizer import SampleDelta
 
 Prompt = str | list[int]
 T = TypeVar("T")

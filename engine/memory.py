@@ -1,11 +1,10 @@
 """Where a model and its KV cache go: the device, the dtypes, and how many blocks fit."""
 
 import torch
-
-from engine.config import ExecutorConfig
-from engine.kv.kv_groups import kv_groups
-from engine.model_config import ModelConfig, dtype_name
-from schemas.errors import ConfigError
+from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.kv.kv_groups import kv_groups
+from kvpager.engine.model_config import ModelConfig, dtype_name
+from kvpager.schemas.errors import ConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 CPU_SWAP_FRACTION = 4  # default CPU swap pool on a CPU device: a quarter of the KV cache

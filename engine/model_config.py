@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
-from schemas.errors import CheckpointError, ConfigError
+from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
+from kvpager.schemas.errors import CheckpointError, ConfigError
 
 # dtypes by name, with the bytes of one element: configuration and sizing need no torch (the
 # worker turns a name into a torch.dtype, engine/memory.py)

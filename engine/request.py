@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from schemas.sampling import SamplingParams
+from kvpager.schemas.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -10,9 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-
-from kernels import ops, reference
-from schemas.errors import ConfigError
+from kvpager.kernels import ops, reference
+from kvpager.schemas.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,8 @@ def _torch_ops() -> KernelOps:
 def _cpu_ops() -> KernelOps:
     """The torch twins, with decode attention (kernels/cpu_decode.py) and the per-layer ops
     (kernels/cpu_layer_ops.py) on C kernels, and bf16 routed experts on packed matmuls."""
-    from kernels import cpu_layer_ops
-    from kernels.cpu_decode import paged_attention_cpu
+    from kvpager.kernels import cpu_layer_ops
+    from kvpager.kernels.cpu_decode import paged_attention_cpu
 
     return dataclasses.replace(
         _torch_ops(),
@@ -65,10 +64,10 @@ def _cpu_ops() -> KernelOps:
 
 def _triton_ops() -> KernelOps:
     try:
-        from kernels.block_ops import copy_blocks, swap_blocks
-        from kernels.kv_write import reshape_and_cache
-        from kernels.moe import fused_moe
-        from kernels.paged_attention import paged_attention
+        from kvpager.kernels.block_ops import copy_blocks, swap_blocks
+        from kvpager.kernels.kv_write import reshape_and_cache
+        from kvpager.kernels.moe import fused_moe
+        from kvpager.kernels.paged_attention import paged_attention
     except ImportError as error:
         raise ConfigError(f"the triton kernel backend cannot be imported: {error}") from error
 
@@ -96,7 +95,7 @@ def with_cache_layout(
     an AMX host, bf16 model and cache; shape = (num_heads, num_kv_heads, head_dim, block_size)
     per rank), else `kernel_ops` as it is; `wanted` "token-major" (the kv_layout setting)
     keeps it as it is always. Picked once, before the cache is first written."""
-    from kernels import cpu_tiles
+    from kvpager.kernels import cpu_tiles
 
     if kernel_ops.paged_attention is not _cpu_paged_attention() or wanted != "auto":
         return kernel_ops
@@ -111,7 +110,7 @@ def with_cache_layout(
 
 
 def _cpu_paged_attention():
-    from kernels.cpu_decode import paged_attention_cpu
+    from kvpager.kernels.cpu_decode import paged_attention_cpu
 
     return paged_attention_cpu
 
@@ -127,7 +126,7 @@ def default_backend_name(device: torch.device) -> str:
     """ "triton" on a CUDA device; on CPU "cpu" when its C kernel builds here, else "torch"."""
     if device.type == "cuda":
         return "triton"
-    from kernels import cpu_decode
+    from kvpager.kernels import cpu_decode
 
     return "cpu" if cpu_decode.load() is not None else "torch"
 

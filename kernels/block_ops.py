@@ -14,8 +14,7 @@ the GPU only. Without CUDA both caches are on the CPU and the kernel runs in the
 import torch
 import triton
 import triton.language as tl
-
-from kernels.reference import as_bytes
+from kvpager.kernels.reference import as_bytes
 
 CHUNK = 1024  # elements copied per loop step
 

@@ -12,10 +12,9 @@ Built and loaded by kernels/cpu_build.py.
 
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
-from kernels.cpu_layer_ops import rows_of_heads
-from kernels.reference import (
+from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
+from kvpager.kernels.cpu_layer_ops import rows_of_heads
+from kvpager.kernels.reference import (
     FP8_DTYPES,
     _gather_context,
     _visible,

@@ -9,9 +9,8 @@ op, and ran ~0.5 s of a bf16 SmolLM2 decode step against ~0.1 s for the C path).
 """
 
 import torch
-
-from kernels import reference
-from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
+from kvpager.kernels import reference
+from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _ADD_RMS_NORM = (PTR, PTR, PTR, PTR, I64, I64, FLOAT)

@@ -7,8 +7,7 @@ twin (peaked rows / flat ones); SmolLM2 bf16, 64 x 256 in / 64 out at temperatur
 """
 
 import torch
-
-from kernels.cpu_build import I64, NATIVE, PTR, load_library
+from kvpager.kernels.cpu_build import I64, NATIVE, PTR, load_library
 
 _SIGNATURES = (("top_p_f32", (PTR, PTR, PTR, I64, I64, I64)),)
 

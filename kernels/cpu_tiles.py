@@ -26,10 +26,9 @@ SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads (benchmarks/vl
 import functools
 
 import torch
-
-from kernels import cpu_decode, reference
-from kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
-from kernels.cpu_layer_ops import rows_of_heads
+from kvpager.kernels import cpu_decode, reference
+from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
+from kvpager.kernels.cpu_layer_ops import rows_of_heads
 
 LAYOUT = "amx-tiles"
 TOKEN_MAJOR = "token-major"

@@ -17,8 +17,7 @@ Same signature as kernels/reference.py's fused_moe_ref, its twin.
 import torch
 import triton
 import triton.language as tl
-
-from kernels.reference import silu_and_mul_ref
+from kvpager.kernels.reference import silu_and_mul_ref
 
 BLOCK_M = 16
 

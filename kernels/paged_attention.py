@@ -28,8 +28,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
-from kernels.reference import FP8_DTYPES
+from kvpager.kernels.reference import FP8_DTYPES
 
 LOG2E = 1.4426950408889634
 # the same inside kernels: compiled Triton reads only constexpr globals (the interpreter reads

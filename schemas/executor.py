@@ -6,8 +6,7 @@ tensor (input ids, positions, slot mapping, block tables) itself.
 """
 
 import msgspec
-
-from schemas.sampling import SamplingParams
+from kvpager.schemas.sampling import SamplingParams
 
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):

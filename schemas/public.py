@@ -14,9 +14,8 @@ skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` ta
 from typing import Annotated, Any, Literal
 
 import msgspec
+from kvpager.schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
 from msgspec import Meta
-
-from schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 

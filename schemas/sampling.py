@@ -9,8 +9,7 @@ import math
 from typing import Any
 
 import msgspec
-
-from schemas.errors import InvalidRequestError
+from kvpager.schemas.errors import InvalidRequestError
 
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar past this is refused, not compiled
 MAX_CHOICES = 1024

@@ -1,8 +1,7 @@
 """What the scheduler receives: sampled tokens from its executor, requests from tokenizers."""
 
 import msgspec
-
-from schemas.sampling import SamplingParams
+from kvpager.schemas.sampling import SamplingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -7,9 +7,8 @@ subject is the scheduler's liveness ping: the replica answers with an empty mess
 """
 
 import msgspec
-
-from schemas.public import ErrorInfo
-from schemas.scheduler import PromptLogprobs, TokenLogprobs
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import PromptLogprobs, TokenLogprobs
 
 
 class AddResult(msgspec.Struct, array_like=True, omit_defaults=True):

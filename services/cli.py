@@ -5,10 +5,10 @@ import asyncio
 import sys
 from collections.abc import Callable
 
-from schemas.errors import ConfigError, KvpagerError
-from services.client import ClientError
-from services.http.settings import HttpSettings
-from services.settings import (
+from kvpager.schemas.errors import ConfigError, KvpagerError
+from kvpager.services.client import ClientError
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.settings import (
     CONNECTION_FIELDS,
     DEFAULT_MODEL,
     ServeSettings,
@@ -19,15 +19,15 @@ from services.settings import (
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
-    from engine.download import resolve_model
+    from kvpager.engine.download import resolve_model
 
     print(resolve_model(args.model or configured("model") or DEFAULT_MODEL, progress=True))
     return 0
 
 
 def _cmd_offline(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from schemas.sampling import SamplingParams
+    from kvpager.engine.llm import LLM
+    from kvpager.schemas.sampling import SamplingParams
 
     llm = LLM(
         args.model,
@@ -49,22 +49,22 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 def _cmd_service(args: argparse.Namespace) -> int:
     settings = Settings.from_args(args)
     if args.command == "tokenizer":
-        from services.tokenizer.main import run
+        from kvpager.services.tokenizer.main import run
     elif args.command == "scheduler":
-        from services.scheduler.main import run
+        from kvpager.services.scheduler.main import run
     else:
-        from services.executor.main import run
+        from kvpager.services.executor.main import run
     return run(settings)
 
 
 def _cmd_http(args: argparse.Namespace) -> int:
-    from services.http.main import run
+    from kvpager.services.http.main import run
 
     return run(Settings.from_args(args), HttpSettings.from_args(args), args.command == "metrics")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from services.serve.launcher import serve
+    from kvpager.services.serve.launcher import serve
 
     embedded = args.nats_url is None
     if embedded:  # a placeholder until the embedded server knows its URL
@@ -74,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from services import terminal
+    from kvpager.services import terminal
 
     request = terminal.request_for(
         args.prompt,
@@ -87,19 +87,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from services import terminal
+    from kvpager.services import terminal
 
     return asyncio.run(terminal.stats(Settings.from_args(args), args.json, args.watch))
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    from services import terminal
+    from kvpager.services import terminal
 
     return asyncio.run(terminal.health(Settings.from_args(args), args.timeout))
 
 
 def _cmd_credentials(args: argparse.Namespace) -> int:
-    from services import credentials
+    from kvpager.services import credentials
 
     path, existed = credentials.add_client(args.name, args.prefix)
     identity = credentials.load(path)
@@ -115,7 +115,7 @@ def _cmd_credentials(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    from services.schema import render
+    from kvpager.services.schema import render
 
     sys.stdout.write(render())
     return 0
@@ -197,8 +197,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:
-    from engine.kv.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
-    from engine.model_config import ModelConfig, dtype_name, kv_cache_dtype_name
+    from kvpager.engine.kv.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
+    from kvpager.engine.model_config import ModelConfig, dtype_name, kv_cache_dtype_name
 
     config = ModelConfig.from_path(args.model)
     dtype = kv_cache_dtype_name(args.kv_cache_dtype or args.dtype or config.checkpoint_dtype)
@@ -238,7 +238,7 @@ def _kv_size_ranks(args: argparse.Namespace, config) -> tuple[int, int]:
 
 
 def _add_kv_size_parser(sub) -> dict[str, Callable]:
-    from engine.kv.kv_size import parse_bytes
+    from kvpager.engine.kv.kv_size import parse_bytes
 
     parser = sub.add_parser("kv-size", help="KV-cache bytes and sequences per memory budget")
     parser.add_argument("model", help="checkpoint folder or config.json")

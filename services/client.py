@@ -23,9 +23,7 @@ from typing import Any
 import msgspec
 import nats
 import nats.errors
-from nats.aio.client import Client as NATS
-
-from schemas.public import (
+from kvpager.schemas.public import (
     AbortRequest,
     DetokenizeRequest,
     DetokenizeResult,
@@ -39,9 +37,10 @@ from schemas.public import (
     TokenizeResult,
     Usage,
 )
-from services import credentials
-from services.subjects import Subjects
-from services.wire import MSGPACK_HEADERS
+from kvpager.services import credentials
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import MSGPACK_HEADERS
+from nats.aio.client import Client as NATS
 
 DEFAULT_IDLE_TIMEOUT_S = 30.0  # services send a keepalive about every second
 POLL_S = 0.5  # how often a waiting stream looks at the connection

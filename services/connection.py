@@ -14,11 +14,10 @@ from typing import Any
 
 import nats
 import nats.errors
+from kvpager.schemas.errors import ConfigError, KvpagerError
+from kvpager.services import credentials
+from kvpager.services.settings import Settings
 from nats.aio.client import Client as NATS
-
-from schemas.errors import ConfigError, KvpagerError
-from services import credentials
-from services.settings import Settings
 
 CONNECT_TIMEOUT_S = 2.0
 
@@ -130,7 +129,7 @@ async def open_connection(settings: Settings, name: str) -> NATS:
     )
     try:  # the overall limit also covers a TLS handshake that never finishes
         return await asyncio.wait_for(connecting, 3 * CONNECT_TIMEOUT_S)
-    except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
         cause = errors.first or exc
         raise ConnectError(
             f"cannot connect to NATS at {settings.nats_url}: {_describe(cause)}"

@@ -28,9 +28,9 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.paths import cache_dir
-from schemas.errors import ConfigError
-from services.subjects import Subjects
+from kvpager.engine.paths import cache_dir
+from kvpager.schemas.errors import ConfigError
+from kvpager.services.subjects import Subjects
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 SERVICE, GATEWAY, DEFAULT_CLIENT = "service", "gateway", "default"

@@ -13,13 +13,12 @@ from collections.abc import Awaitable, Callable
 from importlib import metadata
 from typing import Any
 
+from kvpager.services.settings import Settings
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
-
-from services.settings import Settings
 
 MsgHandler = Callable[[Msg], Awaitable[None]]
 

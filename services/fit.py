@@ -11,11 +11,10 @@ admission (services/tokenizer/limits.py, the scheduler's check of the sampling p
 """
 
 import msgspec
-
-from schemas.executor import NewRequest, ScheduledStep
-from schemas.scheduler import PromptLogprobs, StepDone, StepPart
-from schemas.tokenizer import SampleDelta
-from services.wire import pack, pack_within
+from kvpager.schemas.executor import NewRequest, ScheduledStep
+from kvpager.schemas.scheduler import PromptLogprobs, StepDone, StepPart
+from kvpager.schemas.tokenizer import SampleDelta
+from kvpager.services.wire import pack, pack_within
 
 _ROWS = ("logprobs", "ranks", "top_token_ids", "top_logprobs")
 

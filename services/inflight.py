@@ -27,8 +27,7 @@ from pathlib import Path
 
 import msgspec
 import structlog
-
-from schemas.errors import PoisonedRequestError
+from kvpager.schemas.errors import PoisonedRequestError
 
 log = structlog.get_logger(__name__)
 

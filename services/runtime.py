@@ -9,11 +9,10 @@ import nats
 import nats.errors
 import structlog
 import uvloop
+from kvpager.engine.logs import configure_logging
+from kvpager.services.connection import connect_options
+from kvpager.services.settings import Settings
 from nats.aio.client import Client as NATS
-
-from engine.logs import configure_logging
-from services.connection import connect_options
-from services.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +62,7 @@ async def connect(settings: Settings, name: str) -> NATS:
                 allow_reconnect=True,
                 **connect_options(settings),
             )
-        except (OSError, nats.errors.NoServersError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, nats.errors.NoServersError):
             if attempt + 1 == CONNECT_ATTEMPTS:
                 raise
             await asyncio.sleep(CONNECT_INTERVAL_S)
@@ -84,7 +83,7 @@ async def _serve(name: str, settings: Settings, build: Callable[[NATS], Service]
     await service.stop()
     try:  # flush what is pending; without a server, give up after a while
         await asyncio.wait_for(nc.drain(), timeout=5.0)
-    except (asyncio.TimeoutError, nats.errors.Error) as exc:
+    except (TimeoutError, nats.errors.Error) as exc:
         log.warning("drain failed", error=repr(exc))
         await nc.close()
     log.info("stopped")

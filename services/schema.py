@@ -5,8 +5,7 @@ import json
 from typing import Any
 
 import msgspec
-
-from schemas import public
+from kvpager.schemas import public
 
 # subject suffix (after the prefix) -> what is sent, what comes back
 SUBJECTS = {

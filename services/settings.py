@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from engine.kv.kv_size import parse_bytes
-from engine.router.routing import ROUTERS, RouterConfig
-from engine.structured.limits import GrammarLimits
-from schemas.errors import ConfigError
+from kvpager.engine.kv.kv_size import parse_bytes
+from kvpager.engine.router.routing import ROUTERS, RouterConfig
+from kvpager.engine.structured.limits import GrammarLimits
+from kvpager.schemas.errors import ConfigError
 
 ENV_PREFIX = "KVPAGER_"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -250,7 +250,7 @@ class Settings:
             raise ConfigError("migration_limit: must be at least 0")
         _ = self.grammar_limits  # raises ConfigError naming a grammar limit out of range
         self._check_nats_auth()
-        from engine.model_config import check_kv_cache_dtype  # the engine's own rule
+        from kvpager.engine.model_config import check_kv_cache_dtype  # the engine's own rule
 
         check_kv_cache_dtype(self.kv_cache_dtype)  # here, before any service starts
 
@@ -287,7 +287,7 @@ class Settings:
         path = Path(self.model).expanduser()
         if path.is_dir():
             return path
-        from engine.download import resolve_model  # network and conversion: only by name
+        from kvpager.engine.download import resolve_model  # network and conversion: only by name
 
         return resolve_model(self.model, progress=False)
 

@@ -9,11 +9,10 @@ import sys
 from contextlib import aclosing
 
 import msgspec
-
-from schemas.public import ChatMessage, GenerateEvent, GenerateRequest, Stats
-from services.client import Client
-from services.connection import open_connection
-from services.settings import Settings
+from kvpager.schemas.public import ChatMessage, GenerateEvent, GenerateRequest, Stats
+from kvpager.services.client import Client
+from kvpager.services.connection import open_connection
+from kvpager.services.settings import Settings
 
 
 async def _client(settings: Settings) -> Client:

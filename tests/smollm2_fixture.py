@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from engine.download import resolve_model
+from kvpager.engine.download import resolve_model
 
 SMOLLM2 = "smollm2-135m-instruct"
 

@@ -13,9 +13,8 @@ it if a token were decoded alone. A window ending in U+FFFD may be a multi-byte 
 cut between tokens, so nothing is emitted and the window grows until the character is whole.
 """
 
+from kvpager.schemas.sampling import SamplingParams
 from transformers import PreTrainedTokenizerBase
-
-from schemas.sampling import SamplingParams
 
 # Prompt ids decoded as context for the first output token (as vLLM).
 _PROMPT_CONTEXT_TOKENS = 5

@@ -16,14 +16,13 @@ every accepted conversation's tokens exactly transformers' `apply_chat_template`
 import re
 from collections.abc import Iterator, Sequence
 
+from kvpager.engine.structured.compile_pool import CompilePool
+from kvpager.engine.structured.compile_thread import CompileThread
+from kvpager.engine.structured.grammar import GrammarCompiler
+from kvpager.engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, check_spec
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.sampling import SamplingParams
 from transformers import PreTrainedTokenizerBase
-
-from engine.structured.compile_pool import CompilePool
-from engine.structured.compile_thread import CompileThread
-from engine.structured.grammar import GrammarCompiler
-from engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, check_spec
-from schemas.errors import InvalidRequestError
-from schemas.sampling import SamplingParams
 
 
 class InputProcessor:

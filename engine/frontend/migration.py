@@ -10,8 +10,7 @@ samples share one prompt).
 """
 
 import msgspec
-
-from schemas.sampling import SamplingParams
+from kvpager.schemas.sampling import SamplingParams
 
 
 def can_move(params: SamplingParams) -> bool:

@@ -10,13 +10,12 @@ CompletionOutputs from the updates, the tokenizer service GenerateEvents.
 
 from dataclasses import dataclass
 
+from kvpager.engine.frontend.detokenizer import IncrementalDetokenizer
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import TokenLogprobs
+from kvpager.schemas.tokenizer import SampleDelta
 from transformers import PreTrainedTokenizerBase
-
-from engine.frontend.detokenizer import IncrementalDetokenizer
-from schemas.public import ErrorInfo
-from schemas.sampling import SamplingParams
-from schemas.scheduler import TokenLogprobs
-from schemas.tokenizer import SampleDelta
 
 
 @dataclass

@@ -3,8 +3,8 @@
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from schemas.public import ErrorInfo
-from schemas.scheduler import PromptLogprobs, TokenLogprobs
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import PromptLogprobs, TokenLogprobs
 
 
 @dataclass

@@ -12,7 +12,7 @@ process and would break across the scheduler's restarts, so it is not used.
 import hashlib
 from array import array
 
-from engine.request import Request
+from kvpager.engine.request import Request
 
 ROOT_HASH = b"kvpager-prefix-v1"
 

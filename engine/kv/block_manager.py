@@ -22,12 +22,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.kv.block_hash import update_block_hashes
-from engine.kv.cpu_pool import CpuBlockPool
-from engine.kv.disk_index import DiskTier
-from engine.request import Request
-from schemas.executor import DiskBlock
-from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
+from kvpager.engine.kv.block_hash import update_block_hashes
+from kvpager.engine.kv.cpu_pool import CpuBlockPool
+from kvpager.engine.kv.disk_index import DiskTier
+from kvpager.engine.request import Request
+from kvpager.schemas.executor import DiskBlock
+from kvpager.schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
 
 NULL_BLOCK = -1  # a sliding table's entry for a block slid out of the window: none held
 

@@ -18,11 +18,11 @@ tries the disk once per admission.
 
 from collections import OrderedDict
 
-from engine.kv.cpu_pool import CpuBlockPool
-from engine.request import Request
-from schemas.executor import DiskBlock
-from schemas.scheduler import StepOutput
-from schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
+from kvpager.engine.kv.cpu_pool import CpuBlockPool
+from kvpager.engine.request import Request
+from kvpager.schemas.executor import DiskBlock
+from kvpager.schemas.scheduler import StepOutput
+from kvpager.schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
 
 # A shorter run computes in about the step the request would wait for its read.
 MIN_DISK_LOAD_BLOCKS = 2

@@ -12,9 +12,9 @@ find_longest_cache_hit). Starting from the full groups' hit, each sliding group 
 to the longest end it can serve, until all agree; shorter is always served by full groups.
 """
 
-from engine.kv.block_manager import BlockManager, BlockOps, CachedBlock
-from engine.request import Request
-from schemas.tokenizer import KvEvent
+from kvpager.engine.kv.block_manager import BlockManager, BlockOps, CachedBlock
+from kvpager.engine.request import Request
+from kvpager.schemas.tokenizer import KvEvent
 
 DIGEST_BYTES = 32  # sha256: a hash longer than this is a tagged group's, never reported
 

@@ -12,7 +12,7 @@ sequences count that, contiguous reservations (no freeing) do not.
 import re
 from dataclasses import dataclass
 
-from engine.model_config import ModelConfig, dtype_bytes
+from kvpager.engine.model_config import ModelConfig, dtype_bytes
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})

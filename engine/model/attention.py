@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 
 import torch
-
-from kernels.backend import KernelOps
+from kvpager.kernels.backend import KernelOps
 
 
 @dataclass(frozen=True)

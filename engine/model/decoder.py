@@ -12,17 +12,16 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from kvpager.engine.kv.kv_groups import kv_groups
+from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
+from kvpager.engine.model.linear import make_linear, release
+from kvpager.engine.model.moe import RoutedExperts
+from kvpager.engine.model.rope import cos_sin_table, longrope_original_length
+from kvpager.engine.model.sharding import Shard
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.parallel.group import TensorParallel
+from kvpager.kernels.backend import KernelOps
 from torch import nn
-
-from engine.kv.kv_groups import kv_groups
-from engine.model.attention import AttentionMetadata, PagedAttention
-from engine.model.linear import make_linear, release
-from engine.model.moe import RoutedExperts
-from engine.model.rope import cos_sin_table, longrope_original_length
-from engine.model.sharding import Shard
-from engine.model_config import ModelConfig
-from engine.parallel.group import TensorParallel
-from kernels.backend import KernelOps
 
 
 def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):

@@ -17,8 +17,7 @@ import re
 from collections.abc import Callable, Iterable
 
 import torch
-
-from schemas.errors import CheckpointError
+from kvpager.schemas.errors import CheckpointError
 
 _NAME = re.compile(
     r"(?:model\.)?layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale"

@@ -12,9 +12,8 @@ from collections.abc import Callable
 import structlog
 import torch
 import torch.nn.functional as F
+from kvpager.engine.memory import cpu_has_native_bf16
 from torch import nn
-
-from engine.memory import cpu_has_native_bf16
 
 log = structlog.get_logger(__name__)
 

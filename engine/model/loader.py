@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.kv_scales import read_kv_scales
+from kvpager.engine.model.sharding import MIXTRAL_NAMES, Part, Shard
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.parallel.group import TensorParallel
+from kvpager.kernels.backend import KernelOps
+from kvpager.schemas.errors import CheckpointError
 from safetensors import safe_open
-
-from engine.model.decoder import Decoder
-from engine.model.kv_scales import read_kv_scales
-from engine.model.sharding import MIXTRAL_NAMES, Part, Shard
-from engine.model_config import ModelConfig
-from engine.parallel.group import TensorParallel
-from kernels.backend import KernelOps
-from schemas.errors import CheckpointError
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -11,11 +11,10 @@ the decoder all-reduces the output as it does a dense MLP's.
 
 import torch
 import torch.nn.functional as F
+from kvpager.engine.model.linear import release
+from kvpager.engine.model.packed_experts import PACKED_DTYPES, PackedExperts
+from kvpager.engine.model_config import ModelConfig
 from torch import nn
-
-from engine.model.linear import release
-from engine.model.packed_experts import PACKED_DTYPES, PackedExperts
-from engine.model_config import ModelConfig
 
 
 def route(

@@ -11,9 +11,8 @@ it on every call. Under tensor parallelism the stacks hold the rank's intermedia
 from collections.abc import Callable
 
 import torch
-
-from engine.model.linear import LinearFn, make_linear, onednn_packing_supported
-from kernels.reference import pairs_by_expert
+from kvpager.engine.model.linear import LinearFn, make_linear, onednn_packing_supported
+from kvpager.kernels.reference import pairs_by_expert
 
 # The decoder packs its experts in bf16 only. Measured (benchmarks/moe_experts.py: 1 thread, a
 # Qwen3-MoE-like layer, 16 experts, top-2; an AVX-512/AMX host shared with other jobs), packed

@@ -12,9 +12,8 @@ and prompts already past it, are exact."""
 import math
 
 import torch
-
-from engine.model_config import ModelConfig
-from schemas.errors import CheckpointError
+from kvpager.engine.model_config import ModelConfig
+from kvpager.schemas.errors import CheckpointError
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

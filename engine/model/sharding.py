@@ -15,7 +15,7 @@ as their q, k, v (gate, up) row ranges, so a rank still reads only its rows.
 
 from dataclasses import dataclass
 
-from engine.model_config import ModelConfig
+from kvpager.engine.model_config import ModelConfig
 
 # (dim, start, stop): the part of a checkpoint tensor a rank reads; None: all of it
 Part = tuple[int, int, int] | None

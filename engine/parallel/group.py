@@ -18,8 +18,7 @@ import msgspec
 import structlog
 import torch
 import torch.distributed as dist
-
-from schemas.executor import RankMessage
+from kvpager.schemas.executor import RankMessage
 
 log = structlog.get_logger(__name__)
 

@@ -14,10 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import structlog
-
-from engine.parallel.group import TensorParallel
-from schemas.errors import ExecutorUnavailableError
-from schemas.executor import RankKeepalive, RankMessage, RankShutdown
+from kvpager.engine.parallel.group import TensorParallel
+from kvpager.schemas.errors import ExecutorUnavailableError
+from kvpager.schemas.executor import RankKeepalive, RankMessage, RankShutdown
 
 log = structlog.get_logger(__name__)
 

@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-
-from schemas.errors import ConfigError
+from kvpager.schemas.errors import ConfigError
 
 PR_SET_PDEATHSIG = 1
-WORKER_MODULE = "engine.worker.tensor_parallel"
+WORKER_MODULE = "kvpager.engine.worker.tensor_parallel"
 ROOT = Path(__file__).resolve().parents[2]  # the folder `engine` is in: the ranks import it
 
 

@@ -9,8 +9,7 @@ the prefill but costs a read (engine/router/routing.py weighs it).
 """
 
 import structlog
-
-from schemas.tokenizer import BlockRemoved, BlockStored, KvEvents
+from kvpager.schemas.tokenizer import BlockRemoved, BlockStored, KvEvents
 
 log = structlog.get_logger(__name__)
 

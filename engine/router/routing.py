@@ -21,10 +21,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.kv.block_hash import prompt_block_hashes
-from engine.router.kv_index import KvIndex
-from schemas.errors import ConfigError, ModelNotFoundError, NoInstanceError
-from schemas.tokenizer import InstanceLoad, KvEvents
+from kvpager.engine.kv.block_hash import prompt_block_hashes
+from kvpager.engine.router.kv_index import KvIndex
+from kvpager.schemas.errors import ConfigError, ModelNotFoundError, NoInstanceError
+from kvpager.schemas.tokenizer import InstanceLoad, KvEvents
 
 ROUTERS = ("kv", "least-loaded", "round-robin")
 

@@ -8,9 +8,9 @@ blocks. Every new beam's token is queued for the executor, which does not sample
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
-from engine.sched.beam_search import BeamSearchGroup, Continuation, FinishedBeam
-from schemas.executor import ForkRequest
+from kvpager.engine.request import Request
+from kvpager.engine.sched.beam_search import BeamSearchGroup, Continuation, FinishedBeam
+from kvpager.schemas.executor import ForkRequest
 
 
 @dataclass

@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from engine.request import Request
-from schemas.sampling import SamplingParams
+from kvpager.engine.request import Request
+from kvpager.schemas.sampling import SamplingParams
 
 
 @dataclass

@@ -24,9 +24,9 @@ the proposals travel back rather than staying there); the scheduler verifies the
 
 from dataclasses import dataclass, field
 
-from engine.config import SpeculativeConfig
-from engine.kv.block_manager import BlockManager
-from engine.request import Request
+from kvpager.engine.config import SpeculativeConfig
+from kvpager.engine.kv.block_manager import BlockManager
+from kvpager.engine.request import Request
 
 
 @dataclass

@@ -9,8 +9,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from schemas.executor import ScheduledStep
-from schemas.public import Histogram, Percentiles
+from kvpager.schemas.executor import ScheduledStep
+from kvpager.schemas.public import Histogram, Percentiles
 
 WINDOW_SAMPLES = 4096
 THROUGHPUT_WINDOW_S = 10.0

@@ -8,10 +8,9 @@ preemption). The whole prompt's goes out once, with the request's first token de
 """
 
 import numpy as np
-
-from engine.request import Request
-from schemas.errors import InvalidStepError
-from schemas.scheduler import PromptLogprobs
+from kvpager.engine.request import Request
+from kvpager.schemas.errors import InvalidStepError
+from kvpager.schemas.scheduler import PromptLogprobs
 
 
 def _require(ok: bool, message: str) -> None:

@@ -1,9 +1,9 @@
 """Whether a request can ever run under the engine's limits (raised as typed errors)."""
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.kv.kv_groups import max_blocks_per_seq
-from engine.request import Request
-from schemas.errors import InvalidRequestError, RequestTooLongError
+from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.kv.kv_groups import max_blocks_per_seq
+from kvpager.engine.request import Request
+from kvpager.schemas.errors import InvalidRequestError, RequestTooLongError
 
 
 def check_request_fits(

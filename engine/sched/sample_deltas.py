@@ -7,12 +7,12 @@ request's samples stay open until their final delta (the one with a `finish_reas
 
 from collections.abc import Callable
 
-from engine.request import Request
-from engine.sched.beam_search import FinishedBeam
-from engine.sched.prompt_logprobs import PromptLogprobsCollector
-from schemas.public import ErrorInfo
-from schemas.scheduler import TokenLogprobs
-from schemas.tokenizer import SampleDelta
+from kvpager.engine.request import Request
+from kvpager.engine.sched.beam_search import FinishedBeam
+from kvpager.engine.sched.prompt_logprobs import PromptLogprobsCollector
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import TokenLogprobs
+from kvpager.schemas.tokenizer import SampleDelta
 
 
 class SampleDeltas:

@@ -17,19 +17,18 @@ from collections import deque
 
 import msgspec
 import structlog
-
-from engine.config import CacheConfig, SchedulerConfig
-from engine.kv.hybrid_manager import HybridBlockManager, make_block_manager
-from engine.request import Request, RequestStatus
-from engine.sched.beam_scheduler import BeamScheduler
-from engine.sched.beam_search import FinishedBeam
-from engine.sched.lookahead import Lookahead
-from engine.sched.request_checks import check_request_fits
-from engine.sched.step_plan import SchedulerStats, StepPlan
-from schemas.errors import InvalidRequestError, OverloadedError
-from schemas.executor import ForkRequest, ScheduledStep
-from schemas.public import ErrorInfo
-from schemas.scheduler import StepOutput
+from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.kv.hybrid_manager import HybridBlockManager, make_block_manager
+from kvpager.engine.request import Request, RequestStatus
+from kvpager.engine.sched.beam_scheduler import BeamScheduler
+from kvpager.engine.sched.beam_search import FinishedBeam
+from kvpager.engine.sched.lookahead import Lookahead
+from kvpager.engine.sched.request_checks import check_request_fits
+from kvpager.engine.sched.step_plan import SchedulerStats, StepPlan
+from kvpager.schemas.errors import InvalidRequestError, OverloadedError
+from kvpager.schemas.executor import ForkRequest, ScheduledStep
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import StepOutput
 
 log = structlog.get_logger(__name__)
 

@@ -1,9 +1,9 @@
 """The Stats of one engine (a scheduler and its executor), read off the scheduler, its block
 manager and the core's metrics: `llm.stats` over NATS and `LLM.stats()` offline alike."""
 
-from engine.sched.metrics import EngineMetrics
-from engine.sched.scheduler import Scheduler
-from schemas.public import Stats
+from kvpager.engine.sched.metrics import EngineMetrics
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.schemas.public import Stats
 
 
 def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats:

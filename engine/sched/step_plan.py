@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
-from schemas.executor import CachedRequest, ForkRequest, NewRequest
+from kvpager.engine.request import Request
+from kvpager.schemas.executor import CachedRequest, ForkRequest, NewRequest
 
 
 @dataclass

@@ -23,11 +23,10 @@ from concurrent.futures.process import BrokenProcessPool
 
 import msgspec
 import structlog
-
-from engine.structured.grammar import GrammarCompiler, spec_key, validate
-from engine.structured.limits import GrammarLimits
-from schemas.errors import InvalidRequestError
-from schemas.sampling import StructuredOutputsParams
+from kvpager.engine.structured.grammar import GrammarCompiler, spec_key, validate
+from kvpager.engine.structured.limits import GrammarLimits
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.sampling import StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
 NUM_REMEMBERED = 1024  # sha256 of specs that compiled

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from schemas.errors import InvalidRequestError
+from kvpager.schemas.errors import InvalidRequestError
 
 STACK_BYTES = 256 << 20  # reserved address space; pages are only touched when used
 T = TypeVar("T")

@@ -17,10 +17,9 @@ from collections import OrderedDict
 
 import llguidance
 import msgspec
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.sampling import StructuredOutputsParams
 from llguidance.gbnf_to_lark import any_to_lark
-
-from schemas.errors import InvalidRequestError
-from schemas.sampling import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (per tokenizer)
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: fewer tokens to sample

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured.regex_limits import max_repeat
-from engine.structured.schema_limits import SchemaWalk
-from schemas.errors import ConfigError, InvalidRequestError
-from schemas.sampling import StructuredOutputsParams
+from kvpager.engine.structured.regex_limits import max_repeat
+from kvpager.engine.structured.schema_limits import SchemaWalk
+from kvpager.schemas.errors import ConfigError, InvalidRequestError
+from kvpager.schemas.sampling import StructuredOutputsParams
 
 # a Lark rule or terminal (`name:`, `?name:`, `NAME.2:`) or a GBNF rule (`name ::=`)
 _RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w-]*(\.\d+)?\s*(:|::=)", re.MULTILINE)

@@ -2,8 +2,7 @@
 search, engine/sched/beam_search.py, ranks them: it needs no tensor)."""
 
 import torch
-
-from engine.sched.beam_search import num_candidates
+from kvpager.engine.sched.beam_search import num_candidates
 
 
 def top_continuations(logits: torch.Tensor, states, rows: list[int], eos_ids) -> dict:

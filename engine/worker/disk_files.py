@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from schemas.errors import ConfigError
+from kvpager.schemas.errors import ConfigError
 
 # version 2: the CRC-32 became an HMAC (and, through the layout id, a new folder: version 1
 # files are never read)

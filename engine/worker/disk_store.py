@@ -28,10 +28,9 @@ from pathlib import Path
 
 import structlog
 import torch
-
-from engine.config import ExecutorConfig
-from engine.paths import kv_disk_key_file
-from engine.worker.disk_files import (
+from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.paths import kv_disk_key_file
+from kvpager.engine.worker.disk_files import (
     BlockLayout,
     ForgedBlockError,
     block_layout,
@@ -42,9 +41,9 @@ from engine.worker.disk_files import (
     read_block,
     write_block,
 )
-from schemas.errors import ConfigError
-from schemas.executor import DiskBlock
-from schemas.scheduler import StepOutput
+from kvpager.schemas.errors import ConfigError
+from kvpager.schemas.executor import DiskBlock
+from kvpager.schemas.scheduler import StepOutput
 
 log = structlog.get_logger(__name__)
 

@@ -10,40 +10,39 @@ import time
 import msgspec
 import structlog
 import torch
-
-from engine.config import ExecutorConfig, SpeculativeConfig
-from engine.kv.kv_groups import kv_groups
-from engine.memory import (
+from kvpager.engine.config import ExecutorConfig, SpeculativeConfig
+from kvpager.engine.kv.kv_groups import kv_groups
+from kvpager.engine.memory import (
     blocks_that_fit,
     cpu_blocks_that_fit,
     resolve_device,
     resolve_dtype,
 )
-from engine.model.attention import PagedAttention
-from engine.model.loader import load_model
-from engine.model.sharding import Shard
-from engine.model_config import ModelConfig, kv_cache_dtype_name
-from engine.parallel.group import TensorParallel
-from engine.parallel.ranks import Ranks
-from engine.worker.beam_candidates import top_continuations
-from engine.worker.disk_store import open_disk
-from engine.worker.grammar_rows import GrammarRows
-from engine.worker.host_malloc import retain_freed_memory
-from engine.worker.input_batch import InputBatch
-from engine.worker.ngram_proposer import NgramProposer
-from engine.worker.prompt_logprobs import compute_prompt_logprobs
-from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
-from engine.worker.spec_verify import VerifyRows, accept, step_output
-from engine.worker.step_check import Capacity, StepCheck
-from kernels.backend import (
+from kvpager.engine.model.attention import PagedAttention
+from kvpager.engine.model.loader import load_model
+from kvpager.engine.model.sharding import Shard
+from kvpager.engine.model_config import ModelConfig, kv_cache_dtype_name
+from kvpager.engine.parallel.group import TensorParallel
+from kvpager.engine.parallel.ranks import Ranks
+from kvpager.engine.worker.beam_candidates import top_continuations
+from kvpager.engine.worker.disk_store import open_disk
+from kvpager.engine.worker.grammar_rows import GrammarRows
+from kvpager.engine.worker.host_malloc import retain_freed_memory
+from kvpager.engine.worker.input_batch import InputBatch
+from kvpager.engine.worker.ngram_proposer import NgramProposer
+from kvpager.engine.worker.prompt_logprobs import compute_prompt_logprobs
+from kvpager.engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvpager.engine.worker.spec_verify import VerifyRows, accept, step_output
+from kvpager.engine.worker.step_check import Capacity, StepCheck
+from kvpager.kernels.backend import (
     check_backend_device,
     default_backend_name,
     get_kernel_ops,
     with_cache_layout,
 )
-from schemas.errors import ConfigError
-from schemas.executor import RankReset, RankStep, ScheduledStep
-from schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
+from kvpager.schemas.errors import ConfigError
+from kvpager.schemas.executor import RankReset, RankStep, ScheduledStep
+from kvpager.schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
 
 log = structlog.get_logger(__name__)
 

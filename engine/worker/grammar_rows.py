@@ -20,12 +20,11 @@ from pathlib import Path
 
 import llguidance
 import torch
-
-from engine.structured.compile_thread import CompileThread
-from engine.structured.grammar import GrammarCompiler, fill_bitmask
-from engine.structured.limits import DEFAULT_LIMITS
-from engine.worker.input_batch import RequestState
-from schemas.errors import ConfigError, InvalidRequestError
+from kvpager.engine.structured.compile_thread import CompileThread
+from kvpager.engine.structured.grammar import GrammarCompiler, fill_bitmask
+from kvpager.engine.structured.limits import DEFAULT_LIMITS
+from kvpager.engine.worker.input_batch import RequestState
+from kvpager.schemas.errors import ConfigError, InvalidRequestError
 
 
 class GrammarRows:

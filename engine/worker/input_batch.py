@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from engine.model.attention import AttentionMetadata
-from engine.worker.prompt_logprobs import PromptSpan, prompt_spans
-from schemas.executor import CachedRequest, NewRequest
-from schemas.sampling import SamplingParams
+from kvpager.engine.model.attention import AttentionMetadata
+from kvpager.engine.worker.prompt_logprobs import PromptSpan, prompt_spans
+from kvpager.schemas.executor import CachedRequest, NewRequest
+from kvpager.schemas.sampling import SamplingParams
 
 
 @dataclass

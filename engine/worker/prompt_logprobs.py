@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from schemas.scheduler import PromptLogprobs
+from kvpager.schemas.scheduler import PromptLogprobs
 
 ROWS_PER_PIECE = 256  # logits rows at once: [256, vocab] fp32 stays small for any vocab
 

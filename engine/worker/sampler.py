@@ -12,10 +12,9 @@ to outlive a process.
 from dataclasses import dataclass
 
 import torch
-
-from engine.worker.top_k_top_p import top_k_top_p
-from kernels.bitmask import apply_token_bitmask
-from schemas.sampling import SamplingParams
+from kvpager.engine.worker.top_k_top_p import top_k_top_p
+from kvpager.kernels.bitmask import apply_token_bitmask
+from kvpager.schemas.sampling import SamplingParams
 
 # Temperatures below this are greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5

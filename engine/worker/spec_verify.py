@@ -23,10 +23,9 @@ rows after the first rejection are discarded, so every emitted token has exactly
 from dataclasses import dataclass
 
 import torch
-
-from engine.worker.input_batch import InputBatch, RequestState
-from schemas.sampling import SamplingParams
-from schemas.scheduler import StepOutput, TokenLogprobs
+from kvpager.engine.worker.input_batch import InputBatch, RequestState
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import StepOutput, TokenLogprobs
 
 
 @dataclass

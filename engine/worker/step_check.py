@@ -11,10 +11,9 @@ every id at once (numpy), the rest is a few integer comparisons per request.
 from dataclasses import dataclass
 
 import numpy as np
-
-from engine.worker.input_batch import InputBatch
-from schemas.errors import InvalidStepError
-from schemas.executor import CachedRequest, NewRequest, ScheduledStep
+from kvpager.engine.worker.input_batch import InputBatch
+from kvpager.schemas.errors import InvalidStepError
+from kvpager.schemas.executor import CachedRequest, NewRequest, ScheduledStep
 
 
 @dataclass(frozen=True)

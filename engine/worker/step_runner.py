@@ -15,11 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-
-from engine.worker.executor import Executor
-from schemas.executor import ScheduledStep
-from schemas.public import ErrorInfo
-from schemas.scheduler import StepDone
+from kvpager.engine.worker.executor import Executor
+from kvpager.schemas.executor import ScheduledStep
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import StepDone
 
 
 def step_thread(device: torch.device | None) -> ThreadPoolExecutor:

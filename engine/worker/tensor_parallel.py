@@ -22,17 +22,16 @@ from pathlib import Path
 
 import structlog
 import torch
-
-from engine.config import ExecutorConfig
-from engine.logs import ensure_logging
-from engine.memory import resolve_device
-from engine.model_config import ModelConfig
-from engine.parallel.group import TensorParallel
-from engine.parallel.ranks import Ranks
-from engine.parallel.spawn import check_devices, free_port, spawn_ranks, threads_per_rank
-from engine.worker.executor import Executor, rank_device
-from schemas.errors import ConfigError
-from schemas.executor import RankConfig, RankReset, RankShutdown, RankStep
+from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.logs import ensure_logging
+from kvpager.engine.memory import resolve_device
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.parallel.group import TensorParallel
+from kvpager.engine.parallel.ranks import Ranks
+from kvpager.engine.parallel.spawn import check_devices, free_port, spawn_ranks, threads_per_rank
+from kvpager.engine.worker.executor import Executor, rank_device
+from kvpager.schemas.errors import ConfigError
+from kvpager.schemas.executor import RankConfig, RankReset, RankShutdown, RankStep
 
 log = structlog.get_logger(__name__)
 

@@ -12,9 +12,8 @@ them, no C compiler) is sorted whole. The kept sets are the sorted filter's, row
 """
 
 import torch
-
-from kernels import cpu_sampling
-from kernels.reference import top_k_top_p_ref
+from kvpager.kernels import cpu_sampling
+from kvpager.kernels.reference import top_k_top_p_ref
 
 CANDIDATES = 64
 

@@ -4,12 +4,12 @@ With `--tensor-parallel-size N` it is rank 0 and starts ranks 1..N-1 itself; sta
 (RANK, WORLD_SIZE set), rank 0 serves and every other rank runs the rank loop.
 """
 
-from engine.memory import resolve_device
-from engine.worker.step_runner import InProcessExecutor
-from engine.worker.tensor_parallel import run_rank, torchrun_rank
-from services.executor.service import ExecutorService, load_executor
-from services.runtime import run_service, setup_logging
-from services.settings import Settings
+from kvpager.engine.memory import resolve_device
+from kvpager.engine.worker.step_runner import InProcessExecutor
+from kvpager.engine.worker.tensor_parallel import run_rank, torchrun_rank
+from kvpager.services.executor.service import ExecutorService, load_executor
+from kvpager.services.runtime import run_service, setup_logging
+from kvpager.services.settings import Settings
 
 
 def run(settings: Settings) -> int:

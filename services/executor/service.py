@@ -18,16 +18,13 @@ import uuid
 import msgspec
 import nats.errors
 import structlog
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
-from engine.worker.executor import Executor
-from engine.worker.step_runner import InProcessExecutor
-from engine.worker.tensor_parallel import build_executor
-from schemas.errors import ExecutorUnavailableError, InvalidStepError
-from schemas.executor import (
+from kvpager.engine.config import EngineConfig
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.worker.executor import Executor
+from kvpager.engine.worker.step_runner import InProcessExecutor
+from kvpager.engine.worker.tensor_parallel import build_executor
+from kvpager.schemas.errors import ExecutorUnavailableError, InvalidStepError
+from kvpager.schemas.executor import (
     Attached,
     NewRequest,
     RunStep,
@@ -36,15 +33,17 @@ from schemas.executor import (
     StepPiece,
     StepRequests,
 )
-from schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
-from services.connection import flush_sent
-from services.discovery import Discovery
-from services.fit import split_done
-from services.liveness import PeerGone, Reconnects, ping, repeat
-from services.pieces import Pieces
-from services.settings import Settings
-from services.subjects import Subjects
-from services.wire import pack, payload_budget, unpack
+from kvpager.schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
+from kvpager.services.connection import flush_sent
+from kvpager.services.discovery import Discovery
+from kvpager.services.fit import split_done
+from kvpager.services.liveness import PeerGone, Reconnects, ping, repeat
+from kvpager.services.pieces import Pieces
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import pack, payload_budget, unpack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 log = structlog.get_logger(__name__)
 
@@ -275,7 +274,7 @@ class ExecutorService:
         log.error("executor exits: a tensor-parallel rank was lost", reason=reason)
         try:
             await asyncio.wait_for(flush_sent(self.nc), 2.0)
-        except (asyncio.TimeoutError, nats.errors.Error):
+        except (TimeoutError, nats.errors.Error):
             pass
         os._exit(EXIT_RANK_LOST)
 

@@ -11,6 +11,17 @@ import re
 import time
 
 import structlog
+from kvpager.schemas.errors import PoisonedRequestError
+from kvpager.schemas.public import ModelCard
+from kvpager.services.http import metrics, tokenize
+from kvpager.services.http.completions import as_http_error, respond
+from kvpager.services.http.decoding import read_body
+from kvpager.services.http.errors import HttpError, error_body
+from kvpager.services.http.gateway import Gateway
+from kvpager.services.http.guard import Guard
+from kvpager.services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
+from kvpager.services.http.structured import ToolSettings, check_compiles
+from kvpager.services.inflight import request_key
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,18 +29,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from schemas.errors import PoisonedRequestError
-from schemas.public import ModelCard
-from services.http import metrics, tokenize
-from services.http.completions import as_http_error, respond
-from services.http.decoding import read_body
-from services.http.errors import HttpError, error_body
-from services.http.gateway import Gateway
-from services.http.guard import Guard
-from services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
-from services.http.structured import ToolSettings, check_compiles
-from services.inflight import request_key
 
 log = structlog.get_logger(__name__)
 

@@ -12,17 +12,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from kvpager.schemas.public import GenerateEvent, Usage
+from kvpager.services.client import NoKvpagerError, StreamGapError
+from kvpager.services.http import echo, responses
+from kvpager.services.http.errors import HttpError
+from kvpager.services.http.requests import Job
+from kvpager.services.http.streams import CutOffResponse, Streams
+from kvpager.services.http.tokens import TokenTexts
+from kvpager.services.http.tool_output import ToolDeltas
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-from schemas.public import GenerateEvent, Usage
-from services.client import NoKvpagerError, StreamGapError
-from services.http import echo, responses
-from services.http.errors import HttpError
-from services.http.requests import Job
-from services.http.streams import CutOffResponse, Streams
-from services.http.tokens import TokenTexts
-from services.http.tool_output import ToolDeltas
 
 ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
 KEEPALIVE_S = 15.0  # an SSE comment when a stream is silent this long (proxies, load balancers)
@@ -65,7 +64,7 @@ async def _first(streams: Streams) -> tuple[int, GenerateEvent] | None:
     """The first event, unless it is a refusal (raised); None if it has not come yet."""
     try:
         item = await streams.next(ADMISSION_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return None
     except Exception as exc:
         raise as_http_error(exc) from exc
@@ -193,7 +192,7 @@ async def _items(streams: Streams, first) -> AsyncIterator:
     while True:
         try:
             item = await streams.next(KEEPALIVE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             yield None
             continue
         except Exception as exc:

@@ -10,9 +10,8 @@ from typing import Any
 
 import msgspec
 import structlog
+from kvpager.services.http.errors import HttpError
 from starlette.requests import Request
-
-from services.http.errors import HttpError
 
 log = structlog.get_logger(__name__)
 
@@ -31,7 +30,7 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
         raise HttpError(413, f"the request body is over {limit} bytes", "invalid_request")
     try:
         return await asyncio.wait_for(_read(request, limit), timeout_s)
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         message = f"the request body took over {timeout_s} s"
         raise HttpError(408, message, "request_timeout") from exc
 

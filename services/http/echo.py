@@ -9,8 +9,8 @@ whole response). Logprobs below -9999 are written -9999, as vLLM does (JSON has 
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.public import GenerateEvent, PromptLogprob
-from services.http.tokens import TokenTexts, text_offsets
+from kvpager.schemas.public import GenerateEvent, PromptLogprob
+from kvpager.services.http.tokens import TokenTexts, text_offsets
 
 MIN_LOGPROB = -9999.0
 

@@ -7,7 +7,7 @@ the request's deadline, 502 when the gateway lost its NATS stream.
 
 from typing import Any
 
-from schemas.public import ErrorInfo
+from kvpager.schemas.public import ErrorInfo
 
 STATUS_OF_TYPE = {
     "invalid_request": 400,

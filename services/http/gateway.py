@@ -3,13 +3,13 @@ the token texts of logprobs."""
 
 from dataclasses import dataclass, field
 
-from engine.structured.compile_pool import CompilePool
-from services.client import Client
-from services.http.models import Models
-from services.http.settings import HttpSettings
-from services.http.tokens import TokenTexts
-from services.inflight import Journal
-from services.settings import Settings
+from kvpager.engine.structured.compile_pool import CompilePool
+from kvpager.services.client import Client
+from kvpager.services.http.models import Models
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.http.tokens import TokenTexts
+from kvpager.services.inflight import Journal
+from kvpager.services.settings import Settings
 
 
 @dataclass

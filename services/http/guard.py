@@ -18,10 +18,9 @@ prefix-cache hits never cross API keys.
 import hashlib
 import hmac
 
+from kvpager.services.http.errors import error_body
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from services.http.errors import error_body
 
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _MISSING = (

@@ -11,18 +11,17 @@ import nats.errors
 import structlog
 import uvicorn
 import uvloop
-
-from schemas.errors import ConfigError
-from services.client import Client
-from services.connection import with_local_identity
-from services.credentials import GATEWAY
-from services.discovery import Discovery
-from services.http.app import build_app
-from services.http.gateway import Gateway
-from services.http.protocol import protocol_class
-from services.http.settings import HttpSettings
-from services.runtime import connect, setup_logging
-from services.settings import Settings
+from kvpager.schemas.errors import ConfigError
+from kvpager.services.client import Client
+from kvpager.services.connection import with_local_identity
+from kvpager.services.credentials import GATEWAY
+from kvpager.services.discovery import Discovery
+from kvpager.services.http.app import build_app
+from kvpager.services.http.gateway import Gateway
+from kvpager.services.http.protocol import protocol_class
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.runtime import connect, setup_logging
+from kvpager.services.settings import Settings
 
 log = structlog.get_logger(__name__)
 

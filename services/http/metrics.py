@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import msgspec
 import nats.errors
 import structlog
+from kvpager.schemas.public import Histogram, Stats
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -20,8 +21,6 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-
-from schemas.public import Histogram, Stats
 
 log = structlog.get_logger(__name__)
 

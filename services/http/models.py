@@ -4,15 +4,13 @@ A model's OpenAI name is `--served-model-name`, or else its folder's name; its f
 accepted too.
 """
 
-import asyncio
 import time
 from pathlib import Path
 
 import nats.errors
-
-from schemas.public import ModelCard
-from services.client import Client, ClientError
-from services.http.errors import HttpError
+from kvpager.schemas.public import ModelCard
+from kvpager.services.client import Client, ClientError
+from kvpager.services.http.errors import HttpError
 
 TTL_S = 5.0
 QUERY_TIMEOUT_S = 3.0
@@ -32,7 +30,7 @@ class Models:
         if fresh or time.monotonic() - self._fetched_at > TTL_S:
             try:
                 self._cards = (await self.client.models(timeout=QUERY_TIMEOUT_S)).models
-            except (ClientError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            except (TimeoutError, ClientError, nats.errors.Error) as exc:
                 raise HttpError(
                     503, f"no kvpager answers llm.models: {exc}", "unavailable"
                 ) from exc

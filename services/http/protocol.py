@@ -22,9 +22,8 @@ from collections import OrderedDict
 
 import h11
 import structlog
+from kvpager.services.http.streams import ABORT_EXTENSION
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from services.http.streams import ABORT_EXTENSION
 
 log = structlog.get_logger(__name__)
 

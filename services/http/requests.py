@@ -12,20 +12,19 @@ from typing import Any, Literal
 
 import msgspec
 import structlog
-
-from engine.structured.limits import DEFAULT_LIMITS, GrammarLimits
-from schemas.openai import (
+from kvpager.engine.structured.limits import DEFAULT_LIMITS, GrammarLimits
+from kvpager.schemas.openai import (
     IGNORED,
     ChatCompletionRequest,
     CompletionRequest,
     Message,
     SamplingFields,
 )
-from schemas.public import GenerateRequest
-from services.http import decoding
-from services.http.decoding import param_of
-from services.http.errors import HttpError
-from services.http.structured import (
+from kvpager.schemas.public import GenerateRequest
+from kvpager.services.http import decoding
+from kvpager.services.http.decoding import param_of
+from kvpager.services.http.errors import HttpError
+from kvpager.services.http.structured import (
     ToolMode,
     ToolSettings,
     structured_spec,

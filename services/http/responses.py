@@ -5,11 +5,11 @@ A choice is one sample of one prompt: `index = prompt_index * n + sample_index`.
 
 from typing import Any
 
-from schemas.public import GenerateEvent, TokenLogprob, Usage
-from services.http import tool_output
-from services.http.echo import PromptInfo, Prompts, legacy_logprobs, vllm_prompt_logprobs
-from services.http.requests import Job
-from services.http.tokens import TokenTexts, text_offsets
+from kvpager.schemas.public import GenerateEvent, TokenLogprob, Usage
+from kvpager.services.http import tool_output
+from kvpager.services.http.echo import PromptInfo, Prompts, legacy_logprobs, vllm_prompt_logprobs
+from kvpager.services.http.requests import Job
+from kvpager.services.http.tokens import TokenTexts, text_offsets
 
 
 def usage(usages: list[Usage], prompt_only: bool = False) -> dict[str, Any]:

@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from schemas.errors import ConfigError
-from services.settings import option
+from kvpager.schemas.errors import ConfigError
+from kvpager.services.settings import option
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ import contextlib
 
 import anyio
 import structlog
+from kvpager.schemas.public import GenerateEvent, GenerateRequest
+from kvpager.services.client import Client
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
-
-from schemas.public import GenerateEvent, GenerateRequest
-from services.client import Client
 
 log = structlog.get_logger(__name__)
 

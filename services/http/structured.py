@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-
-from engine.frontend.tool_calls import parameters_schema, required_schema
-from engine.structured.compile_pool import CompilePool
-from engine.structured.limits import GrammarLimits, check_schema, check_spec
-from schemas.errors import InvalidRequestError
-from schemas.openai import NamedToolChoice, SamplingFields
-from schemas.sampling import StructuredOutputsParams
-from services.http.errors import HttpError
+from kvpager.engine.frontend.tool_calls import parameters_schema, required_schema
+from kvpager.engine.structured.compile_pool import CompilePool
+from kvpager.engine.structured.limits import GrammarLimits, check_schema, check_spec
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.openai import NamedToolChoice, SamplingFields
+from kvpager.schemas.sampling import StructuredOutputsParams
+from kvpager.services.http.errors import HttpError
 
 GUIDED = {
     "guided_json": "json",

@@ -1,20 +1,18 @@
 """vLLM's utility routes: POST /tokenize and /detokenize (through the tokenizer service's
 `llm.tokenize` / `llm.detokenize`, so counts are those `llm.generate` will see), GET /version."""
 
-import asyncio
 from importlib.metadata import PackageNotFoundError, version
 
 import nats.errors
+from kvpager.schemas.openai import DetokenizeBody, TokenizeBody
+from kvpager.schemas.public import ChatMessage, ModelCard, TokenizeRequest
+from kvpager.services.client import ClientError
+from kvpager.services.http.decoding import decode, read_body
+from kvpager.services.http.errors import HttpError
+from kvpager.services.http.gateway import Gateway
+from kvpager.services.http.requests import chat_messages
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-from schemas.openai import DetokenizeBody, TokenizeBody
-from schemas.public import ChatMessage, ModelCard, TokenizeRequest
-from services.client import ClientError
-from services.http.decoding import decode, read_body
-from services.http.errors import HttpError
-from services.http.gateway import Gateway
-from services.http.requests import chat_messages
 
 QUERY_TIMEOUT_S = 10.0
 
@@ -88,7 +86,7 @@ async def _ask(query):
     """The tokenizer's result, or its error as an HttpError."""
     try:
         result = await query
-    except (ClientError, nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, ClientError, nats.errors.Error) as exc:
         raise HttpError(503, f"no kvpager tokenizer answers: {exc!r}", "unavailable") from exc
     if result.error is not None:
         raise HttpError.from_info(result.error)

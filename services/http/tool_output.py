@@ -9,8 +9,13 @@ its `</tool_call>` has come; `required` (one JSON array) sends its calls at the 
 import uuid
 from typing import Any
 
-from engine.frontend.tool_calls import HermesStream, ParsedCall, parse_hermes, parse_required
-from services.http.structured import ToolMode
+from kvpager.engine.frontend.tool_calls import (
+    HermesStream,
+    ParsedCall,
+    parse_hermes,
+    parse_required,
+)
+from kvpager.services.http.structured import ToolMode
 
 
 def _call_id() -> str:

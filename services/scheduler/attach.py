@@ -1,6 +1,6 @@
 """What an attached executor decides: the SchedulerInfo others see."""
 
-from schemas.scheduler import ExecutorReady, SchedulerInfo
+from kvpager.schemas.scheduler import ExecutorReady, SchedulerInfo
 
 
 def scheduler_info(scheduler_id: str, ready: ExecutorReady | None) -> SchedulerInfo:

@@ -7,12 +7,11 @@ A new engine core (the executor attached or restarted) starts with `CacheCleared
 many for one message (a disk tier's listing) go in several, numbered in turn.
 """
 
+from kvpager.engine.core import EngineCore
+from kvpager.schemas.scheduler import ExecutorReady
+from kvpager.schemas.tokenizer import CacheCleared, InstanceLoad, KvEvent, KvEvents
+from kvpager.services.wire import pack, pack_within, payload_budget
 from nats.aio.client import Client as NATS
-
-from engine.core import EngineCore
-from schemas.scheduler import ExecutorReady
-from schemas.tokenizer import CacheCleared, InstanceLoad, KvEvent, KvEvents
-from services.wire import pack, pack_within, payload_budget
 
 
 def instance_load(core: EngineCore | None, ready: ExecutorReady | None) -> InstanceLoad:

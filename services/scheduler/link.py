@@ -8,16 +8,15 @@ from collections.abc import Callable
 
 import msgspec
 import structlog
+from kvpager.schemas.executor import RunStep, ScheduledStep, StepPiece, StepRequests
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import ExecutorMessage, StepDone, StepFailed, StepPart
+from kvpager.services.fit import join_done, split_step
+from kvpager.services.pieces import split
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import pack, payload_budget, unpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-
-from schemas.executor import RunStep, ScheduledStep, StepPiece, StepRequests
-from schemas.public import ErrorInfo
-from schemas.scheduler import ExecutorMessage, StepDone, StepFailed, StepPart
-from services.fit import join_done, split_step
-from services.pieces import split
-from services.subjects import Subjects
-from services.wire import pack, payload_budget, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +98,7 @@ class ExecutorLink:
             return None
         try:
             return await asyncio.wait_for(asyncio.shield(pending), self.step_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             message = f"the executor did not answer step {step_id} in {self.step_timeout_s} s"
             self._lose_executor(ErrorInfo("executor_unavailable", message))
             return None

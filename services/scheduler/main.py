@@ -1,8 +1,8 @@
 """Entry point of `kvpager scheduler`."""
 
-from services.runtime import run_service, setup_logging
-from services.scheduler.service import SchedulerService
-from services.settings import Settings
+from kvpager.services.runtime import run_service, setup_logging
+from kvpager.services.scheduler.service import SchedulerService
+from kvpager.services.settings import Settings
 
 
 def run(settings: Settings) -> int:

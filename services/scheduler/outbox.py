@@ -6,12 +6,11 @@ from collections.abc import Callable
 
 import nats.errors
 import structlog
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.tokenizer import SampleDelta, TokenBatch
+from kvpager.services.fit import split_deltas
+from kvpager.services.wire import pack, payload_budget
 from nats.aio.client import Client as NATS
-
-from schemas.public import ErrorInfo
-from schemas.tokenizer import SampleDelta, TokenBatch
-from services.fit import split_deltas
-from services.wire import pack, payload_budget
 
 log = structlog.get_logger(__name__)
 

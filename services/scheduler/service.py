@@ -16,34 +16,33 @@ import uuid
 
 import msgspec
 import structlog
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-
-from engine.config import EngineConfig
-from engine.core import EngineCore, build_scheduler, check_ready
-from engine.request import Request
-from schemas.errors import ConfigError, KvpagerError
-from schemas.executor import Attached
-from schemas.public import ErrorInfo
-from schemas.scheduler import (
+from kvpager.engine.config import EngineConfig
+from kvpager.engine.core import EngineCore, build_scheduler, check_ready
+from kvpager.engine.request import Request
+from kvpager.schemas.errors import ConfigError, KvpagerError
+from kvpager.schemas.executor import Attached
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import (
     AddRequest,
     ExecutorReady,
     FinishRequest,
     PromptPiece,
     TokenizerMessage,
 )
-from schemas.tokenizer import AddResult, SampleDelta
-from services.discovery import Discovery
-from services.liveness import repeat
-from services.pieces import Pieces
-from services.scheduler.attach import scheduler_info
-from services.scheduler.kv_events import KvEventPublisher, instance_load
-from services.scheduler.link import ExecutorLink
-from services.scheduler.outbox import Outbox
-from services.scheduler.watch import PeerWatch
-from services.settings import Settings
-from services.subjects import Subjects, is_inbox
-from services.wire import encode_public, pack, payload_budget, unpack
+from kvpager.schemas.tokenizer import AddResult, SampleDelta
+from kvpager.services.discovery import Discovery
+from kvpager.services.liveness import repeat
+from kvpager.services.pieces import Pieces
+from kvpager.services.scheduler.attach import scheduler_info
+from kvpager.services.scheduler.kv_events import KvEventPublisher, instance_load
+from kvpager.services.scheduler.link import ExecutorLink
+from kvpager.services.scheduler.outbox import Outbox
+from kvpager.services.scheduler.watch import PeerWatch
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects, is_inbox
+from kvpager.services.wire import encode_public, pack, payload_budget, unpack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 log = structlog.get_logger(__name__)
 
@@ -285,7 +284,7 @@ class SchedulerService:
         self._work.clear()
         try:
             await asyncio.wait_for(self._work.wait(), timeout=0.01)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     # --- queries ---------------------------------------------------------------------------

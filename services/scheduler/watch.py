@@ -11,12 +11,11 @@ import asyncio
 from collections.abc import Callable
 
 import structlog
+from kvpager.schemas.public import ErrorInfo
+from kvpager.services.liveness import PeerGone, Reconnects, Silence, ping
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
 from nats.aio.client import Client as NATS
-
-from schemas.public import ErrorInfo
-from services.liveness import PeerGone, Reconnects, Silence, ping
-from services.settings import Settings
-from services.subjects import Subjects
 
 log = structlog.get_logger(__name__)
 

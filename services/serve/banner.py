@@ -2,10 +2,10 @@
 
 import json
 
-from schemas.public import Stats
-from services.http.settings import HttpSettings
-from services.settings import Settings
-from services.subjects import Subjects
+from kvpager.schemas.public import Stats
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
 
 EXAMPLE_REQUEST = {"prompt": "Hello", "max_tokens": 32, "stream": False}
 

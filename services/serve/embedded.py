@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from schemas.errors import ConfigError
-from services import credentials
-from services.serve import processes
-from services.settings import ServeSettings, Settings
+from kvpager.schemas.errors import ConfigError
+from kvpager.services import credentials
+from kvpager.services.serve import processes
+from kvpager.services.settings import ServeSettings, Settings
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 10.0

@@ -29,17 +29,16 @@ from pathlib import Path
 
 import nats.errors
 import structlog
-
-from engine.logs import configure_logging
-from schemas.errors import ConfigError, KvpagerError
-from services.client import Client, ClientError
-from services.connection import open_connection
-from services.http.settings import HttpSettings
-from services.serve import processes
-from services.serve.banner import ready_banner, starting_lines
-from services.serve.embedded import EmbeddedNats
-from services.serve.supervisor import Child, Spawn, Supervisor
-from services.settings import ServeSettings, Settings, environment
+from kvpager.engine.logs import configure_logging
+from kvpager.schemas.errors import ConfigError, KvpagerError
+from kvpager.services.client import Client, ClientError
+from kvpager.services.connection import open_connection
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.serve import processes
+from kvpager.services.serve.banner import ready_banner, starting_lines
+from kvpager.services.serve.embedded import EmbeddedNats
+from kvpager.services.serve.supervisor import Child, Spawn, Supervisor
+from kvpager.services.settings import ServeSettings, Settings, environment
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
 HTTP_COMMANDS = ("http", "metrics")  # clients of the API: the gateway identity
@@ -58,7 +57,7 @@ def serve(
     settings: Settings, options: ServeSettings, embedded: bool, http: HttpSettings | None = None
 ) -> int:
     """Run until Ctrl-C or SIGTERM; `embedded`: start our own nats-server on loopback."""
-    from engine.download import resolve_model
+    from kvpager.engine.download import resolve_model
 
     http = http or HttpSettings()
     configure_logging(settings.log_level, settings.log_json)
@@ -76,7 +75,7 @@ def _http_ports(http: HttpSettings) -> dict[str, int]:
 
 
 def _check_ports(http: HttpSettings) -> None:
-    from services.http.main import listen
+    from kvpager.services.http.main import listen
 
     for port in _http_ports(http).values():
         listen(http.http_host, port).close()  # ConfigError if in use
@@ -93,11 +92,11 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 
 def _check_checkpoint(settings: Settings, path: Path) -> None:
     """Fail before starting anything: unreadable config, no weights, too few blocks."""
-    from engine.config import EngineConfig
-    from engine.memory import resolve_device
-    from engine.model.loader import safetensors_files
-    from engine.model_config import ModelConfig
-    from engine.parallel.spawn import check_devices
+    from kvpager.engine.config import EngineConfig
+    from kvpager.engine.memory import resolve_device
+    from kvpager.engine.model.loader import safetensors_files
+    from kvpager.engine.model_config import ModelConfig
+    from kvpager.engine.parallel.spawn import check_devices
 
     model_config = ModelConfig.from_path(path)
     safetensors_files(path)
@@ -125,7 +124,7 @@ class _Signals:
     async def sleep(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self.event.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -206,7 +205,7 @@ def _spawns(
         child_env = gateway_env if command in HTTP_COMMANDS else env
         if instance is not None:
             child_env = {**child_env, "KVPAGER_INSTANCE": instance}
-        argv = processes.python_module("services.cli", command)  # never the caller's folder
+        argv = processes.python_module("kvpager.services.cli", command)  # never the caller's folder
         spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
     return spawns
 
@@ -260,7 +259,7 @@ async def _wait_ready(client: Client, children, signals: _Signals, timeout_s: fl
 async def _healthy(client: Client) -> bool:
     try:
         return (await client.health(timeout=1.0)).status == "ok"
-    except (ClientError, nats.errors.Error, asyncio.TimeoutError):
+    except (TimeoutError, ClientError, nats.errors.Error):
         return False  # no tokenizer subscribed yet, or it is busy loading
 
 
@@ -268,7 +267,7 @@ async def _max_model_len(client: Client) -> int:
     """The served limit; fail if the cache the executor allocated cannot hold it."""
     try:
         stats, models = await client.stats(), await client.models()
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, nats.errors.Error) as exc:
         raise ServeError(f"the services answer llm.health but not llm.stats: {exc!r}") from exc
     max_model_len = models.models[0].max_model_len
     check_capacity(stats.num_blocks, stats.block_size, max_model_len)
@@ -308,7 +307,7 @@ async def _stop_services(children, signals: _Signals, settings: Settings) -> Non
 async def _close(client: Client) -> None:
     try:
         await asyncio.wait_for(client.nc.close(), 5.0)
-    except (nats.errors.Error, asyncio.TimeoutError):
+    except (TimeoutError, nats.errors.Error):
         pass
 
 

@@ -4,9 +4,9 @@ Own sessions keep a terminal's Ctrl-C away from the children, so the launcher de
 order of shutdown (services drain first, the nats-server goes last). On Linux a child also
 gets SIGTERM if the launcher dies without cleaning up (SIGKILL, a crash).
 
-Children run `python -P -m services.cli`: without -P, Python puts the current folder first on
-sys.path, and a `resource.py` or a `services/` folder where the user stands would run inside
-kvpager's services. Python 3.10 has no -P: a bootstrap drops that entry, then runs the module.
+Children run `python -P -m kvpager.services.cli`: without -P, Python puts the current folder
+first on sys.path, and a `resource.py` or a `kvpager/` folder where the user stands would run
+inside kvpager's services.
 """
 
 import ctypes
@@ -17,21 +17,11 @@ from collections.abc import Sequence
 from typing import IO
 
 PR_SET_PDEATHSIG = 1
-# 3.10: with -c, sys.path[0] is '' (the current folder); drop it before anything is imported
-_BOOTSTRAP = (
-    "import sys; del sys.path[0]; import runpy; "
-    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
-)
 
 
-def python_module(module: str, *args: str, safe_path: bool | None = None) -> list[str]:
-    """argv running `python -m module args` with nothing of the current folder importable;
-    `safe_path`: use -P (default: where the interpreter has it, Python 3.11+)."""
-    if safe_path is None:
-        safe_path = sys.version_info >= (3, 11)
-    if safe_path:
-        return [sys.executable, "-P", "-m", module, *args]
-    return [sys.executable, "-c", _BOOTSTRAP, module, *args]
+def python_module(module: str, *args: str) -> list[str]:
+    """argv running `python -m module args` with nothing of the current folder importable."""
+    return [sys.executable, "-P", "-m", module, *args]
 
 
 def _die_with_parent() -> None:

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import nats.errors
 import structlog
+from kvpager.schemas.errors import KvpagerError
+from kvpager.schemas.public import ORPHANED_SEQ, ErrorInfo, GenerateEvent, Usage
+from kvpager.services.inflight import POISON_FILE, journal_path, read_journal
+from kvpager.services.wire import encode_public
 from nats.aio.client import Client as NATS
-
-from schemas.errors import KvpagerError
-from schemas.public import ORPHANED_SEQ, ErrorInfo, GenerateEvent, Usage
-from services.inflight import POISON_FILE, journal_path, read_journal
-from services.wire import encode_public
 
 log = structlog.get_logger(__name__)
 

@@ -13,18 +13,17 @@ from collections.abc import Awaitable, Callable, Coroutine
 import msgspec
 import nats.errors
 import structlog
+from kvpager.schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import AddRequest, FinishRequest, PromptPiece
+from kvpager.schemas.tokenizer import AddResult
+from kvpager.services.pieces import split
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
+from kvpager.services.tokenizer.instances import Instances
+from kvpager.services.tokenizer.streams import Stream
+from kvpager.services.wire import pack, payload_budget
 from nats.aio.client import Client as NATS
-
-from schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
-from schemas.public import ErrorInfo
-from schemas.scheduler import AddRequest, FinishRequest, PromptPiece
-from schemas.tokenizer import AddResult
-from services.pieces import split
-from services.settings import Settings
-from services.subjects import Subjects
-from services.tokenizer.instances import Instances
-from services.tokenizer.streams import Stream
-from services.wire import pack, payload_budget
 
 log = structlog.get_logger(__name__)
 

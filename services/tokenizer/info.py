@@ -2,11 +2,10 @@
 
 import msgspec
 import nats.errors
+from kvpager.schemas.public import Health, ModelCard, ModelList
+from kvpager.schemas.scheduler import SchedulerInfo
+from kvpager.services.settings import Settings
 from nats.aio.client import Client as NATS
-
-from schemas.public import Health, ModelCard, ModelList
-from schemas.scheduler import SchedulerInfo
-from services.settings import Settings
 
 INFO_TIMEOUT_S = 2.0
 

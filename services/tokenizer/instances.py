@@ -15,14 +15,13 @@ import time
 
 import msgspec
 import structlog
+from kvpager.engine.router.routing import Router, RouterConfig
+from kvpager.schemas.tokenizer import InstanceLoad, KvEvents
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import unpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-
-from engine.router.routing import Router, RouterConfig
-from schemas.tokenizer import InstanceLoad, KvEvents
-from services.settings import Settings
-from services.subjects import Subjects
-from services.wire import unpack
 
 log = structlog.get_logger(__name__)
 

@@ -11,11 +11,11 @@ candidates travel whole in the step's output.
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.sched.beam_search import num_candidates
-from schemas.errors import ConfigError, InvalidRequestError, RequestTooLongError
-from schemas.public import GenerateRequest
-from schemas.sampling import SamplingParams
-from services.wire import pack
+from kvpager.engine.sched.beam_search import num_candidates
+from kvpager.schemas.errors import ConfigError, InvalidRequestError, RequestTooLongError
+from kvpager.schemas.public import GenerateRequest
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.services.wire import pack
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,12 @@
 import dataclasses
 from pathlib import Path
 
+from kvpager.engine.config import EngineConfig
+from kvpager.engine.model_config import ModelConfig
+from kvpager.services.runtime import run_service, setup_logging
+from kvpager.services.settings import Settings
+from kvpager.services.tokenizer.service import TokenizerService
 from transformers import AutoTokenizer
-
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
-from services.runtime import run_service, setup_logging
-from services.settings import Settings
-from services.tokenizer.service import TokenizerService
 
 
 def run(settings: Settings) -> int:

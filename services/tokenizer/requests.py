@@ -7,12 +7,11 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
-
-from engine.frontend.inputs import InputProcessor
-from schemas.errors import InvalidRequestError
-from schemas.public import ErrorInfo, GenerateRequest
-from schemas.sampling import SamplingParams
-from services.tokenizer.limits import RequestLimits
+from kvpager.engine.frontend.inputs import InputProcessor
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.public import ErrorInfo, GenerateRequest
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.services.tokenizer.limits import RequestLimits
 
 MSGPACK = "application/msgpack"
 _PARAM_AT = re.compile(r"`\$\.([A-Za-z_]+)")

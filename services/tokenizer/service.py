@@ -14,32 +14,31 @@ import uuid
 import msgspec
 import nats.errors
 import structlog
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from transformers import PreTrainedTokenizerBase
-
-from engine.frontend.inputs import InputProcessor
-from schemas.public import AbortRequest, ErrorInfo, GenerateEvent
-from schemas.scheduler import FinishRequest
-from schemas.tokenizer import SampleDelta, TokenBatch
-from services.discovery import Discovery
-from services.inflight import Journal, request_key
-from services.liveness import repeat
-from services.settings import Settings
-from services.subjects import TOKENIZER_QUEUE, Subjects, is_inbox
-from services.tokenizer import info, tokenize
-from services.tokenizer.dispatch import Dispatch, movable, typed_error
-from services.tokenizer.instances import Instances
-from services.tokenizer.limits import RequestLimits
-from services.tokenizer.requests import (
+from kvpager.engine.frontend.inputs import InputProcessor
+from kvpager.schemas.public import AbortRequest, ErrorInfo, GenerateEvent
+from kvpager.schemas.scheduler import FinishRequest
+from kvpager.schemas.tokenizer import SampleDelta, TokenBatch
+from kvpager.services.discovery import Discovery
+from kvpager.services.inflight import Journal, request_key
+from kvpager.services.liveness import repeat
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import TOKENIZER_QUEUE, Subjects, is_inbox
+from kvpager.services.tokenizer import info, tokenize
+from kvpager.services.tokenizer.dispatch import Dispatch, movable, typed_error
+from kvpager.services.tokenizer.instances import Instances
+from kvpager.services.tokenizer.limits import RequestLimits
+from kvpager.services.tokenizer.requests import (
     admission_error,
     is_msgpack,
     prepare_body,
     request_id_of,
 )
-from services.tokenizer.streams import Stream, error_event, over_the_limit
-from services.tokenizer.watch import StreamWatch
-from services.wire import encode_public, pack, payload_budget, unpack
+from kvpager.services.tokenizer.streams import Stream, error_event, over_the_limit
+from kvpager.services.tokenizer.watch import StreamWatch
+from kvpager.services.wire import encode_public, pack, payload_budget, unpack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from transformers import PreTrainedTokenizerBase
 
 log = structlog.get_logger(__name__)
 _batch_decoder = msgspec.msgpack.Decoder(TokenBatch)

@@ -12,16 +12,15 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+from kvpager.engine.frontend.migration import can_move, continuation
+from kvpager.engine.frontend.output_processor import SampleOutput, SampleUpdate
+from kvpager.schemas.public import ErrorInfo, GenerateEvent, PromptLogprob, TokenLogprob, Usage
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import FinishRequest, PromptLogprobs
+from kvpager.schemas.tokenizer import SampleDelta
+from kvpager.services.tokenizer.requests import Prepared
+from kvpager.services.wire import DEFAULT_MAX_PAYLOAD, PAYLOAD_HEADROOM
 from transformers import PreTrainedTokenizerBase
-
-from engine.frontend.migration import can_move, continuation
-from engine.frontend.output_processor import SampleOutput, SampleUpdate
-from schemas.public import ErrorInfo, GenerateEvent, PromptLogprob, TokenLogprob, Usage
-from schemas.sampling import SamplingParams
-from schemas.scheduler import FinishRequest, PromptLogprobs
-from schemas.tokenizer import SampleDelta
-from services.tokenizer.requests import Prepared
-from services.wire import DEFAULT_MAX_PAYLOAD, PAYLOAD_HEADROOM
 
 
 @dataclass

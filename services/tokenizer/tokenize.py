@@ -4,15 +4,19 @@ tokens exactly as `llm.generate` will. No prompt-length cap here: counting a pro
 long is what a client asks this for."""
 
 import msgspec
+from kvpager.engine.frontend.inputs import InputProcessor
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.public import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
+from kvpager.services.tokenizer.dispatch import typed_error
+from kvpager.services.tokenizer.limits import RequestLimits
+from kvpager.services.tokenizer.requests import is_msgpack
+from kvpager.services.wire import encode_public
 from transformers import PreTrainedTokenizerBase
-
-from engine.frontend.inputs import InputProcessor
-from schemas.errors import InvalidRequestError
-from schemas.public import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
-from services.tokenizer.dispatch import typed_error
-from services.tokenizer.limits import RequestLimits
-from services.tokenizer.requests import is_msgpack
-from services.wire import encode_public
 
 
 def tokenize(

@@ -12,14 +12,13 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import structlog
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.scheduler import SchedulerInfo
+from kvpager.services.liveness import PeerGone, Reconnects, Silence, ping
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
+from kvpager.services.tokenizer.streams import Stream
 from nats.aio.client import Client as NATS
-
-from schemas.public import ErrorInfo
-from schemas.scheduler import SchedulerInfo
-from services.liveness import PeerGone, Reconnects, Silence, ping
-from services.settings import Settings
-from services.subjects import Subjects
-from services.tokenizer.streams import Stream
 
 log = structlog.get_logger(__name__)
 

@@ -2,9 +2,10 @@
 compiles, run eagerly around the engine's paged attention (custom op and all), generates the
 tokens the engine's own decoder does, and the decoder class is left as it was."""
 
+from kvpager.engine import SamplingParams
+from kvpager.engine.model.decoder import Decoder
+
 from benchmarks.compiled_decoder import TimedForward, plain_layer_weights, use_graph
-from engine import SamplingParams
-from engine.model.decoder import Decoder
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 

@@ -2,10 +2,10 @@
 compiles) computes what kvpager's DecoderLayer.forward computes, on a tiny model, uncompiled."""
 
 import torch
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
 
 from benchmarks.inductor_chain import TorchChain, build_layers, kvpager_chain, step_inputs
-from engine.model_config import ModelConfig
-from kernels.backend import get_kernel_ops
 
 
 @torch.inference_mode()

@@ -5,12 +5,12 @@ import importlib.util
 import json
 
 import pytest
+from kvpager.engine.request import Request
+from kvpager.schemas.sampling import SamplingParams
 
 from benchmarks import run
 from benchmarks.ablation import ContiguousBlockManager
 from benchmarks.workloads import TokenSource, Workload, parallel_sampling, uniform
-from engine.request import Request
-from schemas.sampling import SamplingParams
 
 
 def test_workloads_are_seeded_and_avoid_special_ids():

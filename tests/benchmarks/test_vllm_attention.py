@@ -2,9 +2,9 @@
 prints the table it promises."""
 
 import pytest
+from kvpager.kernels import cpu_decode, cpu_tiles
 
 from benchmarks import vllm_attention
-from kernels import cpu_decode, cpu_tiles
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
 

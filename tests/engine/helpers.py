@@ -3,9 +3,8 @@
 import random
 
 import torch
+from kvpager.engine import LLM
 from transformers import AutoModelForCausalLM
-
-from engine import LLM
 
 
 def make_llm(path, **overrides) -> LLM:

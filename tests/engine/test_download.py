@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvpager.engine import download
+from kvpager.engine.download import KNOWN_MODELS, cache_dir, resolve_model
+from kvpager.schemas.errors import CheckpointError
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from engine import download
-from engine.download import KNOWN_MODELS, cache_dir, resolve_model
-from schemas.errors import CheckpointError
 
 # Provides `smollm2_path` until tests/conftest.py registers it for every module.
 

@@ -4,9 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from engine import memory
-from engine.memory import resolve_dtype
+from kvpager.engine import memory
+from kvpager.engine.memory import resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -1,8 +1,8 @@
 """Prefix sharing, parallel sampling, beam search and swap, proven by counting blocks."""
 
 import pytest
+from kvpager.engine import SamplingParams
 
-from engine import SamplingParams
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)

@@ -4,14 +4,14 @@ soft-capped model, n > 1, a recompute preemption; every test ends with the block
 
 import pytest
 import torch
+from kvpager.engine.frontend.migration import continuation
+from kvpager.engine.request import Request
+from kvpager.engine.sched.prompt_logprobs import check_chunk
+from kvpager.schemas.errors import InvalidRequestError, InvalidStepError
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import PromptLogprobs
 from transformers import AutoModelForCausalLM
 
-from engine.frontend.migration import continuation
-from engine.request import Request
-from engine.sched.prompt_logprobs import check_chunk
-from schemas.errors import InvalidRequestError, InvalidStepError
-from schemas.sampling import SamplingParams
-from schemas.scheduler import PromptLogprobs
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.model_families import build_gemma2
 

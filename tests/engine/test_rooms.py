@@ -8,18 +8,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULER_SIDE = (
-    "engine.sched.scheduler",
-    "engine.kv.block_manager",
-    "engine.kv.kv_size",
-    "engine.router.routing",
-    "engine.core",
+    "kvpager.engine.sched.scheduler",
+    "kvpager.engine.kv.block_manager",
+    "kvpager.engine.kv.kv_size",
+    "kvpager.engine.router.routing",
+    "kvpager.engine.core",
 )
 MAX_MODULES_PER_FOLDER = 15
 MAX_FUNCTION_LINES = 50
 
 
 def test_the_scheduler_side_imports_no_torch():
-    heavy = "('torch', 'transformers', 'engine.worker', 'engine.model')"
+    heavy = "('torch', 'transformers', 'kvpager.engine.worker', 'kvpager.engine.model')"
     code = f"import sys; import {', '.join(SCHEDULER_SIDE)}; "
     code += "print(' '.join(m for m in sys.modules if (m + '.').startswith(tuple(h + '.' "
     code += f"for h in {heavy}))))"

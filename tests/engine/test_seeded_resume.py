@@ -2,10 +2,10 @@
 appended to the prompt (what a migrated stream does) goes on with the very same tokens."""
 
 import pytest
+from kvpager.engine import SamplingParams
+from kvpager.engine.frontend.migration import can_move, continuation
+from kvpager.schemas.errors import InvalidRequestError
 
-from engine import SamplingParams
-from engine.frontend.migration import can_move, continuation
-from schemas.errors import InvalidRequestError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from kvpager.engine import SamplingParams
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import SamplingParams
 from tests.engine.helpers import assert_all_free, make_llm
 
 pytestmark = pytest.mark.slow

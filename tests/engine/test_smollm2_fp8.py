@@ -4,9 +4,9 @@ prompts x 64 tokens are close in vLLM's check_logprobs_close sense (benchmarks/f
 prints the details, e5m2 too)."""
 
 import pytest
+from kvpager.engine import SamplingParams
 
 from benchmarks.fp8_cache import CHATS
-from engine import SamplingParams
 from tests.engine.helpers import assert_all_free, make_llm
 from tests.engine.worker.test_fp8_cache import check_logprobs_close
 

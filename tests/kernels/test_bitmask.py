@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from kernels.bitmask import apply_token_bitmask
-from kernels.reference import apply_token_bitmask_ref
+from kvpager.kernels.bitmask import apply_token_bitmask
+from kvpager.kernels.reference import apply_token_bitmask_ref
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from kernels.block_ops import copy_blocks, swap_blocks
-from kernels.reference import copy_blocks_ref, swap_blocks_ref
+from kvpager.kernels.block_ops import copy_blocks, swap_blocks
+from kvpager.kernels.reference import copy_blocks_ref, swap_blocks_ref
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

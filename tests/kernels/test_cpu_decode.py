@@ -2,17 +2,17 @@
 
 import pytest
 import torch
-
-from kernels import cpu_decode
-from kernels.backend import check_backend_device, default_backend_name, get_kernel_ops
-from kernels.cpu_decode import (
+from kvpager.kernels import cpu_decode
+from kvpager.kernels.backend import check_backend_device, default_backend_name, get_kernel_ops
+from kvpager.kernels.cpu_decode import (
     BF16_SDPA_MIN_CHUNK,
     SDPA_MIN_CHUNK,
     paged_attention_cpu,
     paged_decode,
 )
-from kernels.reference import decode_attention_ref, paged_attention_ref
-from schemas.errors import ConfigError
+from kvpager.kernels.reference import decode_attention_ref, paged_attention_ref
+from kvpager.schemas.errors import ConfigError
+
 from tests.kernels.test_paged_attention import (
     DECODE,
     MIXED,

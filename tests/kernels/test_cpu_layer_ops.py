@@ -5,10 +5,9 @@ import platform
 
 import pytest
 import torch
-
-from engine.worker.host_malloc import retain_freed_memory
-from kernels import cpu_layer_ops
-from kernels.reference import (
+from kvpager.engine.worker.host_malloc import retain_freed_memory
+from kvpager.kernels import cpu_layer_ops
+from kvpager.kernels.reference import (
     add_rms_norm_ref,
     reshape_and_cache_ref,
     rotary_ref,

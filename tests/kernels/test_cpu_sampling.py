@@ -3,9 +3,8 @@
 
 import pytest
 import torch
-
-from kernels import cpu_sampling
-from kernels.reference import top_k_top_p_ref
+from kvpager.kernels import cpu_sampling
+from kvpager.kernels.reference import top_k_top_p_ref
 
 
 @pytest.fixture(params=["native", "x86-64-v3"])

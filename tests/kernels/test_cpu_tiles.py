@@ -7,10 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-
-from benchmarks.roofline import isa_flags
-from kernels import cpu_tiles
-from kernels.cpu_tiles import (
+from kvpager.kernels import cpu_tiles
+from kvpager.kernels.cpu_tiles import (
     from_tiles,
     paged_attention_tiles,
     paged_attention_tiles_ref,
@@ -18,7 +16,9 @@ from kernels.cpu_tiles import (
     reshape_and_cache_tiles_ref,
     to_tiles,
 )
-from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+from kvpager.kernels.reference import paged_attention_ref, reshape_and_cache_ref
+
+from benchmarks.roofline import isa_flags
 from tests.kernels.test_paged_attention import (
     DECODE,
     MIXED,

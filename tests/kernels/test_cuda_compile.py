@@ -22,10 +22,9 @@ ATTENTION_CASES = [
 
 def _compile_all() -> None:
     import triton
+    from kvpager.kernels import kv_write, paged_attention
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from kernels import kv_write, paged_attention
 
     target = GPUTarget("cuda", 90, 32)
     for mant, bias, largest in kv_write.FP8_FORMATS.values():

@@ -8,11 +8,11 @@ import functools
 
 import pytest
 import torch
+from kvpager.kernels import block_ops, cpu_decode, cpu_layer_ops, kv_write, reference
+from kvpager.kernels.cpu_decode import paged_attention_cpu
+from kvpager.kernels.paged_attention import paged_attention
+from kvpager.kernels.reference import FP8_DTYPES, paged_attention_ref, quantise_ref
 
-from kernels import block_ops, cpu_decode, cpu_layer_ops, kv_write, reference
-from kernels.cpu_decode import paged_attention_cpu
-from kernels.paged_attention import paged_attention
-from kernels.reference import FP8_DTYPES, paged_attention_ref, quantise_ref
 from tests.kernels.test_paged_attention import CHUNKED, DECODE, MIXED, PREFILL, make_batch
 
 FP8 = pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3", "e5m2"])

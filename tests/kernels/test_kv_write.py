@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from kernels.kv_write import reshape_and_cache
-from kernels.reference import reshape_and_cache_ref
+from kvpager.kernels.kv_write import reshape_and_cache
+from kvpager.kernels.reference import reshape_and_cache_ref
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -4,8 +4,7 @@ the same positional parameters, by name and in order; anything extra has a defau
 import inspect
 
 import pytest
-
-from kernels import (
+from kvpager.kernels import (
     backend,
     block_ops,
     cpu_decode,

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels.paged_attention import choose_num_splits, paged_attention
-from kernels.reference import paged_attention_ref
+from kvpager.kernels.paged_attention import choose_num_splits, paged_attention
+from kvpager.kernels.reference import paged_attention_ref
 
 
 def _id(value):

@@ -5,11 +5,11 @@ the output names the keys it saw (transformers' rule: i - window < j <= i)."""
 
 import pytest
 import torch
+from kvpager.kernels import cpu_decode
+from kvpager.kernels.cpu_decode import paged_attention_cpu
+from kvpager.kernels.paged_attention import paged_attention
+from kvpager.kernels.reference import paged_attention_ref
 
-from kernels import cpu_decode
-from kernels.cpu_decode import paged_attention_cpu
-from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
 from tests.kernels.test_paged_attention import (
     CHUNKED,
     DECODE,

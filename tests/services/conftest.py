@@ -13,8 +13,8 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvpager.services.client import Client
 
-from services.client import Client
 from tests.nats_server import nats_server  # noqa: F401  (fixture)
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")
@@ -43,7 +43,7 @@ class Services:
         overrides this process's environment."""
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", command or name],
+                [sys.executable, "-P", "-m", "kvpager.services.cli", command or name],
                 env={**self.environ, **env},
                 stderr=log,
                 stdout=log,

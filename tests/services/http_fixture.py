@@ -11,8 +11,8 @@ from subprocess import Popen
 
 import httpx
 import pytest
+from kvpager.services.client import Client
 
-from services.client import Client
 from tests.nats_server import free_port
 from tests.services.conftest import wait_all_blocks_free
 from tests.services.kvpager_cli import start, wait_for_line

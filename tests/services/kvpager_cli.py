@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-KVPAGER = [sys.executable, "-m", "services.cli"]
+KVPAGER = [sys.executable, "-P", "-m", "kvpager.services.cli"]
 QUIET_ENV = {"KVPAGER_LOG_JSON": "true", "KVPAGER_LOG_LEVEL": "warning"}
 
 

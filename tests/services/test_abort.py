@@ -3,7 +3,8 @@
 import asyncio
 import contextlib
 
-from services.client import Client
+from kvpager.services.client import Client
+
 from tests.services.conftest import wait_all_blocks_free
 
 LONG = dict(prompt="Once upon a time", temperature=0.0, max_tokens=600, ignore_eos=True)

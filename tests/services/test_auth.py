@@ -11,12 +11,12 @@ from pathlib import Path
 
 import nats
 import pytest
+from kvpager.services import credentials
+from kvpager.services.connection import ConnectError, connect_options, flush_sent, open_connection
+from kvpager.services.runtime import connect
+from kvpager.services.serve.embedded import EmbeddedNats
+from kvpager.services.settings import ServeSettings, Settings
 
-from services import credentials
-from services.connection import ConnectError, connect_options, flush_sent, open_connection
-from services.runtime import connect
-from services.serve.embedded import EmbeddedNats
-from services.settings import ServeSettings, Settings
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, start, wait_for_line
 

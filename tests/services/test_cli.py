@@ -9,8 +9,8 @@ import socket
 
 import pytest
 import structlog
+from kvpager.services.cli import main
 
-from services.cli import main
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, processes_on
 

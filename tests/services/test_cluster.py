@@ -5,9 +5,9 @@ to the others; streams in flight then end, complete or with a typed error, and n
 import asyncio
 
 import pytest
+from kvpager.engine import LLM, SamplingParams
+from kvpager.services.client import Client
 
-from engine import LLM, SamplingParams
-from services.client import Client
 from tests.nats_server import nats_cluster
 from tests.services.conftest import (
     SERVICE_NAMES,

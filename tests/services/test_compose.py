@@ -26,10 +26,10 @@ from pathlib import Path
 import nats
 import pytest
 import yaml
+from kvpager.services.cli import build_parser
+from kvpager.services.client import Client
+from kvpager.services.connection import flush_sent
 
-from services.cli import build_parser
-from services.client import Client
-from services.connection import flush_sent
 from tests.nats_server import free_port, nats_server_binary
 from tests.services.kvpager_cli import KVPAGER
 

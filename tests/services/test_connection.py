@@ -3,8 +3,7 @@ from another right after it, every time."""
 
 import nats
 import nats.errors
-
-from services.connection import flush_sent
+from kvpager.services.connection import flush_sent
 
 ROUNDS = 2000  # with nats-py's plain flush(), 1-9 of them got "no responders" (3 of 3 runs failed)
 

@@ -7,13 +7,13 @@ import time
 
 import nats
 import pytest
+from kvpager.services import credentials
+from kvpager.services.connection import ConnectError, open_connection
+from kvpager.services.serve.embedded import EmbeddedNats
+from kvpager.services.serve.launcher import _start_server
+from kvpager.services.settings import ServeSettings, Settings
+from kvpager.services.subjects import is_inbox
 
-from services import credentials
-from services.connection import ConnectError, open_connection
-from services.serve.embedded import EmbeddedNats
-from services.serve.launcher import _start_server
-from services.settings import ServeSettings, Settings
-from services.subjects import is_inbox
 from tests.nats_server import free_port, nats_server_binary
 from tests.services.kvpager_cli import kvpager
 

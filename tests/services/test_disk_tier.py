@@ -6,11 +6,11 @@ import asyncio
 
 import msgspec
 import pytest
+from kvpager.engine.kv.block_hash import prompt_block_hashes
+from kvpager.schemas.tokenizer import BlockStored, KvEvents
+from kvpager.services.client import Client
+from kvpager.services.subjects import Subjects
 
-from engine.kv.block_hash import prompt_block_hashes
-from schemas.tokenizer import BlockStored, KvEvents
-from services.client import Client
-from services.subjects import Subjects
 from tests.engine.helpers import random_prompts
 from tests.nats_server import nats_server  # noqa: F401  (fixture)
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free

@@ -4,9 +4,8 @@ import asyncio
 
 import msgspec
 import pytest
-
-from services.client import Client, NoKvpagerError
-from services.wire import MSGPACK_HEADERS
+from kvpager.services.client import Client, NoKvpagerError
+from kvpager.services.wire import MSGPACK_HEADERS
 
 TOO_LONG = msgspec.json.encode({"prompt_token_ids": [5] * 1100})
 INVALID = [  # (body, headers, error type, param)

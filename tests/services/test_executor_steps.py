@@ -7,14 +7,20 @@ import asyncio
 
 import msgspec
 import nats
+from kvpager.engine import LLM
+from kvpager.schemas.executor import Attached, CachedRequest, NewRequest, RunStep, ScheduledStep
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import (
+    ExecutorMessage,
+    ExecutorReady,
+    SchedulerInfo,
+    StepDone,
+    StepFailed,
+)
+from kvpager.services.connection import flush_sent
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import pack
 
-from engine import LLM
-from schemas.executor import Attached, CachedRequest, NewRequest, RunStep, ScheduledStep
-from schemas.sampling import SamplingParams
-from schemas.scheduler import ExecutorMessage, ExecutorReady, SchedulerInfo, StepDone, StepFailed
-from services.connection import flush_sent
-from services.subjects import Subjects
-from services.wire import pack
 from tests.services.conftest import start_services
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)

@@ -11,13 +11,13 @@ import signal
 import time
 
 import pytest
+from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.worker.executor import Executor
+from kvpager.schemas.executor import NewRequest, ScheduledStep
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.services.client import Client
 
-from engine.config import ExecutorConfig
-from engine.model_config import ModelConfig
-from engine.worker.executor import Executor
-from schemas.executor import NewRequest, ScheduledStep
-from schemas.sampling import SamplingParams
-from services.client import Client
 from tests.nats_server import NatsServer
 from tests.services.conftest import Services, start_services, wait_all_blocks_free
 

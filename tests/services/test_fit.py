@@ -2,12 +2,11 @@
 
 import msgspec
 import pytest
-
-from schemas.executor import NewRequest, ScheduledStep
-from schemas.sampling import SamplingParams
-from schemas.scheduler import PromptLogprobs, StepDone, StepOutput
-from schemas.tokenizer import SampleDelta
-from services.fit import (
+from kvpager.schemas.executor import NewRequest, ScheduledStep
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import PromptLogprobs, StepDone, StepOutput
+from kvpager.schemas.tokenizer import SampleDelta
+from kvpager.services.fit import (
     join_done,
     join_rows,
     size,
@@ -16,7 +15,7 @@ from services.fit import (
     split_rows,
     split_step,
 )
-from services.wire import pack_within
+from kvpager.services.wire import pack_within
 
 BUDGET = 4096
 

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from kvpager.schemas.public import GenerateEvent
+from kvpager.services.client import KEEPALIVE_HEADER, Client
+from kvpager.services.wire import MSGPACK_HEADERS
 
-from schemas.public import GenerateEvent
-from services.client import KEEPALIVE_HEADER, Client
-from services.wire import MSGPACK_HEADERS
 from tests.models import VOCAB_SIZE
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 

@@ -3,9 +3,9 @@
 import asyncio
 
 import pytest
+from kvpager.engine import LLM, SamplingParams
+from kvpager.services.client import Client
 
-from engine import LLM, SamplingParams
-from services.client import Client
 from tests.models import CORPUS
 
 NUM_STREAMS = 24

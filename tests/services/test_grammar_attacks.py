@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
+from kvpager.services.client import Client
 
-from services.client import Client
 from tests.engine.structured.test_limits import gbnf_chain, lark_chain, patterns_schema, ref_chain
 from tests.nats_server import free_port
 from tests.services.conftest import wait_all_blocks_free

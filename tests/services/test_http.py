@@ -12,8 +12,8 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvpager.services.client import Client
 
-from services.client import Client
 from tests.services.http_fixture import nats_client, nats_text, served  # noqa: F401
 from tests.services.test_fuzz import bad_limits, bad_values, broken_bodies, valid_requests
 

@@ -12,12 +12,12 @@ import time
 import httpx
 import openai
 import pytest
+from kvpager.schemas.errors import ConfigError
+from kvpager.services.cli import build_parser
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.settings import Settings
+from kvpager.services.tokenizer.main import with_prompt_cap
 
-from schemas.errors import ConfigError
-from services.cli import build_parser
-from services.http.settings import HttpSettings
-from services.settings import Settings
-from services.tokenizer.main import with_prompt_cap
 from tests.services.http_fixture import gateway, nats_client, served  # noqa: F401
 
 KEYS = ("key-alpha", "key-beta")

@@ -2,19 +2,18 @@
 prometheus_client's own parser, and NATS service discovery through `$SRV.PING` / `$SRV.INFO` /
 `$SRV.STATS`, the requests `nats micro ls | info | stats` send."""
 
-import asyncio
 import json
 
 import httpx
 import nats
 import openai
 import pytest
+from kvpager.engine.sched.metrics import Buckets
+from kvpager.services import credentials
+from kvpager.services.client import Client
+from kvpager.services.http.metrics import render
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.sched.metrics import Buckets
-from services import credentials
-from services.client import Client
-from services.http.metrics import render
 from tests.services.http_fixture import NUM_BLOCKS, nats_client, served  # noqa: F401
 
 KINDS = ("tokenizer", "scheduler", "executor", "http", "metrics")
@@ -119,7 +118,7 @@ async def _gather(nc, subject: str, wait_s: float = 1.0) -> list[dict]:
     try:
         while True:
             answers.append(json.loads((await sub.next_msg(timeout=wait_s)).data))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     finally:
         await sub.unsubscribe()

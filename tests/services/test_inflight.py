@@ -6,11 +6,10 @@ import subprocess
 
 import msgspec
 import pytest
-
-from schemas.errors import PoisonedRequestError
-from services import inflight
-from services.inflight import Journal, journal_path, read_journal, request_key
-from services.serve.processes import python_module
+from kvpager.schemas.errors import PoisonedRequestError
+from kvpager.services import inflight
+from kvpager.services.inflight import Journal, journal_path, read_journal, request_key
+from kvpager.services.serve.processes import python_module
 
 
 def test_a_retried_request_has_the_key_of_the_first_try():
@@ -71,8 +70,7 @@ def test_without_a_folder_nothing_is_written_nor_refused(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("safe_path", [True, False], ids=["-P", "bootstrap (3.10)"])
-def test_children_never_import_the_callers_folder(tmp_path, safe_path):
+def test_children_never_import_the_callers_folder(tmp_path):
     """A folder holding look-alikes of kvpager's packages and of a standard module."""
     marker = tmp_path / "ran"
     evil = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\nraise SystemExit(7)\n"
@@ -82,7 +80,7 @@ def test_children_never_import_the_callers_folder(tmp_path, safe_path):
         (tmp_path / package / "cli.py").write_text(evil)
     for module in ("resource", "json", "typing"):
         (tmp_path / f"{module}.py").write_text(evil)
-    argv = python_module("services.cli", "--help", safe_path=safe_path)
+    argv = python_module("kvpager.services.cli", "--help")
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "serve" in done.stdout and not marker.exists()

@@ -14,10 +14,9 @@ import random
 import msgspec
 import nats
 import pytest
-
-from schemas.executor import CachedRequest, NewRequest, RunStep, ScheduledStep, StepPiece
-from schemas.sampling import SamplingParams
-from schemas.scheduler import (
+from kvpager.schemas.executor import CachedRequest, NewRequest, RunStep, ScheduledStep, StepPiece
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import (
     AddRequest,
     ExecutorReady,
     FinishRequest,
@@ -26,11 +25,12 @@ from schemas.scheduler import (
     StepFailed,
     StepOutput,
 )
-from schemas.tokenizer import AddResult, SampleDelta, TokenBatch
-from services.client import Client
-from services.connection import flush_sent
-from services.subjects import Subjects
-from services.wire import pack
+from kvpager.schemas.tokenizer import AddResult, SampleDelta, TokenBatch
+from kvpager.services.client import Client
+from kvpager.services.connection import flush_sent
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import pack
+
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 
 PREFIX = "ifuzz"

@@ -14,11 +14,11 @@ from pathlib import Path
 import msgspec
 import nats
 import pytest
+from kvpager.schemas.public import AbortRequest, GenerateRequest
+from kvpager.services import credentials
+from kvpager.services.client import Client
+from kvpager.services.connection import flush_sent
 
-from schemas.public import AbortRequest, GenerateRequest
-from services import credentials
-from services.client import Client
-from services.connection import flush_sent
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, start, wait_for_line
 

@@ -4,8 +4,8 @@ answers "overloaded" at once."""
 import asyncio
 
 import pytest
+from kvpager.services.client import Client
 
-from services.client import Client
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 
 PREFIX = "small"

@@ -4,13 +4,12 @@ import asyncio
 
 import msgspec
 import nats
-
-from schemas.executor import RunStep, ScheduledStep, SchedulerMessage
-from schemas.scheduler import StepDone, StepOutput
-from services.connection import flush_sent
-from services.scheduler.link import ExecutorLink
-from services.subjects import Subjects
-from services.wire import pack
+from kvpager.schemas.executor import RunStep, ScheduledStep, SchedulerMessage
+from kvpager.schemas.scheduler import StepDone, StepOutput
+from kvpager.services.connection import flush_sent
+from kvpager.services.scheduler.link import ExecutorLink
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import pack
 
 
 async def test_answers_that_come_before_they_are_awaited_are_kept(nats_server):

@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import pytest
+from kvpager.services.client import Client
 
 from benchmarks.load import (
     expected_tokens,
@@ -15,7 +16,6 @@ from benchmarks.load import (
     run_streams,
     summarize,
 )
-from services.client import Client
 from tests.models import VOCAB_SIZE
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 

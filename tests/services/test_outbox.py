@@ -3,11 +3,11 @@ the core's SampleDeltas keep it open, and goes with the batch that closes it."""
 
 import msgspec
 import nats
+from kvpager.engine.sched.sample_deltas import SampleDeltas
+from kvpager.schemas.scheduler import TokenLogprobs
+from kvpager.schemas.tokenizer import SampleDelta, TokenBatch
+from kvpager.services.scheduler.outbox import Outbox
 
-from engine.sched.sample_deltas import SampleDeltas
-from schemas.scheduler import TokenLogprobs
-from schemas.tokenizer import SampleDelta, TokenBatch
-from services.scheduler.outbox import Outbox
 from tests.nats_server import NatsServer
 
 

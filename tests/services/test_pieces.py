@@ -3,8 +3,7 @@ at most `keep` ids of its tail; pieces whose message never comes are dropped aft
 and no more than `max_tokens` ids are ever held."""
 
 import pytest
-
-from services.pieces import Pieces, split
+from kvpager.services.pieces import Pieces, split
 
 
 @pytest.mark.parametrize(

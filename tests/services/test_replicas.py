@@ -12,9 +12,9 @@ import random
 import time
 
 import pytest
+from kvpager.services.client import Client
+from kvpager.services.http.metrics import gather_stats
 
-from services.client import Client
-from services.http.metrics import gather_stats
 from tests.nats_server import NatsServer
 from tests.services.conftest import Services, start_services
 

@@ -5,10 +5,9 @@ import sys
 from pathlib import Path
 
 import msgspec
-
-from schemas.public import GenerateEvent, GenerateRequest
-from schemas.sampling import SamplingParams
-from services.schema import render
+from kvpager.schemas.public import GenerateEvent, GenerateRequest
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.services.schema import render
 
 SCHEMA_FILE = Path(__file__).parents[2] / "schemas" / "public.schema.json"
 
@@ -19,7 +18,10 @@ def test_checked_in_schema_is_in_sync():
 
 def test_kvpager_schema_prints_it():
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "schema"], check=True, capture_output=True, text=True
+        [sys.executable, "-P", "-m", "kvpager.services.cli", "schema"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     assert out == SCHEMA_FILE.read_text()
 

@@ -12,8 +12,8 @@ from subprocess import Popen
 
 import psutil
 import pytest
+from kvpager.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, processes_on, start, wait_for_line
 

@@ -11,11 +11,11 @@ import time
 import msgspec
 import nats
 import psutil
+from kvpager.schemas.scheduler import SchedulerInfo
+from kvpager.services import credentials
+from kvpager.services.client import Client
+from kvpager.services.http.metrics import gather_stats
 
-from schemas.scheduler import SchedulerInfo
-from services import credentials
-from services.client import Client
-from services.http.metrics import gather_stats
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import start, wait_for_line
 

@@ -21,10 +21,10 @@ import httpx
 import msgspec
 import psutil
 import pytest
+from kvpager.schemas.public import GenerateRequest
+from kvpager.services.client import Client
+from kvpager.services.inflight import POISON_FILE, request_key
 
-from schemas.public import GenerateRequest
-from services.client import Client
-from services.inflight import POISON_FILE, request_key
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import QUIET_ENV, wait_for_line
 from tests.services.test_serve import Served, _child, _generate_after_heal
@@ -62,7 +62,7 @@ def hostile(tiny_llama, tmp_path_factory) -> Iterator[tuple[Served, Path, str]]:
     env["KVPAGER_HEARTBEAT_INTERVAL"] = "0.5"
     with open(log_dir / "out.txt", "wb") as out, open(log_dir / "err.txt", "wb") as err:
         process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "services.cli", *args],
+            [sys.executable, "-P", "-m", "kvpager.services.cli", *args],
             cwd=log_dir / "cwd",
             env=env,
             stdout=out,

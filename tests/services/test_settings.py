@@ -3,9 +3,8 @@
 import argparse
 
 import pytest
-
-from schemas.errors import ConfigError
-from services.settings import Settings, add_arguments, environment
+from kvpager.schemas.errors import ConfigError
+from kvpager.services.settings import Settings, add_arguments, environment
 
 
 def _parse(argv: list[str]) -> Settings:
@@ -60,7 +59,7 @@ def test_invalid_settings_raise(fields):
 
 
 def test_disk_tier_settings_read_sizes(monkeypatch):
-    from engine.config import EngineConfig
+    from kvpager.engine.config import EngineConfig
 
     settings = _parse(["--kv-disk-dir", "/var/tmp/kv", "--kv-disk-bytes", "4GiB"])
     assert settings.kv_disk_bytes == 4 << 30 and settings.kv_disk_dir == "/var/tmp/kv"

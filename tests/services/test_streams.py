@@ -2,15 +2,14 @@
 
 import msgspec
 import pytest
+from kvpager.schemas.public import ErrorInfo
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import PromptLogprobs
+from kvpager.schemas.tokenizer import SampleDelta
+from kvpager.services.fit import split_rows
+from kvpager.services.tokenizer.requests import Prepared
+from kvpager.services.tokenizer.streams import Stream
 from transformers import AutoTokenizer
-
-from schemas.public import ErrorInfo
-from schemas.sampling import SamplingParams
-from schemas.scheduler import PromptLogprobs
-from schemas.tokenizer import SampleDelta
-from services.fit import split_rows
-from services.tokenizer.requests import Prepared
-from services.tokenizer.streams import Stream
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
-
-from schemas.errors import PoisonedRequestError
-from services.inflight import Journal
-from services.serve.supervisor import MAX_CRASHES, Child, CrashLoopError, Supervisor
+from kvpager.schemas.errors import PoisonedRequestError
+from kvpager.services.inflight import Journal
+from kvpager.services.serve.supervisor import MAX_CRASHES, Child, CrashLoopError, Supervisor
 
 
 def crashing() -> subprocess.Popen:

@@ -8,11 +8,11 @@ import time
 
 import psutil
 import pytest
+from kvpager.engine import LLM, SamplingParams
+from kvpager.schemas.errors import ConfigError
+from kvpager.services.client import Client
+from kvpager.services.settings import Settings
 
-from engine import LLM, SamplingParams
-from schemas.errors import ConfigError
-from services.client import Client
-from services.settings import Settings
 from tests.models import CORPUS
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, start, wait_for_line

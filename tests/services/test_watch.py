@@ -4,16 +4,15 @@ stream's instance is doing, and streams that move while the ping is out."""
 import msgspec
 import nats
 import pytest
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import SchedulerInfo
+from kvpager.services.connection import flush_sent
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
+from kvpager.services.tokenizer.requests import Prepared
+from kvpager.services.tokenizer.streams import Stream
+from kvpager.services.tokenizer.watch import StreamWatch
 from transformers import AutoTokenizer
-
-from schemas.sampling import SamplingParams
-from schemas.scheduler import SchedulerInfo
-from services.connection import flush_sent
-from services.settings import Settings
-from services.subjects import Subjects
-from services.tokenizer.requests import Prepared
-from services.tokenizer.streams import Stream
-from services.tokenizer.watch import StreamWatch
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
+from kvpager.services.client import Client
 
-from services.client import Client
 from tests.models import build_llama
 from tests.nats_server import free_port
 from tests.services.conftest import wait_all_blocks_free

@@ -3,12 +3,11 @@ its field and its limit, and a beam row asks the executor for no more candidates
 selection can use."""
 
 import pytest
-
-from engine.sched.beam_search import num_candidates
-from schemas.errors import InvalidRequestError
-from schemas.public import GenerateRequest
-from schemas.sampling import SamplingParams, StructuredOutputsParams
-from services.tokenizer.limits import RequestLimits
+from kvpager.engine.sched.beam_search import num_candidates
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.public import GenerateRequest
+from kvpager.schemas.sampling import SamplingParams, StructuredOutputsParams
+from kvpager.services.tokenizer.limits import RequestLimits
 
 LIMITS = RequestLimits()
 

@@ -9,9 +9,9 @@ import random
 import time
 
 import pytest
+from kvpager.engine import LLM, SamplingParams
+from kvpager.services.client import Client
 
-from engine import LLM, SamplingParams
-from services.client import Client
 from tests.models import build_llama
 from tests.nats_server import NatsServer
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free

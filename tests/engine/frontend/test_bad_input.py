@@ -1,9 +1,9 @@
 """Bad input gets a typed error naming the field; nothing is allocated; the engine keeps working."""
 
 import pytest
+from kvpager.engine import ConfigError, InvalidRequestError, RequestTooLongError, SamplingParams
+from kvpager.engine.config import host_memory_bytes
 
-from engine import ConfigError, InvalidRequestError, RequestTooLongError, SamplingParams
-from engine.config import host_memory_bytes
 from tests.engine.helpers import assert_all_free, make_llm
 
 

@@ -3,11 +3,10 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpager.engine.frontend.detokenizer import IncrementalDetokenizer
+from kvpager.schemas.sampling import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-
-from engine.frontend.detokenizer import IncrementalDetokenizer
-from schemas.sampling import SamplingParams
 
 SENTENCES = [
     "Hello world, hello tokenizer. The world says hello.",

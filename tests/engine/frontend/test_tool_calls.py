@@ -3,8 +3,7 @@
 import json
 
 import pytest
-
-from engine.frontend.tool_calls import (
+from kvpager.engine.frontend.tool_calls import (
     HermesStream,
     ParsedCall,
     parse_hermes,
@@ -75,9 +74,8 @@ def test_required_answers() -> None:
 def test_tools_and_tool_turns_reach_the_chat_template(tiny_llama) -> None:
     """The tools and an assistant turn's calls are what the template renders (a hermes-style
     template, as Qwen2.5's writes them)."""
+    from kvpager.engine.frontend.inputs import InputProcessor
     from transformers import AutoTokenizer
-
-    from engine.frontend.inputs import InputProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     tokenizer.chat_template = (

@@ -1,8 +1,8 @@
 """Block manager: exact block ids, free-list order and ref counts (block_size 4, 8 blocks)."""
 
-from engine.kv.block_manager import BlockManager, CachedBlock
-from engine.request import Request
-from schemas.sampling import SamplingParams
+from kvpager.engine.kv.block_manager import BlockManager, CachedBlock
+from kvpager.engine.request import Request
+from kvpager.schemas.sampling import SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int], max_tokens: int = 8) -> Request:

@@ -1,13 +1,13 @@
 """The disk tier's accounting in the block manager: exact writes and reads it asks for, driven
 by hand-made step outputs (block_size 4, 4 device blocks)."""
 
-from engine.kv.block_hash import prompt_block_hashes
-from engine.kv.block_manager import BlockManager, CachedBlock
-from engine.request import Request
-from schemas.executor import DiskBlock
-from schemas.sampling import SamplingParams
-from schemas.scheduler import StepOutput
-from schemas.tokenizer import BlockRemoved, BlockStored
+from kvpager.engine.kv.block_hash import prompt_block_hashes
+from kvpager.engine.kv.block_manager import BlockManager, CachedBlock
+from kvpager.engine.request import Request
+from kvpager.schemas.executor import DiskBlock
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import StepOutput
+from kvpager.schemas.tokenizer import BlockRemoved, BlockStored
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:

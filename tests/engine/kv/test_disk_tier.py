@@ -5,10 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
+from kvpager.engine import SamplingParams
+from kvpager.engine.kv.block_hash import prompt_block_hashes
+from kvpager.schemas.errors import ConfigError
 
-from engine import SamplingParams
-from engine.kv.block_hash import prompt_block_hashes
-from schemas.errors import ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.engine.worker.test_disk_store import forge
 

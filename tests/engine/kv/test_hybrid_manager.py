@@ -2,12 +2,12 @@
 hits (vLLM's rule), hits agreed across a full and a sliding group, and layer grouping."""
 
 import pytest
+from kvpager.engine.config import CacheConfig
+from kvpager.engine.kv.block_manager import NULL_BLOCK, BlockManager, CachedBlock
+from kvpager.engine.kv.hybrid_manager import HybridBlockManager
+from kvpager.engine.kv.kv_groups import kv_groups, max_blocks_per_seq
+from kvpager.schemas.errors import ConfigError
 
-from engine.config import CacheConfig
-from engine.kv.block_manager import NULL_BLOCK, BlockManager, CachedBlock
-from engine.kv.hybrid_manager import HybridBlockManager
-from engine.kv.kv_groups import kv_groups, max_blocks_per_seq
-from schemas.errors import ConfigError
 from tests.engine.kv.test_block_manager import computed, make_request
 
 

@@ -3,9 +3,8 @@
 import json
 
 import torch
-
-from engine.kv.kv_size import kv_size, weight_bytes_per_rank
-from engine.model_config import ModelConfig
+from kvpager.engine.kv.kv_size import kv_size, weight_bytes_per_rank
+from kvpager.engine.model_config import ModelConfig
 
 LLAMA_31_70B = {
     "model_type": "llama",
@@ -38,7 +37,7 @@ def test_llama_70b_sequence_is_about_1_3_gb():
 
 
 def test_kv_size_command(tmp_path, capsys):
-    from services.cli import main
+    from kvpager.services.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_70B))
     assert main(["kv-size", str(tmp_path), "--tokens", "4096", "--dtype", "bf16"]) == 0
@@ -53,7 +52,7 @@ def test_the_seed_example_fits_with_an_fp8_cache(tmp_path, capsys):
     """The issue's command: an fp8 (e4m3) cache halves the KV bytes a token, so the 256 users
     fit paged at the 2,048-token average (501), though not all at full length (250); the
     weights stay bf16, 32.86 GiB a rank. --kv-cache-dtype is the same flag by serve's name."""
-    from services.cli import main
+    from kvpager.services.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_70B))
     args = ["kv-size", str(tmp_path), "--tokens", "4096", "--users", "256", "--gpus", "4"]
@@ -75,7 +74,7 @@ def test_the_seed_example_fits_with_an_fp8_cache(tmp_path, capsys):
 def test_the_seed_example_on_four_80gib_gpus(tmp_path, capsys):
     """70B in bf16 is 70,553,706,496 parameters; four ranks each hold 1/4 of every matrix (the
     norms whole), 2 of the 8 KV heads, and 90% of 80 GiB less their weights for the cache."""
-    from services.cli import main
+    from kvpager.services.cli import main
 
     config = ModelConfig.from_dict(LLAMA_31_70B)
     assert weight_bytes_per_rank(config, torch.bfloat16) == 2 * 70_553_706_496

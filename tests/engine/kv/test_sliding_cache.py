@@ -5,9 +5,9 @@ with one block table per KV group: roomy, preempted (recompute and swap), on pre
 n > 1 forks and a beam search. Every run ends with every block free."""
 
 import pytest
+from kvpager.engine import SamplingParams
+from kvpager.engine.kv.hybrid_manager import HybridBlockManager
 
-from engine import SamplingParams
-from engine.kv.hybrid_manager import HybridBlockManager
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.model_families import build_gemma3, build_mistral
 

@@ -6,14 +6,14 @@ norms, each on its own, equal transformers' bit for bit."""
 
 import pytest
 import torch
+from kvpager.engine import SamplingParams
+from kvpager.engine.memory import cpu_has_native_bf16
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.loader import load_weights
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams
-from engine.memory import cpu_has_native_bf16
-from engine.model.decoder import Decoder
-from engine.model.loader import load_weights
-from engine.model_config import ModelConfig
-from kernels.backend import get_kernel_ops
 from tests import model_families
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.engine.model.test_parity import experts_packed

@@ -4,17 +4,17 @@ roomy, on the CPU backend's C kernels, under preemption and under chunked prefil
 
 import pytest
 import torch
+from kvpager.engine import LLM, SamplingParams
+from kvpager.engine.kv.kv_groups import kv_groups
+from kvpager.engine.kv.kv_size import weight_bytes_per_rank
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.loader import load_weights
+from kvpager.engine.model.sharding import Shard
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
+from kvpager.schemas.errors import CheckpointError
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.kv.kv_groups import kv_groups
-from engine.kv.kv_size import weight_bytes_per_rank
-from engine.model.decoder import Decoder
-from engine.model.loader import load_weights
-from engine.model.sharding import Shard
-from engine.model_config import ModelConfig
-from kernels.backend import get_kernel_ops
-from schemas.errors import CheckpointError
 from tests import model_families
 from tests.engine.model.test_parity import (
     MAX_TOKENS,

@@ -4,9 +4,9 @@ transformers: roomy on the C kernels, and on a cache small enough to preempt. Wi
 tokens slide far within the 41-token prompts, so sliding groups free blocks as they go."""
 
 import pytest
+from kvpager.engine.kv.kv_groups import kv_groups
+from kvpager.engine.model_config import ModelConfig
 
-from engine.kv.kv_groups import kv_groups
-from engine.model_config import ModelConfig
 from tests import model_families as fam
 from tests.engine.model.test_parity import (
     MAX_TOKENS,

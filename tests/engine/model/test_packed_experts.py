@@ -5,13 +5,12 @@ decoder packs bf16 experts only (fp32 measured slower), the rank's slices under 
 
 import pytest
 import torch
-
-from engine.memory import cpu_has_native_bf16
-from engine.model.moe import RoutedExperts
-from engine.model.packed_experts import PackedExperts
-from engine.model_config import ModelConfig
-from kernels import cpu_layer_ops
-from kernels.reference import fused_moe_ref, gelu_tanh_and_mul_ref
+from kvpager.engine.memory import cpu_has_native_bf16
+from kvpager.engine.model.moe import RoutedExperts
+from kvpager.engine.model.packed_experts import PackedExperts
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels import cpu_layer_ops
+from kvpager.kernels.reference import fused_moe_ref, gelu_tanh_and_mul_ref
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 64, 48
 BF16 = pytest.param(

@@ -4,9 +4,8 @@ import random
 
 import pytest
 import torch
+from kvpager.engine import LLM, SamplingParams
 from transformers import AutoModelForCausalLM
-
-from engine import LLM, SamplingParams
 
 BLOCK_SIZE = 8
 PROMPT_LENGTHS = [1, 2, 5, 7, 8, 9, 12, 15, 16, 17, 23, 24, 25, 31, 33, 41]
@@ -79,7 +78,7 @@ def test_cpu_backend_matches_transformers(model_and_expected):
 
 def test_mlp_row_chunks_keep_tokens_exact(model_and_expected, monkeypatch):
     """Long batches run the MLP in row chunks (engine/model/decoder.py); 4-row chunks here."""
-    monkeypatch.setattr("engine.model.decoder.MLP_CHUNK_TOKENS", 4)
+    monkeypatch.setattr("kvpager.engine.model.decoder.MLP_CHUNK_TOKENS", 4)
     path, prompts, expected = model_and_expected
     llm, got = run_engine(path, prompts, num_blocks=128)
     assert got == expected

@@ -1,11 +1,16 @@
 """The router's KV index and costs, fed hand-made events (no NATS)."""
 
 import pytest
-
-from engine.kv.block_hash import prompt_block_hashes
-from engine.router.routing import Router, RouterConfig
-from schemas.errors import ConfigError, ModelNotFoundError, NoInstanceError
-from schemas.tokenizer import BlockRemoved, BlockStored, CacheCleared, InstanceLoad, KvEvents
+from kvpager.engine.kv.block_hash import prompt_block_hashes
+from kvpager.engine.router.routing import Router, RouterConfig
+from kvpager.schemas.errors import ConfigError, ModelNotFoundError, NoInstanceError
+from kvpager.schemas.tokenizer import (
+    BlockRemoved,
+    BlockStored,
+    CacheCleared,
+    InstanceLoad,
+    KvEvents,
+)
 
 BLOCK = 4
 LOAD = InstanceLoad(model="m", num_blocks=100, num_free_blocks=100, block_size=BLOCK)

@@ -1,11 +1,11 @@
 """The scheduler's side of speculative decoding, driven by hand-made step outputs: lookahead
 slots in the budget, rollback of rejected tokens, the prefix cache, copy-on-write, tuning."""
 
-from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from engine.request import Request
-from engine.sched.scheduler import Scheduler
-from schemas.sampling import SamplingParams
-from schemas.scheduler import StepOutput
+from kvpager.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from kvpager.engine.request import Request
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import StepOutput
 
 
 def make_scheduler(num_blocks=16, budget=64, k=4, max_to_speculate=8, caching=False):

@@ -3,10 +3,10 @@ processing (its stop check, its beam search) fails it with a typed error, frees 
 and the requests beside it finish equal to an undisturbed run."""
 
 import pytest
+from kvpager.engine import InvalidRequestError, SamplingParams
+from kvpager.engine.request import Request
+from kvpager.engine.sched.beam_search import BeamSearchGroup
 
-from engine import InvalidRequestError, SamplingParams
-from engine.request import Request
-from engine.sched.beam_search import BeamSearchGroup
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 MARK = 7  # a faulty request's prompt starts with this token

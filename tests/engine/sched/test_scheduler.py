@@ -1,10 +1,10 @@
 """The scheduler driven by hand-made step outputs: budgets, preemption, forks, finishing."""
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.sched.scheduler import Scheduler
-from schemas.sampling import SamplingParams
-from schemas.scheduler import StepOutput
+from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.request import Request, RequestStatus
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import StepOutput
 
 
 def make_scheduler(

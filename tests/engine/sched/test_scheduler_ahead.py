@@ -12,14 +12,13 @@ import random
 import zlib
 
 import pytest
-
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core import EngineCore
-from engine.request import Request, RequestStatus
-from engine.sched.scheduler import Scheduler
-from schemas.executor import ScheduledStep
-from schemas.sampling import SamplingParams
-from schemas.scheduler import StepDone, StepOutput
+from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.core import EngineCore
+from kvpager.engine.request import Request, RequestStatus
+from kvpager.engine.sched.scheduler import Scheduler
+from kvpager.schemas.executor import ScheduledStep
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.schemas.scheduler import StepDone, StepOutput
 
 EOS = 2
 

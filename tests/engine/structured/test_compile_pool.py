@@ -9,11 +9,11 @@ import time
 
 import psutil
 import pytest
+from kvpager.engine.structured.compile_pool import CompilePool
+from kvpager.engine.structured.limits import GrammarLimits
+from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.sampling import StructuredOutputsParams
 
-from engine.structured.compile_pool import CompilePool
-from engine.structured.limits import GrammarLimits
-from schemas.errors import InvalidRequestError
-from schemas.sampling import StructuredOutputsParams
 from tests.engine.structured.test_limits import lark_chain, patterns_schema, ref_chain
 
 

@@ -4,10 +4,10 @@ its time budget. The requests beside it finish equal to an undisturbed run, and 
 is free after."""
 
 import pytest
+from kvpager.engine import SamplingParams, StructuredOutputsParams
+from kvpager.engine.worker.grammar_rows import GrammarRows
+from kvpager.schemas.scheduler import StepOutput
 
-from engine import SamplingParams, StructuredOutputsParams
-from engine.worker.grammar_rows import GrammarRows
-from schemas.scheduler import StepOutput
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 PROMPTS = random_prompts([12, 20, 9], seed=5)

@@ -8,12 +8,11 @@ from typing import Literal
 
 import pydantic
 import pytest
-
-from engine.frontend.tool_calls import required_schema
-from engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, check_spec
-from engine.structured.regex_limits import max_repeat
-from schemas.errors import ConfigError, InvalidRequestError
-from schemas.sampling import StructuredOutputsParams
+from kvpager.engine.frontend.tool_calls import required_schema
+from kvpager.engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, check_spec
+from kvpager.engine.structured.regex_limits import max_repeat
+from kvpager.schemas.errors import ConfigError, InvalidRequestError
+from kvpager.schemas.sampling import StructuredOutputsParams
 
 N = 3000
 

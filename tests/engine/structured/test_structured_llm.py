@@ -5,8 +5,8 @@ import json
 import re
 
 import pytest
+from kvpager.engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
-from engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from tests.engine.helpers import assert_all_free, make_llm
 
 SCHEMA = {

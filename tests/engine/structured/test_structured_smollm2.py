@@ -4,9 +4,9 @@ objects and a strict schema that parse, sampled and greedy."""
 import json
 
 import pytest
+from kvpager.engine import SamplingParams
+from kvpager.schemas.sampling import StructuredOutputsParams
 
-from engine import SamplingParams
-from schemas.sampling import StructuredOutputsParams
 from tests.engine.helpers import assert_all_free, make_llm
 
 pytestmark = pytest.mark.slow

@@ -5,11 +5,11 @@ apart per layout, and kv_layout="token-major" keeps the token-major layout when 
 
 import pytest
 import torch
+from kvpager.engine import SamplingParams
+from kvpager.engine.worker.disk_files import block_layout
+from kvpager.kernels import cpu_tiles
+from kvpager.schemas.errors import ConfigError
 
-from engine import SamplingParams
-from engine.worker.disk_files import block_layout
-from kernels import cpu_tiles
-from schemas.errors import ConfigError
 from tests import model_families
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.engine.model.test_bf16 import MAX_TOKENS, assert_follows_transformers

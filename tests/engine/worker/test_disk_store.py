@@ -9,8 +9,7 @@ import zlib
 
 import pytest
 import torch
-
-from engine.worker.disk_files import (
+from kvpager.engine.worker.disk_files import (
     HEADER,
     MAC_OFFSET,
     BlockLayout,
@@ -20,10 +19,10 @@ from engine.worker.disk_files import (
     read_block,
     write_block,
 )
-from engine.worker.disk_store import DiskStore
-from schemas.errors import ConfigError
-from schemas.executor import DiskBlock
-from schemas.scheduler import StepOutput
+from kvpager.engine.worker.disk_store import DiskStore
+from kvpager.schemas.errors import ConfigError
+from kvpager.schemas.executor import DiskBlock
+from kvpager.schemas.scheduler import StepOutput
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head_dim
 LAYOUT = BlockLayout(SHAPE, torch.float32, hashlib.sha256(b"layout").digest())

@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
+from kvpager.engine import SamplingParams
+from kvpager.engine.config import EngineConfig
+from kvpager.schemas.errors import CheckpointError, ConfigError
 from safetensors.torch import load_file, save_file
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from schemas.errors import CheckpointError, ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 FP8_NAMES = pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])

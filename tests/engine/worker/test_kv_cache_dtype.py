@@ -3,9 +3,9 @@ up to bf16 rounding of K/V, on the torch and C (cpu) attention backends."""
 
 import pytest
 import torch
+from kvpager.engine import SamplingParams
+from kvpager.schemas.errors import ConfigError
 
-from engine import SamplingParams
-from schemas.errors import ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)

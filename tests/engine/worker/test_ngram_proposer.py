@@ -1,8 +1,7 @@
 """N-gram prompt lookup: the longest suffix match wins, its most recent occurrence next."""
 
 import numpy as np
-
-from engine.worker.ngram_proposer import NgramProposer
+from kvpager.engine.worker.ngram_proposer import NgramProposer
 
 
 def propose(tokens, k=3, low=1, high=3):

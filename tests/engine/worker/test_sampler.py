@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
-from engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
-from schemas.sampling import SamplingParams
+from kvpager.engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvpager.schemas.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 3

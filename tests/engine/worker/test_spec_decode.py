@@ -8,10 +8,10 @@ lookup predicts, while attention still shapes every token.
 
 import pytest
 import torch
+from kvpager.engine import SamplingParams
+from kvpager.schemas.errors import ConfigError
 from transformers import LlamaForCausalLM
 
-from engine import SamplingParams
-from schemas.errors import ConfigError
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.models import build_llama
 
@@ -152,7 +152,7 @@ def test_speculation_steps_aside_for_a_large_batch(looping, expected):
     ],
 )
 def test_bad_speculative_config(config, match):
-    from engine.config import EngineConfig
+    from kvpager.engine.config import EngineConfig
 
     with pytest.raises(ConfigError, match=match):
         EngineConfig(speculative_config=config)

@@ -11,8 +11,8 @@ import math
 from collections import Counter
 
 import pytest
+from kvpager.engine import SamplingParams
 
-from engine import SamplingParams
 from tests.engine.helpers import assert_all_free, make_llm
 from tests.engine.worker.test_spec_decode import SPEC, looping  # noqa: F401 (a fixture)
 

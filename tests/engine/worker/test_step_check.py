@@ -4,11 +4,17 @@ its state: the request it was running goes on with the tokens an undisturbed run
 import copy
 
 import pytest
+from kvpager.engine.worker.executor import Executor
+from kvpager.schemas.errors import InvalidStepError
+from kvpager.schemas.executor import (
+    CachedRequest,
+    DiskBlock,
+    ForkRequest,
+    NewRequest,
+    ScheduledStep,
+)
+from kvpager.schemas.sampling import SamplingParams
 
-from engine.worker.executor import Executor
-from schemas.errors import InvalidStepError
-from schemas.executor import CachedRequest, DiskBlock, ForkRequest, NewRequest, ScheduledStep
-from schemas.sampling import SamplingParams
 from tests.engine.helpers import make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

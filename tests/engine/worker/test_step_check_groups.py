@@ -3,12 +3,11 @@
 
 import pytest
 import torch
-
-from engine.worker.input_batch import InputBatch
-from engine.worker.step_check import Capacity, StepCheck
-from schemas.errors import InvalidStepError
-from schemas.executor import CachedRequest, NewRequest, ScheduledStep
-from schemas.sampling import SamplingParams
+from kvpager.engine.worker.input_batch import InputBatch
+from kvpager.engine.worker.step_check import Capacity, StepCheck
+from kvpager.schemas.errors import InvalidStepError
+from kvpager.schemas.executor import CachedRequest, NewRequest, ScheduledStep
+from kvpager.schemas.sampling import SamplingParams
 
 CAPACITY = Capacity(32, 0, 4, 4, 64, 100, group_windows=(0, 4))  # full + window 4, blocks of 4
 PROMPT = list(range(10, 30))  # 20 tokens: 5 blocks

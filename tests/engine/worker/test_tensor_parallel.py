@@ -11,17 +11,17 @@ import time
 import psutil
 import pytest
 import torch
+from kvpager.engine import LLM, SamplingParams
+from kvpager.engine.kv.kv_size import weight_bytes_per_rank
+from kvpager.engine.memory import cpu_has_native_bf16
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.loader import load_weights
+from kvpager.engine.model.sharding import Shard
+from kvpager.engine.model_config import ModelConfig
+from kvpager.engine.parallel.spawn import check_devices
+from kvpager.kernels.backend import get_kernel_ops
+from kvpager.schemas.errors import ConfigError, ExecutorUnavailableError
 
-from engine import LLM, SamplingParams
-from engine.kv.kv_size import weight_bytes_per_rank
-from engine.memory import cpu_has_native_bf16
-from engine.model.decoder import Decoder
-from engine.model.loader import load_weights
-from engine.model.sharding import Shard
-from engine.model_config import ModelConfig
-from engine.parallel.spawn import check_devices
-from kernels.backend import get_kernel_ops
-from schemas.errors import ConfigError, ExecutorUnavailableError
 from tests.engine.helpers import assert_all_free, hf_generate, random_prompts
 from tests.engine.kv.test_kv_size import LLAMA_31_70B
 from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS

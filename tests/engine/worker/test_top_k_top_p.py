@@ -3,10 +3,9 @@ sorted definition keeps, on rows the candidates settle and on rows sorted whole.
 
 import pytest
 import torch
-
-from engine.worker import top_k_top_p as filters
-from engine.worker.top_k_top_p import CANDIDATES, top_k_top_p
-from kernels.reference import top_k_top_p_ref as top_k_top_p_sorted
+from kvpager.engine.worker import top_k_top_p as filters
+from kvpager.engine.worker.top_k_top_p import CANDIDATES, top_k_top_p
+from kvpager.kernels.reference import top_k_top_p_ref as top_k_top_p_sorted
 
 VOCAB = 2_000
 

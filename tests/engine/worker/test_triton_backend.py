@@ -1,6 +1,7 @@
 """The engine with the real Triton kernels (interpreted on CPU) keeps greedy parity."""
 
-from engine import SamplingParams
+from kvpager.engine import SamplingParams
+
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 
 
