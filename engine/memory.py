@@ -24,8 +24,8 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     """'auto' keeps the checkpoint's dtype, except that on a CPU float16 runs in float32, and so
-    does bfloat16 without native bf16 matmuls (AVX-512-BF16 / AMX): on an AVX2 machine the
-    benchmark measured bf16 at 31.9 output tok/s against 145 for float32."""
+    does bfloat16 without native bf16 matmuls (AVX-512-BF16 / AMX): there bf16 runs several
+    times slower than float32."""
     if name != "auto":
         return torch_dtype(name)
     dtype = torch_dtype(model_config.checkpoint_dtype)

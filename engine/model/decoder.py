@@ -32,9 +32,9 @@ def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
 
 
 # Long float32 batches (prefill) run the MLP in row chunks: a [512, 2 x intermediate] activation
-# stays in cache between the two matmuls, where a 2,048-row one goes to memory (~10% faster
-# prefill on SmolLM2 with 2 CPU threads on AVX2; row results are the same either way). bf16
-# runs whole: on an AMX host the chunks made SmolLM2's 2,048-row MLP 8.7 ms against 6.3 ms.
+# stays in cache between the two matmuls, where a 2,048-row one goes to memory (row results
+# are the same either way). bf16 runs whole: on an AMX host the chunks were the slower way
+# (benchmarks/reports/2026-12-03-saturated-step-profile/).
 MLP_CHUNK_TOKENS = 512
 
 

@@ -10,7 +10,7 @@ scale a layer under vLLM's names:
 
 A layer without them keeps 1.0, vLLM's default: e4m3 then holds |x| up to 448 with 3 mantissa
 bits at every magnitude from 2^-6 up, which covers the K/V of models trained in bf16 (SmolLM2's
-largest |K| on its chat prompts is ~16, |V| ~3; see README), and e5m2 up to 57344.
+largest |K| on its chat prompts is ~16, |V| ~3; see docs/user/fp8.md), and e5m2 up to 57344.
 """
 
 import re

@@ -1,10 +1,9 @@
 """Matmuls of the decoder: oneDNN with prepacked weights on CPU, `F.linear` elsewhere.
 
 On CPU, `F.linear` goes to MKL's sgemm, which re-blocks the weight on every call. oneDNN's
-linear takes a weight reordered once into its blocked layout: a SmolLM2 decode step of 48
-sequences on the 2-core AVX2 machines this project targets went from 274-296 ms to 196-206 ms
-(the lm_head alone 2.3x faster in isolation). The packed weight lives in place of the
-checkpoint weight, which the decoder then releases.
+linear takes a weight reordered once into its blocked layout, so the cost of blocking is paid
+at load, not every step (benchmarks/reports/2026-11-29-cpu-2core-avx2/). The packed weight
+lives in place of the checkpoint weight, which the decoder then releases.
 """
 
 from collections.abc import Callable
@@ -22,7 +21,7 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 def onednn_packing_supported(weight: torch.Tensor) -> bool:
     """Float32 on a CPU build with oneDNN; bfloat16 too where oneDNN runs it natively
-    (AVX-512-BF16 or AMX: measured ~2x float32's speed on SmolLM2's shapes there)."""
+    (AVX-512-BF16 or AMX, where bf16 matmuls run at twice float32's width)."""
     native = weight.dtype == torch.float32 or (
         weight.dtype == torch.bfloat16 and cpu_has_native_bf16()
     )

@@ -14,12 +14,10 @@ import torch
 from kvpager.engine.model.linear import LinearFn, make_linear, onednn_packing_supported
 from kvpager.kernels.reference import pairs_by_expert
 
-# The decoder packs its experts in bf16 only. Measured (benchmarks/moe_experts.py: 1 thread, a
-# Qwen3-MoE-like layer, 16 experts, top-2; an AVX-512/AMX host shared with other jobs), packed
-# against the twin: bf16 1.2-1.3x at 1-256 tokens; float32 0.6-1.0x (0.7x at 1 and 16 tokens),
-# also with oneDNN and MKL held to AVX2. An expert gets only T * k / E rows, and oneDNN's linear
-# costs ~15 us a call outside its kernel (a [1, 8] x [8, 8] one: 15.4 us, F.linear 1.7 us).
-# MKL's float32 sgemm has no such cost on so few rows; torch's bf16 `@` is slower even so.
+# The decoder packs its experts in bf16 only (benchmarks/moe_experts.py compares the two). An
+# expert gets only T * k / E rows, and oneDNN's linear has a fixed cost a call outside its
+# kernel that so few rows do not repay in float32, where MKL's sgemm has no such cost; in bf16
+# packing still wins, and torch's bf16 `@` is slower even so.
 PACKED_DTYPES = (torch.bfloat16,)
 
 

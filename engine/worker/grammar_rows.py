@@ -1,14 +1,14 @@
 """The executor's grammar matchers: one per structured sequence, beside its row.
 
-Where the matchers live was decided by measuring (README, Structured outputs): vLLM keeps
+Where the matchers live (docs/user/structured-outputs.md says why): vLLM keeps
 them in its scheduler's process and ships packed bitmasks to the workers. Here the scheduler
 holds no tokenizer (its container has no model folder), and it plans a step ahead of the
 executor, so a mask made there for step N+1 would wait for step N's token: structured
 requests would have to run lockstep. A mask is 6 KB a sequence a step at 49,152 tokens (1.5
-MB for 256 sequences, past NATS's default 1 MB message). The executor appends every sampled
-token itself, so its matchers are always up to date: it fills each structured row's mask just
-before sampling (~30 us a row) and advances the matcher by the tokens the row emitted. Only
-the spec's strings cross NATS, once, in the request's SamplingParams.
+MB for 256 sequences, past NATS's default 1 MB message). The executor appends every sampled token
+itself, so its matchers are always up to date: it fills each structured row's mask just before
+sampling (a vectorised unpack, small beside a step) and advances the matcher by the tokens the row
+emitted. Only the spec's strings cross NATS, once, in the request's SamplingParams.
 
 A row whose grammar cannot be compiled (in a large-stack thread, with a time budget) or
 whose matcher errs mid-generation is reported in the step's output (`failed`): the scheduler

@@ -272,8 +272,8 @@ def _apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax a row (the first of equal maxima, as argmax): torch's `max` over the last dim is
-    2.6x faster than its `argmax` on CPU (64 x 49,152 fp32, 2 threads: 0.88 against 2.28 ms)."""
+    """argmax a row (the first of equal maxima, as argmax): torch's CPU `max` over the last
+    dim is the faster of the two (benchmarks/reports/2026-12-03-saturated-step-profile/)."""
     return logits.max(dim=-1).indices
 
 
@@ -302,8 +302,8 @@ def _inverse_cdf(
     """One uniform draw u per row, found in the row's cumulative distribution: the first token
     whose running mass exceeds u, so token i with probability probs[i] (a zero-probability
     token never: its running mass equals the one before). One number a row, where an
-    exponential race draws one a vocabulary entry: on a 64-row SmolLM2 step (49,152 entries)
-    torch's `exponential_` took 57 ms on 2 cores, this ~1 ms."""
+    exponential race draws one a vocabulary entry: on CPU those draws cost a large part of a
+    small model's step."""
     cdf = probs.cumsum_(dim=-1)  # in place: probs are this step's own
     u = torch.zeros(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device)
     if batch.any_unseeded_random:

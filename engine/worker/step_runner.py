@@ -35,9 +35,9 @@ def step_thread(device: torch.device | None) -> ThreadPoolExecutor:
 class InProcessExecutor:
     """An Executor built and run on one worker thread, so steps overlap the caller's work.
 
-    The thread that loads the model also runs every step (on CPU, steps on another thread than
-    the one that loaded the model and packed its weights ran 20-30% slower, measured on
-    SmolLM2: first-touch memory and oneDNN's packed weights stay local to it).
+    The thread that loads the model also runs every step (on CPU, first-touch memory and
+    oneDNN's packed weights stay local to the thread that loaded and packed them, so steps on
+    another thread run slower).
     """
 
     def __init__(self, build: Callable[[], Executor], device: torch.device | None = None) -> None:

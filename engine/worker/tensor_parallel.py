@@ -9,9 +9,9 @@ the other ranks run.
                              take rank 0's config, build the shard, run every step rank 0 sends
                              until it says stop or the group fails (exit status 1).
 
-Ranks 1..N-1 receive their steps from rank 0 over torch.distributed (README: "Tensor
-parallelism" says why, not from NATS). The torch.distributed variables (`RANK`, `WORLD_SIZE`,
-`LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) are read here and by torch's `env://`.
+Ranks 1..N-1 receive their steps from rank 0 over torch.distributed (docs/user/
+tensor-parallelism.md says why, not from NATS). The torch.distributed variables (`RANK`,
+`WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) are read here and by torch's `env://`.
 """
 
 import dataclasses

@@ -1,14 +1,14 @@
 """Top-k and top-p (nucleus) filtering of sampling logits, without sorting the vocabulary.
 
 Both filters are defined on each row sorted by logit (kernels/reference.py top_k_top_p_ref),
-and torch's CPU sort of a 64 x 49,152 step took 98 ms on 2 threads, where the rest of a
-temperature-1 sampler takes ~6: a batch whose requests send top_p (many clients do) ran at
-about half speed. Now a row with top_p alone goes to the C nucleus kernel
+and torch's CPU sort of a whole step's vocabulary costs many times the rest of a
+temperature-1 sampler: a batch whose requests send top_p (many clients do) would run at about
+half speed. So a row with top_p alone goes to the C nucleus kernel
 (kernels/cpu_sampling.py: the row's mass in a histogram by logit, only the boundary's bucket
-sorted; 64 rows 7.7-13 ms). A row with a top_k is settled on `topk`'s CANDIDATES largest
-(2.9 ms) when its kept tokens are all among them (the k-th and its ties, then the nucleus
-inside them); only what neither settles (a top_k past the candidates, ties running past
-them, no C compiler) is sorted whole. The kept sets are the sorted filter's, row for row.
+sorted). A row with a top_k is settled on `topk`'s CANDIDATES largest when its kept tokens are all
+among them (the k-th and its ties, then the nucleus inside them); only what neither settles (a top_k
+past the candidates, ties running past them, no C compiler) is sorted whole. The kept sets are the
+sorted filter's, row for row.
 """
 
 import torch

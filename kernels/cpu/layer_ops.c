@@ -9,9 +9,9 @@
 //   silu_and_mul  out = silu(gate) * up for the [gate | up] halves of the gate_up matmul
 // Each comes in float32 (_f32) and bfloat16 (_bf16): bf16 values are widened as they are
 // loaded, computed on in float32 and rounded once (to nearest even) as they are stored, so a
-// bf16 model pays no separate widening and narrowing copies (those were ~8% of a bf16 SmolLM2
-// decode step). Rows are given by pointer and row stride (q/k/v are views into one qkv matmul).
-// A SmolLM2 decode step of 64 tokens called the twins 120 times for ~25 ms in all.
+// bf16 model pays no separate widening and narrowing copies. Rows are given by pointer and row
+// stride (q/k/v are views into one qkv matmul). Why C: a small model's decode step called the
+// torch twins ~120 times, each a pass over memory and a dispatch; here each op is one pass.
 
 #include "fp8.h"
 #include <immintrin.h>
@@ -27,7 +27,7 @@ static inline void store_f32(float *p, vec v) { memcpy(p, &v, sizeof(v)); }
 
 // Round to nearest even, as torch's float -> bfloat16 does; a NaN stays a (quiet) NaN
 // instead of rounding into infinity. AVX512-BF16 does it in one vcvtneps2bf16 (which also
-// flushes values under 2^-126 to zero): bf16 silu_and_mul of 64 x 1,536, 2 threads, 46 -> 33 us.
+// flushes values under 2^-126 to zero), where by hand it takes several instructions a vector.
 static inline void store_bf16(uint16_t *p, vec v) {
 #if defined(__AVX512BF16__) && LANES == 16
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
@@ -118,8 +118,7 @@ DEFINE_WRITE_KV_FP8(write_kv_fp8_e5m2_bf16, uint16_t, quantise_e5m2_bf16)
 // row); each head's halves (a, b) become (a cos - b sin, b cos + a sin). cos/sin are the
 // tokens' rows [num_tokens, head_dim] of the tables engine/model/rope.py builds (half-dim
 // angles repeated). The row stride counts elements. LANES of a half at a time, the rest one
-// by one (bf16, 2,048 tokens of SmolLM2's 9 + 3 heads, 2 threads, AVX-512: 0.67 ms one by
-// one, 0.29 ms so).
+// by one (element by element it ran over twice as long).
 #define DEFINE_ROPE(NAME, T, LOAD, STORE, GET, PUT)                                            \
 int NAME(T *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,   \
          const T *cos_rows, const T *sin_rows) {                                               \
@@ -156,8 +155,7 @@ static inline float sum_of_lanes(vec v) {  // a fixed pairwise tree: the same or
 // out = weight * residual * rsqrt(mean(residual^2) + eps). Sums in float with LANES partial
 // sums, as torch's vectorised mean does (not bit-equal to it: ~1e-7 relative). The weight is
 // of type W: T, or float beside bf16 rows (Gemma's (1 + w) kept in fp32; the product is in
-// float and rounded once either way). LANES at a time (bf16, 2,048 x 576 with a delta, 2
-// threads, AVX-512: 0.52 ms one by one, 0.45 ms so).
+// float and rounded once either way). LANES at a time, as the rest of the file.
 #define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, GET, PUT, W, LOAD_W, GET_W)                  \
 int NAME(T *residual, const T *delta, const W *weight, T *out, int64_t num_tokens,            \
          int64_t hidden, float eps) {                                                          \
@@ -187,8 +185,8 @@ int NAME(T *residual, const T *delta, const W *weight, T *out, int64_t num_token
     return 0;                                                                                  \
 }
 
-// gate_up [num_tokens, 2 * inter] (gate half first) -> out [num_tokens, inter]. bf16, 2,048 x
-// 1,536, 2 threads, AVX-512: 1.70 ms at eight lanes (torch's twin 1.31), 1.10 ms at sixteen.
+// gate_up [num_tokens, 2 * inter] (gate half first) -> out [num_tokens, inter]. At sixteen
+// lanes on AVX-512 hosts: at eight it was slower than torch's own twin.
 #define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, GET, PUT)                                    \
 int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {                        \
     _Pragma("omp parallel for if (num_tokens * inter >= PARALLEL_ELEMENTS)")                   \

@@ -2,12 +2,12 @@
 // the smallest set of its largest logits whose probability mass reaches top_p (the definition:
 // kernels/reference.py's top_k_top_p_ref, a row sorted whole), the rest become -inf.
 //
-// Why: torch's CPU sort of a 64 x 49,152 step took 98 ms on 2 threads, and a small model's
-// nucleus can hold thousands of tokens (SmolLM2 at temperature 1 on random prompts: 62% of rows
+// Why: torch's CPU sort of a whole step's vocabulary costs more than the rest of sampling, and
+// a small model's nucleus can hold thousands of tokens (SmolLM2 at temperature 1 on random prompts: 62% of rows
 // past 64 tokens, their median ~5,500), too many for a topk of candidates. Here a row costs
 // four passes: its max, its exps, a histogram of its probability mass by logit
 // (BUCKETS_PER_NAT buckets a nat below the max), and the output; only the bucket the boundary
-// falls in is sorted (a few hundred values at most). 64 x 49,152, 2 threads: 7.7-13 ms.
+// falls in is sorted (a few hundred values at most).
 //
 // Ties at the boundary go to the lower index (the sorted twin's order among equal values is
 // torch's); the masses are summed in double, so the cut matches the twin's float cumsum except

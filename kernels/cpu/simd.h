@@ -1,7 +1,7 @@
 // SIMD helpers shared by the CPU kernels (kernels/cpu/*.c): float lanes as GCC/Clang vector
 // types, bf16 loads, and exp. Sixteen lanes (one zmm register) where the compiler targets
 // AVX-512, eight (one ymm) elsewhere: on an AVX-512 host the 16-lane kernels did the same
-// work in fewer instructions (kernels/cpu/layer_ops.c gives the measured times). The build
+// work in fewer instructions. The build
 // hashes this header with each source (kernels/cpu_build.py).
 #ifndef KVPAGER_SIMD_H
 #define KVPAGER_SIMD_H

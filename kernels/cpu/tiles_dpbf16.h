@@ -10,12 +10,9 @@
 // and the weights keep all their bits (the output matches the float32 twin to ~1e-6), for the
 // same instruction count as AMX's hi + lo bf16 products.
 //
-// Measured on a 2-core AMD EPYC (Zen 4, 2.6 GHz), SmolLM2 (9 query / 3 kv heads of 64), bf16:
-// a decode step's 64 sequences of 320 tokens, 30 layers cycling, 0.82-0.92 ms a layer against
-// 1.20-1.24 for the token-major kernel (kernels/cpu/paged_decode.c), 1.45-1.60 for vLLM's vec;
-// 8 prompts of 256 tokens 4.9-6.0 ms against 15.9 for bf16 SDPA over gathered copies (perf: q.k
-// ~35%, p.V ~38%, the softmax the rest). P rounded to bf16 for prefill units (p.V on vdpbf16ps,
-// half its instructions) measured within the host's noise: not taken.
+// P rounded to bf16 for prefill units (p.V on vdpbf16ps, half its instructions) gained nothing
+// beyond the host's noise, so the weights keep all their bits. The measurements on a Zen 4 host:
+// benchmarks/reports/2026-12-03-saturated-step-profile/.
 
 #define QK_ROWS 4  // query rows a score block holds: 4 x 4 tiles = 16 accumulators
 #define PV_ROWS 4  // rows and 16-dim slices an output block holds: 4 x 4 accumulators
