@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvpager.engine.kv.block_hash import update_block_hashes
 from kvpager.engine.kv.block_pool import NULL_BLOCK, BlockPool, CachedBlock
+from kvpager.engine.kv.prefix_hits import full_attention_hit, sliding_window_hit
 from kvpager.engine.request import Request
 from kvpager.schemas.executor import DiskBlock
 from kvpager.schemas.tokenizer import KvEvent
@@ -101,7 +102,7 @@ class BlockManager:
 
         The last token is never served from the cache, so at least one token is computed and
         the step produces logits for it. A sliding manager needs only the blocks inside the
-        window of the prefix's end; those before it are NULL_BLOCK entries.
+        window of the prefix's end; those before it are NULL_BLOCK entries (prefix_hits.py).
         """
         if not self.enable_prefix_caching:
             return []
@@ -110,34 +111,10 @@ class BlockManager:
         max_blocks = limit if max_blocks is None else min(max_blocks, limit)
         tokens = request.all_token_ids
         if self.window:
-            return self._find_window_hit(tokens, hashes, max_blocks)
-        hits: list[CachedBlock] = []
-        for block_idx in range(min(max_blocks, len(hashes))):
-            hit = self._lookup_block(tokens, hashes, block_idx)
-            if hit is None:
-                break
-            hits.append(hit)
-        return hits
-
-    def _find_window_hit(self, tokens: list[int], hashes, max_blocks: int) -> list[CachedBlock]:
-        """The longest prefix whose last ceil((window - 1) / block_size) blocks are cached
-        (vLLM's sliding-window rule), scanning back from `max_blocks`."""
-        needed = max(1, -(-(self.window - 1) // self.block_size))
-        run: list[CachedBlock] = []  # cached blocks ending at the current candidate end
-        for block_idx in range(max_blocks - 1, -1, -1):
-            hit = self._lookup_block(tokens, hashes, block_idx)
-            if hit is None:
-                run = []
-                continue
-            run.insert(0, hit)
-            if len(run) == needed:
-                return [CachedBlock(NULL_BLOCK)] * block_idx + run
-        return run  # a prefix shorter than the window, cached from its first block
-
-    def _lookup_block(self, tokens: list[int], hashes, block_idx: int) -> CachedBlock | None:
-        start = block_idx * self.block_size
-        expected = tuple(tokens[start : start + self.block_size])
-        return self.pool.lookup(hashes[block_idx], expected)
+            return sliding_window_hit(
+                self.pool, tokens, hashes, max_blocks, self.block_size, self.window
+            )
+        return full_attention_hit(self.pool, tokens, hashes, max_blocks, self.block_size)
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = update_block_hashes(request, self.block_size)
