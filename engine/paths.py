@@ -15,7 +15,7 @@ def cache_dir() -> Path:
 
 
 def kv_disk_key_file() -> Path:
-    """The disk tier's MAC key (engine/worker/disk_files.py), beside the NATS identities: the
+    """The disk tier's MAC key (engine/worker/disk/files.py), beside the NATS identities: the
     same for every instance of this cache dir, so instances sharing a folder read each other's
     files, and outside the folder, so write access to it is not enough to forge one."""
     return cache_dir() / "nats" / "kv-disk.key"

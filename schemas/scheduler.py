@@ -41,7 +41,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     extra_logprobs: dict[str, list[TokenLogprobs]] = {}
     # proposals for the next step, for the sequences the step asked (num_spec_tokens)
     draft_token_ids: dict[str, list[int]] = {}
-    # The disk tier (engine/worker/disk_store.py): reads of earlier steps' `blocks_from_disk`
+    # The disk tier (engine/worker/disk/store.py): reads of earlier steps' `blocks_from_disk`
     # that finished (their CPU blocks now hold the content) or failed (a miss), by block hash;
     # blocks found on disk (the listing at start, in chunks, or another instance's files) and
     # gone from it (evicted by bytes, vanished); `disk_listed` once the listing is all sent.

@@ -1,50 +1,30 @@
-"""BlockManager: the device KV blocks' free list, ref counts, block tables and prefix cache.
+"""BlockManager: one KV group's block tables and policy over a shared BlockPool.
 
     logical block i of a request  --block table-->  physical block id
     token at position p  ->  block table[p // block_size], offset p % block_size
 
-A block is either in use (ref_count > 0, listed in one or more block tables) or free (in
-`free_queue`, ref_count 0). A free block may still hold cached content (`block_hash` set): it is
-reused on a prefix hit until allocation needs it, oldest-freed first (LRU); with a CPU pool, the
-evicted content moves there and a later hit swaps it back in. Blocks shared by several tables
-(prefix hits, forks) are never written: a write into a shared partly filled block first copies
-it (copy-on-write). Copies and swaps are recorded as (src, dst) block-id pairs for the executor.
+The pool (engine/kv/block_pool.py) holds the blocks, their ref counts, the free queue and the
+prefix cache by hash; this manager decides which blocks a request holds. Blocks shared by
+several tables (prefix hits, forks) are never written: a write into a shared partly filled
+block first copies it (copy-on-write). Copies and swaps are recorded as (src, dst) block-id
+pairs for the executor.
 
 A sliding-window manager (`window` > 0) frees the blocks that slide wholly out of the window
 of the next token to compute: its tables keep NULL_BLOCK there, which no kernel reads (each
 masks by window before it reads a block). Freed blocks keep their cached content as any free
 block does, so prefix hits still find them until they are reused. Several managers may share
-one pool of blocks (engine/kv/hybrid_manager.py: one per group of layers); each tags its
-prefix-cache hashes so the groups never serve one another's blocks.
+one pool (engine/kv/hybrid_manager.py: one per group of layers); each tags its prefix-cache
+hashes so the groups never serve one another's blocks.
 """
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from kvpager.engine.kv.block_hash import update_block_hashes
-from kvpager.engine.kv.cpu_pool import CpuBlockPool
-from kvpager.engine.kv.disk_index import DiskTier
+from kvpager.engine.kv.block_pool import NULL_BLOCK, BlockPool, CachedBlock
+from kvpager.engine.kv.prefix_hits import full_attention_hit, sliding_window_hit
 from kvpager.engine.request import Request
 from kvpager.schemas.executor import DiskBlock
-from kvpager.schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
-
-NULL_BLOCK = -1  # a sliding table's entry for a block slid out of the window: none held
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None
-    token_ids: tuple[int, ...] = ()  # content of a cached block, to verify hits
-
-
-class CachedBlock(NamedTuple):
-    """A prefix-cache hit: a device block, or a CPU block to swap back in."""
-
-    block_id: int
-    on_cpu: bool = False
+from kvpager.schemas.tokenizer import KvEvent
 
 
 @dataclass
@@ -59,7 +39,7 @@ class BlockOps:
 
 
 class BlockManager:
-    """Owns all block accounting; hands out block ids and records block operations."""
+    """Owns the block tables; takes block ids from its pool and records block operations."""
 
     def __init__(
         self,
@@ -69,47 +49,47 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         enable_disk: bool = False,
         window: int = 0,
-        pool: "BlockManager | None" = None,
+        pool: BlockPool | None = None,
         hash_tag: bytes = b"",
     ) -> None:
         """`window`: the sliding window of every layer this manager serves (0: full attention);
-        `pool`: another manager whose blocks, free queue, prefix cache and CPU pool this one
-        shares; `hash_tag`: appended to this manager's prefix-cache hashes."""
+        `pool`: another manager's pool, shared (by default a pool of its own); `hash_tag`:
+        appended to this manager's prefix-cache hashes."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
         self.hash_tag = hash_tag
         if pool is None:
-            self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-            self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-            self.cached: dict[bytes, int] = {}  # block hash -> device block id
-            self.cpu = CpuBlockPool(num_cpu_blocks)
-            self.disk = DiskTier(self.cpu, block_size, enable_disk and enable_prefix_caching)
-        else:
-            self.blocks, self.free_queue = pool.blocks, pool.free_queue
-            self.cached, self.cpu, self.disk = pool.cached, pool.cpu, pool.disk
+            disk = enable_disk and enable_prefix_caching
+            pool = BlockPool(num_blocks, block_size, num_cpu_blocks, disk)
+        self.pool = pool
+        # the pool's parts, read here (and by tests); every change goes through the pool
+        self.blocks, self.free_queue, self.cached = pool.blocks, pool.free_queue, pool.cached
+        self.cpu, self.disk = pool.cpu, pool.disk
         self.block_tables: dict[str, list[int]] = {}
         # swapped-out requests: (on_cpu, block id); shared device blocks stay referenced
         self.swapped_tables: dict[str, list[CachedBlock]] = {}
         self.ops = BlockOps()
-        self.num_evictions = 0
         self.num_copies = 0  # copy-on-write block copies
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-        self.kv_events: list[KvEvent] | None = None  # recorded once someone listens
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.pool.num_used_blocks
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.cached)
+        return self.pool.num_cached_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -122,7 +102,7 @@ class BlockManager:
 
         The last token is never served from the cache, so at least one token is computed and
         the step produces logits for it. A sliding manager needs only the blocks inside the
-        window of the prefix's end; those before it are NULL_BLOCK entries.
+        window of the prefix's end; those before it are NULL_BLOCK entries (prefix_hits.py).
         """
         if not self.enable_prefix_caching:
             return []
@@ -131,34 +111,10 @@ class BlockManager:
         max_blocks = limit if max_blocks is None else min(max_blocks, limit)
         tokens = request.all_token_ids
         if self.window:
-            return self._find_window_hit(tokens, hashes, max_blocks)
-        hits: list[CachedBlock] = []
-        for block_idx in range(min(max_blocks, len(hashes))):
-            hit = self._lookup_block(tokens, hashes, block_idx)
-            if hit is None:
-                break
-            hits.append(hit)
-        return hits
-
-    def _find_window_hit(self, tokens: list[int], hashes, max_blocks: int) -> list[CachedBlock]:
-        """The longest prefix whose last ceil((window - 1) / block_size) blocks are cached
-        (vLLM's sliding-window rule), scanning back from `max_blocks`."""
-        needed = max(1, -(-(self.window - 1) // self.block_size))
-        run: list[CachedBlock] = []  # cached blocks ending at the current candidate end
-        for block_idx in range(max_blocks - 1, -1, -1):
-            hit = self._lookup_block(tokens, hashes, block_idx)
-            if hit is None:
-                run = []
-                continue
-            run.insert(0, hit)
-            if len(run) == needed:
-                return [CachedBlock(NULL_BLOCK)] * block_idx + run
-        return run  # a prefix shorter than the window, cached from its first block
-
-    def _lookup_block(self, tokens: list[int], hashes, block_idx: int) -> CachedBlock | None:
-        start = block_idx * self.block_size
-        expected = tuple(tokens[start : start + self.block_size])
-        return self._lookup(hashes[block_idx], expected)
+            return sliding_window_hit(
+                self.pool, tokens, hashes, max_blocks, self.block_size, self.window
+            )
+        return full_attention_hit(self.pool, tokens, hashes, max_blocks, self.block_size)
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = update_block_hashes(request, self.block_size)
@@ -167,13 +123,6 @@ class BlockManager:
     @staticmethod
     def num_hit_blocks(hits: list[CachedBlock]) -> int:
         return len(hits)
-
-    def _lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> CachedBlock | None:
-        block_id = self.cached.get(block_hash)
-        if block_id is not None and self.blocks[block_id].token_ids == token_ids:
-            return CachedBlock(block_id)
-        cpu_block = self.cpu.lookup(block_hash, token_ids)
-        return None if cpu_block is None else CachedBlock(cpu_block, on_cpu=True)
 
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, hits: list[CachedBlock] = ()
@@ -235,7 +184,7 @@ class BlockManager:
         for block_idx in range(min(num_skipped, len(table)) - 1, -1, -1):
             if table[block_idx] == NULL_BLOCK:
                 break  # freed by an earlier step, and so is everything before it
-            self._unref(table[block_idx])
+            self.pool.unref(table[block_idx])
             table[block_idx] = NULL_BLOCK
 
     def reserve_hits(self, hits: list[CachedBlock], request: Request) -> dict[int, int]:
@@ -245,7 +194,7 @@ class BlockManager:
         cpu_blocks = {i: self.cpu.take_cached(hashes[i]) for i, h in enumerate(hits) if h.on_cpu}
         for hit in hits:
             if not hit.on_cpu and hit.block_id != NULL_BLOCK:
-                self._touch(hit.block_id)
+                self.pool.touch(hit.block_id)
         return cpu_blocks
 
     def _place_hits(self, hits: list[CachedBlock], cpu_blocks: dict[int, int]) -> list[int]:
@@ -265,7 +214,7 @@ class BlockManager:
         table = list(self.block_tables[parent.seq_id])
         for block_id in table:
             if block_id != NULL_BLOCK:
-                self.blocks[block_id].ref_count += 1
+                self.pool.touch(block_id)  # in use: a reference more
         self.block_tables[child.seq_id] = table
 
     def free(self, request: Request) -> None:
@@ -282,7 +231,7 @@ class BlockManager:
                 table.append(entry.block_id)
         for block_id in reversed(table):
             if block_id != NULL_BLOCK:
-                self._unref(block_id)
+                self.pool.unref(block_id)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop the table's blocks past its first `num_tokens` slots: lookahead blocks that
@@ -291,7 +240,7 @@ class BlockManager:
         while len(table) > -(-num_tokens // self.block_size):
             block_id = table.pop()
             assert self.blocks[block_id].ref_count == 1, f"block {block_id}: shared lookahead"
-            self._unref(block_id)
+            self.pool.unref(block_id)
 
     def can_swap_out(self, request: Request) -> bool:
         return self.num_private_blocks(request) <= self.cpu.num_available
@@ -312,7 +261,7 @@ class BlockManager:
             assert cpu_block is not None, "swap_out without can_swap_out"
             self.ops.swap_out.append((block_id, cpu_block))
             self.num_swapped_out_blocks += 1
-            self._unref(block_id)
+            self.pool.unref(block_id)
             entries.append(CachedBlock(cpu_block, on_cpu=True))
         self.swapped_tables[request.seq_id] = entries
 
@@ -354,21 +303,14 @@ class BlockManager:
 
     def record_kv_events(self) -> None:
         """From now on, record every block cached and uncached (for KV-aware routers)."""
-        self.kv_events = []
-        self.disk.kv_events = []
+        self.pool.record_kv_events()
 
     def take_kv_events(self) -> list[KvEvent]:
         """The events since the last call, oldest first within each tier."""
-        if self.kv_events is None:
-            return []
-        events, self.kv_events = self.kv_events + self.disk.kv_events, []
-        self.disk.kv_events = []
-        return events
+        return self.pool.take_kv_events()
 
     def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_count == 0 and block.block_hash is not None:
-                self._uncache(block)
+        self.pool.reset_prefix_cache()
 
     def _tail_needs_copy(self, table: list[int], num_computed: int) -> bool:
         """The next token lands in a partly filled block that other tables also hold."""
@@ -381,49 +323,19 @@ class BlockManager:
             return []
         idx = num_computed // self.block_size
         src, dst = table[idx], self._pop_free()
-        self.blocks[src].ref_count -= 1
+        self.pool.unref(src)  # still held by the other tables
         table[idx] = dst
         self.ops.copy.append((src, dst))
         self.num_copies += 1
         return [dst]
 
     def _pop_free(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:
-            self._evict(block)
-        block.ref_count = 1
+        """A free block; content it held that the CPU pool keeps is swapped out first."""
+        block_id, cpu_block = self.pool.pop_free()
+        if cpu_block is not None:
+            self.ops.swap_out.append((block_id, cpu_block))
+            self.num_swapped_out_blocks += 1
         return block_id
-
-    def _evict(self, block: Block) -> None:
-        """Drop a free cached block's content from the device, keeping it on CPU if it fits."""
-        self.num_evictions += 1
-        if self.cpu.enabled:
-            cpu_block = self.cpu.cache(block.block_hash, block.token_ids, block.block_id)
-            if cpu_block is not None:
-                self.ops.swap_out.append((block.block_id, cpu_block))
-                self.num_swapped_out_blocks += 1
-        self._uncache(block)
-
-    def _touch(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_queue[block_id]
-        block.ref_count += 1
-
-    def _unref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        assert block.ref_count >= 0, f"block {block_id} freed twice"
-        if block.ref_count == 0:
-            self.free_queue[block_id] = None
-
-    def _uncache(self, block: Block) -> None:
-        if self.cached.get(block.block_hash) == block.block_id:
-            del self.cached[block.block_hash]
-            if self.kv_events is not None:
-                self.kv_events.append(BlockRemoved(block.block_hash))
-        block.block_hash, block.token_ids = None, ()
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
         """Register blocks that this step fills completely under their chained hash."""
@@ -432,24 +344,19 @@ class BlockManager:
         hashes = self._hashes(request)
         tokens = request.all_token_ids
         for block_idx in range(min(num_tokens // self.block_size, len(hashes))):
-            if table[block_idx] == NULL_BLOCK:
+            block_id = table[block_idx]
+            if block_id == NULL_BLOCK or not self.pool.can_cache(block_id, hashes[block_idx]):
                 continue
-            block = self.blocks[table[block_idx]]
-            if block.block_hash is not None or hashes[block_idx] in self.cached:
-                continue  # already registered, or the same content lives in another block
             start = block_idx * self.block_size
-            block.block_hash = hashes[block_idx]
-            block.token_ids = tuple(tokens[start : start + self.block_size])
-            self.cached[block.block_hash] = block.block_id
-            if self.kv_events is not None:
-                parent = hashes[block_idx - 1] if block_idx else None
-                self.kv_events.append(BlockStored(block.block_hash, parent))
+            token_ids = tuple(tokens[start : start + self.block_size])
+            parent = hashes[block_idx - 1] if block_idx else None
+            self.pool.cache_block(block_id, hashes[block_idx], token_ids, parent)
 
     def check_invariants(self) -> None:
         """free + used == total; ref counts equal table references; caches point at live data."""
         refs = [0] * self.num_blocks
         self.count_refs(refs)
-        self.check_pool(refs, self.cpu_owned())
+        self.pool.check_invariants(refs, self.cpu_owned())
 
     def cpu_owned(self) -> set[int]:
         """CPU blocks this manager's swapped-out requests own."""
@@ -465,19 +372,3 @@ class BlockManager:
             for entry in entries:
                 if not entry.on_cpu and entry.block_id != NULL_BLOCK:
                     refs[entry.block_id] += 1
-
-    def check_pool(self, refs: list[int], owned: set[int]) -> None:
-        """The shared pool against every manager's references."""
-        for block in self.blocks:
-            assert block.ref_count == refs[block.block_id], (
-                f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
-            )
-            assert (block.ref_count == 0) == (block.block_id in self.free_queue), (
-                f"block {block.block_id}: free-queue membership disagrees with ref count"
-            )
-        assert self.num_free_blocks + sum(r > 0 for r in refs) == self.num_blocks
-        for block_hash, block_id in self.cached.items():
-            assert self.blocks[block_id].block_hash == block_hash, f"stale cache entry {block_id}"
-        assert owned == self.cpu.owned, "CPU blocks owned by no swapped request, or twice"
-        self.cpu.check_invariants()
-        self.disk.check_invariants()

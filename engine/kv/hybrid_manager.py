@@ -1,8 +1,8 @@
 """HybridBlockManager: one BlockManager per KV group (engine/kv/kv_groups.py) over one pool.
 
-Every group manager shares the first one's blocks, free queue, prefix cache and CPU pool;
-each keeps its own block tables, and group g > 0 tags its prefix-cache hashes with g, so a
-block belongs to one group at a time. The interface is BlockManager's, per group where it
+Every group manager shares the first one's BlockPool (blocks, free queue, prefix cache, CPU
+pool); each keeps its own block tables, and group g > 0 tags its prefix-cache hashes with g, so
+a block belongs to one group at a time. The interface is BlockManager's, per group where it
 hands out ids: tables and new ids are lists with one entry per group. An admission or a
 step's growth takes blocks for every group at once or for none.
 
@@ -12,7 +12,8 @@ find_longest_cache_hit). Starting from the full groups' hit, each sliding group 
 to the longest end it can serve, until all agree; shorter is always served by full groups.
 """
 
-from kvpager.engine.kv.block_manager import BlockManager, BlockOps, CachedBlock
+from kvpager.engine.kv.block_manager import BlockManager, BlockOps
+from kvpager.engine.kv.block_pool import CachedBlock
 from kvpager.engine.request import Request
 from kvpager.schemas.tokenizer import KvEvent
 
@@ -57,15 +58,15 @@ class HybridBlockManager:
                 block_size,
                 enable_prefix_caching,
                 window=window,
-                pool=first,
+                pool=first.pool,
                 hash_tag=b"g%d" % group_idx,
             )
             for group_idx, window in enumerate(windows[1:], start=1)
         ]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.pool = first.pool
         self.cpu, self.disk = first.cpu, first.disk  # the disk tier stays off: CacheConfig
-        self.kv_events: list[KvEvent] | None = None
 
     # --- the pool, as BlockManager's
 
@@ -91,7 +92,7 @@ class HybridBlockManager:
 
     @property
     def num_evictions(self) -> int:
-        return sum(group.num_evictions for group in self.groups)
+        return self.pool.num_evictions  # every group's: they evict from one pool
 
     @property
     def num_copies(self) -> int:
@@ -200,17 +201,11 @@ class HybridBlockManager:
         return ops
 
     def record_kv_events(self) -> None:
-        self.kv_events = []
-        for group in self.groups:
-            group.kv_events = self.kv_events  # any group may evict another's block
+        self.pool.record_kv_events()  # one list: any group may evict another's block
 
     def take_kv_events(self) -> list[KvEvent]:
         """Events of the untagged group's blocks (the hashes routers know), oldest first."""
-        if self.kv_events is None:
-            return []
-        events = [e for e in self.kv_events if len(e.block_hash) == DIGEST_BYTES]
-        self.kv_events.clear()
-        return events
+        return [e for e in self.pool.take_kv_events() if len(e.block_hash) == DIGEST_BYTES]
 
     def reset_prefix_cache(self) -> None:
         self.groups[0].reset_prefix_cache()
@@ -222,4 +217,4 @@ class HybridBlockManager:
             group.count_refs(refs)
             owned |= group.cpu_owned()
             assert group.block_tables.keys() == self.groups[0].block_tables.keys()
-        self.groups[0].check_pool(refs, owned)
+        self.pool.check_invariants(refs, owned)

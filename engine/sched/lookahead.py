@@ -1,7 +1,8 @@
 """Speculative decoding's bookkeeping in the scheduler: lookahead slots, rollback, self-tuning.
 
-The executor proposes tokens after a step (engine/worker/ngram_proposer.py, which says why
-the proposals travel back rather than staying there); the scheduler verifies them in the next:
+The executor proposes tokens after a step (engine/worker/spec_decode/ngram_proposer.py, which
+says why the proposals travel back rather than staying there); the scheduler verifies them in
+the next:
 
 - **Lookahead slots.** A decoding request with d proposals is scheduled 1 + d tokens: its new
   token and the proposals, allocated by the ordinary `allocate_slots` (copy-on-write of a

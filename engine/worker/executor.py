@@ -12,37 +12,32 @@ import structlog
 import torch
 from kvpager.engine.config import ExecutorConfig, SpeculativeConfig
 from kvpager.engine.kv.kv_groups import kv_groups
-from kvpager.engine.memory import (
-    blocks_that_fit,
-    cpu_blocks_that_fit,
-    resolve_device,
-    resolve_dtype,
-)
+from kvpager.engine.memory import resolve_device, resolve_dtype
 from kvpager.engine.model.attention import PagedAttention
 from kvpager.engine.model.loader import load_model
 from kvpager.engine.model.sharding import Shard
-from kvpager.engine.model_config import ModelConfig, kv_cache_dtype_name
+from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
 from kvpager.engine.parallel.ranks import Ranks
 from kvpager.engine.worker.beam_candidates import top_continuations
-from kvpager.engine.worker.disk_store import open_disk
+from kvpager.engine.worker.disk.store import open_disk
 from kvpager.engine.worker.grammar_rows import GrammarRows
 from kvpager.engine.worker.host_malloc import retain_freed_memory
 from kvpager.engine.worker.input_batch import InputBatch
-from kvpager.engine.worker.ngram_proposer import NgramProposer
+from kvpager.engine.worker.kv_cache import allocate_kv_caches, kv_cache_dtype
 from kvpager.engine.worker.prompt_logprobs import compute_prompt_logprobs
-from kvpager.engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
-from kvpager.engine.worker.spec_verify import VerifyRows, accept, step_output
+from kvpager.engine.worker.sampler import Sampler
+from kvpager.engine.worker.spec_decode.ngram_proposer import NgramProposer
 from kvpager.engine.worker.step_check import Capacity, StepCheck
+from kvpager.engine.worker.step_sampling import StepSampler
 from kvpager.kernels.backend import (
     check_backend_device,
     default_backend_name,
     get_kernel_ops,
     with_cache_layout,
 )
-from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import RankReset, RankStep, ScheduledStep
-from kvpager.schemas.scheduler import ExecutorReady, StepOutput, TokenLogprobs
+from kvpager.schemas.scheduler import ExecutorReady, StepOutput
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +88,7 @@ class Executor:
             model_config.eos_token_ids,
             config.grammar_compile_timeout,
         )
+        self.step_sampler = StepSampler(self.sampler, self.grammars, model_config, self.device)
         spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._log_ready(rank, size, time.perf_counter() - started)
@@ -115,7 +111,7 @@ class Executor:
         if self.backend == "auto":
             self.backend = default_backend_name(self.device)
         check_backend_device(self.backend, self.device)
-        self.kv_dtype = self._kv_dtype()
+        self.kv_dtype = kv_cache_dtype(config, self.dtype, self.backend)
         shard, model_config = self.shard, self.model_config
         cache_shape = (shard.num_heads, shard.num_kv_heads, shard.head_dim, config.block_size)
         self.ops = with_cache_layout(
@@ -142,34 +138,11 @@ class Executor:
 
     def _allocate_caches(self) -> None:
         """The device KV cache, sized to what fits, and the CPU pool for swapped blocks."""
-        config, model_config = self.config, self.model_config
-        self.num_blocks = blocks_that_fit(config, model_config, self.kv_dtype, self.device)
-        if self.group is not None:  # the same block ids everywhere: the smallest rank's cache
-            self.num_blocks = self.group.smallest(self.num_blocks)
-        # [slots, K/V, blocks, block_size, kv_heads, head_dim]: a slot per layer, or per
-        # layer of a KV group when there are several (engine/kv/kv_groups.py)
-        self.kv_cache = torch.zeros(
-            (
-                self.kv_groups.num_slots,
-                2,
-                self.num_blocks,
-                config.block_size,
-                self.shard.num_kv_heads,
-                model_config.head_dim,
-            ),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
-        self.num_cpu_blocks = cpu_blocks_that_fit(
-            config, model_config, self.kv_dtype, self.device, self.num_blocks
-        )
-        if self.group is not None:
-            self.num_cpu_blocks = self.group.smallest(self.num_cpu_blocks)
-        pin = self.device.type == "cuda"
-        cpu_shape = list(self.kv_cache.shape)
-        cpu_shape[2] = self.num_cpu_blocks
-        # [slots, K/V, cpu_blocks, block_size, kv_heads, head_dim], pinned for async copies
-        self.cpu_cache = torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin)
+        self.kv_cache, self.cpu_cache = allocate_kv_caches(
+            self.config, self.model_config, self.shard, self.kv_groups, self.kv_dtype,
+            self.device, self.group,
+        )  # fmt: skip
+        self.num_blocks, self.num_cpu_blocks = self.kv_cache.shape[2], self.cpu_cache.shape[2]
 
     @property
     def capacity(self) -> Capacity:
@@ -202,18 +175,6 @@ class Executor:
             kv_disk=self.disk is not None,
             kv_group_windows=list(self.kv_groups.windows),
         )
-
-    def _kv_dtype(self) -> torch.dtype:
-        if self.config.kv_cache_dtype == "auto":
-            return self.dtype
-        kv_dtype = getattr(torch, kv_cache_dtype_name(self.config.kv_cache_dtype))
-        fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # every backend takes fp8
-        if kv_dtype != self.dtype and not fp8 and self.backend == "triton":
-            raise ConfigError(
-                "kv_cache_dtype: a cache dtype other than the model's or fp8 runs on the cpu "
-                "and torch attention backends only"
-            )
-        return kv_dtype
 
     def reset(self) -> None:
         """Forget every request (a new scheduler took over); weights and caches stay as they are.
@@ -292,22 +253,11 @@ class Executor:
         if beam_rows:
             keep = [i for i, s in enumerate(states) if not s.params.is_beam_search]
             states, logits = [states[i] for i in keep], logits[keep]
-        output = self._step_output(step.step_id, states, logits, draft_logits)
+        output = self.step_sampler.sample(step.step_id, self.batch, states, logits, draft_logits)
         output.beam_candidates = beam_candidates
-        output.draft_token_ids = self._propose(step.num_spec_tokens)
+        output.draft_token_ids = self.proposer.propose_for(self.batch, step.num_spec_tokens)
         output.prompt_logprobs = prompt_logprobs
         return output
-
-    def _propose(self, num_spec_tokens: dict[str, int]) -> dict[str, list[int]]:
-        """N-gram proposals for the sequences the step asked, over their tokens so far."""
-        drafts = {}
-        for seq_id, k in num_spec_tokens.items():
-            state = self.batch.states.get(seq_id)
-            if state is not None:
-                tokens = self.batch.token_ids[state.row, : state.num_tokens]
-                if proposal := self.proposer.propose(tokens, k):
-                    drafts[seq_id] = proposal
-        return drafts
 
     def _move_blocks(self, step: ScheduledStep) -> None:
         """Swap-outs first (they save content that swap-ins and copies may overwrite)."""
@@ -350,36 +300,6 @@ class Executor:
             for token_id in cached.new_token_ids:
                 self.batch.append_token(self.batch.states[cached.seq_id], token_id)
 
-    def _sampling_batch(self, states, rows: VerifyRows) -> SamplingBatch:
-        batch = SamplingBatch.build(
-            params=rows.params,
-            seed_positions=rows.seed_positions,
-            prompt_token_ids=rows.prompt_token_ids,
-            output_token_ids=rows.output_token_ids,
-            eos_token_ids=list(self.model_config.eos_token_ids),
-            vocab_size=self.model_config.vocab_size,
-            device=self.device,
-        )
-        if self.grammars.matchers:
-            masks = self.grammars.bitmask(states, rows.offsets, self.device)
-            if masks is not None:
-                batch.bitmask_rows, batch.bitmask = masks
-        return batch
-
-    def _step_output(self, step_id: int, states, logits, draft_logits=None) -> StepOutput:
-        """Sample every row (one a state, plus one per proposal), accept, append."""
-        if not states:
-            return StepOutput(step_id=step_id)
-        with_prompts = any(s.params.repetition_penalty != 1.0 for s in states)
-        rows = VerifyRows.build(states, self.batch, with_prompts)
-        batch = self._sampling_batch(states, rows)
-        sampled = self.sampler(rows.gather(logits, draft_logits), batch)
-        emitted = accept(states, rows, sampled.sampled_token_ids.tolist())
-        for state, token_ids in zip(states, emitted):
-            self.batch.accept(state, token_ids)
-            self.grammars.accept(state, token_ids)
-        return step_output(step_id, states, rows, emitted, _logprobs(sampled, rows.params))
-
 
 def rank_device(name: str, group: TensorParallel | None) -> torch.device:
     """The device, and on CUDA in a group the rank's own (`cuda:<local rank>`)."""
@@ -391,22 +311,3 @@ def rank_device(name: str, group: TensorParallel | None) -> torch.device:
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
-
-
-def _logprobs(sampled: SamplerOutput, params) -> list[TokenLogprobs] | None:
-    if sampled.logprobs is None:
-        return None
-    values = sampled.logprobs.tolist()
-    top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
-    top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-    out = []
-    for i, row_params in enumerate(params):
-        k = row_params.logprobs or 0
-        out.append(
-            TokenLogprobs(
-                logprob=values[i],
-                top_token_ids=top_ids[i][:k] if top_ids else [],
-                top_logprobs=top_values[i][:k] if top_values else [],
-            )
-        )
-    return out

@@ -10,7 +10,7 @@ from kvpager.engine.kv.block_hash import prompt_block_hashes
 from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
-from tests.engine.worker.test_disk_store import forge
+from tests.engine.worker.disk.test_disk_store import forge
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 BLOCK_SIZE = 8

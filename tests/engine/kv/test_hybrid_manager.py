@@ -53,7 +53,7 @@ def test_a_window_hit_needs_only_the_windows_blocks():
     run(manager, a, 17, step=17)
     manager.free(a)
     for block_id in (0, 1, 2):  # what a full-attention cache would have needed
-        manager._uncache(manager.blocks[block_id])
+        manager.pool.uncache(manager.blocks[block_id])
     b = make_request("b", prompt)
     hits = manager.find_cached_prefix(b)
     assert hits == [CachedBlock(NULL_BLOCK)] * 3 + [CachedBlock(3)]
@@ -74,7 +74,7 @@ def test_hybrid_hit_is_one_length_in_every_group():
     full_table, sliding_table = manager.get_block_table("a")
     manager.free(a)
     sliding = manager.groups[1]
-    sliding._uncache(sliding.blocks[sliding_table[3]])
+    sliding.pool.uncache(sliding.blocks[sliding_table[3]])
     b = make_request("b", prompt)
     full_hits, sliding_hits = manager.find_cached_prefix(b)
     assert [h.block_id for h in full_hits] == full_table[:3]

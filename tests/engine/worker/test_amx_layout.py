@@ -6,7 +6,7 @@ apart per layout, and kv_layout="token-major" keeps the token-major layout when 
 import pytest
 import torch
 from kvpager.engine import SamplingParams
-from kvpager.engine.worker.disk_files import block_layout
+from kvpager.engine.worker.disk.files import block_layout
 from kvpager.kernels import cpu_tiles
 from kvpager.schemas.errors import ConfigError
 

@@ -14,7 +14,7 @@ import pytest
 from kvpager.engine import SamplingParams
 
 from tests.engine.helpers import assert_all_free, make_llm
-from tests.engine.worker.test_spec_decode import SPEC, looping  # noqa: F401 (a fixture)
+from tests.engine.worker.spec_decode.test_spec_decode import SPEC, looping  # noqa: F401 (a fixture)
 
 NUM_SAMPLES = 2000
 TEMPERATURE = 0.5

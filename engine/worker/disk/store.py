@@ -12,7 +12,7 @@ A read of a block still waiting to be written is served from its snapshot. The w
 the folder within `capacity_bytes`, least recently used first (a read refreshes a file's mtime,
 so the order survives a restart), and rescans the folder when idle: files of other instances
 sharing it are reported as found, files gone are reported as removed. A file failing its MAC
-(disk_files.py) is deleted, reported as removed and counted (`disk_rejected`), never served.
+(files.py) is deleted, reported as removed and counted (`disk_rejected`), never served.
 Only block hashes leave this module; the scheduler turns them into its accounting
 (engine/kv/disk_index.py).
 """
@@ -30,7 +30,7 @@ import structlog
 import torch
 from kvpager.engine.config import ExecutorConfig
 from kvpager.engine.paths import kv_disk_key_file
-from kvpager.engine.worker.disk_files import (
+from kvpager.engine.worker.disk.files import (
     BlockLayout,
     ForgedBlockError,
     block_layout,
@@ -83,7 +83,7 @@ class DiskStore:
     def __init__(self, root: Path, capacity_bytes: int, layout: BlockLayout, key: bytes) -> None:
         self.layout = layout
         self.capacity_bytes = capacity_bytes
-        self.key = key  # the files' MAC key (disk_files.load_key)
+        self.key = key  # the files' MAC key (files.load_key)
         self.folder = Path(root) / layout.folder_name
         try:
             private_dir(Path(root))

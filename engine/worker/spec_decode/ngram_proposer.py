@@ -20,6 +20,7 @@ each candidate's match length is grown backwards over at most `prompt_lookup_max
 """
 
 import numpy as np
+from kvpager.engine.worker.input_batch import InputBatch
 
 
 class NgramProposer:
@@ -27,6 +28,20 @@ class NgramProposer:
         assert 1 <= prompt_lookup_min <= prompt_lookup_max, "n-gram sizes"
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+
+    def propose_for(
+        self, batch: InputBatch, num_spec_tokens: dict[str, int]
+    ) -> dict[str, list[int]]:
+        """Proposals for the sequences a step asked (seq id -> k), over their tokens so far in
+        the executor's request table; a sequence without a match gets none."""
+        drafts = {}
+        for seq_id, k in num_spec_tokens.items():
+            state = batch.states.get(seq_id)
+            if state is not None:
+                tokens = batch.token_ids[state.row, : state.num_tokens]
+                if proposal := self.propose(tokens, k):
+                    drafts[seq_id] = proposal
+        return drafts
 
     def propose(self, token_ids: np.ndarray, k: int) -> list[int]:
         """Up to `k` tokens to follow `token_ids` (int64 [num_tokens]); [] without a match."""

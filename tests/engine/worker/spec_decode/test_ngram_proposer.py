@@ -1,7 +1,7 @@
 """N-gram prompt lookup: the longest suffix match wins, its most recent occurrence next."""
 
 import numpy as np
-from kvpager.engine.worker.ngram_proposer import NgramProposer
+from kvpager.engine.worker.spec_decode.ngram_proposer import NgramProposer
 
 
 def propose(tokens, k=3, low=1, high=3):

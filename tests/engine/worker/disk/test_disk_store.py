@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 import torch
-from kvpager.engine.worker.disk_files import (
+from kvpager.engine.worker.disk.files import (
     HEADER,
     MAC_OFFSET,
     BlockLayout,
@@ -19,7 +19,7 @@ from kvpager.engine.worker.disk_files import (
     read_block,
     write_block,
 )
-from kvpager.engine.worker.disk_store import DiskStore
+from kvpager.engine.worker.disk.store import DiskStore
 from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import DiskBlock
 from kvpager.schemas.scheduler import StepOutput

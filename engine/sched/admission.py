@@ -1,0 +1,106 @@
+"""Admission: the waiting queue's head starts (prefix hits, disk loads, chunked prefill) or a
+swapped-out request comes back, while the step's token budget and blocks last.
+
+Mixed into Scheduler (engine/sched/scheduler.py), whose queues and block manager it works on.
+"""
+
+from collections import deque
+
+from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.kv.block_manager import BlockManager
+from kvpager.engine.kv.hybrid_manager import HybridBlockManager
+from kvpager.engine.request import Request, RequestStatus
+from kvpager.engine.sched.step_plan import SchedulerStats, StepPlan
+
+
+class Admission:
+    """The scheduler's waiting side: `_schedule_waiting` is what `schedule()` calls."""
+
+    config: SchedulerConfig
+    cache_config: CacheConfig
+    block_manager: BlockManager | HybridBlockManager
+    grouped: bool
+    waiting: deque[Request]
+    running: list[Request]
+    stats: SchedulerStats
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        if not self.block_manager.disk.listed:
+            return  # the disk's listing first, so what it holds is found
+        while self.waiting and plan.budget > 0:
+            if self._resume_or_admit(self.waiting[0], plan):
+                continue
+            if self.running or plan.num_scheduled or not self.num_swapped:
+                break
+            # Nothing runs, yet the head cannot start: swapped requests hold shared device
+            # blocks. Let them recompute instead, so the head always fits.
+            for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
+                self._free_to_recompute(request)  # its CPU and shared device blocks
+
+    def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
+        if request.num_output_placeholders:
+            return False  # preempted with a token in flight: resume once it has arrived
+        if request.status is RequestStatus.SWAPPED:
+            return self._swap_in(request, plan)
+        room = self.config.max_num_seqs - self._num_seqs_in_use
+        return room >= 1 + request.num_pending_forks and self._admit(request, plan)
+
+    def _prefix_hits(self, request: Request) -> list:
+        """The cached prefix, none for a request wanting prompt logprobs: it needs the logits
+        of every prompt position (vLLM's rule)."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return self.block_manager.find_cached_prefix(request, max_blocks=0)
+        return self.block_manager.find_cached_prefix(request)
+
+    def _start_disk_load(self, request: Request, hits: list) -> bool:
+        """Read the blocks past the device and CPU hits from disk first (one full-attention
+        group only: CacheConfig refuses a disk tier beside windows)."""
+        disk = self.block_manager.disk
+        if not disk.enabled or request.sampling_params.prompt_logprobs is not None:
+            return False
+        return disk.start_load(request, len(hits), sum(hit.on_cpu for hit in hits))
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        hits = self._prefix_hits(request)
+        if self._start_disk_load(request, hits):
+            self.waiting.popleft()  # back at the head once its blocks are read
+            return True
+        num_hit_tokens = self.block_manager.num_hit_blocks(hits) * self.cache_config.block_size
+        num_new = request.num_tokens - num_hit_tokens
+        if num_new > plan.budget and not self.config.enable_chunked_prefill:
+            return False
+        num_new = self._chunk(request, num_new, plan.budget)
+        if self.block_manager.allocate_slots(request, num_new, hits) is None:
+            return False
+        self.waiting.popleft()
+        self.block_manager.disk.admitted(request)
+        self._note_prefix_hits(request, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._note_running(request, num_new, [], plan)
+        return True
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
+        num_new = min(self._num_unscheduled(request), plan.budget)
+        if self.block_manager.num_blocks_to_resume(request, num_new) > (
+            self.block_manager.num_free_blocks
+        ):
+            return False
+        self.waiting.popleft()
+        self.block_manager.swap_in(request)
+        grown = self.block_manager.allocate_slots(request, num_new)
+        assert grown is not None, "swap-in reserved too little"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        # the executor's row replaces its whole table
+        full_table = self.block_manager.get_block_table(request.seq_id)
+        copy = [list(t) for t in full_table] if self.grouped else list(full_table)
+        self._note_running(request, num_new, copy, plan)
+        return True
+
+    def _note_prefix_hits(self, request: Request, num_hit_tokens: int) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit_tokens
+            self.stats.prefix_queried_tokens += request.num_tokens
+            self.stats.prefix_hit_tokens += num_hit_tokens
