@@ -71,7 +71,27 @@ quietly() {
 
 compose() { timeout 600 "${COMPOSE[@]}" "$@"; }
 
+# What the check runs, installed through apt-get where missing (root on Debian/Ubuntu), else
+# named in one line: docker.io (docker, dockerd), docker-compose, debootstrap, curl.
+install_tools() {
+  local missing=()
+  command -v docker >/dev/null || missing+=(docker.io)
+  docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
+    || missing+=(docker-compose)
+  [[ $KVPAGER_BASE_IMAGE != "$DEFAULT_BASE_IMAGE" ]] || command -v debootstrap >/dev/null \
+    || missing+=(debootstrap)
+  command -v curl >/dev/null || missing+=(curl)
+  ((${#missing[@]})) || return 0
+  [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null \
+    || die "missing ${missing[*]}: apt-get install ${missing[*]} (as root), then run again"
+  step "apt-get install ${missing[*]}"
+  quietly apt-get-update 600 apt-get update
+  DEBIAN_FRONTEND=noninteractive quietly apt-get-install 1800 \
+    apt-get install -y --no-install-recommends "${missing[@]}"
+}
+
 require_tools() {
+  install_tools
   local tool
   for tool in docker curl python3 timeout; do
     command -v "$tool" >/dev/null || die "$tool is not installed"
@@ -454,6 +474,8 @@ main() {
   mkdir -p "$CHECK_DIR" "$WHEELS" "$ROOT/deploy/ca-certificates"
   trap tear_down EXIT
   require_tools
+  # compose refuses the file (and so the build) while its ${KVPAGER_*_PASSWORD:?} are unset.
+  choose_passwords
   ensure_docker
   install_engine
   prepare_base_image
@@ -461,7 +483,6 @@ main() {
   trust_host_certificates
   build_image
   choose_ports
-  choose_passwords
   bring_up
   generate_over_nats "first"
   generate_over_http
