@@ -14,6 +14,7 @@ skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` ta
 from typing import Annotated, Any, Literal
 
 import msgspec
+from kvpager.schemas.errors import ErrorType
 from kvpager.schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
 from msgspec import Meta
 
@@ -193,17 +194,18 @@ class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
 class ErrorInfo(msgspec.Struct):
     """Why a request failed; `param` names the offending request field when there is one.
 
-    `type`: invalid_request, request_too_long, overloaded (the waiting queue is full; retry
-    later), unavailable (no scheduler answers, or a service lost its NATS connection),
-    executor_unavailable (the executor stopped, hung or restarted; retry once it is back),
-    model_not_found (no instance serves the requested `model`), migration_failed (the
-    stream's instance failed more than `--migration-limit` times),
-    deadline_exceeded, internal_error, and connection_lost: made by the Python client itself
-    when its NATS connection dropped or the stream went silent (events may be lost; the client
-    aborted the request).
+    `type` (schemas/errors.py's ErrorType): invalid_request, request_too_long, overloaded (the
+    waiting queue is full; retry later), unavailable (no scheduler answers, or a service lost
+    its NATS connection), executor_unavailable (the executor stopped, hung or restarted; retry
+    once it is back), model_not_found (no instance serves the requested `model`),
+    migration_failed (the stream's instance failed more than `--migration-limit` times),
+    deadline_exceeded, internal_error, invalid_config, invalid_checkpoint, invalid_step (an
+    internal step refused), and connection_lost: made by the Python client itself when its
+    NATS connection dropped or the stream went silent (events may be lost; the client aborted
+    the request).
     """
 
-    type: str
+    type: ErrorType
     message: str
     param: str | None = None
 
