@@ -243,11 +243,16 @@ class Usage(msgspec.Struct):
     num_cached_prompt_tokens: Annotated[int, Meta(description="served by the prefix cache")]
 
 
+TokenText = Annotated[str, Meta(description="the token decoded alone, special tokens kept")]
+
+
 class TokenLogprob(msgspec.Struct):
     token_id: int
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    token: TokenText | None = None
+    top_tokens: Annotated[list[str], Meta(description="top_token_ids' texts")] | None = None
 
 
 class PromptLogprob(msgspec.Struct):
@@ -258,6 +263,8 @@ class PromptLogprob(msgspec.Struct):
     rank: Annotated[int, Meta(description="1: the model's most likely token")]
     top_token_ids: list[int]
     top_logprobs: list[float]
+    token: TokenText | None = None
+    top_tokens: Annotated[list[str], Meta(description="top_token_ids' texts")] | None = None
 
 
 class GenerateEvent(msgspec.Struct, kw_only=True):
@@ -298,6 +305,10 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     ) = None
     prompt_text: (
         Annotated[str, Meta(description="with echo, on a stream's first event: the prompt as text")]
+        | None
+    ) = None
+    prompt_tokens: (
+        Annotated[list[str], Meta(description="with echo: prompt_token_ids' texts, one a token")]
         | None
     ) = None
     prompt_logprobs: (
