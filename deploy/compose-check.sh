@@ -12,7 +12,8 @@
 # 3-node NATS cluster (fixed ports 4222-4224, 6222-6224, 8222-8224) and instances a and b;
 # step 6 becomes: executor-b killed with streams in flight (they move to a, none fails), then
 # NATS node 3 killed (its clients fail over), and a completion streamed after each.
-# Takes minutes and needs root (dockerd, debootstrap): run it by hand, not in CI.
+# Takes minutes and needs root (dockerd, debootstrap): run it by hand, not in CI. Missing
+# tools (docker.io, docker-compose, debootstrap, curl) are installed with apt-get first.
 #   deploy/compose-check.sh 2>&1 | tee /tmp/compose-check.out
 # Exits non-zero with a message at the first failure; every wait is bounded.
 # Variables:
