@@ -12,7 +12,8 @@
 # 3-node NATS cluster (fixed ports 4222-4224, 6222-6224, 8222-8224) and instances a and b;
 # step 6 becomes: executor-b killed with streams in flight (they move to a, none fails), then
 # NATS node 3 killed (its clients fail over), and a completion streamed after each.
-# Takes minutes and needs root (dockerd, debootstrap): run it by hand, not in CI.
+# Takes minutes and needs root (dockerd, debootstrap): run it by hand, not in CI. Missing
+# tools (docker.io, docker-compose, debootstrap, curl) are installed with apt-get first.
 #   deploy/compose-check.sh 2>&1 | tee /tmp/compose-check.out
 # Exits non-zero with a message at the first failure; every wait is bounded.
 # Variables:
@@ -71,7 +72,27 @@ quietly() {
 
 compose() { timeout 600 "${COMPOSE[@]}" "$@"; }
 
+# What the check runs, installed through apt-get where missing (root on Debian/Ubuntu), else
+# named in one line: docker.io (docker, dockerd), docker-compose, debootstrap, curl.
+install_tools() {
+  local missing=()
+  command -v docker >/dev/null || missing+=(docker.io)
+  docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
+    || missing+=(docker-compose)
+  [[ $KVPAGER_BASE_IMAGE != "$DEFAULT_BASE_IMAGE" ]] || command -v debootstrap >/dev/null \
+    || missing+=(debootstrap)
+  command -v curl >/dev/null || missing+=(curl)
+  ((${#missing[@]})) || return 0
+  [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null \
+    || die "missing ${missing[*]}: apt-get install ${missing[*]} (as root), then run again"
+  step "apt-get install ${missing[*]}"
+  quietly apt-get-update 600 apt-get update
+  DEBIAN_FRONTEND=noninteractive quietly apt-get-install 1800 \
+    apt-get install -y --no-install-recommends "${missing[@]}"
+}
+
 require_tools() {
+  install_tools
   local tool
   for tool in docker curl python3 timeout; do
     command -v "$tool" >/dev/null || die "$tool is not installed"
@@ -454,6 +475,8 @@ main() {
   mkdir -p "$CHECK_DIR" "$WHEELS" "$ROOT/deploy/ca-certificates"
   trap tear_down EXIT
   require_tools
+  # compose refuses the file (and so the build) while its ${KVPAGER_*_PASSWORD:?} are unset.
+  choose_passwords
   ensure_docker
   install_engine
   prepare_base_image
@@ -461,7 +484,6 @@ main() {
   trust_host_certificates
   build_image
   choose_ports
-  choose_passwords
   bring_up
   generate_over_nats "first"
   generate_over_http

@@ -1,6 +1,6 @@
 """LLM: the offline API. One process, no NATS, the same engine core the services drive.
 
-prompts -> InputProcessor (token ids, chat template, checks) -> EngineCore.add
+prompts -> InputProcessor.process (token ids, chat template, checks) -> EngineCore.add
 -> EngineCore.run_step() until done (executor in-process, on its own thread, `plan_ahead`
    steps ahead as served) -> SampleDeltas -> SampleOutput per sample -> RequestOutputs
 """
@@ -105,7 +105,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        tracked = [self._track(self.inputs.prompt_ids(p), p, sp) for p, sp in zip(prompts, params)]
+        tracked = [self._prepare(sp, prompt=p) for p, sp in zip(prompts, params)]
         return self._run(tracked, use_tqdm)
 
     def chat(
@@ -118,8 +118,11 @@ class LLM:
         """Apply the model's chat template to each conversation (with `tools`, OpenAI's
         definitions, for templates that render them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.inputs.chat_ids(c, tools=tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        tracked = [
+            self._prepare(sp, messages=c, tools=tools) for c, sp in zip(conversations, params)
+        ]
+        return self._run(tracked, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.inputs.chat_ids(messages)
@@ -158,13 +161,21 @@ class LLM:
             raise InvalidRequestError("beam_width: must be > 1 for beam search", "beam_width")
         return self.generate(prompts, params, use_tqdm)
 
-    def _track(self, token_ids: list[int], prompt: Prompt, params: SamplingParams) -> _Tracked:
-        request = Request(
-            seq_id=str(next(self._ids)),
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.model_config.eos_token_ids,
-        )
+    def _prepare(self, params: SamplingParams, **prompt: Any) -> _Tracked:
+        """One request down the input path (as the tokenizer service sends one), its prompt
+        checked against the scheduler's limits before its grammar compiles."""
+        eos_token_ids = self.model_config.eos_token_ids
+        request = Request(str(next(self._ids)), [], params, eos_token_ids)
+
+        def fits(token_ids: list[int], param: str) -> None:
+            request.prompt_token_ids = token_ids
+            self.scheduler.check_request(request)
+
+        self.run_async(self.inputs.process(params, check=fits, **prompt))
+        return self._track(request, prompt.get("prompt"))
+
+    def _track(self, request: Request, prompt: Prompt | None) -> _Tracked:
+        token_ids, params = request.prompt_token_ids, request.sampling_params
         output = RequestOutput(
             request_id=request.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -175,10 +186,7 @@ class LLM:
         return _Tracked(request, output, samples)
 
     def _run(self, tracked: list[_Tracked], use_tqdm: bool) -> list[RequestOutput]:
-        for item in tracked:  # everything is validated before anything is queued
-            self.scheduler.check_request(item.request)
-            self.inputs.check_structured(item.request.sampling_params)
-        for item in tracked:
+        for item in tracked:  # everything was validated (_prepare) before anything is queued
             self.core.add(item.request)
             self._tracked[item.request.request_id] = item
         show = use_tqdm and sys.stderr.isatty()

@@ -1,7 +1,11 @@
-"""Typed errors raised at kvpager's edges (requests, configuration, checkpoints).
+"""Typed errors raised at kvpager's edges (requests, configuration, checkpoints), and
+`ErrorType`, every `ErrorInfo.type` a client can see: the classes' types and the few that
+only a stream's end says (no exception carries them).
 
 A leaf module: it imports nothing of ours, so every package may raise these.
 """
+
+from typing import Literal
 
 
 class KvpagerError(Exception):
@@ -60,12 +64,6 @@ class ModelNotFoundError(InvalidRequestError):
         super().__init__(message, param="model")
 
 
-class MigrationLimitError(KvpagerError):
-    """A stream's instance failed more often than `--migration-limit` allows."""
-
-    type = "migration_failed"
-
-
 class ExecutorUnavailableError(KvpagerError):
     """The executor cannot run steps any more (e.g. a tensor-parallel rank died or hung)."""
 
@@ -82,3 +80,18 @@ class InvalidStepError(KvpagerError):
 class PoisonedRequestError(InvalidRequestError):
     """The same request crashed a kvpager service twice: `kvpager serve` refuses it for the
     rest of the deployment's life (services/inflight.py)."""
+
+
+# A stream ends with these without an exception: its deadline passed (the tokenizer aborts it),
+# its instance failed more often than `--migration-limit` allows (services/tokenizer/
+# dispatch.py), or the Python client lost its NATS connection or heard nothing for too long.
+STREAM_END_TYPES = ("deadline_exceeded", "migration_failed", "connection_lost")
+
+
+def _error_classes(cls: type[KvpagerError] = KvpagerError) -> list[type[KvpagerError]]:
+    """`cls` and every subclass defined here (services' own subclasses reuse these types)."""
+    return [cls] + [sub for child in cls.__subclasses__() for sub in _error_classes(child)]
+
+
+ERROR_TYPES = tuple(dict.fromkeys([cls.type for cls in _error_classes()] + [*STREAM_END_TYPES]))
+ErrorType = Literal[ERROR_TYPES]  # the JSON schema's enum of ErrorInfo.type

@@ -14,6 +14,7 @@ skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` ta
 from typing import Annotated, Any, Literal
 
 import msgspec
+from kvpager.schemas.errors import ErrorType
 from kvpager.schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
 from msgspec import Meta
 
@@ -193,17 +194,18 @@ class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
 class ErrorInfo(msgspec.Struct):
     """Why a request failed; `param` names the offending request field when there is one.
 
-    `type`: invalid_request, request_too_long, overloaded (the waiting queue is full; retry
-    later), unavailable (no scheduler answers, or a service lost its NATS connection),
-    executor_unavailable (the executor stopped, hung or restarted; retry once it is back),
-    model_not_found (no instance serves the requested `model`), migration_failed (the
-    stream's instance failed more than `--migration-limit` times),
-    deadline_exceeded, internal_error, and connection_lost: made by the Python client itself
-    when its NATS connection dropped or the stream went silent (events may be lost; the client
-    aborted the request).
+    `type` (schemas/errors.py's ErrorType): invalid_request, request_too_long, overloaded (the
+    waiting queue is full; retry later), unavailable (no scheduler answers, or a service lost
+    its NATS connection), executor_unavailable (the executor stopped, hung or restarted; retry
+    once it is back), model_not_found (no instance serves the requested `model`),
+    migration_failed (the stream's instance failed more than `--migration-limit` times),
+    deadline_exceeded, internal_error, invalid_config, invalid_checkpoint, invalid_step (an
+    internal step refused), and connection_lost: made by the Python client itself when its
+    NATS connection dropped or the stream went silent (events may be lost; the client aborted
+    the request).
     """
 
-    type: str
+    type: ErrorType
     message: str
     param: str | None = None
 
@@ -241,11 +243,16 @@ class Usage(msgspec.Struct):
     num_cached_prompt_tokens: Annotated[int, Meta(description="served by the prefix cache")]
 
 
+TokenText = Annotated[str, Meta(description="the token decoded alone, special tokens kept")]
+
+
 class TokenLogprob(msgspec.Struct):
     token_id: int
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    token: TokenText | None = None
+    top_tokens: Annotated[list[str], Meta(description="top_token_ids' texts")] | None = None
 
 
 class PromptLogprob(msgspec.Struct):
@@ -256,6 +263,8 @@ class PromptLogprob(msgspec.Struct):
     rank: Annotated[int, Meta(description="1: the model's most likely token")]
     top_token_ids: list[int]
     top_logprobs: list[float]
+    token: TokenText | None = None
+    top_tokens: Annotated[list[str], Meta(description="top_token_ids' texts")] | None = None
 
 
 class GenerateEvent(msgspec.Struct, kw_only=True):
@@ -296,6 +305,10 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     ) = None
     prompt_text: (
         Annotated[str, Meta(description="with echo, on a stream's first event: the prompt as text")]
+        | None
+    ) = None
+    prompt_tokens: (
+        Annotated[list[str], Meta(description="with echo: prompt_token_ids' texts, one a token")]
         | None
     ) = None
     prompt_logprobs: (

@@ -1,8 +1,10 @@
 """The input path shared by both front doors: prompts in, checked token ids out.
 
-`InputProcessor` tokenizes a prompt, applies the chat template to messages, and checks the
-token ids against the vocabulary; the offline `LLM` and the tokenizer service both call it.
-A server's own caps on requests live with it (services/tokenizer/limits.py).
+`InputProcessor.process` is a request's one trip down, from the offline `LLM` and from the
+tokenizer service alike: which field gives the prompt, the structured-outputs spec's sizes,
+the token ids (the chat template applied to messages), the caller's own check of them (a
+server's caps, services/tokenizer/limits.py; the offline scheduler's limits), then the spec's
+compile check.
 
 Special-token text inside a conversation (`<|im_start|>system` in a user message, a tool's
 result or a tool definition) is refused by default. The template's output is tokenized as one
@@ -14,7 +16,8 @@ every accepted conversation's tokens exactly transformers' `apply_chat_template`
 """
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvpager.engine.structured.compile_pool import CompilePool
 from kvpager.engine.structured.compile_thread import CompileThread
@@ -23,6 +26,20 @@ from kvpager.engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, chec
 from kvpager.schemas.errors import InvalidRequestError
 from kvpager.schemas.sampling import SamplingParams
 from transformers import PreTrainedTokenizerBase
+
+# The caller's check of a prompt's token ids (and the field that gave them), run after they are
+# known and before the grammar compiles: cheap caps refuse a request before costly work.
+PromptCheck = Callable[[list[int], str], None]
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A request's prompt, ready for a scheduler."""
+
+    token_ids: list[int]
+    param: str  # the field that gave it
+    text: str | None = None  # with `echo`: the text prompt as given, else its ids decoded
 
 
 class InputProcessor:
@@ -51,31 +68,56 @@ class InputProcessor:
         self._thread = CompileThread(grammar_limits.compile_timeout)
         self._pool: CompilePool | None = None
 
-    def limit_structured(self, params: SamplingParams) -> None:
-        """A spec over a size limit is refused, naming the limit (cheap: no compile)."""
-        if params.structured_outputs is not None:
-            check_spec(params.structured_outputs, self.grammar_limits)
+    async def process(
+        self,
+        params: SamplingParams,
+        *,
+        prompt: str | Sequence[int] | None = None,
+        messages: list[dict] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        tools: list[dict] | None = None,
+        check: PromptCheck | None = None,
+        echo: bool = False,
+    ) -> ProcessedPrompt:
+        """One request's prompt, given by exactly one of `prompt` (a text, or token ids
+        offline), `messages` (with `tools`, for the template) or `prompt_token_ids`: the
+        structured-outputs spec's sizes (cheap), the token ids, `check(token_ids, param)`,
+        then the spec compiled. Every refusal is a typed error naming the field."""
+        spec = params.structured_outputs
+        if spec is not None:
+            check_spec(spec, self.grammar_limits)
+        given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
+        param = _prompt_field(given, tools)
+        if param == "messages":
+            token_ids = self.chat_ids(messages, tools=tools)
+        else:
+            token_ids = self.prompt_ids(given[param], param)
+        if check is not None:
+            check(token_ids, param)
+        await self._compile(params)
+        text = None
+        if echo:
+            text = prompt if isinstance(prompt, str) else self._decode(token_ids)
+        return ProcessedPrompt(token_ids, param, text)
 
-    def check_structured(self, params: SamplingParams) -> None:
-        """A structured-outputs spec over a limit or that cannot be compiled is refused here,
-        naming the field, before the request reaches a scheduler (the executor compiles it
-        again, from its own cache). Blocking: the offline door's."""
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """A structured-outputs spec that cannot be compiled is refused, naming the field,
+        before the request reaches a scheduler (the executor compiles it again, from its own
+        cache): by a server in a worker process, awaited; offline in a large-stack thread,
+        blocking (nothing else runs on the offline door's loop meanwhile)."""
         spec = params.structured_outputs
         if spec is None:
             return
-        check_spec(spec, self.grammar_limits)
         if self.compile_workers:
-            self.pool.check(spec)
+            await self.pool.check_async(spec)
             return
         if self._grammars is None:
             self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size)
         grammars = self._grammars
         self._thread.run(lambda: grammars.check(spec), f"structured_outputs.{spec.kind}")
-
-    async def compile_structured(self, params: SamplingParams) -> None:
-        """A server's compile check, in a worker process, awaited (after limit_structured)."""
-        if params.structured_outputs is not None:
-            await self.pool.check_async(params.structured_outputs)
 
     @property
     def pool(self) -> CompilePool:
@@ -134,6 +176,19 @@ class InputProcessor:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab})", param)
         return token_ids
+
+
+def _prompt_field(given: dict[str, object], tools: list[dict] | None) -> str:
+    """The one field that gives the prompt; tools go with messages only."""
+    named = [name for name in PROMPT_FIELDS if given[name] is not None]
+    if len(named) != 1:
+        raise InvalidRequestError(
+            f"exactly one of prompt, messages or prompt_token_ids is required, got {len(named)}",
+            param=named[-1] if named else "prompt",
+        )
+    if tools is not None and named[0] != "messages":
+        raise InvalidRequestError("tools: only with messages", param="tools")
+    return named[0]
 
 
 def special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern | None:

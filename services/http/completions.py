@@ -38,12 +38,9 @@ def as_http_error(exc: Exception) -> HttpError:
     return HttpError(502, f"the NATS stream failed: {exc!r}", "connection_lost")
 
 
-async def respond(
-    client, job: Job, texts: TokenTexts, request: Request, max_buffered: int | None = None
-) -> Response:
+async def respond(client, job: Job, request: Request, max_buffered: int | None = None) -> Response:
     """`max_buffered`: events a stream may hold for a client that does not read."""
-    if job.top_logprobs is not None or job.prompt_logprobs:
-        await texts.load()
+    texts = TokenTexts()  # what the events say of their tokens
     streams = Streams(client, job.requests, max_buffered if job.stream else None)
     if not job.stream:
         try:
@@ -76,7 +73,7 @@ async def _first(streams: Streams) -> tuple[int, GenerateEvent] | None:
 
 
 async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request) -> Response:
-    collect = asyncio.ensure_future(_collect(job, streams))
+    collect = asyncio.ensure_future(_collect(job, streams, texts))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -95,8 +92,9 @@ async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request
     return JSONResponse(responses.whole(job, finals, usages, texts, prompts))
 
 
-async def _collect(job: Job, streams: Streams):
-    """Every choice's final event, the usages, and what the streams said of their prompts."""
+async def _collect(job: Job, streams: Streams, texts: TokenTexts):
+    """Every choice's final event, the usages, and what the streams said of their prompts
+    and of their tokens' texts."""
     finals: dict[int, GenerateEvent] = {}
     usages: list[Usage] = []
     prompts = echo.Prompts()
@@ -105,6 +103,7 @@ async def _collect(job: Job, streams: Streams):
         if event.error is not None:
             raise HttpError.from_info(event.error)
         prompts.add(index, event)
+        texts.learn(event)
         if event.finish_reason is not None:
             finals[job.choice_index(index, event.index)] = event
         if event.usage is not None:
@@ -173,6 +172,7 @@ class _Chunks:
         choice = job.choice_index(index, event.index)
         self.running.add(index, event)
         self.prompts.add(index, event)
+        texts.learn(event)
         if job.tool_mode is not None and event.error is None:
             deltas = self.tools.setdefault(choice, ToolDeltas(job.tool_mode))
             return _tool_chunks(job, choice, event, deltas, self.running.of(choice))

@@ -1,44 +1,32 @@
-"""Token texts for logprobs. The gateway holds no model, only, when the model folder is on this
-machine, its tokenizer (loaded on the first request that asks for logprobs). Without it a
-token is written `token_id:<id>`, as vLLM's `--return-tokens-as-token-ids` does."""
+"""Token texts for logprobs and echo, as the tokenizer service wrote them into the events
+(each logprob entry's token and alternatives, an echoed prompt's tokens): the gateway holds no
+tokenizer. An id no event named (a tokenizer service older than those fields) is written
+`token_id:<id>`, as vLLM's `--return-tokens-as-token-ids` does."""
 
-import asyncio
-from pathlib import Path
-from typing import Any
-
-import structlog
-
-log = structlog.get_logger(__name__)
+from kvpager.schemas.public import GenerateEvent, PromptLogprob, TokenLogprob
 
 
 class TokenTexts:
-    def __init__(self, model: str) -> None:
-        self._path = Path(model).expanduser()
-        self._available = self._path.is_dir()  # False also once loading failed
-        self._tokenizer: Any = None
-        self._loading: asyncio.Task | None = None
+    """The texts one response's events gave, by token id (an id's text never changes)."""
 
-    async def load(self) -> None:
-        """Load the tokenizer once, off the event loop; later calls return at once."""
-        if self._tokenizer is not None or not self._available:
-            return
-        if self._loading is None:
-            self._loading = asyncio.get_running_loop().create_task(asyncio.to_thread(self._read))
-        await asyncio.shield(self._loading)
+    def __init__(self) -> None:
+        self._texts: dict[int, str] = {}
 
-    def _read(self) -> None:
-        from transformers import AutoTokenizer  # slow to import: only when logprobs are asked
+    def learn(self, event: GenerateEvent) -> None:
+        if event.prompt_token_ids is not None and event.prompt_tokens is not None:
+            self._texts.update(zip(event.prompt_token_ids, event.prompt_tokens))
+        for lp in (event.logprobs or []) + (event.prompt_logprobs or []):
+            if lp is not None:
+                self._learn_entry(lp)
 
-        try:
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self._path))
-        except Exception as exc:  # no tokenizer files: token ids it is
-            log.warning("no tokenizer for logprobs", path=str(self._path), error=repr(exc))
-            self._available = False
+    def _learn_entry(self, lp: TokenLogprob | PromptLogprob) -> None:
+        if lp.token is not None:
+            self._texts[lp.token_id] = lp.token
+        if lp.top_tokens is not None:
+            self._texts.update(zip(lp.top_token_ids, lp.top_tokens))
 
     def text(self, token_id: int) -> str:
-        if self._tokenizer is None:
-            return f"token_id:{token_id}"
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._texts.get(token_id, f"token_id:{token_id}")
 
 
 def text_offsets(tokens: list[str], offset: int) -> tuple[list[int], int]:

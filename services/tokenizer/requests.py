@@ -70,46 +70,51 @@ def request_id_of(body: bytes, msgpack: bool, max_bytes: int) -> str:
     return uuid.uuid4().hex
 
 
-def prepare_body(
+async def prepare_body(
     body: bytes, msgpack: bool, inputs: InputProcessor, limits: RequestLimits
 ) -> Prepared:
     """A request's bytes to a Prepared request: size first, then decoding, then the rest."""
     limits.check_body(body)  # before any parsing
     request = decode_request(body, msgpack)
     request_id = request.request_id or uuid.uuid4().hex
-    return prepare(request, request_id, inputs, limits)
+    return await prepare(request, request_id, inputs, limits)
 
 
-def prepare(
+async def prepare(
     request: GenerateRequest, request_id: str, inputs: InputProcessor, limits: RequestLimits
 ) -> Prepared:
-    """Check the caps and the cross-field rules, build SamplingParams, tokenize."""
+    """The service's caps on the fields, SamplingParams, then the one trip down the input
+    path, which runs the caps on the prompt once it is tokenized (before any grammar
+    compiles, in a worker process)."""
     limits.check_fields(request)
     params = sampling_params(request)
     limits.check_params(params)
-    inputs.limit_structured(params)  # sizes only: the service then awaits the compile check
-    param = prompt_field(request)
-    token_ids = prompt_token_ids(request, param, inputs)
-    limits.check_prompt(len(token_ids), param)
-    limits.check_prompt_logprobs(params, len(token_ids))
+
+    def check_prompt(token_ids: list[int], param: str) -> None:
+        limits.check_prompt(len(token_ids), param)
+        limits.check_prompt_logprobs(params, len(token_ids))
+
+    messages = None if request.messages is None else [_message(m) for m in request.messages]
+    prompt = await inputs.process(
+        params,
+        prompt=request.prompt,
+        messages=messages,
+        prompt_token_ids=request.prompt_token_ids,
+        tools=request.tools,
+        check=check_prompt,
+        echo=request.echo,
+    )
     return Prepared(
         request_id=request_id,
-        prompt_token_ids=token_ids,
+        prompt_token_ids=prompt.token_ids,
         params=params,
         stream=request.stream,
         timeout_s=_timeout_s(request),
         model=request.model,
         abort_token=request.abort_token,
         cache_salt=request.cache_salt,
-        prompt_text=_echo_text(request, token_ids, inputs) if request.echo else None,
+        prompt_text=prompt.text,
     )
-
-
-def _echo_text(request: GenerateRequest, token_ids: list[int], inputs: InputProcessor) -> str:
-    """The prompt as the client gave it, or its token ids (a rendered chat too) decoded."""
-    if request.prompt is not None:
-        return request.prompt
-    return inputs.tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 def admission_error(prepared: Prepared, in_flight: bool) -> ErrorInfo | None:
@@ -127,30 +132,6 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
     if isinstance(fields["stop"], str):
         fields["stop"] = [fields["stop"]]
     return SamplingParams(**fields)  # raises InvalidRequestError naming the field
-
-
-def prompt_field(request: GenerateRequest) -> str:
-    """The one field that gives the prompt."""
-    given = [
-        name
-        for name in ("prompt", "messages", "prompt_token_ids")
-        if getattr(request, name) is not None
-    ]
-    if len(given) != 1:
-        raise InvalidRequestError(
-            f"exactly one of prompt, messages or prompt_token_ids is required, got {len(given)}",
-            param=given[-1] if given else "prompt",
-        )
-    return given[0]
-
-
-def prompt_token_ids(request: GenerateRequest, param: str, inputs: InputProcessor) -> list[int]:
-    if request.tools is not None and param != "messages":
-        raise InvalidRequestError("tools: only with messages", param="tools")
-    if param == "messages":
-        messages = [_message(m) for m in request.messages]
-        return inputs.chat_ids(messages, tools=request.tools)
-    return inputs.prompt_ids(getattr(request, param), param)
 
 
 def _message(message) -> dict:

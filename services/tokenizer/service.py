@@ -115,8 +115,7 @@ class TokenizerService:
         try:
             key = request_key(msg.data, msgpack, self.limits.max_request_bytes)
             with self.journal.admitting(key):  # a crash in here blames the request
-                prepared = prepare_body(msg.data, msgpack, self.inputs, self.limits)
-            await self.inputs.compile_structured(prepared.params)  # in a worker process
+                prepared = await prepare_body(msg.data, msgpack, self.inputs, self.limits)
         except Exception as exc:  # a bug too gets an error event, never silence
             request_id = request_id_of(msg.data, msgpack, self.limits.max_request_bytes)
             await self._refuse(msg.reply, msgpack, request_id, typed_error(exc))

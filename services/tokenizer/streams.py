@@ -69,10 +69,12 @@ class Stream:
         self._seq = 0
         # fields for the next event: the echoed prompt (first event), the prompt's logprobs
         self._pending: dict = {}
+        self._texts = TokenTexts(tokenizer)
         if prepared.prompt_text is not None:
             self._pending = {
                 "prompt_token_ids": prepared.prompt_token_ids,
                 "prompt_text": prepared.prompt_text,
+                "prompt_tokens": self._texts.of(prepared.prompt_token_ids),
             }
         self._samples = [
             _Sample(SampleOutput(tokenizer, prepared.prompt_token_ids, prepared.params))
@@ -95,7 +97,9 @@ class Stream:
         sample = self._samples[delta.index]
         self.generated += delta.token_ids  # (one sample, when it can move)
         if delta.prompt_logprobs is not None:  # it may come in several deltas: they follow on
-            logprobs = public_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs)
+            logprobs = public_prompt_logprobs(
+                self.prompt_token_ids, delta.prompt_logprobs, self._texts
+            )
             self._pending["prompt_logprobs"] = self._pending.get("prompt_logprobs", []) + logprobs
         update = None if sample.finish_reason is not None else sample.output.add(delta)
         if update is None:
@@ -122,7 +126,7 @@ class Stream:
 
     def _event(self, index: int, sample: _Sample, update: SampleUpdate) -> list[GenerateEvent]:
         text, token_ids = update.text, update.token_ids
-        logprobs = _public_logprobs(token_ids, update.logprobs)
+        logprobs = _public_logprobs(token_ids, update.logprobs, self._texts)
         if not self.streaming:
             sample.texts.append(text)
             sample.token_ids += token_ids
@@ -236,24 +240,60 @@ def over_the_limit(event: GenerateEvent, num_bytes: int) -> GenerateEvent:
     )
 
 
-def _public_logprobs(token_ids: list[int], logprobs) -> list[TokenLogprob] | None:
+class TokenTexts:
+    """Each token's text, for the logprobs and the echoed prompt in the events: the gateway
+    shows them and holds no tokenizer. Decoded alone, special tokens kept, as vLLM writes
+    them; cached, as the same alternatives come back token after token."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def of(self, token_ids: list[int]) -> list[str]:
+        return [self.text(token_id) for token_id in token_ids]
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+
+def _public_logprobs(
+    token_ids: list[int], logprobs, texts: TokenTexts
+) -> list[TokenLogprob] | None:
     if logprobs is None:
         return None
     return [
-        TokenLogprob(token_id, lp.logprob, lp.top_token_ids, lp.top_logprobs)
+        TokenLogprob(
+            token_id,
+            lp.logprob,
+            lp.top_token_ids,
+            lp.top_logprobs,
+            texts.text(token_id),
+            texts.of(lp.top_token_ids),
+        )
         for token_id, lp in zip(token_ids, logprobs)
     ]
+
+
+# The longest token text a row is sized for (JSON-escaped): tokenizers' pieces are far shorter.
+MAX_TOKEN_TEXT_BYTES = 64
 
 
 def prompt_logprob_rows(params: SamplingParams, max_event_bytes: int) -> int:
     """Prompt logprob rows one event may carry: half its room over a row's largest JSON."""
     k = params.prompt_logprobs or 0
-    widest = PromptLogprob(2**31, -1.2345678901234567e-300, 2**31, [2**31] * k, [-1e-300] * k)
+    text = "x" * MAX_TOKEN_TEXT_BYTES
+    widest = PromptLogprob(
+        2**31, -1.2345678901234567e-300, 2**31, [2**31] * k, [-1e-300] * k, text, [text] * k
+    )
     return max(1, max_event_bytes // (2 * len(msgspec.json.encode(widest))))
 
 
 def public_prompt_logprobs(
-    prompt_token_ids: list[int], whole: PromptLogprobs
+    prompt_token_ids: list[int], whole: PromptLogprobs, texts: TokenTexts
 ) -> list[PromptLogprob | None]:
     """The engine's prompt logprobs as the public list, positions `whole.start` on: None for
     the first token (which has none) when they start the prompt."""
@@ -267,6 +307,8 @@ def public_prompt_logprobs(
                 whole.ranks[i],
                 whole.top_token_ids[i],
                 whole.top_logprobs[i],
+                texts.text(token_id),
+                texts.of(whole.top_token_ids[i]),
             )
         )
     return out

@@ -151,6 +151,24 @@ async def test_sampling_with_seed_and_logprobs(client: Client):
     assert all(len(lp.top_token_ids) == 3 and lp.logprob <= 0.0 for lp in logprobs)
 
 
+async def test_events_bring_their_tokens_texts(client: Client, offline: LLM):
+    """Logprob entries, their alternatives and an echoed prompt carry each token's text (the
+    gateway shows them and holds no tokenizer), decoded alone with special tokens kept."""
+
+    def text(token_id: int) -> str:
+        return offline.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    fields = dict(max_tokens=6, logprobs=2, prompt_logprobs=2, echo=True, stream=False)
+    [event] = await collect(client.generate(prompt=CORPUS[1], **fields))
+    assert event.prompt_tokens == [text(t) for t in event.prompt_token_ids]
+    assert event.prompt_logprobs[0] is None  # the first prompt token has none
+    entries = event.logprobs + event.prompt_logprobs[1:]
+    assert len(entries) == 6 + len(event.prompt_token_ids) - 1
+    for lp in entries:
+        assert lp.token == text(lp.token_id)
+        assert lp.top_tokens == [text(t) for t in lp.top_token_ids]
+
+
 async def test_health_models_and_stats(client: Client, tiny_llama):
     health = await client.health()
     assert health.status == "ok" and health.instance == "default"

@@ -3,8 +3,11 @@ matcher that errs mid-generation (its request never goes on unconstrained), a co
 its time budget. The requests beside it finish equal to an undisturbed run, and every block
 is free after."""
 
+import time
+
 import pytest
 from kvpager.engine import SamplingParams, StructuredOutputsParams
+from kvpager.engine.structured.grammar import GrammarCompiler
 from kvpager.engine.worker.grammar_rows import GrammarRows
 from kvpager.schemas.scheduler import StepOutput
 
@@ -70,6 +73,13 @@ def test_a_compile_past_its_budget_fails_its_request_alone(llm, monkeypatch):
     undisturbed = llm.generate(PROMPTS, params, use_tqdm=False)
     grammars = llm.executor.grammars
     monkeypatch.setattr(grammars, "_compiler", None)  # a compile from scratch: slower
+    real = GrammarCompiler.from_tokenizer_json
+
+    def from_scratch(*args):  # slower still than the GIL's hand-off to the waiting step
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(GrammarCompiler, "from_tokenizer_json", from_scratch)
     monkeypatch.setattr(grammars._thread, "timeout_s", 1e-9)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     failed = outputs[1].outputs[0]
