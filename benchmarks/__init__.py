@@ -1,1 +1,2 @@
-"""Benchmarks: serving throughput and latency against peers (run.py), kernels (kernels.py)."""
+"""Developer benchmarks by topic (peers, serving, engine, kernels, gpu), each run as
+`python -m benchmarks.<topic>.<name>`; `kvpager bench` is the installed one."""
