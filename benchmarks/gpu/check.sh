@@ -14,6 +14,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
+# kvpager not installed there: a view of the folders under their package names (package-dir)
+if ! python3 -c 'import kvpager.kernels' 2>/dev/null; then
+    mkdir -p /tmp/kvpager-view/kvpager && cp kvpager/*.py /tmp/kvpager-view/kvpager/
+    for d in engine kernels schemas services; do ln -sfn "$PWD/$d" "/tmp/kvpager-view/kvpager/$d"; done
+    export PYTHONPATH=/tmp/kvpager-view:$PYTHONPATH
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c \
   'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; \
   lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee "$OUT/env.txt"
@@ -23,7 +29,7 @@ step() {  # name, seconds, command...
     timeout "$limit" "$@" 2>&1 | tail -n 400 > "$OUT/$name.log"
     echo "   rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s: $(grep -E 'passed|failed|error|tok/s|x$' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')"
 }
-# the marked tests (the CPU-device ones run Triton interpreted, so not here); kernels.py checks
+# the marked tests (the CPU-device ones run Triton interpreted, so not here); kernels.triton checks
 # every kernel against its twin on the device too
 step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
 step engine_tests 180 python3 -m pytest -q -p no:cacheprovider \

@@ -8,6 +8,7 @@ import gc
 from pathlib import Path
 
 from kvpager.services.bench.metrics import EngineResult
+from kvpager.services.bench.offline import warm_up
 from kvpager.services.bench.workloads import Workload
 
 from benchmarks.common.config import BenchConfig
@@ -24,7 +25,7 @@ class KvpagerPeer:
         self.cfg = cfg
         self.plain_generate = plain_generate
         self.llm = kvpager_offline.build_llm(cfg)
-        kvpager_offline.warm_up(self.llm)
+        warm_up(self.llm)
 
     def run(self, workload: Workload) -> list[EngineResult]:
         results = [kvpager_offline.drive(self.llm, workload, "kvpager offline", self.cfg.dtype)]

@@ -126,9 +126,9 @@ class NatsPeer:
             stop(server)
 
     async def _run(self, workload: Workload, port: int) -> EngineResult:
-        from benchmarks.serving.load import _ready  # the load benchmark's wait for a healthy server
+        from kvpager.services.bench.load import ready  # the load client's wait for a healthy server
 
-        client = await _ready(f"nats://127.0.0.1:{port}", "llm")
+        client = await ready(f"nats://127.0.0.1:{port}", "llm")
         try:
             await warm_up(client)
             stats_before = await client.stats()

@@ -10,10 +10,12 @@
 import argparse
 import asyncio
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from kvpager.schemas.errors import ConfigError
+from kvpager.services.bench.http import BenchHttpError, OpenAIBackend, get_json
 from kvpager.services.bench.metrics import format_summary, serve_summary
 from kvpager.services.bench.serve import given_requests, random_requests, run_benchmark
 from kvpager.services.bench.workloads import BenchRequest, TokenSource
@@ -71,8 +73,14 @@ def _add_offline(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
-        figures = asyncio.run(_serve(args))
+        try:
+            figures = asyncio.run(_serve(args))
+        except (OSError, TimeoutError, BenchHttpError) as exc:
+            print(f"kvpager bench: no server to measure: {exc}", file=sys.stderr)
+            return 1
         print(format_summary(figures))
+        for error in figures["errors"]:
+            print(f"failed: {error}", file=sys.stderr)
     else:
         figures = _offline(args)
         print(_format_offline(args.bench_command, figures))
@@ -93,8 +101,6 @@ async def _serve(args: argparse.Namespace) -> dict:
         finally:
             await client.close()
     else:
-        from kvpager.services.bench.http import OpenAIBackend, get_json
-
         model = args.model or (await get_json(args.base_url + "/v1/models"))["data"][0]["id"]
         requests = _requests(args, args.vocab_size)
         backend = OpenAIBackend(args.base_url.rstrip("/"), model, args.api_key)

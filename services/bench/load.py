@@ -168,7 +168,8 @@ async def ready(url: str, prefix: str, timeout_s: float = 600.0) -> Client:
     deadline = time.monotonic() + timeout_s
     host, port = url.rsplit("/", 1)[-1].split(":")
     while not listening(host, int(port)):  # else nats-py prints every refused attempt
-        assert time.monotonic() < deadline, f"nothing listens on {url}"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on {url}")
         await asyncio.sleep(0.2)
     client = await Client.connect(url, prefix)
     while time.monotonic() < deadline:

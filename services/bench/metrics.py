@@ -140,6 +140,7 @@ def serve_summary(outcomes: list[RequestOutcome], duration_s: float) -> dict:
         "request_throughput": len(done) / duration_s,
         "output_throughput": num_output / duration_s,
         "total_token_throughput": (num_input + num_output) / duration_s,
+        "errors": sorted({o.error or "no final event" for o in outcomes if not o.ok})[:5],
     }
     out.update(_stats("ttft", [o.ttft for o in done]))
     out.update(_stats("tpot", [t for o in done if (t := o.tpot) is not None]))
@@ -158,11 +159,11 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float]:
 
 LABELS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)"}
 LABELS |= {"itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+STAT_NAMES = {"mean": "Mean", "median": "Median", "p99": "P99"}
 
 
 def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> str:
     """The table `vllm bench serve` prints, from a `serve_summary`."""
-    lines = [f"{title:=^60}"]
     rows = [
         ("Successful requests:", summary["completed"]),
         ("Failed requests:", summary["failed"]),
@@ -173,11 +174,11 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> st
         ("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"),
         ("Total token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}"),
     ]
-    lines += [f"{label:<45}{value:<15}" for label, value in rows]
+    lines = [f" {title} ".center(60, "=")] + [f"{label:<45}{value}" for label, value in rows]
     for name, label in LABELS.items():
-        lines.append(f"{label:-^60}")
-        for stat in ("mean", "median", "p99"):
-            title_ = f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms):"
-            lines.append(f"{title_:<45}{summary[f'{stat}_{name}_ms']:<15.2f}")
+        lines.append(f" {label} ".center(60, "-"))
+        for stat, stat_name in STAT_NAMES.items():
+            row = f"{stat_name} {name.upper()} (ms):"
+            lines.append(f"{row:<45}{summary[f'{stat}_{name}_ms']:.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)

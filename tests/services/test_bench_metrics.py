@@ -25,6 +25,7 @@ def test_counts_and_throughput():
     assert summary["request_throughput"] == approx(1.0)
     assert summary["output_throughput"] == approx(3.5)
     assert summary["total_token_throughput"] == approx(8.5)
+    assert summary["errors"] == ["overloaded"]
 
 
 def test_latency_statistics_in_ms():
@@ -51,7 +52,8 @@ def test_one_token_has_no_tpot_and_no_itl():
 
 def test_an_unfinished_stream_is_failed():
     lost = RequestOutcome(3, sent_at=0.0, chunk_times=[0.1], num_output_tokens=2)  # no final
-    assert serve_summary([lost], duration_s=1.0)["failed"] == 1
+    summary = serve_summary([lost], duration_s=1.0)
+    assert summary["failed"] == 1 and summary["errors"] == ["no final event"]
 
 
 def test_the_table_names_every_figure():
@@ -59,4 +61,5 @@ def test_the_table_names_every_figure():
     for label in ("Successful requests:", "Output token throughput (tok/s):", "Mean TTFT (ms):",
                   "Median TPOT (ms):", "P99 ITL (ms):", "P99 E2EL (ms):"):  # fmt: skip
         assert label in table
-    assert "Successful requests:" in table and " 2 " in table.split("\n")[1] + " "
+    assert table.split("\n")[1].split() == ["Successful", "requests:", "2"]
+    assert table.split("\n")[-2].split() == ["P99", "E2EL", "(ms):", "699.00"]
