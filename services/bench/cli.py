@@ -120,7 +120,7 @@ def _requests(args: argparse.Namespace, vocab_size: int | None) -> list[BenchReq
     if args.prompt:
         if tokenizer is None:
             raise ConfigError("--prompt needs --tokenizer (the ids the server is sent)")
-        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in args.prompt]
+        prompts = [tokenizer.encode(text) for text in args.prompt]  # BOS as a server adds it
         return given_requests(prompts, args.num_prompts, args.output_len)
     if tokenizer is not None:
         source = TokenSource(len(tokenizer), frozenset(tokenizer.all_special_ids))

@@ -49,6 +49,20 @@ def test_bench_serve_over_nats(served, tmp_path):  # noqa: F811
     _check_serve(_figures(kvpager(*args, "--json", str(out), timeout=300), out))
 
 
+def test_bench_serve_given_prompts(served, tiny_llama, tmp_path):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    prompts = ["the cat sat on the mat", "a paged cache"]
+    lengths = [len(AutoTokenizer.from_pretrained(str(tiny_llama)).encode(p)) for p in prompts]
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--base-url", served.base_url, "--tokenizer", str(tiny_llama)]
+    args += ["--prompt", prompts[0], "--prompt", prompts[1], "--num-prompts", "5"]
+    args += ["--output-len", "3", "--max-concurrency", "2"]
+    figures = _figures(kvpager(*args, "--json", str(out), timeout=300), out)
+    assert (figures["completed"], figures["total_output_tokens"]) == (5, 15)
+    assert figures["total_input_tokens"] == 3 * lengths[0] + 2 * lengths[1]  # round-robin
+
+
 def test_bench_serve_given_prompts_need_a_tokenizer(served):  # noqa: F811
     result = kvpager("bench", "serve", "--base-url", served.base_url, "--prompt", "hello")
     assert result.returncode == 2 and "--tokenizer" in result.stderr
