@@ -1,5 +1,6 @@
-"""What the hardware allows: the host's ISA flags, its measured matmul peak per dtype, and the
-throughput the workload's linear layers would reach at that peak (the roofline).
+"""What the hardware allows: the host's measured matmul peak per dtype, and the throughput the
+workload's linear layers would reach at that peak (the roofline). The ISA flags that decide
+the peak are kvpager.kernels.isa's.
 
 A decoder token costs 2 x (linear weights) FLOPs in its layers, and each sampled token 2 x
 hidden x vocab more in the lm_head. At the matmul peak P (FLOP/s) a workload of T tokens
