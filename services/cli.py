@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 
 from kvpager.schemas.errors import ConfigError, KvpagerError
+from kvpager.services.bench.cli import add_parsers as add_bench_parsers
 from kvpager.services.client import ClientError
 from kvpager.services.http.settings import HttpSettings
 from kvpager.services.settings import (
@@ -286,6 +287,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     commands.update(_add_service_parsers(sub))
     commands.update(_add_client_parsers(sub))
     commands.update(_add_kv_size_parser(sub))
+    commands.update(add_bench_parsers(sub))
     return parser, commands
 
 

@@ -5,7 +5,7 @@ tokens the engine's own decoder does, and the decoder class is left as it was.""
 from kvpager.engine import SamplingParams
 from kvpager.engine.model.decoder import Decoder
 
-from benchmarks.compiled_decoder import TimedForward, plain_layer_weights, use_graph
+from benchmarks.engine.compiled_decoder import TimedForward, plain_layer_weights, use_graph
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 
 

@@ -3,7 +3,7 @@ figures computed from what the client measured."""
 
 from types import SimpleNamespace
 
-from benchmarks.conversations import Turn, conversations, max_context, parse_args, summarize
+from benchmarks.serving.conversations import Turn, conversations, max_context, parse_args, summarize
 
 
 def test_conversations_are_seeded_and_sized():

@@ -5,7 +5,7 @@ import torch
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 
-from benchmarks.inductor_chain import TorchChain, build_layers, kvpager_chain, step_inputs
+from benchmarks.engine.inductor_chain import TorchChain, build_layers, kvpager_chain, step_inputs
 
 
 @torch.inference_mode()

@@ -2,8 +2,8 @@
 
 import time
 
-from benchmarks.op_breakdown import LINEARS, OPS, Clock, table, workload_requests
-from benchmarks.vllm_profile import OTHER, group
+from benchmarks.engine.op_breakdown import LINEARS, OPS, Clock, table, workload_requests
+from benchmarks.peers.vllm_profile import OTHER, group
 
 
 def test_clock_counts_calls_and_time_and_keeps_results_and_errors():

@@ -8,20 +8,8 @@ import pytest
 from kvpager.engine.request import Request
 from kvpager.schemas.sampling import SamplingParams
 
-from benchmarks import run
-from benchmarks.ablation import ContiguousBlockManager
-from benchmarks.workloads import TokenSource, Workload, parallel_sampling, uniform
-
-
-def test_workloads_are_seeded_and_avoid_special_ids():
-    source = TokenSource(vocab_size=50, special_ids=frozenset(range(10)))
-    first = uniform(source, 6, (4, 20), (3, 9), seed=1)
-    assert first == uniform(source, 6, (4, 20), (3, 9), seed=1)
-    assert all(10 <= t < 50 for r in first.requests for t in r.prompt_token_ids)
-    assert all(3 <= r.max_tokens <= 9 for r in first.requests)
-    parallel = parallel_sampling(source, 2, 4, (4, 8), (3, 5), seed=2)
-    assert parallel.num_output_tokens == 4 * sum(r.max_tokens for r in parallel.requests)
-    assert Workload.from_json(parallel.to_json()) == parallel
+from benchmarks.engine.ablation import ContiguousBlockManager
+from benchmarks.peers import run
 
 
 def test_contiguous_manager_reserves_everything_at_admission():

@@ -3,7 +3,7 @@ sharing admits more requests at once than max-length reservation at the same KV 
 
 import pytest
 
-from benchmarks import seed_ablation
+from benchmarks.engine import seed_ablation
 
 
 @pytest.mark.timeout(600)

@@ -4,7 +4,7 @@ prints the table it promises."""
 import pytest
 from kvpager.kernels import cpu_decode, cpu_tiles
 
-from benchmarks import vllm_attention
+from benchmarks.kernels import vllm_attention
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
 

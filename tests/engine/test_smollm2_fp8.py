@@ -1,16 +1,26 @@
 """The issue's done-when on the real default model: at the same kv_cache_memory an fp8 (e4m3)
 cache holds at least 1.9x the blocks of the bf16 one, and its greedy outputs over 8 chat
-prompts x 64 tokens are close in vLLM's check_logprobs_close sense (benchmarks/fp8_cache.py
-prints the details, e5m2 too)."""
+prompts x 64 tokens are close in vLLM's check_logprobs_close sense (benchmarks/engine/fp8_cache.py
+prints the details on the same prompts, e5m2 too)."""
 
 import pytest
 from kvpager.engine import SamplingParams
 
-from benchmarks.fp8_cache import CHATS
 from tests.engine.helpers import assert_all_free, make_llm
 from tests.engine.worker.test_fp8_cache import check_logprobs_close
 
 pytestmark = pytest.mark.slow
+
+CHATS = [  # benchmarks/engine/fp8_cache.py's prompts
+    "What is the capital of France?",
+    "Write a haiku about memory pages.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of a paged KV cache.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What does a CPU cache do?",
+    "Translate 'good morning' into Spanish and French.",
+]
 
 
 def test_fp8_cache_doubles_the_blocks_and_stays_close(smollm2_path):

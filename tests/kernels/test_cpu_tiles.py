@@ -16,9 +16,9 @@ from kvpager.kernels.cpu_tiles import (
     reshape_and_cache_tiles_ref,
     to_tiles,
 )
+from kvpager.kernels.isa import isa_flags
 from kvpager.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
-from benchmarks.roofline import isa_flags
 from tests.kernels.test_paged_attention import (
     DECODE,
     MIXED,

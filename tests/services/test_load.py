@@ -1,13 +1,11 @@
 """Load: 500 concurrent streams against a cache small enough to preempt and swap, then a flood
-past the waiting-queue bound (benchmarks/load.py runs the same phases, larger)."""
+past the waiting-queue bound (benchmarks/serving/load.py runs the same phases, larger)."""
 
 import asyncio
 import time
 
 import pytest
-from kvpager.services.client import Client
-
-from benchmarks.load import (
+from kvpager.services.bench.load import (
     expected_tokens,
     flood,
     make_requests,
@@ -16,6 +14,8 @@ from benchmarks.load import (
     run_streams,
     summarize,
 )
+from kvpager.services.client import Client
+
 from tests.models import VOCAB_SIZE
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 
