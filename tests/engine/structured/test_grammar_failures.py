@@ -3,7 +3,7 @@ matcher that errs mid-generation (its request never goes on unconstrained), a co
 its time budget. The requests beside it finish equal to an undisturbed run, and every block
 is free after."""
 
-import time
+import threading
 
 import pytest
 from kvpager.engine import SamplingParams, StructuredOutputsParams
@@ -74,14 +74,16 @@ def test_a_compile_past_its_budget_fails_its_request_alone(llm, monkeypatch):
     grammars = llm.executor.grammars
     monkeypatch.setattr(grammars, "_compiler", None)  # a compile from scratch: slower
     real = GrammarCompiler.from_tokenizer_json
+    release = threading.Event()
 
-    def from_scratch(*args):  # slower still than the GIL's hand-off to the waiting step
-        time.sleep(0.05)
+    def held(*args):  # the compile cannot finish before the step has given up on it
+        release.wait(timeout=60)
         return real(*args)
 
-    monkeypatch.setattr(GrammarCompiler, "from_tokenizer_json", from_scratch)
+    monkeypatch.setattr(GrammarCompiler, "from_tokenizer_json", held)
     monkeypatch.setattr(grammars._thread, "timeout_s", 1e-9)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    release.set()
     failed = outputs[1].outputs[0]
     assert failed.finish_reason == "error" and failed.error.type == "invalid_request"
     assert "to compile" in failed.error.message and not failed.token_ids
