@@ -215,6 +215,7 @@ def _serve(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen
         "serve",
         "--nats-port",
         str(port),
+        "--no-http",
     ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 

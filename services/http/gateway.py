@@ -25,6 +25,9 @@ class Gateway:
     @classmethod
     def create(cls, client: Client, settings: Settings, http: HttpSettings) -> "Gateway":
         models = Models(client, http.served_model_name)
-        tokens, journal = TokenTexts(settings.model), Journal(settings.journal_dir)
+        tokens, journal = (
+            TokenTexts(settings.tokenizer or settings.model),
+            Journal(settings.journal_dir),
+        )
         grammars = CompilePool(settings.grammar_limits)
         return cls(client, settings, http, models, tokens, grammars, journal)

@@ -3,7 +3,8 @@
     resolve the model (download and convert on first use)  ->  check the checkpoint and that
     the KV cache holds one request  ->  start the embedded nats-server (or probe --nats-url)
     ->  executor, scheduler and tokenizer as `kvpager <name>` children, talking only via NATS
-    ->  with --http-port / --metrics-port, `kvpager http` / `kvpager metrics` children too
+    ->  `kvpager http` (on --http-port, 8000; not with --no-http) and, with --metrics-port,
+        `kvpager metrics` children too
     ->  poll llm.health until the executor has attached, and the HTTP ports until they accept
     ->  "ready"  ->  keep them running (services/serve/supervisor.py)  ->  Ctrl-C or SIGTERM
     ->  SIGTERM the services (they drain their streams)  ->  stop the nats-server.
@@ -59,7 +60,8 @@ def serve(
     """Run until Ctrl-C or SIGTERM; `embedded`: start our own nats-server on loopback."""
     from kvpager.engine.download import resolve_model
 
-    http = http or HttpSettings()
+    if http is None or not options.http:  # called without HTTP settings: no gateway either
+        http = dataclasses.replace(http or HttpSettings(), http_port=None)
     configure_logging(settings.log_level, settings.log_json)
     _check_ports(http)
     path = resolve_model(settings.model, progress=True)  # services get the folder
@@ -93,6 +95,7 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 def _check_checkpoint(settings: Settings, path: Path) -> None:
     """Fail before starting anything: unreadable config, no weights, too few blocks."""
     from kvpager.engine.config import EngineConfig
+    from kvpager.engine.frontend.tokenizer_files import chat_template_text, tokenizer_folder
     from kvpager.engine.memory import resolve_device
     from kvpager.engine.model.loader import safetensors_files
     from kvpager.engine.model_config import ModelConfig
@@ -100,6 +103,9 @@ def _check_checkpoint(settings: Settings, path: Path) -> None:
 
     model_config = ModelConfig.from_path(path)
     safetensors_files(path)
+    tokenizer_folder(path, settings.tokenizer)  # the services load it: fail here, once
+    if settings.chat_template is not None:
+        chat_template_text(settings.chat_template)
     model_config.check_tensor_parallel(settings.tensor_parallel_size)
     check_devices(resolve_device(settings.device), settings.tensor_parallel_size)
     if settings.num_blocks is not None:

@@ -156,7 +156,9 @@ class Stream:
         return [*events, self._next_event(**fields)]
 
     def _next_event(self, final: bool | None = None, **fields) -> GenerateEvent:
-        final = self.done if final is None else final
+        """`final`: a sample's last event, which carries the usage so far (schemas/public.py);
+        by default, the events that finish their sample."""
+        final = fields.get("finish_reason") is not None if final is None else final
         if fields.get("finish_reason") is not None and self.error is not None:
             fields["error"] = self.error
         if self._seq == 0 and self._announce_token:
