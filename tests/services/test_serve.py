@@ -116,8 +116,8 @@ def test_stats_and_health(served):
 
 def test_sigterm_stops_every_process(served):
     children = psutil.Process(served.process.pid).children(recursive=True)
-    assert len(children) == 4, children  # nats-server, executor, scheduler, tokenizer
-    assert len(processes_on(served.url)) == 4
+    assert len(children) == 5, children  # nats-server, executor, scheduler, tokenizer, http
+    assert len(processes_on(served.url)) == 5
     served.process.send_signal(signal.SIGTERM)
     assert served.process.wait(timeout=60) == 0
     gone, alive = psutil.wait_procs(children, timeout=5)
