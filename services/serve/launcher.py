@@ -79,8 +79,12 @@ def _http_ports(http: HttpSettings) -> dict[str, int]:
 def _check_ports(http: HttpSettings) -> None:
     from kvpager.services.http.main import listen
 
-    for port in _http_ports(http).values():
-        listen(http.http_host, port).close()  # ConfigError if in use
+    for name, port in _http_ports(http).items():
+        try:
+            listen(http.http_host, port).close()
+        except ConfigError as exc:  # the gateway is on by default: say how to move or drop it
+            hint = "--port PORT, or --no-http" if name == "http" else "another --metrics-port"
+            raise ConfigError(f"{exc}; give {hint}") from exc
 
 
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:

@@ -4,6 +4,7 @@ mean nothing here (a warning, not a refusal), and a model folder without tokeniz
 `kvpager: ...` line from every door)."""
 
 import shutil
+import socket
 
 import pytest
 import structlog
@@ -57,6 +58,16 @@ def test_the_gateway_is_on_by_default_and_host_port_are_aliases():
     http = HttpSettings.from_args(args)
     assert (http.http_host, http.http_port, http.origins) == ("0.0.0.0", 9123, ("a",))
     assert ServeSettings.from_args(_serve_args("m", "--no-http")).http is False
+
+
+def test_a_taken_gateway_port_says_how_to_move(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "m", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpager: cannot listen on 127.0.0.1:{port}") and "--no-http" in err
 
 
 def test_flags_that_cannot_apply_warn(capsys, tmp_path):
