@@ -93,8 +93,9 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
     the completion tokens of all the samples up to then; so the last final event of a stream
     has the request's total (OpenAI's usage for n > 1), and a consumer keeps the latest usage
     rather than adding them up. The stream ends once all `n` samples have had their final
-    event, or at a first event (`seq` 0) with `error` set, whatever `n`: a request refused
-    before it began has that single event. With `stream: false` a sample's final event carries
+    event, except for a request refused before its stream began: that gets one event, `seq` 0
+    with `error` set and no `num_prompt_tokens` (which a begun stream's first event has),
+    whatever `n`. With `stream: false` a sample's final event carries
     all its text and token ids, and is its only event except when a long prompt's
     `prompt_logprobs` do not fit one message: they then come over several events (in order,
     `finish_reason` unset but on the last), to be joined.

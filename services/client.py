@@ -118,7 +118,7 @@ class Client:
         self, payload: bytes, headers: dict[str, str] | None = None
     ) -> AsyncIterator[GenerateEvent]:
         """Send bytes as they are (tools, tests); no abort on close before an event names it."""
-        return self._events(payload, headers, None, None, _num_samples(payload, headers))
+        return self._events(payload, headers, None, None, requested_samples(payload, headers))
 
     async def _events(
         self,
@@ -152,7 +152,7 @@ class Client:
                     self._abort_tokens.setdefault(request_id, abort_token)
                 seq, num_tokens = seq + 1, num_tokens + len(event.token_ids)
                 num_finals += event.is_final
-                finished = lost or _ends_stream(event, num_finals, num_samples)
+                finished = lost or ends_stream(event, num_finals, num_samples)
                 yield event
         finally:
             abort_id = request_id if lost or not finished else None
@@ -234,10 +234,12 @@ def _raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
-def _ends_stream(event: GenerateEvent, num_finals: int, num_samples: int) -> bool:
-    """Every sample has ended, or the stream's first event is an error (a refusal), or it is
-    serve's event for a stream whose tokenizer died."""
-    refused = event.seq == 0 and event.error is not None and event.is_final
+def ends_stream(event: GenerateEvent, num_finals: int, num_samples: int) -> bool:
+    """After `event`, the `num_finals`-th final event of a request of `num_samples` samples:
+    whether the stream has ended (schemas/public.py: GenerateEvent). Every sample has ended,
+    or the request was refused before its stream began, or this is serve's event for a stream
+    whose tokenizer died."""
+    refused = event.seq == 0 and event.error is not None and event.num_prompt_tokens is None
     return num_finals >= num_samples or refused or event.is_orphaned
 
 
@@ -245,7 +247,7 @@ class _Samples(msgspec.Struct):
     n: int = 1
 
 
-def _num_samples(payload: bytes, headers: dict[str, str] | None) -> int:
+def requested_samples(payload: bytes, headers: dict[str, str] | None = None) -> int:
     """A raw request's `n`, to know when its stream ends (1 when it does not say: a bad
     request is refused with one event)."""
     is_msgpack = (headers or {}).get("Content-Type") == MSGPACK_HEADERS["Content-Type"]

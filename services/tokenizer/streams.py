@@ -235,6 +235,7 @@ def over_the_limit(event: GenerateEvent, num_bytes: int) -> GenerateEvent:
         finish_reason="error",
         usage=event.usage,
         error=error,
+        num_prompt_tokens=event.num_prompt_tokens,  # on seq 0: a begun stream, not a refusal
     )
 
 
