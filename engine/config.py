@@ -201,6 +201,8 @@ class ExecutorConfig:
     kv_disk_key_file: str | None = None
     # seconds a step waits for one request's grammar to compile; past it, that request fails
     grammar_compile_timeout: float = 10.0
+    # the tokenizer's folder when not the model's (--tokenizer): grammars compile against it
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
@@ -267,6 +269,7 @@ class EngineConfig:
     # special-token text in chat messages becomes real tokens (off: refused, engine/frontend)
     allow_special_tokens_in_content: bool = False
     grammar_compile_timeout: float = 10.0  # seconds one grammar may take to compile
+    tokenizer: str | None = None  # a tokenizer folder other than the model's (vLLM's)
 
     def __post_init__(self) -> None:
         _check_disk(self)

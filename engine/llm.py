@@ -74,9 +74,9 @@ class LLM:
     ) -> None:
         ensure_logging()
         path = resolve_model(model, progress=sys.stderr.isatty())
-        self.config = EngineConfig(**engine_args)
+        self.config = EngineConfig(tokenizer=tokenizer, **engine_args)
         self.model_config = ModelConfig.from_path(path)
-        self.tokenizer = load_tokenizer(path, tokenizer, chat_template)
+        self.tokenizer = load_tokenizer(path, self.config.tokenizer, chat_template)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.model_config.vocab_size,

@@ -9,6 +9,7 @@ import socket
 import pytest
 import structlog
 import torch
+from kvpager.engine import LLM
 from kvpager.engine.config import ExecutorConfig, host_memory_bytes
 from kvpager.engine.frontend.tokenizer_files import TOKENIZER_FILES, load_tokenizer
 from kvpager.engine.kv.kv_size import weight_bytes_per_rank
@@ -16,6 +17,7 @@ from kvpager.engine.memory import blocks_that_fit, kv_bytes_per_block
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import ConfigError, InvalidRequestError
 from kvpager.schemas.public import GenerateRequest
+from kvpager.schemas.sampling import SamplingParams, StructuredOutputsParams
 from kvpager.services import cli
 from kvpager.services.http.settings import HttpSettings
 from kvpager.services.settings import ServeSettings, Settings
@@ -150,3 +152,17 @@ def test_tokenizer_and_chat_template_flags(tiny_llama, tmp_path):
     assert from_file.apply_chat_template(messages, tokenize=False) == "<Hi>"
     with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
         load_tokenizer(tiny_llama, chat_template=str(tmp_path / "nothing.jinja"))
+
+
+def test_offline_llm_with_a_tokenizer_folder_and_a_template(tiny_llama, tmp_path):
+    """The model folder has no tokenizer: --tokenizer's serves the prompts, the chat template
+    and the executor's grammar compiler alike."""
+    folder = _without_tokenizer(tiny_llama, tmp_path / "bare")
+    llm = LLM(str(folder), tokenizer=str(tiny_llama), chat_template=TEMPLATE, dtype="float32")
+    assert llm.apply_chat_template([{"role": "user", "content": "Hi"}]) == llm.tokenizer.encode(
+        "[Hi]", add_special_tokens=False
+    )
+    choice = StructuredOutputsParams(choice=["alpha beta", "gamma"])
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=choice)
+    assert llm.generate("Pick:", params, use_tqdm=False)[0].outputs[0].text in choice.choice
+    llm.check_invariants()
