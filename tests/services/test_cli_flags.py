@@ -3,8 +3,10 @@ default, --max-logprobs, --gpu-memory-utilization, --chat-template, --tokenizer,
 mean nothing here (a warning, not a refusal), and a model folder without tokenizer files (one
 `kvpager: ...` line from every door)."""
 
+import asyncio
 import shutil
 import socket
+import time
 
 import pytest
 import structlog
@@ -19,9 +21,12 @@ from kvpager.schemas.errors import ConfigError, InvalidRequestError
 from kvpager.schemas.public import GenerateRequest
 from kvpager.schemas.sampling import SamplingParams, StructuredOutputsParams
 from kvpager.services import cli
+from kvpager.services.client import Client, NoKvpagerError
 from kvpager.services.http.settings import HttpSettings
 from kvpager.services.settings import ServeSettings, Settings
 from kvpager.services.tokenizer.limits import RequestLimits
+
+from tests.services.conftest import start_services
 
 TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
 
@@ -166,3 +171,32 @@ def test_offline_llm_with_a_tokenizer_folder_and_a_template(tiny_llama, tmp_path
     params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=choice)
     assert llm.generate("Pick:", params, use_tqdm=False)[0].outputs[0].text in choice.choice
     llm.check_invariants()
+
+
+async def test_max_logprobs_is_a_typed_error_from_the_service(nats_server, tiny_llama, tmp_path):
+    """--max-logprobs 2 on the tokenizer service: a request past it gets one invalid_request
+    event naming the field (the gateway answers it with a 400)."""
+    services = start_services(
+        nats_server.url, tiny_llama, tmp_path, "caps", ("tokenizer",), KVPAGER_MAX_LOGPROBS="2"
+    )
+    client = await Client.connect(nats_server.url, "caps")
+    try:
+        for field in ("logprobs", "prompt_logprobs"):
+            events = await _refused(client, {"prompt": "Hello", field: 3})
+            assert len(events) == 1 and events[0].error.type == "invalid_request", events
+            assert events[0].error.param == field and "limit (2)" in events[0].error.message
+    finally:
+        await client.close()
+        services.stop()
+
+
+async def _refused(client: Client, fields: dict, timeout_s: float = 120.0) -> list:
+    """The events of a request once the tokenizer has subscribed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return [event async for event in client.generate(**fields)]
+        except NoKvpagerError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
