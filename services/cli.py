@@ -130,7 +130,8 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 # vLLM's flags that mean nothing here: accepted, so a vLLM command line runs, with a warning
 IGNORED_FLAGS = {
     "trust_remote_code": "kvpager runs its own code for the model families it knows",
-    "disable_log_requests": "kvpager logs no request contents",
+    "disable_log_requests": "a request's log lines hold ids and counts, never its text "
+    "(--log-level warning drops them)",
     "disable_log_stats": "kvpager logs no periodic stats (see kvpager stats, /metrics)",
     "disable_frontend_multiprocessing": "the gateway is always a process of its own",
 }
