@@ -16,14 +16,7 @@ from kvpager.engine.router.routing import ROUTERS, RouterConfig
 from kvpager.schemas.errors import ConfigError
 from kvpager.services import options
 from kvpager.services.caps import RequestCaps
-from kvpager.services.options import (  # noqa: F401 (ByteSize, option: importers' names)
-    ENV_PREFIX,
-    ByteSize,
-    base_type,
-    environment,
-    from_env,
-    option,
-)
+from kvpager.services.options import ENV_PREFIX, ByteSize, base_type, from_env, option
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

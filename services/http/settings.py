@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvpager.schemas.errors import ConfigError
-from kvpager.services.settings import option
+from kvpager.services.options import option
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,12 @@ from kvpager.schemas.errors import ConfigError, KvpagerError
 from kvpager.services.client import Client, ClientError
 from kvpager.services.connection import open_connection
 from kvpager.services.http.settings import HttpSettings
+from kvpager.services.options import environment
 from kvpager.services.serve import processes
 from kvpager.services.serve.banner import ready_banner, starting_lines
 from kvpager.services.serve.embedded import EmbeddedNats
 from kvpager.services.serve.supervisor import Child, Spawn, Supervisor
-from kvpager.services.settings import ServeSettings, Settings, environment
+from kvpager.services.settings import ServeSettings, Settings
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
 HTTP_COMMANDS = ("http", "metrics")  # clients of the API: the gateway identity
