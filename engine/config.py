@@ -171,7 +171,9 @@ class ExecutorConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; used when num_blocks is None
-    gpu_memory_utilization: float = 0.9
+    # share of the device's memory (CPU: RAM) for weights + KV; None: 0.9 on CUDA, and on
+    # CPU the default cache size (engine/memory.py); used when kv_cache_memory is None
+    gpu_memory_utilization: float | None = None
     # bytes of host memory for swapped-out and evicted blocks; None: a quarter of the KV
     # cache's size on CPU (swapping there is a memcpy), none on CUDA
     swap_space: int | None = None
@@ -199,6 +201,8 @@ class ExecutorConfig:
     kv_disk_key_file: str | None = None
     # seconds a step waits for one request's grammar to compile; past it, that request fails
     grammar_compile_timeout: float = 10.0
+    # the tokenizer's folder when not the model's (--tokenizer): grammars compile against it
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
@@ -215,7 +219,7 @@ class ExecutorConfig:
                 f"swap_space: {self.swap_space} bytes is not in [0, host memory "
                 f"{host_memory_bytes()}]"
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_kv_layout(self.kv_layout)
@@ -243,7 +247,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # None: 0.9 on CUDA (engine/memory.py)
     swap_space: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -265,6 +269,7 @@ class EngineConfig:
     # special-token text in chat messages becomes real tokens (off: refused, engine/frontend)
     allow_special_tokens_in_content: bool = False
     grammar_compile_timeout: float = 10.0  # seconds one grammar may take to compile
+    tokenizer: str | None = None  # a tokenizer folder other than the model's (vLLM's)
 
     def __post_init__(self) -> None:
         _check_disk(self)

@@ -19,7 +19,13 @@ from kvpager.engine.download import resolve_model
 from kvpager.engine.frontend.event_loop import LoopThread
 from kvpager.engine.frontend.inputs import InputProcessor
 from kvpager.engine.frontend.output_processor import SampleOutput
-from kvpager.engine.frontend.outputs import CompletionOutput, RequestOutput, prompt_logprob_list
+from kvpager.engine.frontend.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    prompt_logprob_list,
+    sample_logprob_list,
+)
+from kvpager.engine.frontend.tokenizer_files import load_tokenizer
 from kvpager.engine.logs import ensure_logging
 from kvpager.engine.memory import resolve_device
 from kvpager.engine.model_config import ModelConfig
@@ -30,7 +36,6 @@ from kvpager.schemas.errors import InvalidRequestError
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.tokenizer import SampleDelta
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 Prompt = str | list[int]
 T = TypeVar("T")
@@ -53,17 +58,25 @@ class LLM:
     llm = LLM("smollm2-135m-instruct", dtype="float32")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
 
-    Keyword arguments are EngineConfig's fields (`plan_ahead=0` runs in lockstep;
-    `tensor_parallel_size=N` shards the model over N ranks, one process and device each: this
-    process is rank 0 and starts the others). `close()` (or `with LLM(...)`) stops them.
+    `tokenizer`: a tokenizer folder other than the model's; `chat_template`: a Jinja file or
+    template for `chat` (vLLM's names). Other keyword arguments are EngineConfig's fields
+    (`plan_ahead=0` runs in lockstep; `tensor_parallel_size=N` shards the model over N ranks,
+    one process and device each: this process is rank 0 and starts the others). `close()` (or
+    `with LLM(...)`) stops them.
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        **engine_args: Any,
+    ) -> None:
         ensure_logging()
         path = resolve_model(model, progress=sys.stderr.isatty())
-        self.config = EngineConfig(**engine_args)
+        self.config = EngineConfig(tokenizer=tokenizer, **engine_args)
         self.model_config = ModelConfig.from_path(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer = load_tokenizer(path, self.config.tokenizer, chat_template)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -224,7 +237,8 @@ class LLM:
             completion.text += update.text
             completion.token_ids += update.token_ids
             if update.logprobs is not None:
-                completion.logprobs = (completion.logprobs or []) + update.logprobs
+                shaped = sample_logprob_list(update.token_ids, update.logprobs, self._decode_one)
+                completion.logprobs = (completion.logprobs or []) + shaped
             if update.stop_matched:
                 self.core.finish_early(delta.request_id, "stop", delta.index, sample.stop_string)
             if sample.finished:

@@ -1,12 +1,14 @@
 """Where a model and its KV cache go: the device, the dtypes, and how many blocks fit."""
 
 import torch
-from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.config import ExecutorConfig, host_memory_bytes
 from kvpager.engine.kv.kv_groups import kv_groups
+from kvpager.engine.kv.kv_size import weight_bytes_per_rank
 from kvpager.engine.model_config import ModelConfig, dtype_name
 from kvpager.schemas.errors import ConfigError
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 CPU_SWAP_FRACTION = 4  # default CPU swap pool on a CPU device: a quarter of the KV cache
 
 
@@ -47,21 +49,41 @@ def cpu_has_native_bf16() -> bool:
 def blocks_that_fit(
     config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Device KV blocks: `num_blocks`, else what `kv_cache_memory` (or free GPU memory) holds."""
+    """Device KV blocks: `num_blocks`, else what `kv_cache_memory` holds, else what the
+    `gpu_memory_utilization` share of the device (on CPU, of RAM) leaves after the weights."""
     if config.num_blocks is not None:
         return config.num_blocks
     per_block = kv_bytes_per_block(config, model_config, kv_dtype)
-    budget = config.kv_cache_memory
-    if budget is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - (1 - config.gpu_memory_utilization) * total)
+    budget = _kv_budget(config, model_config, device)
     if budget is None:  # CPU default: never more than every sequence at full length needs
         groups = kv_groups(model_config.layer_windows, model_config.num_layers).num_groups
         max_useful = groups * config.max_num_seqs * -(-config.max_model_len // config.block_size)
         return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
     if budget < per_block:
-        raise ConfigError(f"kv_cache_memory: {budget} bytes hold no {per_block}-byte block")
+        name = "kv_cache_memory" if config.kv_cache_memory is not None else "gpu_memory_utilization"
+        raise ConfigError(
+            f"{name}: {max(budget, 0)} bytes are left for the KV cache, not one {per_block}-byte "
+            f"block; raise it, or give --kv-cache-memory / --num-blocks"
+        )
     return budget // per_block
+
+
+def _kv_budget(
+    config: ExecutorConfig, model_config: ModelConfig, device: torch.device
+) -> int | None:
+    """Bytes for the KV cache; None: the CPU default. vLLM's meaning of the utilization: the
+    share of the whole memory that weights plus KV cache may take."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    utilization = config.gpu_memory_utilization
+    if device.type == "cuda":  # the weights are loaded by now: in use = total - free
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free - (1 - (utilization or DEFAULT_GPU_MEMORY_UTILIZATION)) * total)
+    if utilization is None:
+        return None
+    weight_dtype = resolve_dtype(config.dtype, model_config, device)
+    weights = weight_bytes_per_rank(model_config, weight_dtype, config.tensor_parallel_size)
+    return int(utilization * host_memory_bytes()) - weights
 
 
 def cpu_blocks_that_fit(

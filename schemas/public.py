@@ -11,184 +11,27 @@ skip it (a stream silent for much longer has lost its tokenizer). `llm.abort` ta
 `kvpager schema` prints the JSON Schema of these structs.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from kvpager.schemas.errors import ErrorType
-from kvpager.schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
+from kvpager.schemas.public_requests import (  # noqa: F401 (the public API's names, here too)
+    INT32_MAX,
+    AbortRequest,
+    ChatMessage,
+    Count,
+    DetokenizeRequest,
+    GenerateRequest,
+    NonNegInt,
+    Penalty,
+    TokenizeRequest,
+)
 from msgspec import Meta
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-
-INT32_MAX = 2**31 - 1  # counts and token ids beyond this can never be served
-NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 # `seq` of the final event `kvpager serve` sends for a stream whose tokenizer died: serve
 # cannot know how many events went before it (its error type is "unavailable")
 ORPHANED_SEQ = -1
-Count = Annotated[int, Meta(ge=1, le=INT32_MAX)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-
-
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    """One turn of a conversation, rendered with the model's chat template."""
-
-    role: Annotated[str, Meta(min_length=1, description="e.g. system, user, assistant, tool")]
-    content: Annotated[str, Meta(description='"" for an assistant turn of only tool_calls')]
-    tool_calls: (
-        Annotated[
-            list[dict[str, Any]],
-            Meta(description="an assistant turn's calls, OpenAI's shape, for the template"),
-        ]
-        | None
-    ) = None
-    tool_call_id: Annotated[str, Meta(description="a tool turn: the call it answers")] | None = None
-    name: str | None = None
-
-
-class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A generation request: exactly one of `prompt`, `messages` or `prompt_token_ids`.
-
-    The sampling fields have the names, defaults and meanings of the engine's
-    `SamplingParams` (vLLM's). Unknown fields are an error.
-    """
-
-    request_id: (
-        Annotated[
-            str,
-            Meta(
-                min_length=1,
-                max_length=256,
-                pattern="^[^#]+$",
-                description="unique among requests in flight; no '#' (sample ids use it)",
-            ),
-        ]
-        | None
-    ) = None
-    model: Annotated[str, Meta(description="served model name; none: any instance's")] | None = None
-    abort_token: (
-        Annotated[
-            str,
-            Meta(
-                min_length=16,
-                max_length=256,
-                description="a secret that an llm.abort of this request must carry; none: "
-                "the stream's first event brings one",
-            ),
-        ]
-        | None
-    ) = None
-    cache_salt: (
-        Annotated[
-            str,
-            Meta(
-                min_length=1,
-                max_length=256,
-                description="prefix-cache entries are shared only among requests with the "
-                "same salt (vLLM's); the HTTP gateway sets one per API key",
-            ),
-        ]
-        | None
-    ) = None
-    prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
-    messages: (
-        Annotated[
-            list[ChatMessage], Meta(min_length=1, description="chat, rendered with its template")
-        ]
-        | None
-    ) = None
-    prompt_token_ids: (
-        Annotated[list[NonNegInt], Meta(min_length=1, description="token ids, used as is")] | None
-    ) = None
-    tools: (
-        Annotated[
-            list[dict[str, Any]],
-            Meta(description="with messages: OpenAI's tool definitions, for the chat template"),
-        ]
-        | None
-    ) = None
-    stream: Annotated[
-        bool, Meta(description="an event per new tokens (true) or one final event (false)")
-    ] = True
-    timeout: (
-        Annotated[float, Meta(gt=0, description="seconds from arrival, then aborted")] | None
-    ) = None
-    deadline: (
-        Annotated[float, Meta(ge=0.0, description="unix time (seconds), then aborted")] | None
-    ) = None
-    n: Annotated[
-        Count, Meta(description="samples per prompt, events tell them apart by `index`")
-    ] = 1
-    temperature: Annotated[float, Meta(ge=0.0, description="0 is greedy")] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX, description="0 or -1: disabled")] = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    seed_offset: Annotated[
-        int,
-        Meta(
-            ge=0,
-            le=2**31 - 1,
-            description="outputs an earlier run already sampled (the prompt ends with them): "
-            "seeded draws go on from this output position",
-        ),
-    ] = 0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
-    max_tokens: Annotated[Count, Meta(description="most tokens to generate")] = 16
-    min_tokens: Annotated[NonNegInt, Meta(description="no EOS or stop id before this")] = 0
-    stop: Annotated[
-        str | list[Annotated[str, Meta(min_length=1)]], Meta(description="stop strings")
-    ] = []
-    stop_token_ids: list[NonNegInt] = []
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: (
-        Annotated[
-            int,
-            Meta(
-                ge=0, le=MAX_NUM_LOGPROBS, description="top alternatives besides the sampled token"
-            ),
-        ]
-        | None
-    ) = None
-    prompt_logprobs: (
-        Annotated[
-            int,
-            Meta(
-                ge=0,
-                le=MAX_NUM_LOGPROBS,
-                description="vLLM's: each prompt token's logprob and rank, and this many top "
-                "alternatives, on the stream's first token event (the prompt skips the prefix "
-                "cache: every position is computed)",
-            ),
-        ]
-        | None
-    ) = None
-    echo: Annotated[
-        bool, Meta(description="the stream's first event carries the prompt's token ids and text")
-    ] = False
-    skip_special_tokens: bool = True
-    beam_width: Annotated[
-        Count,
-        Meta(description="beam search when > 1: the n best beams come whole, one final event each"),
-    ] = 1
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-    structured_outputs: Annotated[
-        StructuredOutputsParams | None,
-        Meta(description="constrain the output: a JSON schema, regex, choice or grammar"),
-    ] = None
-
-
-class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Stop a request: its stream ends with finish_reason "abort" and its blocks are freed.
-
-    Honoured only with the request's `abort_token` (the one it was sent with, or the one its
-    first event brought), which only the stream's owner knows."""
-
-    request_id: str
-    abort_token: str | None = None
 
 
 class ErrorInfo(msgspec.Struct):
@@ -210,26 +53,9 @@ class ErrorInfo(msgspec.Struct):
     param: str | None = None
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`llm.tokenize`: a prompt or a conversation to the token ids `llm.generate` would use."""
-
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
-    add_special_tokens: (
-        Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
-    ) = None
-    add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = True
-
-
 class TokenizeResult(msgspec.Struct):
     token_ids: list[int] = []
     error: ErrorInfo | None = None
-
-
-class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """`llm.detokenize`: token ids to text, special tokens included."""
-
-    token_ids: list[NonNegInt]
 
 
 class DetokenizeResult(msgspec.Struct):
@@ -270,9 +96,16 @@ class PromptLogprob(msgspec.Struct):
 class GenerateEvent(msgspec.Struct, kw_only=True):
     """One event of a stream. `seq` counts 0, 1, 2... per stream, so a gap is visible.
 
-    Every stream ends with exactly one final event, the one with `usage` set; it has a
-    `finish_reason` and, when the request failed, `error`. With `stream: false` it carries all
-    the text and token ids, and is the only event except when a long prompt's
+    Each of the request's `n` samples (`index`) ends with exactly one final event, the one
+    with `usage` set; it has a `finish_reason` and, when the sample failed, `error`. Its usage
+    is the request's so far, as vLLM's continuous usage stats: the prompt's tokens once, and
+    the completion tokens of all the samples up to then; so the last final event of a stream
+    has the request's total (OpenAI's usage for n > 1), and a consumer keeps the latest usage
+    rather than adding them up. The stream ends once all `n` samples have had their final
+    event, except for a request refused before its stream began: that gets one event, `seq` 0
+    with `error` set and no `num_prompt_tokens` (which a begun stream's first event has),
+    whatever `n`. With `stream: false` a sample's final event carries
+    all its text and token ids, and is its only event except when a long prompt's
     `prompt_logprobs` do not fit one message: they then come over several events (in order,
     `finish_reason` unset but on the last), to be joined.
     """
@@ -324,6 +157,7 @@ class GenerateEvent(msgspec.Struct, kw_only=True):
 
     @property
     def is_final(self) -> bool:
+        """The last event of its sample (`index`): the stream ends after all `n` of them."""
         return self.usage is not None
 
     @property

@@ -30,8 +30,12 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from kvpager.engine.llm import LLM
     from kvpager.schemas.sampling import SamplingParams
 
+    _warn_ignored(args)
     llm = LLM(
         args.model,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
@@ -67,6 +71,8 @@ def _cmd_http(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvpager.services.serve.launcher import serve
 
+    _take_positional_model(args)
+    _warn_ignored(args)
     embedded = args.nats_url is None
     if embedded:  # a placeholder until the embedded server knows its URL
         args.nats_url = Settings.nats_url
@@ -122,6 +128,39 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+# vLLM's flags that mean nothing here: accepted, so a vLLM command line runs, with a warning
+IGNORED_FLAGS = {
+    "trust_remote_code": "kvpager runs its own code for the model families it knows",
+    "disable_log_requests": "a request's log lines hold ids and counts, never its text "
+    "(--log-level warning drops them)",
+    "disable_log_stats": "kvpager logs no periodic stats (see kvpager stats, /metrics)",
+    "disable_frontend_multiprocessing": "the gateway is always a process of its own",
+}
+
+
+def _add_ignored_flags(parser: argparse.ArgumentParser) -> None:
+    for name, why in IGNORED_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, action="store_true", help=f"vLLM's; ignored here: {why}")
+
+
+def _warn_ignored(args: argparse.Namespace) -> None:
+    for name, why in IGNORED_FLAGS.items():
+        if getattr(args, name, False):
+            flag = "--" + name.replace("_", "-")
+            print(f"kvpager: warning: {flag} is ignored: {why}", file=sys.stderr, flush=True)
+
+
+def _take_positional_model(args: argparse.Namespace) -> None:
+    """`kvpager serve MODEL`, as `vllm serve MODEL`: the same as --model."""
+    if args.model_tag is None:
+        return
+    default = configured("model") or DEFAULT_MODEL
+    if args.model not in (default, args.model_tag):  # --model given too, and another
+        raise ConfigError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
+    args.model = args.model_tag
+
+
 SERVICES = {
     "tokenizer": "validate and tokenize requests, stream text back",
     "scheduler": "plan steps and own the KV block accounting",
@@ -141,7 +180,11 @@ def _add_service_parsers(sub) -> dict[str, Callable]:
         help="nats-server and the three services, ready to use",
         description="Without --nats-url, start a nats-server on loopback (--nats-port).",
     )
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the same as --model (vLLM's form)"
+    )
     add_arguments(serve)
+    _add_ignored_flags(serve)
     serve.set_defaults(nats_url=configured("nats_url"))  # unset: start an embedded server
     add_arguments(serve, ServeSettings)
     add_arguments(serve, HttpSettings)
@@ -195,6 +238,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", default="auto", help="auto (the model's) | fp8 | fp8_e5m2 | ..."
     )
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    parser.add_argument("--chat-template", default=None, help="a Jinja file or template for --chat")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of the device's memory (CPU: RAM) for weights plus KV cache",
+    )
+    _add_ignored_flags(parser)
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:

@@ -4,10 +4,11 @@
     async for event in client.generate(prompt="Hello", max_tokens=32, temperature=0):
         print(event.text, end="")
 
-Every stream ends with exactly one final event (`event.is_final`). Closing or cancelling the
-iterator before it sends `llm.abort`. When the client's NATS connection drops, or a stream
-hears nothing (not even a keepalive) for `idle_timeout` seconds, its events may be lost: the
-client aborts the request and ends the stream with a final event of its own, error type
+Each of a request's `n` samples ends with one final event (`event.is_final`, with the usage so
+far); the stream ends after all of them (schemas/public.py: GenerateEvent). Closing or
+cancelling the iterator before it sends `llm.abort`. When the client's NATS connection drops,
+or a stream hears nothing (not even a keepalive) for `idle_timeout` seconds, its events may be
+lost: the client aborts the request and ends the stream with a final event of its own, error type
 "connection_lost". A stream whose tokenizer died under `kvpager serve` ends with serve's final
 event: error type "unavailable", seq -1 (`event.is_orphaned`). A request with no kvpager
 listening raises NoKvpagerError; a gap in `seq` raises StreamGapError.
@@ -110,13 +111,14 @@ class Client:
         encode = msgspec.msgpack.encode if msgpack else msgspec.json.encode
         payload = encode(request)
         headers = MSGPACK_HEADERS if msgpack else None
-        return self._events(payload, headers, request.request_id, request.abort_token)
+        ids = (request.request_id, request.abort_token)
+        return self._events(payload, headers, *ids, num_samples=request.n)
 
     def generate_raw(
         self, payload: bytes, headers: dict[str, str] | None = None
     ) -> AsyncIterator[GenerateEvent]:
         """Send bytes as they are (tools, tests); no abort on close before an event names it."""
-        return self._events(payload, headers, None, None)
+        return self._events(payload, headers, None, None, requested_samples(payload, headers))
 
     async def _events(
         self,
@@ -124,6 +126,7 @@ class Client:
         headers: dict[str, str] | None,
         request_id: str | None,
         abort_token: str | None,
+        num_samples: int = 1,
     ) -> AsyncIterator[GenerateEvent]:
         if request_id is not None and abort_token is not None:  # the first of an id keeps it
             self._abort_tokens.setdefault(request_id, abort_token)
@@ -131,7 +134,7 @@ class Client:
         sub = await self.nc.subscribe(inbox)
         reconnects = self.nc.stats["reconnects"]
         finished = lost = False
-        seq, num_tokens = 0, 0
+        seq, num_tokens, num_finals = 0, 0, 0
         try:
             await self.nc.publish(self.subjects.generate, payload, reply=inbox, headers=headers)
             while not finished:
@@ -148,7 +151,8 @@ class Client:
                     abort_token = event.abort_token
                     self._abort_tokens.setdefault(request_id, abort_token)
                 seq, num_tokens = seq + 1, num_tokens + len(event.token_ids)
-                finished = event.is_final
+                num_finals += event.is_final
+                finished = lost or ends_stream(event, num_finals, num_samples)
                 yield event
         finally:
             abort_id = request_id if lost or not finished else None
@@ -228,6 +232,30 @@ def _raise_if_cancelled() -> None:
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+
     if cancelling is not None and cancelling():
         raise asyncio.CancelledError
+
+
+def ends_stream(event: GenerateEvent, num_finals: int, num_samples: int) -> bool:
+    """After `event`, the `num_finals`-th final event of a request of `num_samples` samples:
+    whether the stream has ended (schemas/public.py: GenerateEvent). Every sample has ended,
+    or the request was refused before its stream began, or this is serve's event for a stream
+    whose tokenizer died."""
+    refused = event.seq == 0 and event.error is not None and event.num_prompt_tokens is None
+    return num_finals >= num_samples or refused or event.is_orphaned
+
+
+class _Samples(msgspec.Struct):
+    n: int = 1
+
+
+def requested_samples(payload: bytes, headers: dict[str, str] | None = None) -> int:
+    """A raw request's `n`, to know when its stream ends (1 when it does not say: a bad
+    request is refused with one event)."""
+    is_msgpack = (headers or {}).get("Content-Type") == MSGPACK_HEADERS["Content-Type"]
+    decode = msgspec.msgpack.decode if is_msgpack else msgspec.json.decode
+    try:
+        return max(1, decode(payload, type=_Samples).n)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 1
 
 
 def _lost_event(request_id: str, seq: int, num_tokens: int, idle_timeout: float) -> GenerateEvent:

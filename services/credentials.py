@@ -59,6 +59,11 @@ class Identity:
     def connect_options(self) -> dict[str, str]:
         return {"user": self.user, "password": self.password, "inbox_prefix": self.inbox_prefix}
 
+    def file_fields(self) -> dict[str, str]:
+        """What its file holds: `nats.connect`'s user, password and inbox_prefix (what the
+        README names), and the name and kind they derive from."""
+        return {**asdict(self), **self.connect_options()}
+
 
 def nats_dir() -> Path:
     return cache_dir() / "nats"
@@ -72,11 +77,15 @@ def load(path: str | Path) -> Identity:
     """An identity file; a ConfigError names what is wrong with it."""
     try:
         fields = json.loads(Path(path).expanduser().read_text())
+        derived = {key: fields.pop(key) for key in ("user", "inbox_prefix") if key in fields}
         identity = Identity(**fields)
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"NATS identity file {path}: {exc}") from exc
     if not NAME.match(identity.name) or identity.kind not in KINDS:
         raise ConfigError(f"NATS identity file {path}: bad name or kind")
+    options = identity.connect_options()
+    if any(options[key] != value for key, value in derived.items()):  # files before: without
+        raise ConfigError(f"NATS identity file {path}: user or inbox_prefix do not match its name")
     return identity
 
 
@@ -95,7 +104,7 @@ def ensure(name: str, kind: str, folder: Path | None = None) -> Identity:
     except FileExistsError:
         return load(path)
     with os.fdopen(fd, "w") as file:
-        json.dump(asdict(identity), file)
+        json.dump(identity.file_fields(), file)
     return identity
 
 

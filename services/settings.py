@@ -1,40 +1,28 @@
 """Service settings: command-line flags over `KVPAGER_*` environment variables over defaults.
 
-The one module that reads the environment. Every service takes the same `Settings`, so a
-launcher can pass one set of flags (or one environment) to all three processes.
+Flags and variables come from services/options.py; the request caps and grammar limits are
+`RequestCaps` (services/caps.py), a part of `Settings`. Every service takes the same
+`Settings`, so a launcher can pass one set of flags (or one environment) to all three
+processes.
 """
 
 import argparse
 import dataclasses
-import os
-import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
-from kvpager.engine.kv.kv_size import parse_bytes
 from kvpager.engine.router.routing import ROUTERS, RouterConfig
-from kvpager.engine.structured.limits import GrammarLimits
 from kvpager.schemas.errors import ConfigError
+from kvpager.services import options
+from kvpager.services.caps import RequestCaps
+from kvpager.services.options import ENV_PREFIX, ByteSize, base_type, from_env, option
 
-ENV_PREFIX = "KVPAGER_"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-class ByteSize(int):
-    """A byte count that also reads sizes such as 4GiB or 500MB (flags and environment)."""
-
-    def __new__(cls, value: "int | str") -> "ByteSize":
-        return super().__new__(cls, parse_bytes(value) if isinstance(value, str) else value)
-
-
-def option(help_text: str, **extra: Any) -> Any:
-    """A settings field: its flag's help, its default, and `secret` / `repeated` marks."""
-    return field(default=extra.pop("default"), metadata={"help": help_text, **extra})
-
-
 @dataclass(frozen=True)
-class Settings:
+class Settings(RequestCaps):
     nats_url: str = option(
         "NATS server URL; several, comma-separated, for the nodes of a cluster",
         default="nats://127.0.0.1:4222",
@@ -42,6 +30,13 @@ class Settings:
     prefix: str = option("subject prefix of the public API", default="llm")
     instance: str = option("name of this scheduler/executor pair", default="default")
     model: str = option("checkpoint folder or known model name", default=DEFAULT_MODEL)
+    tokenizer: str | None = option(
+        "tokenizer folder, when not the model's (vLLM's --tokenizer)", default=None
+    )
+    chat_template: str | None = option(
+        "chat template: a Jinja file, or the template itself (default: the tokenizer's)",
+        default=None,
+    )
     dtype: str = option("float32 | bfloat16 | float16 | auto", default="auto")
     kv_cache_dtype: str = option(
         "KV cache dtype: auto (the model's) | fp8 (= fp8_e4m3) | fp8_e5m2 | bfloat16 | float16; "
@@ -58,6 +53,12 @@ class Settings:
     block_size: int = option("tokens per KV block", default=16)
     num_blocks: int | None = option("KV blocks (default: what fits)", default=None)
     kv_cache_memory: int | None = option("bytes for the KV cache", default=None)
+    gpu_memory_utilization: float | None = option(
+        "fraction of the device's memory for weights plus KV cache (on CPU: of the host's "
+        "RAM); the KV cache gets what the weights leave (default: 0.9 on CUDA; on CPU a 2 GiB "
+        "cache); --kv-cache-memory and --num-blocks win over it",
+        default=None,
+    )
     swap_space: int | None = option(
         "bytes of host memory for swapped-out blocks (default: a quarter of the KV cache on "
         "CPU, none on CUDA)",
@@ -129,73 +130,6 @@ class Settings:
     )
     heartbeat_interval: float = option("seconds between liveness pings and keepalives", default=1.0)
     liveness_timeout: float = option("seconds before a silent peer counts as gone", default=10.0)
-    max_request_bytes: int = option("largest request body, checked unread", default=1 << 20)
-    max_prompt_tokens: int | None = option(
-        "longest prompt (default: the model's context length)", default=None
-    )
-    max_output_tokens: int | None = option("largest max_tokens (default: no cap)", default=None)
-    max_n: int = option("most samples (n) per request", default=16)
-    max_beam_width: int = option("widest beam search per request", default=16)
-    max_stop_strings: int = option("most stop strings per request", default=16)
-    max_stop_string_chars: int = option("longest stop string (characters)", default=256)
-    allow_special_tokens_in_content: bool = option(
-        "tokenize special-token text inside chat messages and tools (<|im_start|> ...) as the "
-        "real tokens, as vLLM does (default: refused with a 400 naming the message)",
-        default=False,
-    )
-    grammar_max_bytes: int = option(
-        "structured outputs: largest grammar, JSON schema, regex or choice list (bytes)",
-        default=GrammarLimits.max_bytes,
-    )
-    grammar_max_rules: int = option(
-        "structured outputs: most rules of a Lark/GBNF grammar, or $defs of a JSON schema",
-        default=GrammarLimits.max_rules,
-    )
-    grammar_max_depth: int = option(
-        "structured outputs: deepest JSON schema, its nesting plus $ref hops",
-        default=GrammarLimits.max_depth,
-    )
-    grammar_max_alternatives: int = option(
-        "structured outputs: most `|` of a grammar, choices, or entries of one anyOf/oneOf/allOf",
-        default=GrammarLimits.max_alternatives,
-    )
-    grammar_max_subschemas: int = option(
-        "structured outputs: most schema objects in one JSON schema",
-        default=GrammarLimits.max_subschemas,
-    )
-    grammar_max_patterns: int = option(
-        "structured outputs: most `pattern`s (and patternProperties) in one JSON schema",
-        default=GrammarLimits.max_patterns,
-    )
-    grammar_max_repeat: int = option(
-        "structured outputs: largest regex repetition {n,m}, also as a product of nested ones",
-        default=GrammarLimits.max_repeat,
-    )
-    grammar_compile_timeout: float = option(
-        "structured outputs: seconds one grammar may take to compile (else a 400)",
-        default=GrammarLimits.compile_timeout,
-    )
-    grammar_compile_memory: ByteSize = option(
-        "structured outputs: address space of a grammar compile worker process, e.g. 1GiB",
-        default=ByteSize(GrammarLimits.compile_memory),
-    )
-    grammar_compile_workers: int = option(
-        "structured outputs: compile worker processes per gateway and per tokenizer",
-        default=GrammarLimits.compile_workers,
-    )
-    max_stop_token_ids: int = option("most stop_token_ids per request", default=256)
-    max_beam_candidates: int = option(
-        "most candidates one beam row returns per step (beam_width + stop token ids)",
-        default=1024,
-    )
-    max_prompt_logprob_values: int = option(
-        "most prompt logprob values per request: (prompt_logprobs + 1) x prompt tokens",
-        default=1 << 18,
-    )
-    max_sampling_params_bytes: int = option(
-        "largest sampling parameters (stop strings, schema...) as sent between services",
-        default=256 << 10,
-    )
     router: str = option(
         "how tokenizers pick an instance: kv | least-loaded | round-robin", default="kv"
     )
@@ -248,7 +182,10 @@ class Settings:
             raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
-        _ = self.grammar_limits  # raises ConfigError naming a grammar limit out of range
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization: {utilization} is not in (0, 1]")
+        self._check_caps()
         self._check_nats_auth()
         from kvpager.engine.model_config import check_kv_cache_dtype  # the engine's own rule
 
@@ -264,12 +201,6 @@ class Settings:
             )
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ConfigError("nats_tls_cert and nats_tls_key: give both or neither")
-
-    @property
-    def grammar_limits(self) -> GrammarLimits:
-        """The structured-outputs limits (engine/structured/limits.py)."""
-        names = [f.name for f in dataclasses.fields(GrammarLimits)]
-        return GrammarLimits(**{name: getattr(self, f"grammar_{name}") for name in names})
 
     @property
     def has_nats_auth(self) -> bool:
@@ -301,58 +232,7 @@ def add_arguments(
     parser: argparse.ArgumentParser, cls: type = Settings, names: tuple[str, ...] | None = None
 ) -> None:
     """One flag per setting of `cls` (only `names` if given); defaults from `KVPAGER_<NAME>`."""
-    hints = get_type_hints(cls)
-    for spec in dataclasses.fields(cls):
-        if names is not None and spec.name not in names:
-            continue
-        kind = _base_type(hints[spec.name])
-        flag = "--" + spec.name.replace("_", "-")
-        env_name = ENV_PREFIX + spec.name.upper()
-        default = _from_env(env_name, kind, spec.default)
-        shown = "(set)" if spec.metadata.get("secret") and default is not None else default
-        help_text = f"{spec.metadata['help']} [env {env_name}; default {shown}]"
-        if spec.metadata.get("repeated"):  # each flag adds one; from_args joins them with ","
-            first = None if default is None else [default]
-            parser.add_argument(flag, action="append", default=first, help=help_text)
-        elif kind is bool:
-            parser.add_argument(
-                flag, default=default, help=help_text, action=argparse.BooleanOptionalAction
-            )
-        else:
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
-
-
-def environment(settings: Any) -> dict[str, str]:
-    """The `KVPAGER_*` variables that reproduce `settings` (a Settings, ServeSettings or
-    services.http.settings.HttpSettings) in a child process (launchers)."""
-    env = {}
-    for spec in dataclasses.fields(settings):
-        value = getattr(settings, spec.name)
-        if value is not None:
-            env[ENV_PREFIX + spec.name.upper()] = (
-                str(value).lower() if isinstance(value, bool) else str(value)
-            )
-    return env
-
-
-def _base_type(hint: Any) -> type:
-    if get_origin(hint) in (Union, types.UnionType):
-        return next(arg for arg in get_args(hint) if arg is not type(None))
-    return hint
-
-
-def _from_env(name: str, kind: type, default: Any) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if kind is bool:
-        if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ConfigError(f"{name}: {raw!r} is not a boolean")
-        return raw.lower() in ("1", "true", "yes", "on")
-    try:
-        return kind(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {raw!r} is not a valid {kind.__name__}") from exc
+    options.add_arguments(parser, cls, names)
 
 
 # What a client command needs to reach the API: the server, the prefix, auth and TLS.
@@ -387,6 +267,11 @@ class ServeSettings:
         "and reach the internal subjects",
         default=False,
     )
+    http: bool = option(
+        "start the OpenAI-compatible gateway (--http-port, on 8000 by default); --no-http: "
+        "the NATS API alone",
+        default=True,
+    )
     ready_timeout: float = option("seconds to wait for the services to answer", default=600.0)
     replicas: int = option("scheduler-and-executor instances to start", default=1)
 
@@ -408,5 +293,5 @@ class ServeSettings:
 
 def configured(name: str) -> Any:
     """`KVPAGER_<NAME>` as the type of the `Settings` field `name`, or None when unset."""
-    kind = _base_type(get_type_hints(Settings)[name])
-    return _from_env(ENV_PREFIX + name.upper(), kind, None)
+    kind = base_type(get_type_hints(Settings)[name])
+    return from_env(ENV_PREFIX + name.upper(), kind, None)

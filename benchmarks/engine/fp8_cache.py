@@ -48,15 +48,21 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def _top_ids(entry, top: int) -> list[int]:
+    """The `top` most likely token ids of one token's vLLM-shaped logprobs."""
+    return [token_id for token_id, lp in entry.items() if lp.rank is not None and lp.rank <= top]
+
+
+def _first_logprob(output) -> float:
+    return output.logprobs[0][output.token_ids[0]].logprob
+
+
 def first_difference(ref, got, top: int = 5) -> tuple[int, bool]:
     """(tokens equal before the first difference, whether each token there is in the other's
     top `top`; True when there is no difference)."""
     for idx, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)):
         if a != b:
-            close = (
-                b in ref.logprobs[idx].top_token_ids[:top]
-                and a in got.logprobs[idx].top_token_ids[:top]
-            )
+            close = b in _top_ids(ref.logprobs[idx], top) and a in _top_ids(got.logprobs[idx], top)
             return idx, close
     return len(ref.token_ids), True
 
@@ -103,7 +109,7 @@ def report(name: str, how: str, llm: LLM, base: LLM, expected, got, seconds, tok
     results = [first_difference(ref, out) for ref, out in zip(expected, got, strict=True)]
     equal = " ".join(str(agreed) for agreed, _ in results)
     print(f"  tokens equal before the first difference, per prompt (of {tokens}): {equal}")
-    drift = [abs(r.logprobs[0].logprob - o.logprobs[0].logprob) for r, o in zip(expected, got)]
+    drift = [abs(_first_logprob(r) - _first_logprob(o)) for r, o in zip(expected, got)]
     print(f"  first token's mean |logprob difference|: {sum(drift) / len(drift):.3f}")
     close = sum(c for _, c in results)
     print(f"  close (check_logprobs_close, top 5): {close}/{len(results)} prompts")

@@ -107,6 +107,7 @@ def serve(args: argparse.Namespace, model: str, port: int, disk_dir: str | None)
         "serve",
         "--nats-port",
         str(port),
+        "--no-http",
     ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 

@@ -73,6 +73,7 @@ def _serve(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen
         "serve",
         "--nats-port",
         str(port),
+        "--no-http",
     ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 

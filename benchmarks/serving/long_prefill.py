@@ -51,6 +51,7 @@ def start(model: str, port: int, threshold: int, threads: int) -> subprocess.Pop
         "serve",
         "--nats-port",
         str(port),
+        "--no-http",
     ]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 

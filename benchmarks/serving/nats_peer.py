@@ -68,6 +68,7 @@ def serve(
         "serve",
         "--nats-port",
         str(port),
+        "--no-http",
     ]
     return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=log)
 

@@ -83,7 +83,7 @@ class Executor:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.step_check = StepCheck(self.capacity)
         self.grammars = GrammarRows(
-            config.model_path,
+            config.tokenizer or config.model_path,
             model_config.vocab_size,
             model_config.eos_token_ids,
             config.grammar_compile_timeout,

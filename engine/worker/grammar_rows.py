@@ -32,12 +32,12 @@ class GrammarRows:
 
     def __init__(
         self,
-        model_path: Path,
+        model_path: Path | str,  # the folder of its tokenizer.json: the model's, or --tokenizer
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         compile_timeout: float = DEFAULT_LIMITS.compile_timeout,
     ) -> None:
-        self.model_path = model_path
+        self.model_path = Path(model_path)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else 0
         self.matchers: dict[str, llguidance.LLMatcher] = {}

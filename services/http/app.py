@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -53,7 +54,14 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
     guard = Middleware(
         Guard, api_keys=http.api_keys, hosts=http.hosts, max_in_flight=http.http_max_concurrency
     )
-    app = Starlette(routes=routes, exception_handlers=handlers, middleware=[guard])
+    middleware = [guard]
+    if http.origins:  # outermost, as vLLM's: a browser's preflight needs no API key
+        cors = Middleware(
+            CORSMiddleware, allow_origins=list(http.origins), allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
+        middleware.insert(0, cors)
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
     app.state.gateway = gateway
     return app
 

@@ -96,7 +96,7 @@ async def _collect(job: Job, streams: Streams, texts: TokenTexts):
     """Every choice's final event, the usages, and what the streams said of their prompts
     and of their tokens' texts."""
     finals: dict[int, GenerateEvent] = {}
-    usages: list[Usage] = []
+    usages: dict[int, Usage] = {}  # per stream, the latest: each sample's end has the total
     prompts = echo.Prompts()
     while (item := await streams.next()) is not None:
         index, event = item
@@ -107,8 +107,8 @@ async def _collect(job: Job, streams: Streams, texts: TokenTexts):
         if event.finish_reason is not None:
             finals[job.choice_index(index, event.index)] = event
         if event.usage is not None:
-            usages.append(event.usage)
-    return finals, usages, prompts
+            usages[index] = event.usage
+    return finals, list(usages.values()), prompts
 
 
 async def _disconnected(request: Request) -> None:
@@ -137,7 +137,7 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
     if job.kind == "chat":
         for index in range(len(job.requests) * job.n):
             yield _data(responses.role_chunk(job, index, chunks.running.of(index)))
-    usages: list[Usage] = []
+    usages: dict[int, Usage] = {}  # per stream, the latest: each sample's end has the total
     async for item in _items(streams, first):
         if item is None:
             yield b": keepalive\n\n"
@@ -151,9 +151,9 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
             if event.error is not None:
                 return
             if event.usage is not None:
-                usages.append(event.usage)
+                usages[index] = event.usage
     if job.include_usage:
-        yield _data(responses.usage_chunk(job, usages))
+        yield _data(responses.usage_chunk(job, list(usages.values())))
 
 
 class _Chunks:

@@ -6,18 +6,20 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvpager.schemas.errors import ConfigError
-from kvpager.services.settings import option
+from kvpager.services.options import option
 
 
 @dataclass(frozen=True)
 class HttpSettings:
     """The HTTP side: the OpenAI-compatible gateway (`kvpager http`) and Prometheus metrics."""
 
-    http_host: str = option("address the HTTP gateway and metrics listen on", default="127.0.0.1")
+    http_host: str = option(
+        "address the HTTP gateway and metrics listen on", default="127.0.0.1", aliases=("--host",)
+    )
     http_port: int | None = option(
-        "port of the OpenAI-compatible gateway (kvpager http: 8000 if unset; kvpager serve: "
-        "no gateway if unset)",
-        default=None,
+        "port of the OpenAI-compatible gateway (kvpager serve: --no-http for none)",
+        default=8000,
+        aliases=("--port",),
     )
     metrics_port: int | None = option(
         "port of a Prometheus /metrics server without the gateway (kvpager serve)", default=None
@@ -49,6 +51,12 @@ class HttpSettings:
     tool_call_parser: str | None = option(
         "format of the model's tool calls: hermes (<tool_call>{json}</tool_call>, Qwen, SmolLM)",
         default=None,
+    )
+    allowed_origins: str | None = option(
+        "origins browsers may call the gateway from (CORS), comma-separated or the flag "
+        'repeated; "*": any (vLLM\'s flag); default: none (no CORS headers)',
+        default=None,
+        repeated=True,
     )
     allowed_hosts: str | None = option(
         "Host header values the gateway answers, comma-separated (a name, an address, "
@@ -108,6 +116,12 @@ class HttpSettings:
         """The keys in `api_key`; none: the gateway is open."""
         keys = (key.strip() for key in (self.api_key or "").split(","))
         return tuple(key for key in keys if key)
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        """The origins in `allowed_origins`; none: no CORS."""
+        names = (name.strip() for name in (self.allowed_origins or "").split(","))
+        return tuple(name for name in names if name)
 
     @property
     def hosts(self) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
     resolve the model (download and convert on first use)  ->  check the checkpoint and that
     the KV cache holds one request  ->  start the embedded nats-server (or probe --nats-url)
     ->  executor, scheduler and tokenizer as `kvpager <name>` children, talking only via NATS
-    ->  with --http-port / --metrics-port, `kvpager http` / `kvpager metrics` children too
+    ->  `kvpager http` (on --http-port, 8000; not with --no-http) and, with --metrics-port,
+        `kvpager metrics` children too
     ->  poll llm.health until the executor has attached, and the HTTP ports until they accept
     ->  "ready"  ->  keep them running (services/serve/supervisor.py)  ->  Ctrl-C or SIGTERM
     ->  SIGTERM the services (they drain their streams)  ->  stop the nats-server.
@@ -34,11 +35,12 @@ from kvpager.schemas.errors import ConfigError, KvpagerError
 from kvpager.services.client import Client, ClientError
 from kvpager.services.connection import open_connection
 from kvpager.services.http.settings import HttpSettings
+from kvpager.services.options import environment
 from kvpager.services.serve import processes
 from kvpager.services.serve.banner import ready_banner, starting_lines
 from kvpager.services.serve.embedded import EmbeddedNats
 from kvpager.services.serve.supervisor import Child, Spawn, Supervisor
-from kvpager.services.settings import ServeSettings, Settings, environment
+from kvpager.services.settings import ServeSettings, Settings
 
 SERVICE_NAMES = ("executor", "scheduler", "tokenizer")  # slowest to start first
 HTTP_COMMANDS = ("http", "metrics")  # clients of the API: the gateway identity
@@ -59,7 +61,8 @@ def serve(
     """Run until Ctrl-C or SIGTERM; `embedded`: start our own nats-server on loopback."""
     from kvpager.engine.download import resolve_model
 
-    http = http or HttpSettings()
+    if http is None or not options.http:  # called without HTTP settings: no gateway either
+        http = dataclasses.replace(http or HttpSettings(), http_port=None)
     configure_logging(settings.log_level, settings.log_json)
     _check_ports(http)
     path = resolve_model(settings.model, progress=True)  # services get the folder
@@ -77,8 +80,12 @@ def _http_ports(http: HttpSettings) -> dict[str, int]:
 def _check_ports(http: HttpSettings) -> None:
     from kvpager.services.http.main import listen
 
-    for port in _http_ports(http).values():
-        listen(http.http_host, port).close()  # ConfigError if in use
+    for name, port in _http_ports(http).items():
+        try:
+            listen(http.http_host, port).close()
+        except ConfigError as exc:  # the gateway is on by default: say how to move or drop it
+            hint = "--port PORT, or --no-http" if name == "http" else "another --metrics-port"
+            raise ConfigError(f"{exc}; give {hint}") from exc
 
 
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -93,6 +100,7 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 def _check_checkpoint(settings: Settings, path: Path) -> None:
     """Fail before starting anything: unreadable config, no weights, too few blocks."""
     from kvpager.engine.config import EngineConfig
+    from kvpager.engine.frontend.tokenizer_files import chat_template_text, tokenizer_folder
     from kvpager.engine.memory import resolve_device
     from kvpager.engine.model.loader import safetensors_files
     from kvpager.engine.model_config import ModelConfig
@@ -100,6 +108,9 @@ def _check_checkpoint(settings: Settings, path: Path) -> None:
 
     model_config = ModelConfig.from_path(path)
     safetensors_files(path)
+    tokenizer_folder(path, settings.tokenizer)  # the services load it: fail here, once
+    if settings.chat_template is not None:
+        chat_template_text(settings.chat_template)
     model_config.check_tensor_parallel(settings.tensor_parallel_size)
     check_devices(resolve_device(settings.device), settings.tensor_parallel_size)
     if settings.num_blocks is not None:

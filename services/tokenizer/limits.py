@@ -31,6 +31,7 @@ class RequestLimits:
     max_beam_candidates: int = 1024  # one beam row's candidates in a step's output
     max_prompt_logprob_values: int = 1 << 18  # (prompt_logprobs + 1) x prompt tokens
     max_sampling_params_bytes: int = 256 << 10  # their msgpack size, in every internal message
+    max_logprobs: int = 20  # logprobs and prompt_logprobs (vLLM's --max-logprobs)
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -56,6 +57,8 @@ class RequestLimits:
         _at_most("stop", len(stop), self.max_stop_strings, "stop strings")
         longest = max((len(s) for s in stop), default=0)
         _at_most("stop", longest, self.max_stop_string_chars, "characters")
+        _at_most("logprobs", request.logprobs or 0, self.max_logprobs, "logprobs")
+        _at_most("prompt_logprobs", request.prompt_logprobs or 0, self.max_logprobs, "logprobs")
         num_ids = len(request.stop_token_ids)
         _at_most("stop_token_ids", num_ids, self.max_stop_token_ids, "stop token ids")
 

@@ -4,17 +4,17 @@ import dataclasses
 from pathlib import Path
 
 from kvpager.engine.config import EngineConfig
+from kvpager.engine.frontend.tokenizer_files import load_tokenizer
 from kvpager.engine.model_config import ModelConfig
 from kvpager.services.runtime import run_service, setup_logging
 from kvpager.services.settings import Settings
 from kvpager.services.tokenizer.service import TokenizerService
-from transformers import AutoTokenizer
 
 
 def run(settings: Settings) -> int:
     setup_logging(settings, "tokenizer")
     path = settings.model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path, settings.tokenizer, settings.chat_template)
     vocab_size = ModelConfig.from_path(path).vocab_size
     settings = with_prompt_cap(settings, path)
     return run_service(

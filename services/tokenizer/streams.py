@@ -160,7 +160,9 @@ class Stream:
         return [*events, self._next_event(**fields)]
 
     def _next_event(self, final: bool | None = None, **fields) -> GenerateEvent:
-        final = self.done if final is None else final
+        """`final`: a sample's last event, which carries the usage so far (schemas/public.py);
+        by default, the events that finish their sample."""
+        final = fields.get("finish_reason") is not None if final is None else final
         if fields.get("finish_reason") is not None and self.error is not None:
             fields["error"] = self.error
         if self._seq == 0 and self._announce_token:
@@ -237,6 +239,7 @@ def over_the_limit(event: GenerateEvent, num_bytes: int) -> GenerateEvent:
         finish_reason="error",
         usage=event.usage,
         error=error,
+        num_prompt_tokens=event.num_prompt_tokens,  # on seq 0: a begun stream, not a refusal
     )
 
 

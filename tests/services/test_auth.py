@@ -177,7 +177,7 @@ def test_serve_with_the_example_config(tiny_llama, tmp_path):
     url = f"nats://127.0.0.1:{port}"
     service_env = {**PASSWORDS, "KVPAGER_NATS_USER": "kvpager-service"}
     service_env["KVPAGER_NATS_PASSWORD"] = PASSWORDS["KVPAGER_SERVICE_PASSWORD"]
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port)]
+    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--no-http"]
     process = start(*args, "--nats-config", str(ROOT / "deploy" / "nats.conf"),
                     log_dir=tmp_path, env=service_env)  # fmt: skip
     try:

@@ -36,19 +36,21 @@ def _fails(capsys, *argv: str) -> str:
 
 
 def test_model_path_that_does_not_exist(capsys, tmp_path):
-    err = _fails(capsys, "serve", "--model", str(tmp_path / "missing"))
+    err = _fails(capsys, "serve", "--no-http", "--model", str(tmp_path / "missing"))
     assert "does not exist and is not a known model name" in err
 
 
 def test_model_folder_that_is_not_a_checkpoint(capsys, tmp_path, tiny_llama):
-    assert "has no config.json" in _fails(capsys, "serve", "--model", str(tmp_path))
+    assert "has no config.json" in _fails(capsys, "serve", "--no-http", "--model", str(tmp_path))
     shutil.copy(tiny_llama / "config.json", tmp_path)
-    assert "no *.safetensors weights" in _fails(capsys, "serve", "--model", str(tmp_path))
+    assert "no *.safetensors weights" in _fails(
+        capsys, "serve", "--no-http", "--model", str(tmp_path)
+    )
 
 
 def test_nats_url_that_does_not_answer(capsys, tiny_llama):
     url = f"nats://127.0.0.1:{free_port()}"
-    err = _fails(capsys, "serve", "--model", str(tiny_llama), "--nats-url", url)
+    err = _fails(capsys, "serve", "--no-http", "--model", str(tiny_llama), "--nats-url", url)
     assert f"cannot connect to NATS at {url}: connection refused" in err
     assert "cannot connect to NATS" in _fails(capsys, "generate", "hi", "--nats-url", url)
 
@@ -70,12 +72,14 @@ def test_port_in_use(capsys, tiny_llama):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        err = _fails(capsys, "serve", "--model", str(tiny_llama), "--nats-port", str(port))
+        err = _fails(
+            capsys, "serve", "--no-http", "--model", str(tiny_llama), "--nats-port", str(port)
+        )
     assert f"port {port} on 127.0.0.1 is in use" in err and "--nats-port" in err
 
 
 def test_cache_too_small_for_one_request(capsys, tiny_llama):
-    err = _fails(capsys, "serve", "--model", str(tiny_llama), "--num-blocks", "1")
+    err = _fails(capsys, "serve", "--no-http", "--model", str(tiny_llama), "--num-blocks", "1")
     assert "(1 blocks of 16 tokens) cannot hold one request of max_model_len 1024" in err
 
 
@@ -98,7 +102,7 @@ def test_bad_environment_value(capsys, monkeypatch):
 )
 def test_failure_found_by_the_services(tiny_llama, flags, messages):
     url = f"nats://127.0.0.1:{free_port()}"
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", url.rsplit(":", 1)[1]]
+    args = ["serve", "--no-http", "--model", str(tiny_llama), "--nats-port", url.rsplit(":", 1)[1]]
     done = kvpager(*args, *flags, timeout=120)
     assert done.returncode == 2, done.stderr
     assert all(m in done.stderr for m in messages), done.stderr
@@ -113,5 +117,7 @@ def test_kv_cache_dtype_flag(capsys, tiny_llama):
     args = ["offline", "Hello", "--model", str(tiny_llama), "--max-tokens", "4"]
     assert main([*args, "--kv-cache-dtype", "fp8"]) == 0
     assert capsys.readouterr().out.strip()
-    err = _fails(capsys, "serve", "--model", str(tiny_llama), "--kv-cache-dtype", "fp4")
+    err = _fails(
+        capsys, "serve", "--no-http", "--model", str(tiny_llama), "--kv-cache-dtype", "fp4"
+    )
     assert "kv_cache_dtype: unknown dtype 'fp4'" in err and "'fp8_e5m2'" in err

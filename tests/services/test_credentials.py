@@ -1,13 +1,16 @@
 """The local NATS identities: files, the server config they make, reloads, the opt-out."""
 
 import asyncio
+import json
 import stat
 import subprocess
 import time
 
 import nats
 import pytest
+from kvpager.schemas.public import TokenizeRequest
 from kvpager.services import credentials
+from kvpager.services.client import Client, NoKvpagerError
 from kvpager.services.connection import ConnectError, open_connection
 from kvpager.services.serve.embedded import EmbeddedNats
 from kvpager.services.serve.launcher import _start_server
@@ -15,6 +18,7 @@ from kvpager.services.settings import ServeSettings, Settings
 from kvpager.services.subjects import is_inbox
 
 from tests.nats_server import free_port, nats_server_binary
+from tests.services.conftest import start_services
 from tests.services.kvpager_cli import kvpager
 
 
@@ -36,6 +40,10 @@ def test_identities_are_private_and_kept(nats_dir):
     names = sorted(identity.name for identity in credentials.identities())
     assert names == ["default", "gateway", "service"]
     assert first.inbox_prefix == "_INBOX_default" and len(first.password) >= 32
+    keys = json.loads(credentials.identity_path("default").read_text())  # the README's keys
+    assert {
+        key: keys[key] for key in ("user", "password", "inbox_prefix")
+    } == first.connect_options()
 
 
 def test_the_config_is_valid_for_nats_server(nats_dir):
@@ -135,3 +143,40 @@ async def test_anonymous_clients_are_refused_unless_insecure(nats_dir, capsys):
     finally:
         secure.stop()
         insecure.stop()
+
+
+async def test_a_client_identity_may_tokenize_and_detokenize(nats_dir, tiny_llama, tmp_path):
+    """llm.tokenize and llm.detokenize are public subjects: the server lets a client send them."""
+    server = EmbeddedNats(Settings(), ServeSettings(nats_port=free_port()))
+    server.start()
+    services = None
+    try:
+        service_env = {"KVPAGER_NATS_IDENTITY": server.identity("service")}
+        services = start_services(
+            server.url, tiny_llama, tmp_path, names=("tokenizer",), **service_env
+        )
+        default = str(credentials.identity_path("default"))
+        client = Client(
+            await _connect_soon(Settings(nats_url=server.url, nats_identity=default), "c"), "llm"
+        )
+        tokens = await _answered(lambda: client.tokenize(TokenizeRequest(prompt="Hello world")))
+        assert tokens.error is None and tokens.token_ids, tokens
+        text = await client.detokenize(tokens.token_ids)
+        assert text.error is None and text.text == "Hello world", text
+        await client.nc.close()
+    finally:
+        if services is not None:
+            services.stop()
+        server.stop()
+
+
+async def _answered(query, timeout_s: float = 120.0):
+    """`query()` once the tokenizer has subscribed (no responders until then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await query()
+        except (NoKvpagerError, TimeoutError, nats.errors.Error):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)

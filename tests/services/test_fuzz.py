@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvpager.schemas.public import GenerateEvent
-from kvpager.services.client import KEEPALIVE_HEADER, Client
+from kvpager.services.client import KEEPALIVE_HEADER, Client, ends_stream, requested_samples
 from kvpager.services.wire import MSGPACK_HEADERS
 
 from tests.models import VOCAB_SIZE
@@ -235,10 +235,11 @@ batches = st.lists(cases, min_size=BATCH_SIZE, max_size=BATCH_SIZE).map(
 def outcome(case: Case, events: list[GenerateEvent]) -> str:
     """What a stream came to; asserts it is well formed (seq, one final, finishes per sample)."""
     assert [event.seq for event in events] == list(range(len(events))), "seq gap"
-    assert [event.is_final for event in events] == [False] * (len(events) - 1) + [True]
-    final = events[-1]
     finished = [event.index for event in events if event.finish_reason is not None]
     assert sorted(finished) == list(range(len(finished))), "one finish per sample"
+    assert [event.index for event in events if event.is_final] == finished, "usage per sample"
+    final = events[-1]
+    assert final.is_final
     if final.error is not None:
         return f"error:{final.error.type}"
     num_tokens = sum(len(event.token_ids) for event in events)
@@ -263,7 +264,7 @@ async def _send_batch(url: str, batch: list[Case], seen: Counter) -> None:
             await nc.publish("fuzz.generate", case.body, reply=inbox, headers=headers)
             seen["requests sent"] += 1
         results = await asyncio.wait_for(
-            asyncio.gather(*(_stream(sub, batch[i].msgpack) for i, sub in subs.items())), 60
+            asyncio.gather(*(_stream(sub, batch[i]) for i, sub in subs.items())), 60
         )
         await asyncio.sleep(0.3)  # nothing may follow a final event
         for (index, sub), events in zip(subs.items(), results):
@@ -275,9 +276,10 @@ async def _send_batch(url: str, batch: list[Case], seen: Counter) -> None:
         await nc.close()
 
 
-async def _stream(sub, msgpack: bool) -> list[GenerateEvent]:
-    events = []
-    while not events or not events[-1].is_final:
+async def _stream(sub, case: Case) -> list[GenerateEvent]:
+    msgpack, events, num_finals = case.msgpack, [], 0
+    num_samples = requested_samples(case.body, MSGPACK_HEADERS if msgpack else None)
+    while not events or not ends_stream(events[-1], num_finals, num_samples):
         msg = await sub.next_msg(timeout=60)
         headers = msg.headers or {}
         if KEEPALIVE_HEADER in headers:
@@ -285,6 +287,7 @@ async def _stream(sub, msgpack: bool) -> list[GenerateEvent]:
         assert (headers.get("Content-Type") == "application/msgpack") == msgpack, headers
         decoder = msgspec.msgpack if msgpack else msgspec.json
         events.append(decoder.decode(msg.data, type=GenerateEvent))
+        num_finals += events[-1].is_final
     return events
 
 

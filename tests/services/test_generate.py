@@ -32,7 +32,8 @@ def _max_tokens(i: int) -> int:
 async def collect(stream) -> list:
     events = [event async for event in stream]
     assert [event.seq for event in events] == list(range(len(events))), "seq has gaps"
-    assert sum(event.is_final for event in events) == 1 and events[-1].is_final
+    num_samples = len({event.index for event in events})  # one final event each
+    assert sum(event.is_final for event in events) == num_samples and events[-1].is_final
     return events
 
 
@@ -212,3 +213,20 @@ async def test_beam_search_equals_offline(client: Client, offline: LLM):
             assert event.cumulative_score == pytest.approx(beam.cumulative_score)
         assert events[-1].usage.num_completion_tokens == sum(len(b.token_ids) for b in want.outputs)
     assert (await client.stats()).num_used_blocks == 0
+
+
+async def test_every_sample_ends_with_usage(client: Client):
+    """Each of n samples has one final event carrying the usage so far (vLLM's continuous
+    usage); the last has the request's total; the stream ends after all n."""
+    fields = dict(prompt=CORPUS[1], n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    for stream in (True, False):
+        events = await collect(client.generate(stream=stream, **fields))
+        finals = [event for event in events if event.is_final]
+        assert sorted(event.index for event in finals) == [0, 1, 2], stream
+        assert all(event.finish_reason is not None for event in finals)
+        assert events[-1] is finals[-1] and finals[-1].usage.num_completion_tokens == 18
+        so_far = [event.usage.num_completion_tokens for event in finals]
+        assert so_far == sorted(so_far) and so_far[0] >= 6, so_far
+        assert {event.usage.num_prompt_tokens for event in finals} == {
+            finals[0].usage.num_prompt_tokens
+        }

@@ -80,6 +80,8 @@ async def test_n_samples_with_a_seed(api, model, nats_client):  # noqa: F811
     assert [c.message.content for c in again.choices] == [c.message.content for c in done.choices]
     total = sum(len(c.message.content) > 0 for c in done.choices)
     assert total == 2 and done.usage.completion_tokens > 2
+    one = await api.chat.completions.create(messages=MESSAGES, **{**fields, "n": 1})
+    assert done.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
     stream = await api.completions.create(prompt=PROMPT, stream=True, **fields)
     texts = ["", ""]
     async for chunk in stream:

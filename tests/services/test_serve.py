@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
+import httpx
 import psutil
 import pytest
 from kvpager.engine import LLM, SamplingParams
@@ -17,26 +18,34 @@ from kvpager.engine import LLM, SamplingParams
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, processes_on, start, wait_for_line
 
+ORIGIN = "http://app.example"
+
 
 @dataclass
 class Served:
     process: Popen
     url: str
     log_dir: Path
+    http_url: str | None = None
 
     def output(self) -> str:
         return (self.log_dir / "out.txt").read_text()
 
 
 @contextlib.contextmanager
-def serving(model, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[Served]:
-    """`kvpager serve` until ready, killed at the end if it still runs."""
-    port = free_port()
-    args = ["serve", "--model", str(model), "--nats-port", str(port), "--num-blocks", "64"]
+def serving(
+    model, log_dir: Path, env: dict[str, str] | None = None, http: bool = False
+) -> Iterator[Served]:
+    """`kvpager serve` until ready, killed at the end if it still runs; `http`: with its
+    default gateway, on a free port (vLLM's --port) and CORS for one origin."""
+    port, http_port = free_port(), free_port()
+    args = ["serve", str(model), "--nats-port", str(port), "--num-blocks", "64"]
+    args += ["--port", str(http_port), "--allowed-origins", ORIGIN] if http else ["--no-http"]
     process = start(*args, log_dir=log_dir, env=env)
     try:
         wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
-        yield Served(process, f"nats://127.0.0.1:{port}", log_dir)
+        http_url = f"http://127.0.0.1:{http_port}" if http else None
+        yield Served(process, f"nats://127.0.0.1:{port}", log_dir, http_url)
     finally:
         if process.poll() is None:
             process.kill()
@@ -45,7 +54,7 @@ def serving(model, log_dir: Path, env: dict[str, str] | None = None) -> Iterator
 
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
-    with serving(tiny_llama, tmp_path_factory.mktemp("serve")) as running:
+    with serving(tiny_llama, tmp_path_factory.mktemp("serve"), http=True) as running:
         yield running
 
 
@@ -61,6 +70,20 @@ def test_ready_banner_names_the_api(served):
     assert f'kvpager generate "Hello" --nats-url {served.url}' in served.output()
     assert "nats req llm.generate '{" in served.output()
     assert lines[-1].startswith(f"kvpager: ready on {served.url}: 64 KV blocks of 16 tokens")
+
+
+def test_the_gateway_starts_by_default(served):
+    """`kvpager serve MODEL --port P`: vLLM's command line, the OpenAI API on P, CORS as asked."""
+    assert f"http:     {served.http_url}/v1" in served.output()
+    models = httpx.get(f"{served.http_url}/v1/models", timeout=10)
+    assert models.status_code == 200 and models.json()["data"], models.text
+    headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    preflight = httpx.options(f"{served.http_url}/v1/completions", headers=headers, timeout=10)
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    other = {**headers, "Origin": "http://elsewhere.example"}
+    refused = httpx.options(f"{served.http_url}/v1/completions", headers=other, timeout=10)
+    assert "access-control-allow-origin" not in refused.headers
 
 
 def _pid(served: Served) -> int:
@@ -93,8 +116,8 @@ def test_stats_and_health(served):
 
 def test_sigterm_stops_every_process(served):
     children = psutil.Process(served.process.pid).children(recursive=True)
-    assert len(children) == 4, children  # nats-server, executor, scheduler, tokenizer
-    assert len(processes_on(served.url)) == 4
+    assert len(children) == 5, children  # nats-server, executor, scheduler, tokenizer, http
+    assert len(processes_on(served.url)) == 5
     served.process.send_signal(signal.SIGTERM)
     assert served.process.wait(timeout=60) == 0
     gone, alive = psutil.wait_procs(children, timeout=5)

@@ -38,7 +38,9 @@ def test_serve_starts_two_instances(tiny_llama, tmp_path):
     args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "128"]
     # a generous drain: a loaded machine still finishes the streams (with no drain at all
     # they would fail at once, whatever the timeout)
-    process = start(*args, "--replicas", "2", "--drain-timeout", "30", log_dir=tmp_path)
+    process = start(
+        *args, "--no-http", "--replicas", "2", "--drain-timeout", "30", log_dir=tmp_path
+    )
     try:
         wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
         children = psutil.Process(process.pid).children(recursive=True)

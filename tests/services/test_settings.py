@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 from kvpager.schemas.errors import ConfigError
-from kvpager.services.settings import Settings, add_arguments, environment
+from kvpager.services.options import environment
+from kvpager.services.settings import Settings, add_arguments
 
 
 def _parse(argv: list[str]) -> Settings:

@@ -26,7 +26,7 @@ def served(tiny_llama, tmp_path_factory):
     port = free_port()
     log_dir = tmp_path_factory.mktemp("serve-tp")
     args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "64"]
-    process = start(*args, "--tensor-parallel-size", "2", log_dir=log_dir, env=TP_ENV)
+    process = start(*args, "--no-http", "--tensor-parallel-size", "2", log_dir=log_dir, env=TP_ENV)
     try:
         wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
         yield process, f"nats://127.0.0.1:{port}", log_dir
@@ -111,6 +111,6 @@ def test_bad_sizes_stop_serve_before_anything_starts(tiny_llama):
     with pytest.raises(ConfigError, match="tensor_parallel_size: must be at least 1"):
         Settings(tensor_parallel_size=0)
     args = ["serve", "--model", str(tiny_llama), "--tensor-parallel-size", "3"]
-    done = kvpager(*args, "--nats-port", str(free_port()))
+    done = kvpager(*args, "--nats-port", str(free_port()), "--no-http")
     message = "tensor_parallel_size: 3 does not divide num_attention_heads 4"
     assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -19,6 +19,11 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 BUDGET = dict(num_blocks=None, kv_cache_memory=1 << 20)
 
 
+def _top_ids(entry, top: int) -> list[int]:
+    """The `top` most likely token ids of one token's vLLM-shaped logprobs."""
+    return [token_id for token_id, lp in entry.items() if lp.rank is not None and lp.rank <= top]
+
+
 def check_logprobs_close(expected, actual, top: int = 5, max_tokens: int | None = None) -> int:
     """vLLM's check: outputs agree token for token until the first difference, where each
     side's token is among the other's `top` logprobs (then the contexts differ, and the
@@ -30,8 +35,8 @@ def check_logprobs_close(expected, actual, top: int = 5, max_tokens: int | None 
         pairs = list(zip(ref.token_ids, got.token_ids))[:max_tokens]
         for idx, (ref_token, got_token) in enumerate(pairs):
             if ref_token != got_token:
-                ref_top = ref.logprobs[idx].top_token_ids[:top]
-                got_top = got.logprobs[idx].top_token_ids[:top]
+                ref_top = _top_ids(ref.logprobs[idx], top)
+                got_top = _top_ids(got.logprobs[idx], top)
                 assert got_token in ref_top and ref_token in got_top, (
                     f"token {idx}: {got_token} not in {ref_top} or {ref_token} not in {got_top}"
                 )
