@@ -1,4 +1,5 @@
 """A/B: offline throughput of the same engine before and after the package change (#44)."""
+
 import sys
 import time
 
