@@ -45,14 +45,14 @@ class Served:
         return (self.log_dir / "out.txt").read_text()
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama, tmp_path_factory) -> Iterator[Served]:
+@contextlib.contextmanager
+def serving(model: Path, log_dir: Path, num_blocks: int, env: dict[str, str]) -> Iterator[Served]:
+    """`kvpager serve` of `model` with its gateway and metrics on free ports, until the end."""
     nats_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    log_dir = tmp_path_factory.mktemp("http")
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(nats_port)]
-    args += ["--num-blocks", str(NUM_BLOCKS), "--http-port", str(http_port)]
+    args = ["serve", "--model", str(model), "--nats-port", str(nats_port)]
+    args += ["--num-blocks", str(num_blocks), "--http-port", str(http_port)]
     args += ["--metrics-port", str(metrics_port)]
-    process = start(*args, log_dir=log_dir, env=LIMITS_ENV)
+    process = start(*args, log_dir=log_dir, env=env)
     try:
         wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
         yield Served(
@@ -70,6 +70,12 @@ def served(tiny_llama, tmp_path_factory) -> Iterator[Served]:
             except Exception:
                 process.kill()
         process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory) -> Iterator[Served]:
+    with serving(tiny_llama, tmp_path_factory.mktemp("http"), NUM_BLOCKS, LIMITS_ENV) as found:
+        yield found
 
 
 @pytest.fixture

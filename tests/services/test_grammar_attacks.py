@@ -13,10 +13,8 @@ import pytest
 from kvpager.services.client import Client
 
 from tests.engine.structured.test_limits import gbnf_chain, lark_chain, patterns_schema, ref_chain
-from tests.nats_server import free_port
 from tests.services.conftest import wait_all_blocks_free
-from tests.services.http_fixture import Served
-from tests.services.kvpager_cli import start, wait_for_line
+from tests.services.http_fixture import Served, serving
 
 ATTACKS = {  # the client's field, as vLLM's structured_outputs takes it
     "lark": {"grammar": lark_chain()},
@@ -30,28 +28,9 @@ VICTIM = dict(prompt="The fox", max_tokens=48, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def defaults(tiny_llama, tmp_path_factory) -> Iterator[Served]:
     """`kvpager serve` with default request limits (1 MiB bodies: the attacks fit)."""
-    nats_port, http_port, metrics_port = free_port(), free_port(), free_port()
     log_dir = tmp_path_factory.mktemp("attacks")
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(nats_port)]
-    args += ["--num-blocks", "64", "--http-port", str(http_port)]
-    args += ["--metrics-port", str(metrics_port)]
-    process = start(*args, log_dir=log_dir, env={"KVPAGER_CHECK_INVARIANTS": "true"})
-    try:
-        wait_for_line(process, log_dir / "out.txt", "kvpager: ready")
-        yield Served(
-            process,
-            f"nats://127.0.0.1:{nats_port}",
-            f"http://127.0.0.1:{http_port}",
-            f"http://127.0.0.1:{metrics_port}",
-            log_dir,
-        )
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except Exception:
-            process.kill()
-            process.wait()
+    with serving(tiny_llama, log_dir, 64, {"KVPAGER_CHECK_INVARIANTS": "true"}) as found:
+        yield found
 
 
 @pytest.fixture
