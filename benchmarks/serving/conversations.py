@@ -31,7 +31,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from kvpager.engine.download import resolve_model
 from kvpager.kernels.isa import isa_flags
 from kvpager.services.client import Client
+from kvpager.services.serve.processes import python_module
 
 from benchmarks.common.machine import CpuWatch
 from benchmarks.serving.nats_peer import free_port, stop
@@ -99,16 +99,7 @@ def serve(args: argparse.Namespace, model: str, port: int, disk_dir: str | None)
     if disk_dir is not None:
         env["KVPAGER_KV_DISK_DIR"] = disk_dir
         env["KVPAGER_KV_DISK_BYTES"] = args.disk_bytes
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvpager.services.cli",
-        "serve",
-        "--nats-port",
-        str(port),
-        "--no-http",
-    ]
+    command = python_module("kvpager.services.cli", "serve", "--nats-port", str(port), "--no-http")
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 

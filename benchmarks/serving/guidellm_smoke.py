@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from kvpager.engine.download import resolve_model
+from kvpager.services.serve.processes import python_module
 
 from benchmarks.serving.nats_peer import free_port, stop
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
 
 
 def start_serve(model: str, http_port: int) -> subprocess.Popen:
-    command = [sys.executable, "-P", "-m", "kvpager.services.cli", "serve", "--model", model]
+    command = python_module("kvpager.services.cli", "serve", "--model", model)
     command += ["--nats-port", str(free_port()), "--http-port", str(http_port)]
     env = {**os.environ, "KVPAGER_LOG_LEVEL": "warning"}
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)

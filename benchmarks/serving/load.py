@@ -33,6 +33,7 @@ from kvpager.services.bench.load import (
     run_streams,
     summarize,
 )
+from kvpager.services.serve.processes import python_module
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -65,16 +66,7 @@ def _serve(args: argparse.Namespace, model: Path, port: int) -> subprocess.Popen
         "KVPAGER_PREEMPTION_MODE": "swap",
         "KVPAGER_LOG_LEVEL": "warning",
     }
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvpager.services.cli",
-        "serve",
-        "--nats-port",
-        str(port),
-        "--no-http",
-    ]
+    command = python_module("kvpager.services.cli", "serve", "--nats-port", str(port), "--no-http")
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 

@@ -14,12 +14,12 @@ import asyncio
 import os
 import random
 import subprocess
-import sys
 import time
 
 from kvpager.engine.download import resolve_model
 from kvpager.kernels.isa import isa_flags
 from kvpager.services.client import Client
+from kvpager.services.serve.processes import python_module
 
 from benchmarks.serving.nats_peer import free_port, stop
 
@@ -43,16 +43,7 @@ def start(model: str, port: int, threshold: int, threads: int) -> subprocess.Pop
         "KVPAGER_LOG_LEVEL": "warning",
         "OMP_NUM_THREADS": str(threads),
     }
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvpager.services.cli",
-        "serve",
-        "--nats-port",
-        str(port),
-        "--no-http",
-    ]
+    command = python_module("kvpager.services.cli", "serve", "--nats-port", str(port), "--no-http")
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
 
 

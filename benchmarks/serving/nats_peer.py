@@ -11,13 +11,13 @@ import asyncio
 import os
 import socket
 import subprocess
-import sys
 import time
 from typing import IO
 
 from kvpager.schemas.public import GenerateEvent
 from kvpager.services.bench.metrics import EngineResult, SequenceTimes
 from kvpager.services.bench.workloads import BenchRequest, Workload
+from kvpager.services.serve.processes import python_module
 
 from benchmarks.common.config import BenchConfig
 from benchmarks.common.machine import CpuWatch
@@ -60,16 +60,7 @@ def serve(
         "OMP_NUM_THREADS": str(cfg.num_threads),  # every service's, each executor's too
         **(env or {}),
     }
-    command = [
-        sys.executable,
-        "-P",
-        "-m",
-        "kvpager.services.cli",
-        "serve",
-        "--nats-port",
-        str(port),
-        "--no-http",
-    ]
+    command = python_module("kvpager.services.cli", "serve", "--nats-port", str(port), "--no-http")
     return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL, stderr=log)
 
 

@@ -16,13 +16,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 from kvpager.engine.download import resolve_model
 from kvpager.kernels.isa import isa_flags
+from kvpager.services.serve.processes import python_module
 
 from benchmarks.serving.nats_peer import free_port, stop
 
@@ -48,8 +48,8 @@ METRICS = [
 
 
 def kvpager_server(args: argparse.Namespace, port: int, log) -> subprocess.Popen:
-    command = [
-        sys.executable, "-P", "-m", "kvpager.services.cli", "serve", "--model", str(args.model),
+    command = python_module("kvpager.services.cli") + [
+        "serve", "--model", str(args.model),
         "--dtype", args.dtype, "--http-port", str(port), "--nats-port", str(free_port()),
         "--served-model-name", NAME, "--max-num-seqs", str(args.max_num_seqs),
         "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_gib << 30),

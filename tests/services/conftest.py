@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 from kvpager.services.client import Client
+from kvpager.services.serve.processes import python_module
 
 from tests.nats_server import nats_server  # noqa: F401  (fixture)
 
@@ -43,7 +43,7 @@ class Services:
         overrides this process's environment."""
         with open(self.log_dir / f"{name}.log", "wb") as log:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-P", "-m", "kvpager.services.cli", command or name],
+                python_module("kvpager.services.cli", command or name),
                 env={**self.environ, **env},
                 stderr=log,
                 stdout=log,

@@ -2,13 +2,13 @@
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
+from kvpager.services.serve.processes import python_module
 
-KVPAGER = [sys.executable, "-P", "-m", "kvpager.services.cli"]
+KVPAGER = python_module("kvpager.services.cli")
 QUIET_ENV = {"KVPAGER_LOG_JSON": "true", "KVPAGER_LOG_LEVEL": "warning"}
 
 

@@ -1,13 +1,13 @@
 """The public schema: checked in, in sync, and faithful to the engine's SamplingParams."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 from kvpager.schemas.public import GenerateEvent, GenerateRequest
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.services.schema import render
+from kvpager.services.serve.processes import python_module
 
 SCHEMA_FILE = Path(__file__).parents[2] / "schemas" / "public.schema.json"
 
@@ -18,7 +18,7 @@ def test_checked_in_schema_is_in_sync():
 
 def test_kvpager_schema_prints_it():
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "kvpager.services.cli", "schema"],
+        python_module("kvpager.services.cli", "schema"),
         check=True,
         capture_output=True,
         text=True,

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 from kvpager.schemas.public import GenerateRequest
 from kvpager.services.client import Client
 from kvpager.services.inflight import POISON_FILE, request_key
+from kvpager.services.serve.processes import python_module
 
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import QUIET_ENV, wait_for_line
@@ -62,7 +62,7 @@ def hostile(tiny_llama, tmp_path_factory) -> Iterator[tuple[Served, Path, str]]:
     env["KVPAGER_HEARTBEAT_INTERVAL"] = "0.5"
     with open(log_dir / "out.txt", "wb") as out, open(log_dir / "err.txt", "wb") as err:
         process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "kvpager.services.cli", *args],
+            python_module("kvpager.services.cli", *args),
             cwd=log_dir / "cwd",
             env=env,
             stdout=out,
