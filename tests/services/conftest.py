@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import structlog
 from kvpager.services.client import Client
 from kvpager.services.serve.processes import python_module
 
@@ -171,3 +172,15 @@ async def api(served) -> AsyncIterator[openai.AsyncOpenAI]:
 @pytest.fixture
 async def model(api) -> str:
     return (await api.models.list()).data[0].id
+
+
+@pytest.fixture
+def restore_logging():
+    """In-process CLI calls configure structlog for the process (onto capsys' stream): undo
+    that after the test."""
+    configured, saved = structlog.is_configured(), structlog.get_config()
+    yield
+    if configured:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()

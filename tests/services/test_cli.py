@@ -8,22 +8,12 @@ import shutil
 import socket
 
 import pytest
-import structlog
 from kvpager.services.cli import main
 
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, processes_on
 
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """`serve` configures structlog for its process, here onto capsys' stream: undo that."""
-    configured, saved = structlog.is_configured(), structlog.get_config()
-    yield
-    if configured:
-        structlog.configure(**saved)
-    else:
-        structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _fails(capsys, *argv: str) -> str:

@@ -9,7 +9,6 @@ import socket
 import time
 
 import pytest
-import structlog
 import torch
 from kvpager.engine import LLM
 from kvpager.engine.config import ExecutorConfig, host_memory_bytes
@@ -31,14 +30,7 @@ from tests.services.conftest import start_services
 TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    configured, saved = structlog.is_configured(), structlog.get_config()
-    yield
-    if configured:
-        structlog.configure(**saved)
-    else:
-        structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _serve_args(*argv: str):
