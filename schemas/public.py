@@ -24,6 +24,7 @@ from kvpager.schemas.public_requests import (  # noqa: F401 (the public API's na
     GenerateRequest,
     NonNegInt,
     Penalty,
+    PromptCache,
     TokenizeRequest,
 )
 from msgspec import Meta
@@ -67,6 +68,12 @@ class Usage(msgspec.Struct):
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_prompt_tokens: Annotated[int, Meta(description="served by the prefix cache")]
+    num_cache_write_tokens: Annotated[
+        int, Meta(description="prompt tokens newly written into a pinned prefix (`cache`)")
+    ] = 0
+    cached_tokens_by_tier: Annotated[
+        dict[str, int], Meta(description="num_cached_prompt_tokens by tier: device, cpu, disk")
+    ] = {}
 
 
 TokenText = Annotated[str, Meta(description="the token decoded alone, special tokens kept")]

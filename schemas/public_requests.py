@@ -29,6 +29,27 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     name: str | None = None
 
 
+class PromptCache(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Keep a prompt prefix in the cache for a time: Anthropic's `cache_control` as a
+    retention contract. The prefix's blocks are pinned for `ttl` seconds: evicted last,
+    demoted to the CPU and disk tiers under pressure rather than dropped. At most one of
+    `prefix_tokens` and `prefix_messages` is set; neither pins the whole prompt."""
+
+    ttl: Annotated[
+        float, Meta(gt=0.0, le=86400.0, description="seconds; Anthropic's 5m is 300, 1h 3600")
+    ] = 300.0
+    prefix_tokens: (
+        Annotated[int, Meta(ge=1, le=INT32_MAX, description="pin the first N prompt tokens")] | None
+    ) = None
+    prefix_messages: (
+        Annotated[
+            int,
+            Meta(ge=1, le=INT32_MAX, description="pin the rendered first N `messages`"),
+        ]
+        | None
+    ) = None
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A generation request: exactly one of `prompt`, `messages` or `prompt_token_ids`.
 
@@ -73,6 +94,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ]
         | None
     ) = None
+    cache: Annotated[PromptCache, Meta(description="pin the prompt's prefix")] | None = None
+    priority: Annotated[
+        int,
+        Meta(
+            ge=-(2**31),
+            le=INT32_MAX,
+            description="vLLM's: lower is admitted first and evicted last; ties by arrival",
+        ),
+    ] = 0
     prompt: Annotated[str, Meta(description="text, tokenized as is")] | None = None
     messages: (
         Annotated[
