@@ -13,7 +13,7 @@ import time
 import structlog
 from kvpager.schemas.errors import PoisonedRequestError
 from kvpager.schemas.public import ModelCard
-from kvpager.services.http import metrics, tokenize
+from kvpager.services.http import metrics, responses_api, tokenize
 from kvpager.services.http.completions import as_http_error, respond
 from kvpager.services.http.decoding import read_body
 from kvpager.services.http.errors import HttpError, error_body
@@ -48,6 +48,7 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
             Route("/detokenize", tokenize.detokenize, methods=["POST"]),
             Route("/version", tokenize.show_version, methods=["GET"]),
             Route("/health", _health, methods=["GET"]),
+            *responses_api.routes(),
         ]
     handlers = {HTTPException: _http_exception, Exception: _internal_error}
     http = gateway.http
@@ -63,6 +64,7 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
         middleware.insert(0, cors)
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
     app.state.gateway = gateway
+    app.state.responses = responses_api.store_of(http)  # stored responses (POST /v1/responses)
     return app
 
 

@@ -84,6 +84,17 @@ class HttpSettings:
         default=1024,
     )
 
+    responses_max_stored: int = option(
+        "most responses the gateway keeps for GET /v1/responses/{id} and previous_response_id "
+        "(the oldest go first)",
+        default=10000,
+    )
+    responses_max_bytes: int = option(
+        "most bytes of stored responses (their JSON, conversations included)",
+        default=256 * 1024 * 1024,
+    )
+    responses_ttl: float = option("seconds a stored response is kept", default=3600.0)
+
     def __post_init__(self) -> None:
         for name in ("http_port", "metrics_port"):
             port = getattr(self, name)
@@ -105,6 +116,11 @@ class HttpSettings:
         for name in ("http_max_concurrency", "stream_buffer_events"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
+        for name in ("responses_max_stored", "responses_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1")
+        if self.responses_ttl <= 0:
+            raise ConfigError("responses_ttl: must be positive")
         if self.http_max_connections <= self.http_max_concurrency:
             raise ConfigError(
                 f"http_max_connections: {self.http_max_connections} must be above "

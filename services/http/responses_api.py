@@ -1,0 +1,219 @@
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+
+A request becomes a chat request (services/http/responses_input.py) and takes the chat route's
+path: the same checks, tools, structured outputs and GenerateRequest, the same streams over
+NATS. Its answer is shaped by services/http/responses_output.py. With `store` (the default,
+as at OpenAI) the response and its conversation are kept (services/http/response_store.py)
+under the caller's API key; `previous_response_id` continues that conversation: its turns and
+the new input form the prompt, whose earlier part the prefix cache (and the kv router, which
+sends it to the instance holding that prefix) then serves.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import structlog
+from kvpager.schemas.errors import PoisonedRequestError
+from kvpager.schemas.openai import Message
+from kvpager.schemas.openai_responses import ResponsesRequest
+from kvpager.services.http import decoding
+from kvpager.services.http.completions import (
+    CLIENT_CLOSED,
+    _collect,
+    _disconnected,
+    _first,
+    _items,
+    as_http_error,
+)
+from kvpager.services.http.errors import HttpError
+from kvpager.services.http.gateway import Gateway
+from kvpager.services.http.requests import Job, build_job
+from kvpager.services.http.response_store import ResponseStore, StoredResponse
+from kvpager.services.http.responses_input import chat_request, input_messages, renamed
+from kvpager.services.http.responses_output import ResponseBuilder, new_id
+from kvpager.services.http.settings import HttpSettings
+from kvpager.services.http.streams import CutOffResponse, Streams
+from kvpager.services.http.structured import ToolSettings, check_compiles
+from kvpager.services.http.tokens import TokenTexts
+from kvpager.services.inflight import request_key
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+log = structlog.get_logger(__name__)
+
+MAX_ID_CHARS = 128
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/responses", create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"]),
+    ]
+
+
+def store_of(http: HttpSettings) -> ResponseStore:
+    return ResponseStore(http.responses_max_stored, http.responses_max_bytes, http.responses_ttl)
+
+
+async def create(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    try:
+        parsed, job, history = await _prepare(request, gateway)
+        builder = ResponseBuilder(job, parsed, new_id("resp"))
+        keep = _Keeper(request, parsed, history) if parsed.store else None
+        buffered = gateway.http.stream_buffer_events
+        streams = Streams(gateway.client, job.requests, buffered if job.stream else None)
+        if not job.stream:
+            return await _whole(streams, builder, request, keep)
+        return await _stream(streams, builder, keep)
+    except (HttpError, PoisonedRequestError) as exc:
+        error = exc if isinstance(exc, HttpError) else HttpError.invalid(str(exc), None)
+        log.info("request refused", path=request.url.path, status=error.status, code=error.code)
+        return JSONResponse(error.body(), status_code=error.status)
+
+
+async def stored(request: Request) -> Response:
+    """GET: the stored response; DELETE: forget it. 404 unless the caller's key stored it."""
+    store: ResponseStore = request.app.state.responses
+    response_id = request.path_params["response_id"]
+    owner = _owner(request)
+    if request.method == "DELETE":
+        if len(response_id) <= MAX_ID_CHARS and store.delete(owner, response_id):
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    else:
+        found = store.get(owner, response_id) if len(response_id) <= MAX_ID_CHARS else None
+        if found is not None:
+            return JSONResponse(found.response)
+    error = _not_found(response_id, None)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _prepare(request: Request, gateway: Gateway) -> tuple[ResponsesRequest, Job, list]:
+    """The request, checked; its job; the earlier turns it continues."""
+    http = gateway.http
+    body = await decoding.read_body(request, gateway.settings.max_request_bytes,
+                                    http.http_header_timeout)  # fmt: skip
+    key = request_key(body)
+    with gateway.journal.admitting(key):  # a crash in here blames the request
+        parsed = decoding.decode(body, ResponsesRequest, http.allow_unknown_fields)
+    card = await gateway.models.resolve(parsed.model)
+    history = _history(request, parsed)
+    default = max(1, min(http.default_max_tokens, card.max_model_len // 2))
+    key_salt = request.scope.get("state", {}).get("key_salt")
+    tools = ToolSettings(http.enable_auto_tool_choice, http.tool_call_parser)
+    try:
+        with gateway.journal.admitting(key):
+            chat = chat_request(parsed, history)
+            job = build_job(chat, "chat", None, default, key_salt, tools,
+                            gateway.settings.grammar_limits)  # fmt: skip
+        if job.structured is not None:  # compiled in a worker process, awaited
+            await check_compiles(gateway.grammars, *job.structured)
+    except HttpError as exc:
+        raise renamed(exc) from exc
+    return parsed, job, history
+
+
+def _history(request: Request, parsed: ResponsesRequest) -> list[Message]:
+    if parsed.previous_response_id is None:
+        return []
+    store: ResponseStore = request.app.state.responses
+    found = store.get(_owner(request), parsed.previous_response_id)
+    if found is None:
+        raise _not_found(parsed.previous_response_id, "previous_response_id")
+    return found.turns
+
+
+def _owner(request: Request) -> str:
+    """The caller's API key, as its cache salt; "" on a gateway without keys."""
+    return request.scope.get("state", {}).get("key_salt") or ""
+
+
+def _not_found(response_id: str, param: str | None) -> HttpError:
+    shown = response_id[:MAX_ID_CHARS]
+    what = "Previous response" if param else "Response"
+    return HttpError(404, f"{what} with id '{shown}' not found.", "not_found", param)
+
+
+class _Keeper:
+    """Stores a finished response with its conversation: the earlier turns, this input, the
+    answer."""
+
+    def __init__(self, request: Request, parsed: ResponsesRequest, history: list) -> None:
+        self.store: ResponseStore = request.app.state.responses
+        self.owner = _owner(request)
+        self.turns = history + input_messages(parsed)
+
+    def keep(self, builder: ResponseBuilder) -> None:
+        if builder.status not in ("completed", "incomplete"):
+            return
+        conversation = StoredResponse(builder.body(), self.turns + builder.turns())
+        self.store.put(self.owner, builder.response_id, conversation)
+
+
+async def _whole(
+    streams: Streams, builder: ResponseBuilder, request: Request, keep: _Keeper | None
+) -> Response:
+    """The whole response; 499 if the client leaves first (its request is aborted)."""
+    collect = asyncio.ensure_future(_collect(builder.job, streams, TokenTexts()))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+            await asyncio.wait({collect})  # until it has unwound (completions.py: _whole)
+        streams.close()
+    if collect.cancelled():
+        return Response(status_code=CLIENT_CLOSED)
+    if collect.exception() is not None:
+        raise as_http_error(collect.exception())
+    finals, usages, _ = collect.result()
+    builder.feed(finals[0])
+    builder.usage = usages[0] if usages else builder.usage
+    if keep is not None:
+        keep.keep(builder)
+    return JSONResponse(builder.body())
+
+
+async def _stream(streams: Streams, builder: ResponseBuilder, keep: _Keeper | None) -> Response:
+    try:
+        first = await _first(streams)  # a refusal is the response's status, as on chat
+    except BaseException:
+        streams.close()
+        raise
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    events = _sse(streams, builder, first, keep)
+    return CutOffResponse(events, streams, media_type="text/event-stream", headers=headers)
+
+
+async def _sse(streams: Streams, builder: ResponseBuilder, first, keep) -> AsyncIterator[bytes]:
+    try:
+        for event in builder.start():
+            yield _data(event)
+        async for item in _items(streams, first):
+            if item is None:
+                yield b": keepalive\n\n"
+                continue
+            error = item if isinstance(item, HttpError) else _error_of(item[1])
+            events = builder.fail(error) if error is not None else builder.feed(item[1])
+            for event in events:
+                yield _data(event)
+            if error is not None:
+                return
+        if keep is not None:
+            keep.keep(builder)
+    finally:
+        streams.close()
+
+
+def _error_of(event) -> HttpError | None:
+    return None if event.error is None else HttpError.from_info(event.error)
+
+
+def _data(event: dict[str, Any]) -> bytes:
+    head = f"event: {event['type']}\n".encode()
+    return head + b"data: " + msgspec.json.encode(event) + b"\n\n"
