@@ -61,8 +61,9 @@ def store_of(http: HttpSettings) -> ResponseStore:
 async def create(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
-        parsed, job, history = await _prepare(request, gateway)
-        builder = ResponseBuilder(job, parsed, new_id("resp"))
+        response_id = new_id("resp")  # also its GenerateRequest's id on NATS (`<id>-0`)
+        parsed, job, history = await _prepare(request, gateway, response_id)
+        builder = ResponseBuilder(job, parsed, response_id)
         keep = _Keeper(request, parsed, history) if parsed.store else None
         buffered = gateway.http.stream_buffer_events
         streams = Streams(gateway.client, job.requests, buffered if job.stream else None)
@@ -91,7 +92,9 @@ async def stored(request: Request) -> Response:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def _prepare(request: Request, gateway: Gateway) -> tuple[ResponsesRequest, Job, list]:
+async def _prepare(
+    request: Request, gateway: Gateway, response_id: str
+) -> tuple[ResponsesRequest, Job, list]:
     """The request, checked; its job; the earlier turns it continues."""
     http = gateway.http
     body = await decoding.read_body(request, gateway.settings.max_request_bytes,
@@ -107,7 +110,7 @@ async def _prepare(request: Request, gateway: Gateway) -> tuple[ResponsesRequest
     try:
         with gateway.journal.admitting(key):
             chat = chat_request(parsed, history)
-            job = build_job(chat, "chat", None, default, key_salt, tools,
+            job = build_job(chat, "chat", response_id, default, key_salt, tools,
                             gateway.settings.grammar_limits)  # fmt: skip
         if job.structured is not None:  # compiled in a worker process, awaited
             await check_compiles(gateway.grammars, *job.structured)

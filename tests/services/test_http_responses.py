@@ -5,9 +5,11 @@ streaming events; function calls; `store: false`; API key ownership; the store's
 input. Every test ends with all KV blocks free (the `nats_client` fixture)."""
 
 import json
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.services.http_fixture import gateway, nats_client, served  # noqa: F401
@@ -154,6 +156,20 @@ async def test_a_stream_has_the_sdks_events(api, model, nats_client):  # noqa: F
     assert completed.status == "completed" and completed.output_text == text
     assert completed.usage.output_tokens > 0
     assert (await api.responses.retrieve(completed.id)).output_text == text
+
+
+class Size(pydantic.BaseModel):
+    size: Literal["small", "large"]
+
+
+async def test_the_sdks_stream_helper_parses_a_model(api, model, nats_client):  # noqa: F811
+    """The SDK's own accumulator rebuilds the response from the events, and parses it."""
+    async with api.responses.stream(
+        model=model, input="Is it small?", text_format=Size, max_output_tokens=40,
+        temperature=0.0,
+    ) as stream:  # fmt: skip
+        final = await stream.get_final_response()
+    assert final.status == "completed" and final.output_parsed.size in ("small", "large")
 
 
 async def test_a_named_tool_gives_a_function_call_and_takes_its_output(api, model, nats_client):  # noqa: F811
