@@ -71,7 +71,7 @@ async def create(request: Request) -> Response:
             return await _whole(streams, builder, request, keep)
         return await _stream(streams, builder, keep)
     except (HttpError, PoisonedRequestError) as exc:
-        error = exc if isinstance(exc, HttpError) else HttpError.invalid(str(exc), None)
+        error = renamed(exc) if isinstance(exc, HttpError) else HttpError.invalid(str(exc), None)
         log.info("request refused", path=request.url.path, status=error.status, code=error.code)
         return JSONResponse(error.body(), status_code=error.status)
 
@@ -107,15 +107,12 @@ async def _prepare(
     default = max(1, min(http.default_max_tokens, card.max_model_len // 2))
     key_salt = request.scope.get("state", {}).get("key_salt")
     tools = ToolSettings(http.enable_auto_tool_choice, http.tool_call_parser)
-    try:
-        with gateway.journal.admitting(key):
-            chat = chat_request(parsed, history)
-            job = build_job(chat, "chat", response_id, default, key_salt, tools,
-                            gateway.settings.grammar_limits)  # fmt: skip
-        if job.structured is not None:  # compiled in a worker process, awaited
-            await check_compiles(gateway.grammars, *job.structured)
-    except HttpError as exc:
-        raise renamed(exc) from exc
+    with gateway.journal.admitting(key):
+        chat = chat_request(parsed, history)
+        job = build_job(chat, "chat", response_id, default, key_salt, tools,
+                        gateway.settings.grammar_limits)  # fmt: skip
+    if job.structured is not None:  # compiled in a worker process, awaited
+        await check_compiles(gateway.grammars, *job.structured)
     return parsed, job, history
 
 
@@ -201,7 +198,7 @@ async def _sse(streams: Streams, builder: ResponseBuilder, first, keep) -> Async
             if item is None:
                 yield b": keepalive\n\n"
                 continue
-            error = item if isinstance(item, HttpError) else _error_of(item[1])
+            error = renamed(item) if isinstance(item, HttpError) else _error_of(item[1])
             events = builder.fail(error) if error is not None else builder.feed(item[1])
             for event in events:
                 yield _data(event)
@@ -214,7 +211,7 @@ async def _sse(streams: Streams, builder: ResponseBuilder, first, keep) -> Async
 
 
 def _error_of(event) -> HttpError | None:
-    return None if event.error is None else HttpError.from_info(event.error)
+    return None if event.error is None else renamed(HttpError.from_info(event.error))
 
 
 def _data(event: dict[str, Any]) -> bytes:

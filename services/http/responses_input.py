@@ -46,6 +46,7 @@ PARAM_NAMES = {
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "messages": "input",
+    "prompt": "input",  # the tokenizer's and the scheduler's name for it
 }
 
 

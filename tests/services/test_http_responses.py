@@ -4,6 +4,7 @@ of the chat route for the same turns; a continued conversation served from the p
 streaming events; function calls; `store: false`; API key ownership; the store's bound; bad
 input. Every test ends with all KV blocks free (the `nats_client` fixture)."""
 
+import asyncio
 import json
 from typing import Literal
 
@@ -217,6 +218,31 @@ async def test_function_call_items_in_the_input(api, model, nats_client):  # noq
     assert done.output[0].type == "message" and done.usage.output_tokens == 3
 
 
+async def test_a_client_that_leaves_a_stream_aborts_it(api, model, nats_client):  # noqa: F811
+    aborted = (await nats_client.stats()).num_finished.get("abort", 0)
+    stream = await api.responses.create(
+        model=model,
+        input="Tell a long story.",
+        max_output_tokens=800,
+        temperature=0.0,
+        stream=True,
+    )
+    kinds = []
+    async for event in stream:
+        kinds.append(event.type)
+        if kinds.count("response.output_text.delta") == 3:
+            break
+    assert (await nats_client.stats()).num_used_blocks > 0
+    await stream.close()
+    for _ in range(100):
+        stats = await nats_client.stats()
+        if stats.num_finished.get("abort", 0) > aborted and stats.num_used_blocks == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert stats.num_finished.get("abort", 0) == aborted + 1, stats
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+
+
 async def test_store_false_keeps_nothing(api, model, nats_client):  # noqa: F811
     done = await api.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
     assert done.store is False
@@ -272,6 +298,8 @@ async def test_the_store_keeps_the_newest(keyed, tiny_llama, nats_client):  # no
         ({"tool_choice": "required"}, "tool_choice"),
         ({"background": True}, "background"),
         ({"modalities": ["text"]}, "modalities"),
+        ({"input": "paged " * 400}, "input"),  # over the tokenizer's cap (400 tokens)
+        ({"max_output_tokens": 5000}, "max_output_tokens"),  # over the cap (900)
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(served, model, fields, param, nats_client):  # noqa: F811
