@@ -4,7 +4,9 @@ what `previous_response_id` continues, in this process's memory.
 Bounded three ways: at most `max_entries` responses and `max_bytes` of their JSON (the oldest
 go first), and each for `ttl_s` seconds. Every entry has an owner, the API key's cache salt
 (services/http/guard.py; "" on a gateway without keys): another owner's lookup finds nothing,
-exactly as an unknown id, so ids never tell one key about another's responses.
+exactly as an unknown id, so ids never tell one key about another's responses. An owner keeps
+at most `max_per_owner` (its own oldest go first), so that one key's flood cannot push every
+other key's conversations out.
 """
 
 import time
@@ -40,12 +42,16 @@ class ResponseStore:
         max_entries: int,
         max_bytes: int,
         ttl_s: float,
+        max_per_owner: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert max_entries >= 1 and max_bytes >= 1 and ttl_s > 0, (max_entries, max_bytes, ttl_s)
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
+        self.max_per_owner = max_entries if max_per_owner is None else max_per_owner
+        assert self.max_per_owner >= 1, self.max_per_owner
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._by_owner: dict[str, OrderedDict[str, None]] = {}  # each owner's ids, oldest first
         self.num_bytes = 0
 
     def __len__(self) -> int:
@@ -60,7 +66,11 @@ class ResponseStore:
             return False
         self._drop(response_id)
         self._entries[response_id] = _Entry(owner, data, self._clock() + self.ttl_s)
+        owned = self._by_owner.setdefault(owner, OrderedDict())
+        owned[response_id] = None
         self.num_bytes += len(data)
+        while len(owned) > self.max_per_owner:
+            self._drop(next(iter(owned)))
         while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
         return True
@@ -89,5 +99,10 @@ class ResponseStore:
 
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.num_bytes -= len(entry.data)
+        if entry is None:
+            return
+        self.num_bytes -= len(entry.data)
+        owned = self._by_owner[entry.owner]
+        del owned[response_id]
+        if not owned:
+            del self._by_owner[entry.owner]

@@ -55,7 +55,12 @@ def routes() -> list[Route]:
 
 
 def store_of(http: HttpSettings) -> ResponseStore:
-    return ResponseStore(http.responses_max_stored, http.responses_max_bytes, http.responses_ttl)
+    return ResponseStore(
+        http.responses_max_stored,
+        http.responses_max_bytes,
+        http.responses_ttl,
+        http.responses_max_stored_per_key,
+    )
 
 
 async def create(request: Request) -> Response:

@@ -93,6 +93,11 @@ class HttpSettings:
         "most bytes of stored responses (their JSON, conversations included)",
         default=256 * 1024 * 1024,
     )
+    responses_max_stored_per_key: int | None = option(
+        "most stored responses of one API key (its oldest go first); default: "
+        "--responses-max-stored",
+        default=None,
+    )
     responses_ttl: float = option("seconds a stored response is kept", default=3600.0)
 
     def __post_init__(self) -> None:
@@ -116,8 +121,8 @@ class HttpSettings:
         for name in ("http_max_concurrency", "stream_buffer_events"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
-        for name in ("responses_max_stored", "responses_max_bytes"):
-            if getattr(self, name) < 1:
+        for name in ("responses_max_stored", "responses_max_bytes", "responses_max_stored_per_key"):
+            if (getattr(self, name) or 1) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
         if self.responses_ttl <= 0:
             raise ConfigError("responses_ttl: must be positive")

@@ -20,7 +20,7 @@ INSTRUCTIONS = (
     "table, the slot mapping and the free list when they matter."
 )
 KEYS = ("key-alpha", "key-beta")
-MAX_STORED = 3
+MAX_STORED, MAX_PER_KEY = 3, 2
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -50,8 +50,12 @@ ANSWER = {  # a schema that ends the answer in a few tokens: the stream ends "co
 
 @pytest.fixture(scope="module")
 def keyed(served, tiny_llama, tmp_path_factory):  # noqa: F811
-    """A gateway with two API keys and a store of MAX_STORED responses."""
-    env = {"KVPAGER_API_KEY": ",".join(KEYS), "KVPAGER_RESPONSES_MAX_STORED": str(MAX_STORED)}
+    """A gateway with two API keys and a store of MAX_STORED responses, MAX_PER_KEY a key."""
+    env = {
+        "KVPAGER_API_KEY": ",".join(KEYS),
+        "KVPAGER_RESPONSES_MAX_STORED": str(MAX_STORED),
+        "KVPAGER_RESPONSES_MAX_STORED_PER_KEY": str(MAX_PER_KEY),
+    }
     with gateway(served, tiny_llama, tmp_path_factory.mktemp("keyed"), **env) as found:
         yield found
 
@@ -270,20 +274,25 @@ async def test_another_key_cannot_read_continue_or_delete(keyed, tiny_llama, nat
         assert (await alpha.responses.retrieve(done.id)).id == done.id
 
 
-async def test_the_store_keeps_the_newest(keyed, tiny_llama, nats_client):  # noqa: F811
-    async with _api(keyed, KEYS[0]) as alpha:
-        ids = [
-            (
-                await alpha.responses.create(
-                    model=tiny_llama.name, input=f"N{i}", max_output_tokens=1
-                )
-            ).id  # fmt: skip
-            for i in range(MAX_STORED + 1)
-        ]
-        with pytest.raises(openai.NotFoundError):
-            await alpha.responses.retrieve(ids[0])
-        for response_id in ids[1:]:
-            assert (await alpha.responses.retrieve(response_id)).id == response_id
+async def test_the_store_keeps_the_newest_and_each_keys_share(keyed, tiny_llama, nats_client):  # noqa: F811
+    async def made(api) -> str:
+        done = await api.responses.create(model=tiny_llama.name, input="N", max_output_tokens=1)
+        return done.id
+
+    async def kept(api, response_id: str) -> bool:
+        try:
+            return (await api.responses.retrieve(response_id)).id == response_id
+        except openai.NotFoundError:
+            return False
+
+    async with _api(keyed, KEYS[0]) as alpha, _api(keyed, KEYS[1]) as beta:
+        first = await made(alpha)
+        betas = [await made(beta) for _ in range(MAX_PER_KEY + 1)]  # past beta's share
+        assert [await kept(beta, i) for i in betas] == [False] + [True] * MAX_PER_KEY
+        assert await kept(alpha, first)  # beta's flood did not push alpha's out
+        second = await made(alpha)  # past the store's bound: its oldest goes
+        assert [await kept(alpha, first), await kept(alpha, second)] == [False, True]
+        assert [await kept(beta, i) for i in betas[1:]] == [True] * MAX_PER_KEY
 
 
 @pytest.mark.parametrize(

@@ -56,3 +56,16 @@ def test_another_owner_finds_nothing_and_deletes_nothing():
     assert store.get("alpha", "a") is not None
     assert store.delete("alpha", "a") and store.get("alpha", "a") is None
     assert not store.delete("alpha", "a") and store.num_bytes == 0
+
+
+def test_one_owner_cannot_push_the_others_out():
+    store = ResponseStore(max_entries=10, max_bytes=1 << 20, ttl_s=60, max_per_owner=2)
+    store.put("beta", "b0", _stored("b0"))
+    for i in range(5):
+        store.put("alpha", f"a{i}", _stored(f"a{i}"))
+    assert [store.get("alpha", f"a{i}") is not None for i in range(5)] == [False] * 3 + [True] * 2
+    assert store.get("beta", "b0") is not None and len(store) == 3
+    assert (
+        store.delete("beta", "b0") and store.delete("alpha", "a4") and store.delete("alpha", "a3")
+    )
+    assert len(store) == 0 and store.num_bytes == 0 and not store._by_owner
