@@ -57,7 +57,7 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, owner: str, response_id: str, stored: StoredResponse) -> bool:
+    async def put(self, owner: str, response_id: str, stored: StoredResponse) -> bool:
         """Keep `stored`, evicting the oldest past the bounds; False if it alone is too big."""
         data = msgspec.json.encode(stored)
         if len(data) > self.max_bytes:
@@ -75,7 +75,7 @@ class ResponseStore:
             self._drop(next(iter(self._entries)))
         return True
 
-    def get(self, owner: str, response_id: str) -> StoredResponse | None:
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
         """The response `owner` stored as `response_id`; None if unknown, expired or not
         theirs."""
         self._expire()
@@ -84,9 +84,9 @@ class ResponseStore:
             return None
         return msgspec.json.decode(entry.data, type=StoredResponse)
 
-    def delete(self, owner: str, response_id: str) -> bool:
+    async def delete(self, owner: str, response_id: str) -> bool:
         """Forget `owner`'s `response_id`; False if there was none of theirs."""
-        if self.get(owner, response_id) is None:
+        if await self.get(owner, response_id) is None:
             return False
         self._drop(response_id)
         return True

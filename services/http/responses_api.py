@@ -87,10 +87,10 @@ async def stored(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     owner = _owner(request)
     if request.method == "DELETE":
-        if len(response_id) <= MAX_ID_CHARS and store.delete(owner, response_id):
+        if len(response_id) <= MAX_ID_CHARS and await store.delete(owner, response_id):
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
     else:
-        found = store.get(owner, response_id) if len(response_id) <= MAX_ID_CHARS else None
+        found = await store.get(owner, response_id) if len(response_id) <= MAX_ID_CHARS else None
         if found is not None:
             return JSONResponse(found.response)
     error = _not_found(response_id, None)
@@ -108,7 +108,7 @@ async def _prepare(
     with gateway.journal.admitting(key):  # a crash in here blames the request
         parsed = decoding.decode(body, ResponsesRequest, http.allow_unknown_fields)
     card = await gateway.models.resolve(parsed.model)
-    history = _history(request, parsed)
+    history = await _history(request, parsed)
     default = max(1, min(http.default_max_tokens, card.max_model_len // 2))
     key_salt = request.scope.get("state", {}).get("key_salt")
     tools = ToolSettings(http.enable_auto_tool_choice, http.tool_call_parser)
@@ -121,11 +121,11 @@ async def _prepare(
     return parsed, job, history
 
 
-def _history(request: Request, parsed: ResponsesRequest) -> list[Message]:
+async def _history(request: Request, parsed: ResponsesRequest) -> list[Message]:
     if parsed.previous_response_id is None:
         return []
     store: ResponseStore = request.app.state.responses
-    found = store.get(_owner(request), parsed.previous_response_id)
+    found = await store.get(_owner(request), parsed.previous_response_id)
     if found is None:
         raise _not_found(parsed.previous_response_id, "previous_response_id")
     return found.turns
@@ -151,11 +151,11 @@ class _Keeper:
         self.owner = _owner(request)
         self.turns = history + input_messages(parsed)
 
-    def keep(self, builder: ResponseBuilder) -> None:
+    async def keep(self, builder: ResponseBuilder) -> None:
         if builder.status not in ("completed", "incomplete"):
             return
         conversation = StoredResponse(builder.body(), self.turns + builder.turns())
-        self.store.put(self.owner, builder.response_id, conversation)
+        await self.store.put(self.owner, builder.response_id, conversation)
 
 
 async def _whole(
@@ -180,7 +180,7 @@ async def _whole(
     builder.feed(finals[0])
     builder.usage = usages[0] if usages else builder.usage
     if keep is not None:
-        keep.keep(builder)
+        await keep.keep(builder)
     return JSONResponse(builder.body())
 
 
@@ -210,7 +210,7 @@ async def _sse(streams: Streams, builder: ResponseBuilder, first, keep) -> Async
             if error is not None:
                 return
         if keep is not None:
-            keep.keep(builder)
+            await keep.keep(builder)
     finally:
         streams.close()
 

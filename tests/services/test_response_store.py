@@ -17,55 +17,59 @@ def _stored(text: str) -> StoredResponse:
     return StoredResponse({"id": text}, [Message(role="user", content=text)])
 
 
-def test_the_oldest_go_first_past_the_entries_bound():
+async def test_the_oldest_go_first_past_the_entries_bound():
     store = ResponseStore(max_entries=2, max_bytes=1 << 20, ttl_s=60)
     for name in ("a", "b", "c"):
-        assert store.put("k", name, _stored(name))
-    assert store.get("k", "a") is None
-    assert store.get("k", "b") == _stored("b") and store.get("k", "c") == _stored("c")
+        assert await store.put("k", name, _stored(name))
+    assert await store.get("k", "a") is None
+    assert await store.get("k", "b") == _stored("b") and await store.get("k", "c") == _stored("c")
     assert len(store) == 2
 
 
-def test_the_oldest_go_first_past_the_bytes_bound():
+async def test_the_oldest_go_first_past_the_bytes_bound():
     size = len(msgspec.json.encode(_stored("x" * 100)))
     store = ResponseStore(max_entries=100, max_bytes=2 * size + 1, ttl_s=60)
     for name in ("a", "b", "c"):
-        store.put("k", name, _stored(name * 100))
-    assert [store.get("k", name) is None for name in "abc"] == [True, False, False]
+        await store.put("k", name, _stored(name * 100))
+    assert [await store.get("k", name) is None for name in "abc"] == [True, False, False]
     assert store.num_bytes == 2 * size
-    assert not store.put("k", "d", _stored("d" * 1000))  # alone over the bound: not kept
-    assert store.get("k", "d") is None and store.num_bytes == 2 * size
+    assert not await store.put("k", "d", _stored("d" * 1000))  # alone over the bound: not kept
+    assert await store.get("k", "d") is None and store.num_bytes == 2 * size
 
 
-def test_entries_expire_after_the_ttl():
+async def test_entries_expire_after_the_ttl():
     clock = Clock()
     store = ResponseStore(max_entries=10, max_bytes=1 << 20, ttl_s=10, clock=clock)
-    store.put("k", "a", _stored("a"))
+    await store.put("k", "a", _stored("a"))
     clock.now = 5.0
-    store.put("k", "b", _stored("b"))
+    await store.put("k", "b", _stored("b"))
     clock.now = 10.0
-    assert store.get("k", "a") is None and store.get("k", "b") is not None
+    assert await store.get("k", "a") is None and await store.get("k", "b") is not None
     clock.now = 15.0
-    assert store.get("k", "b") is None and len(store) == 0 and store.num_bytes == 0
+    assert await store.get("k", "b") is None and len(store) == 0 and store.num_bytes == 0
 
 
-def test_another_owner_finds_nothing_and_deletes_nothing():
+async def test_another_owner_finds_nothing_and_deletes_nothing():
     store = ResponseStore(max_entries=10, max_bytes=1 << 20, ttl_s=60)
-    store.put("alpha", "a", _stored("a"))
-    assert store.get("beta", "a") is None and not store.delete("beta", "a")
-    assert store.get("alpha", "a") is not None
-    assert store.delete("alpha", "a") and store.get("alpha", "a") is None
-    assert not store.delete("alpha", "a") and store.num_bytes == 0
+    await store.put("alpha", "a", _stored("a"))
+    assert await store.get("beta", "a") is None and not await store.delete("beta", "a")
+    assert await store.get("alpha", "a") is not None
+    assert await store.delete("alpha", "a") and await store.get("alpha", "a") is None
+    assert not await store.delete("alpha", "a") and store.num_bytes == 0
 
 
-def test_one_owner_cannot_push_the_others_out():
+async def test_one_owner_cannot_push_the_others_out():
     store = ResponseStore(max_entries=10, max_bytes=1 << 20, ttl_s=60, max_per_owner=2)
-    store.put("beta", "b0", _stored("b0"))
+    await store.put("beta", "b0", _stored("b0"))
     for i in range(5):
-        store.put("alpha", f"a{i}", _stored(f"a{i}"))
-    assert [store.get("alpha", f"a{i}") is not None for i in range(5)] == [False] * 3 + [True] * 2
-    assert store.get("beta", "b0") is not None and len(store) == 3
+        await store.put("alpha", f"a{i}", _stored(f"a{i}"))
+    assert [await store.get("alpha", f"a{i}") is not None for i in range(5)] == [False] * 3 + [
+        True
+    ] * 2
+    assert await store.get("beta", "b0") is not None and len(store) == 3
     assert (
-        store.delete("beta", "b0") and store.delete("alpha", "a4") and store.delete("alpha", "a3")
+        await store.delete("beta", "b0")
+        and await store.delete("alpha", "a4")
+        and await store.delete("alpha", "a3")
     )
     assert len(store) == 0 and store.num_bytes == 0 and not store._by_owner
