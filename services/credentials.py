@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvpager.engine.paths import cache_dir
 from kvpager.schemas.errors import ConfigError
-from kvpager.services.subjects import Subjects
+from kvpager.services.subjects import Subjects, responses_bucket_subjects
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 SERVICE, GATEWAY, DEFAULT_CLIENT = "service", "gateway", "default"
@@ -140,6 +140,7 @@ def permissions(identity: Identity, prefix: str) -> str:
     subscribe = [f"{identity.inbox_prefix}.>"]
     if identity.kind == "client":
         return f"{{publish: {_quoted(publish)}, subscribe: {_quoted(subscribe)}}}"
+    publish += responses_bucket_subjects(prefix)  # --responses-store nats, its bucket alone
     for service in GATEWAY_SERVICES:  # $SRV.PING etc. and the ones naming the gateway
         subscribe += [f"$SRV.*.{service}", f"$SRV.*.{service}.>"]
     subscribe += ["$SRV.PING", "$SRV.INFO", "$SRV.STATS"]

@@ -20,6 +20,7 @@ $SRV.STATS.kvpager-scheduler          tokenizers -> every scheduler (nats.micro)
                                       instance (metadata) and InstanceLoad (endpoint data)
 """
 
+import re
 from dataclasses import dataclass
 
 TOKENIZER_QUEUE = "kvpager-tokenizer"
@@ -118,3 +119,23 @@ class Subjects:
 
     def for_instance(self, instance: str) -> "Subjects":
         return Subjects(self.prefix, instance)
+
+
+def responses_bucket(prefix: str) -> str:
+    """The JetStream key-value bucket of the gateway's stored responses
+    (services/http/response_store_nats.py): `$KV.<bucket>.<id>`, stream `KV_<bucket>`."""
+    return re.sub(r"[^a-zA-Z0-9_-]", "_", prefix) + "_responses"
+
+
+def responses_bucket_subjects(prefix: str) -> list[str]:
+    """What a gateway publishes to use that bucket, and nothing else of JetStream's."""
+    bucket = responses_bucket(prefix)
+    stream = f"KV_{bucket}"
+    api = "$JS.API.STREAM"
+    return [
+        f"{api}.INFO.{stream}",
+        f"{api}.CREATE.{stream}",
+        f"{api}.UPDATE.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$KV.{bucket}.>",
+    ]

@@ -64,7 +64,7 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
         middleware.insert(0, cors)
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
     app.state.gateway = gateway
-    app.state.responses = responses_api.store_of(http)  # stored responses (POST /v1/responses)
+    app.state.responses = responses_api.store_of(gateway)  # POST /v1/responses' store
     return app
 
 

@@ -31,9 +31,9 @@ from kvpager.services.http.errors import HttpError
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.requests import Job, build_job
 from kvpager.services.http.response_store import ResponseStore, StoredResponse
+from kvpager.services.http.response_store_nats import NatsResponseStore
 from kvpager.services.http.responses_input import chat_request, input_messages, renamed
 from kvpager.services.http.responses_output import ResponseBuilder, new_id
-from kvpager.services.http.settings import HttpSettings
 from kvpager.services.http.streams import CutOffResponse, Streams
 from kvpager.services.http.structured import ToolSettings, check_compiles
 from kvpager.services.http.tokens import TokenTexts
@@ -45,6 +45,7 @@ from starlette.routing import Route
 log = structlog.get_logger(__name__)
 
 MAX_ID_CHARS = 128
+Store = ResponseStore | NatsResponseStore
 
 
 def routes() -> list[Route]:
@@ -54,7 +55,17 @@ def routes() -> list[Route]:
     ]
 
 
-def store_of(http: HttpSettings) -> ResponseStore:
+def store_of(gateway: Gateway) -> Store:
+    """The gateway's store of responses: its memory, or JetStream's (--responses-store)."""
+    http = gateway.http
+    if http.responses_store == "nats":
+        return NatsResponseStore(
+            gateway.client.nc,
+            gateway.settings.prefix,
+            http.responses_max_stored,
+            http.responses_max_bytes,
+            http.responses_ttl,
+        )
     return ResponseStore(
         http.responses_max_stored,
         http.responses_max_bytes,
@@ -83,7 +94,7 @@ async def create(request: Request) -> Response:
 
 async def stored(request: Request) -> Response:
     """GET: the stored response; DELETE: forget it. 404 unless the caller's key stored it."""
-    store: ResponseStore = request.app.state.responses
+    store: Store = request.app.state.responses
     response_id = request.path_params["response_id"]
     owner = _owner(request)
     if request.method == "DELETE":
@@ -124,7 +135,7 @@ async def _prepare(
 async def _history(request: Request, parsed: ResponsesRequest) -> list[Message]:
     if parsed.previous_response_id is None:
         return []
-    store: ResponseStore = request.app.state.responses
+    store: Store = request.app.state.responses
     found = await store.get(_owner(request), parsed.previous_response_id)
     if found is None:
         raise _not_found(parsed.previous_response_id, "previous_response_id")
@@ -147,7 +158,7 @@ class _Keeper:
     answer."""
 
     def __init__(self, request: Request, parsed: ResponsesRequest, history: list) -> None:
-        self.store: ResponseStore = request.app.state.responses
+        self.store: Store = request.app.state.responses
         self.owner = _owner(request)
         self.turns = history + input_messages(parsed)
 

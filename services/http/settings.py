@@ -84,6 +84,11 @@ class HttpSettings:
         default=1024,
     )
 
+    responses_store: str = option(
+        "where stored responses live: memory (this gateway's) or nats (JetStream's key-value "
+        "store: shared by every gateway, kept across restarts)",
+        default="memory",
+    )
     responses_max_stored: int = option(
         "most responses the gateway keeps for GET /v1/responses/{id} and previous_response_id "
         "(the oldest go first)",
@@ -124,6 +129,8 @@ class HttpSettings:
         for name in ("responses_max_stored", "responses_max_bytes", "responses_max_stored_per_key"):
             if (getattr(self, name) or 1) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
+        if self.responses_store not in ("memory", "nats"):
+            raise ConfigError(f"responses_store: {self.responses_store!r}: memory or nats")
         if self.responses_ttl <= 0:
             raise ConfigError("responses_ttl: must be positive")
         if self.http_max_connections <= self.http_max_concurrency:

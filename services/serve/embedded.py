@@ -53,9 +53,12 @@ def check_port_free(port: int) -> None:
 class EmbeddedNats:
     """A nats-server child process; `start()` returns once it accepts connections."""
 
-    def __init__(self, settings: Settings, options: ServeSettings) -> None:
+    def __init__(self, settings: Settings, options: ServeSettings, jetstream: bool = False) -> None:
+        """`jetstream`: with JetStream (the gateway's `--responses-store nats`), its files in
+        the server's private folder, gone with it."""
         self.settings = settings
         self.options = options
+        self.jetstream = jetstream
         self.port = options.nats_port
         tls = options.nats_server_cert is not None
         self.url = f"{'tls' if tls else 'nats'}://{HOST}:{self.port}"
@@ -89,6 +92,8 @@ class EmbeddedNats:
         argv += ["--addr", HOST, "--port", str(self.port)]  # after --config: these win
         if self._pid_file is not None:  # `kvpager credentials add` reloads the server by it
             argv += ["--pid", str(self._pid_file)]
+        if self.jetstream:
+            argv += ["--jetstream", "--store_dir", str(Path(self._workdir.name) / "jetstream")]
         return argv + self._tls_flags()
 
     def _auth_config(self) -> str | None:

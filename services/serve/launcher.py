@@ -143,7 +143,8 @@ async def _serve(
     settings: Settings, options: ServeSettings, embedded: bool, http: HttpSettings
 ) -> int:
     signals = _Signals()
-    server = EmbeddedNats(settings, options) if embedded else None
+    jetstream = http.responses_store == "nats"  # the gateway's stored responses
+    server = EmbeddedNats(settings, options, jetstream) if embedded else None
     children: dict[str, Child] = {}
     client = None
     journal_dir = tempfile.mkdtemp(prefix="kvpager-run-")  # 0700: journals name requests
