@@ -16,6 +16,7 @@ import re
 import msgspec
 import nats.js.errors
 import structlog
+from kvpager.services.http.errors import HttpError
 from kvpager.services.http.response_store import StoredResponse
 from kvpager.services.subjects import responses_bucket
 from nats.aio.client import Client as NATS
@@ -87,13 +88,21 @@ class NatsResponseStore:
         return True
 
     async def _bucket(self) -> KeyValue:
-        """The bucket, its stream created (or its bounds updated) on first use."""
+        """The bucket, its stream created (or its bounds updated) on first use; a 503 when
+        the server has no JetStream (or the gateway may not use it)."""
         async with self._lock:
             if self._kv is None:
-                js = self._nc.jetstream()
                 try:
-                    await js.add_stream(self._config)
-                except nats.js.errors.BadRequestError:  # there, with other bounds
-                    await js.update_stream(self._config)
-                self._kv = await js.key_value(self.bucket)
+                    self._kv = await self._create()
+                except (nats.errors.Error, nats.js.errors.Error) as exc:
+                    message = f"the response store (NATS JetStream) is unavailable: {exc!r}"
+                    raise HttpError(503, message, "unavailable") from exc
             return self._kv
+
+    async def _create(self) -> KeyValue:
+        js = self._nc.jetstream()
+        try:
+            await js.add_stream(self._config)
+        except nats.js.errors.BadRequestError:  # there, with other bounds
+            await js.update_stream(self._config)
+        return await js.key_value(self.bucket)

@@ -94,18 +94,28 @@ async def create(request: Request) -> Response:
 
 async def stored(request: Request) -> Response:
     """GET: the stored response; DELETE: forget it. 404 unless the caller's key stored it."""
-    store: Store = request.app.state.responses
     response_id = request.path_params["response_id"]
+    try:
+        if len(response_id) <= MAX_ID_CHARS:
+            found = await _stored(request, response_id)
+            if found is not None:
+                return JSONResponse(found)
+        error = _not_found(response_id, None)
+    except HttpError as exc:  # the store is unavailable
+        error = exc
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _stored(request: Request, response_id: str) -> dict[str, Any] | None:
+    """The body of the request's answer (GET, DELETE); None when there is no such response."""
+    store: Store = request.app.state.responses
     owner = _owner(request)
     if request.method == "DELETE":
-        if len(response_id) <= MAX_ID_CHARS and await store.delete(owner, response_id):
-            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-    else:
-        found = await store.get(owner, response_id) if len(response_id) <= MAX_ID_CHARS else None
-        if found is not None:
-            return JSONResponse(found.response)
-    error = _not_found(response_id, None)
-    return JSONResponse(error.body(), status_code=error.status)
+        if await store.delete(owner, response_id):
+            return {"id": response_id, "object": "response", "deleted": True}
+        return None
+    found = await store.get(owner, response_id)
+    return None if found is None else found.response
 
 
 async def _prepare(
@@ -166,7 +176,10 @@ class _Keeper:
         if builder.status not in ("completed", "incomplete"):
             return
         conversation = StoredResponse(builder.body(), self.turns + builder.turns())
-        await self.store.put(self.owner, builder.response_id, conversation)
+        try:
+            await self.store.put(self.owner, builder.response_id, conversation)
+        except HttpError as exc:  # the answer stands; a later GET of it is a 404
+            log.warning("response not stored", response_id=builder.response_id, error=exc.message)
 
 
 async def _whole(

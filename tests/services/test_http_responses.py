@@ -295,6 +295,19 @@ async def test_the_store_keeps_the_newest_and_each_keys_share(keyed, tiny_llama,
         assert [await kept(beta, i) for i in betas[1:]] == [True] * MAX_PER_KEY
 
 
+async def test_a_nats_store_without_jetstream_is_a_503(served, tiny_llama, tmp_path, nats_client):  # noqa: F811
+    """The module's nats-server runs no JetStream: the store says so, and the answer stands."""
+    with gateway(served, tiny_llama, tmp_path, KVPAGER_RESPONSES_STORE="nats") as found:
+        async with _api(found, "-") as api:
+            done = await api.responses.create(
+                model=tiny_llama.name, input="Hi", max_output_tokens=2
+            )
+            assert done.status == "incomplete" and done.usage.output_tokens == 2
+            with pytest.raises(openai.InternalServerError) as caught:
+                await api.responses.retrieve(done.id)
+    assert caught.value.status_code == 503 and "JetStream" in caught.value.message
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
