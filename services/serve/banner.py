@@ -56,7 +56,7 @@ def http_lines(http: HttpSettings) -> list[str]:
         url = f"http://{http.http_host}:{http.http_port}"
         lines.append(
             f"  http:     {url}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, "
-            f"/v1/models), {url}/metrics, {url}/health"
+            f"/v1/responses, /v1/models), {url}/metrics, {url}/health"
         )
     if http.metrics_port is not None:
         lines.append(f"  metrics:  http://{http.http_host}:{http.metrics_port}/metrics")
