@@ -229,12 +229,12 @@ async def _sse(streams: Streams, builder: ResponseBuilder, first, keep) -> Async
                 continue
             error = renamed(item) if isinstance(item, HttpError) else _error_of(item[1])
             events = builder.fail(error) if error is not None else builder.feed(item[1])
+            if keep is not None and builder.status in ("completed", "incomplete"):
+                await keep.keep(builder)  # before the client hears of it: a GET then finds it
             for event in events:
                 yield _data(event)
             if error is not None:
                 return
-        if keep is not None:
-            await keep.keep(builder)
     finally:
         streams.close()
 
