@@ -247,6 +247,8 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         swap_is_cheap=ready.kv_on_host,
         enable_disk=ready.kv_disk and config.enable_prefix_caching,
         group_windows=tuple(ready.kv_group_windows),
+        max_pinned_fraction=config.max_pinned_fraction,
+        max_pinned_blocks_per_key=config.max_pinned_blocks_per_key,
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

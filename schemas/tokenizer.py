@@ -53,6 +53,9 @@ class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=T
     block_hash: bytes
     parent_hash: bytes | None  # None: the first block of a prompt (or unknown, on disk)
     tier: str = "device"  # "device" | "disk" (a file the instance reads back through CPU)
+    # a pinned prompt-cache block (GenerateRequest.cache): the unix time its pin ends. A block
+    # already stored is announced again each time a request pins it (or extends its pin)
+    pinned_until: float | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True):
@@ -78,6 +81,7 @@ class InstanceLoad(msgspec.Struct, kw_only=True):
     num_free_blocks: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    num_pinned_blocks: int = 0  # device blocks pinned (GenerateRequest.cache), in use or not
 
     @property
     def num_used_blocks(self) -> int:
