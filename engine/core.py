@@ -92,14 +92,10 @@ class EngineCore:
                 if request.sample_index == index and not request.is_finished:
                     request.stop_reason = stop_string
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                    self.deltas.add_finals(
-                        request_id, "stop", [index], None, request.num_cached_tokens
-                    )
+                    self.deltas.add_finals(request_id, "stop", [index], request=request)
         elif group:
             self.scheduler.abort(request_id)
-            self.deltas.add_finals(
-                request_id, "abort", num_cached_tokens=group[0].num_cached_tokens
-            )
+            self.deltas.add_finals(request_id, "abort", request=group[0])
         return bool(group)
 
     def fail_all(self, error: ErrorInfo) -> None:

@@ -36,6 +36,10 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     cumulative_score: float | None = None  # beam search: the beam's length-penalised score
     # the whole prompt's (start 1), once per request: with its first token delta
     prompt_logprobs: PromptLogprobs | None = None
+    # (last delta) prompt tokens newly pinned (GenerateRequest.cache), and num_cached_tokens
+    # by tier: "device", "cpu", "disk"
+    num_cache_write_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = {}
 
 
 class TokenBatch(msgspec.Struct, array_like=True):
