@@ -85,7 +85,9 @@ class InstanceLoad(msgspec.Struct, kw_only=True):
     num_free_blocks: int = 0
     num_blocks: int = 0
     block_size: int = 0
-    num_pinned_blocks: int = 0  # device blocks pinned (GenerateRequest.cache), in use or not
+    # free device blocks that pins hold (GenerateRequest.cache): taken only after every other
+    # free block, so they count as in use for the router's cost
+    num_pinned_free_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
