@@ -257,3 +257,18 @@ def test_a_pin_past_the_prompt_is_refused():
     with pytest.raises(InvalidRequestError, match="cache.ttl"):
         scheduler.add_request(request("q", prompt(100), pin=8, ttl=0.0))
     all_free(scheduler)
+
+
+def test_pins_across_kv_groups_share_one_pool():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    cache = CacheConfig(block_size=BLOCK, num_blocks=16, group_windows=(0, 8))
+    scheduler = Scheduler(config, cache)
+    first = request("p", prompt(100, 13), pin=12)
+    run(scheduler, first)
+    assert first.num_cache_write_tokens == 12  # the untagged (full) group's tokens
+    pins = scheduler.block_manager.pool.pins
+    assert pins.num_pinned == 6  # 3 blocks a group: the window's pinned as they were computed
+    second = request("p2", prompt(100, 13), pin=12)
+    run(scheduler, second)
+    assert second.num_cached_tokens == 12 and second.num_cache_write_tokens == 0
+    all_free(scheduler)
