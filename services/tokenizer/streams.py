@@ -58,11 +58,8 @@ class Stream:
         self.params = prepared.params
         self.model = prepared.model
         self.cache_salt = prepared.cache_salt
-        self.priority, self.pin_tokens, self.pin_ttl = (
-            prepared.priority,
-            prepared.pin_tokens,
-            prepared.pin_ttl,
-        )
+        self.priority = prepared.priority
+        self.pin_tokens, self.pin_ttl = prepared.pin_tokens, prepared.pin_ttl  # `cache`
         self.num_cache_write_tokens = 0
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.generated: list[int] = []
