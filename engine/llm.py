@@ -291,9 +291,10 @@ def _retention(
     cache: PromptCache | dict | None, priority: int, cache_salt: str | None
 ) -> _Retention:
     """generate's and chat's `cache`, `priority` and `cache_salt`, checked as over NATS."""
-    if isinstance(cache, dict):
+    if cache is not None:  # a PromptCache made in Python is not checked against its bounds
+        fields = cache if isinstance(cache, dict) else msgspec.to_builtins(cache)
         try:
-            cache = msgspec.convert(cache, PromptCache)
+            cache = msgspec.convert(fields, PromptCache)
         except msgspec.ValidationError as exc:
             raise InvalidRequestError(f"cache: {exc}", "cache") from exc
     if isinstance(priority, bool) or not isinstance(priority, int):

@@ -61,6 +61,7 @@ def test_prefix_messages_pins_the_rendered_messages(tiny_llama):
         ({"prefix_messages": 1}, "only with messages"),
         ({"ttl": 0}, "cache"),
         ({"bogus": 1}, "cache"),
+        (PromptCache(ttl=-1.0), "cache"),
     ],
 )
 def test_bad_cache_fields_are_typed_errors(tiny_llama, cache, match):
