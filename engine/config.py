@@ -86,8 +86,17 @@ class CacheConfig:
     # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full; empty or
     # one entry: one group, every block holding every layer
     group_windows: tuple[int, ...] = ()
+    # pinned prompt-cache blocks (GenerateRequest.cache, engine/kv/pins.py): at most this
+    # fraction of the device blocks, and at most this many per key (cache_salt; 0: no bound
+    # per key but the fraction)
+    max_pinned_fraction: float = 0.5
+    max_pinned_blocks_per_key: int = 0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ConfigError("max_pinned_fraction: must be in [0, 1]")
+        if self.max_pinned_blocks_per_key < 0:
+            raise ConfigError("max_pinned_blocks_per_key: must be >= 0 (0: no bound per key)")
         if any(window < 0 for window in self.group_windows):
             raise ConfigError("group_windows: windows must be >= 0")
         if self.enable_disk and any(self.group_windows):
@@ -103,6 +112,10 @@ class CacheConfig:
     @property
     def num_slots(self) -> int:
         return self.block_size * self.num_blocks
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        return int(self.num_blocks * self.max_pinned_fraction)
 
 
 @dataclass(frozen=True)
@@ -270,6 +283,9 @@ class EngineConfig:
     allow_special_tokens_in_content: bool = False
     grammar_compile_timeout: float = 10.0  # seconds one grammar may take to compile
     tokenizer: str | None = None  # a tokenizer folder other than the model's (vLLM's)
+    # pinned prompt-cache blocks (GenerateRequest.cache): CacheConfig's bounds
+    max_pinned_fraction: float = 0.5
+    max_pinned_blocks_per_key: int = 0
 
     def __post_init__(self) -> None:
         _check_disk(self)

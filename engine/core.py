@@ -92,14 +92,10 @@ class EngineCore:
                 if request.sample_index == index and not request.is_finished:
                     request.stop_reason = stop_string
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                    self.deltas.add_finals(
-                        request_id, "stop", [index], None, request.num_cached_tokens
-                    )
+                    self.deltas.add_finals(request_id, "stop", [index], request=request)
         elif group:
             self.scheduler.abort(request_id)
-            self.deltas.add_finals(
-                request_id, "abort", num_cached_tokens=group[0].num_cached_tokens
-            )
+            self.deltas.add_finals(request_id, "abort", request=group[0])
         return bool(group)
 
     def fail_all(self, error: ErrorInfo) -> None:
@@ -247,6 +243,8 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         swap_is_cheap=ready.kv_on_host,
         enable_disk=ready.kv_disk and config.enable_prefix_caching,
         group_windows=tuple(ready.kv_group_windows),
+        max_pinned_fraction=config.max_pinned_fraction,
+        max_pinned_blocks_per_key=config.max_pinned_blocks_per_key,
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

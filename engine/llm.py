@@ -33,6 +33,7 @@ from kvpager.engine.request import Request
 from kvpager.engine.worker.step_runner import InProcessExecutor
 from kvpager.engine.worker.tensor_parallel import build_executor
 from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.public_requests import PromptCache
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.tokenizer import SampleDelta
 from tqdm import tqdm
@@ -113,12 +114,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        cache: PromptCache | dict | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. As
+        GenerateRequest's: `cache` (a PromptCache, or its fields: pin the prompt's prefix),
+        `priority` and `cache_salt` (whose pin quota the pins count against)."""
+        retention = _retention(cache, priority, cache_salt)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        tracked = [self._prepare(sp, prompt=p) for p, sp in zip(prompts, params)]
+        tracked = [self._prepare(sp, retention, prompt=p) for p, sp in zip(prompts, params)]
         return self._run(tracked, use_tqdm)
 
     def chat(
@@ -127,13 +135,20 @@ class LLM:
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        cache: PromptCache | dict | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (with `tools`, OpenAI's
-        definitions, for templates that render them), then generate."""
+        definitions, for templates that render them), then generate (`cache`, `priority`,
+        `cache_salt`: as generate's; `cache.prefix_messages` counts messages)."""
+        retention = _retention(cache, priority, cache_salt)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = self._params_per_prompt(sampling_params, len(conversations))
         tracked = [
-            self._prepare(sp, messages=c, tools=tools) for c, sp in zip(conversations, params)
+            self._prepare(sp, retention, messages=c, tools=tools)
+            for c, sp in zip(conversations, params)
         ]
         return self._run(tracked, use_tqdm)
 
@@ -174,17 +189,21 @@ class LLM:
             raise InvalidRequestError("beam_width: must be > 1 for beam search", "beam_width")
         return self.generate(prompts, params, use_tqdm)
 
-    def _prepare(self, params: SamplingParams, **prompt: Any) -> _Tracked:
+    def _prepare(self, params: SamplingParams, retention: "_Retention", **prompt: Any) -> _Tracked:
         """One request down the input path (as the tokenizer service sends one), its prompt
         checked against the scheduler's limits before its grammar compiles."""
         eos_token_ids = self.model_config.eos_token_ids
-        request = Request(str(next(self._ids)), [], params, eos_token_ids)
+        cache, priority, salt = retention
+        request = Request(str(next(self._ids)), [], params, eos_token_ids, cache_salt=salt)
+        request.priority = priority
 
         def fits(token_ids: list[int], param: str) -> None:
             request.prompt_token_ids = token_ids
             self.scheduler.check_request(request)
 
-        self.run_async(self.inputs.process(params, check=fits, **prompt))
+        processed = self.run_async(self.inputs.process(params, check=fits, cache=cache, **prompt))
+        if cache is not None:
+            request.pin_tokens, request.pin_ttl = processed.num_pinned_tokens, cache.ttl
         return self._track(request, prompt.get("prompt"))
 
     def _track(self, request: Request, prompt: Prompt | None) -> _Tracked:
@@ -252,8 +271,32 @@ class LLM:
         completion.stop_reason = sample.stop_reason
         completion.cumulative_score = sample.cumulative_score
         completion.error = sample.error
-        item.output.num_cached_tokens = max(item.output.num_cached_tokens, sample.num_cached_tokens)
+        output = item.output
+        if sample.num_cached_tokens >= output.num_cached_tokens:
+            output.cached_tokens_by_tier = dict(sample.cached_tokens_by_tier)
+        output.num_cached_tokens = max(output.num_cached_tokens, sample.num_cached_tokens)
+        output.num_cache_write_tokens = max(
+            output.num_cache_write_tokens, sample.num_cache_write_tokens
+        )
         item.num_finished += 1
         if item.num_finished == len(item.samples):
             del self._tracked[item.request.request_id]
             self._bar.update(1)
+
+
+_Retention = tuple[PromptCache | None, int, str | None]
+
+
+def _retention(
+    cache: PromptCache | dict | None, priority: int, cache_salt: str | None
+) -> _Retention:
+    """generate's and chat's `cache`, `priority` and `cache_salt`, checked as over NATS."""
+    if cache is not None:  # a PromptCache made in Python is not checked against its bounds
+        fields = cache if isinstance(cache, dict) else msgspec.to_builtins(cache)
+        try:
+            cache = msgspec.convert(fields, PromptCache)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"cache: {exc}", "cache") from exc
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError("priority: must be an integer", "priority")
+    return cache, priority, cache_salt

@@ -54,6 +54,16 @@ class Request:
     request_id: str = ""
     sample_index: int = 0
     num_pending_forks: int = 0
+    priority: int = 0  # vLLM's: lower is admitted first, preempted and evicted last
+    # GenerateRequest.cache, resolved by the input path: pin the full blocks of the first
+    # `pin_tokens` prompt tokens for `pin_ttl` seconds (engine/kv/pins.py); set to 0 when the
+    # request is over its pin quota, so it runs unpinned
+    pin_tokens: int = 0
+    pin_ttl: float = 0.0
+    num_cache_write_tokens: int = 0  # prompt tokens this request newly pinned
+    # num_cached_tokens by tier ("device", "cpu", "disk"), at first schedule
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    num_disk_hit_blocks: int = 0  # prompt blocks its admission read from the disk tier
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

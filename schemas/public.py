@@ -249,6 +249,12 @@ class Stats(msgspec.Struct, kw_only=True):
     num_disk_rejected_files: Annotated[
         int, Meta(description="disk-tier files that failed their MAC (forged or altered): deleted")
     ] = 0
+    num_pinned_blocks: Annotated[
+        int, Meta(description="device blocks pinned by requests' `cache`, in use or not")
+    ] = 0
+    num_pinned_evictions: Annotated[
+        int, Meta(description="pinned blocks evicted under pressure (demoted, or dropped)")
+    ] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

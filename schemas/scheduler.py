@@ -88,6 +88,11 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     sampling_params: SamplingParams
     reply_to: str
     cache_salt: str | None = None  # into the first block's prefix-cache hash
+    priority: int = 0  # GenerateRequest.priority
+    # GenerateRequest.cache, resolved by the tokenizer: pin the prompt's first `pin_tokens`
+    # tokens (their full blocks) for `pin_ttl` seconds; the scheduler checks both again
+    pin_tokens: int = 0
+    pin_ttl: float = 0.0
 
 
 class FinishRequest(msgspec.Struct, tag="finish", array_like=True):

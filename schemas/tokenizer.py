@@ -36,6 +36,10 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     cumulative_score: float | None = None  # beam search: the beam's length-penalised score
     # the whole prompt's (start 1), once per request: with its first token delta
     prompt_logprobs: PromptLogprobs | None = None
+    # (last delta) prompt tokens newly pinned (GenerateRequest.cache), and num_cached_tokens
+    # by tier: "device", "cpu", "disk"
+    num_cache_write_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = {}
 
 
 class TokenBatch(msgspec.Struct, array_like=True):
@@ -53,6 +57,9 @@ class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=T
     block_hash: bytes
     parent_hash: bytes | None  # None: the first block of a prompt (or unknown, on disk)
     tier: str = "device"  # "device" | "disk" (a file the instance reads back through CPU)
+    # a pinned prompt-cache block (GenerateRequest.cache): the unix time its pin ends. A block
+    # already stored is announced again each time a request pins it (or extends its pin)
+    pinned_until: float | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True):
@@ -78,6 +85,9 @@ class InstanceLoad(msgspec.Struct, kw_only=True):
     num_free_blocks: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    # free device blocks that pins hold (GenerateRequest.cache): taken only after every other
+    # free block, so they count as in use for the router's cost
+    num_pinned_free_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -89,6 +89,15 @@ class Settings(RequestCaps):
         default=512,
     )
     preemption_mode: str = option("auto | recompute | swap", default="auto")
+    max_pinned_fraction: float = option(
+        "most of the device's KV blocks that requests' `cache` may pin at once (0: no pins)",
+        default=0.5,
+    )
+    max_pinned_blocks_per_key: int = option(
+        "most KV blocks one key (cache_salt: the gateway's per API key) may pin; a request "
+        "over it runs unpinned (0: no bound but --max-pinned-fraction)",
+        default=0,
+    )
     plan_ahead: int = option("steps planned ahead of the executor (0: lockstep)", default=1)
     seed: int = option("seed of unseeded sampling", default=0)
     speculative_config: str | None = option(
@@ -180,6 +189,10 @@ class Settings(RequestCaps):
             raise ConfigError("router_overlap_weight: must be at least 0")
         if not 0.0 <= self.router_disk_hit_cost <= 1.0:
             raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ConfigError("max_pinned_fraction: must be in [0, 1]")
+        if self.max_pinned_blocks_per_key < 0:
+            raise ConfigError("max_pinned_blocks_per_key: must be at least 0")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
         utilization = self.gpu_memory_utilization

@@ -24,6 +24,7 @@ from kvpager.engine.structured.compile_thread import CompileThread
 from kvpager.engine.structured.grammar import GrammarCompiler
 from kvpager.engine.structured.limits import DEFAULT_LIMITS, GrammarLimits, check_spec
 from kvpager.schemas.errors import InvalidRequestError
+from kvpager.schemas.public_requests import PromptCache
 from kvpager.schemas.sampling import SamplingParams
 from transformers import PreTrainedTokenizerBase
 
@@ -40,6 +41,7 @@ class ProcessedPrompt:
     token_ids: list[int]
     param: str  # the field that gave it
     text: str | None = None  # with `echo`: the text prompt as given, else its ids decoded
+    num_pinned_tokens: int = 0  # `cache`: the prompt's first tokens to pin (full blocks only)
 
 
 class InputProcessor:
@@ -78,11 +80,13 @@ class InputProcessor:
         tools: list[dict] | None = None,
         check: PromptCheck | None = None,
         echo: bool = False,
+        cache: PromptCache | None = None,
     ) -> ProcessedPrompt:
         """One request's prompt, given by exactly one of `prompt` (a text, or token ids
         offline), `messages` (with `tools`, for the template) or `prompt_token_ids`: the
         structured-outputs spec's sizes (cheap), the token ids, `check(token_ids, param)`,
-        then the spec compiled. Every refusal is a typed error naming the field."""
+        then the spec compiled. Every refusal is a typed error naming the field. `cache`
+        (GenerateRequest.cache) is resolved to the number of prompt tokens to pin."""
         spec = params.structured_outputs
         if spec is not None:
             check_spec(spec, self.grammar_limits)
@@ -94,11 +98,51 @@ class InputProcessor:
             token_ids = self.prompt_ids(given[param], param)
         if check is not None:
             check(token_ids, param)
+        num_pinned = self.pinned_prefix(cache, token_ids, messages, tools)
         await self._compile(params)
         text = None
         if echo:
             text = prompt if isinstance(prompt, str) else self._decode(token_ids)
-        return ProcessedPrompt(token_ids, param, text)
+        return ProcessedPrompt(token_ids, param, text, num_pinned)
+
+    def pinned_prefix(
+        self,
+        cache: PromptCache | None,
+        token_ids: list[int],
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+    ) -> int:
+        """The prompt tokens `cache` pins: `prefix_tokens` as given, the first
+        `prefix_messages` messages as the template renders them (no generation prompt: the
+        tokens they share with the whole prompt), else the whole prompt. The engine pins the
+        full blocks among them."""
+        if cache is None:
+            return 0
+        if cache.prefix_tokens is not None and cache.prefix_messages is not None:
+            raise InvalidRequestError(
+                "cache: give at most one of prefix_tokens and prefix_messages", "cache"
+            )
+        if cache.prefix_tokens is not None:
+            if cache.prefix_tokens > len(token_ids):
+                raise InvalidRequestError(
+                    f"cache.prefix_tokens: {cache.prefix_tokens} exceeds the prompt's "
+                    f"{len(token_ids)} tokens",
+                    "cache",
+                )
+            return cache.prefix_tokens
+        if cache.prefix_messages is None:
+            return len(token_ids)
+        if messages is None:
+            raise InvalidRequestError("cache.prefix_messages: only with messages", "cache")
+        if cache.prefix_messages > len(messages):
+            raise InvalidRequestError(
+                f"cache.prefix_messages: {cache.prefix_messages} exceeds the "
+                f"{len(messages)} messages",
+                "cache",
+            )
+        head = messages[: cache.prefix_messages]
+        head_ids = self.chat_ids(head, add_generation_prompt=False, tools=tools)
+        return _common_prefix(head_ids, token_ids)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -176,6 +220,15 @@ class InputProcessor:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"{param}: token ids must be in [0, {vocab})", param)
         return token_ids
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    num = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        num += 1
+    return num
 
 
 def _prompt_field(given: dict[str, object], tools: list[dict] | None) -> str:

@@ -44,6 +44,8 @@ class SampleOutput:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.num_cache_write_tokens = 0  # prompt tokens the request newly pinned
+        self.cached_tokens_by_tier: dict[str, int] = {}
         self.error: ErrorInfo | None = None
         self.cumulative_score: float | None = None  # beam search
 
@@ -82,5 +84,7 @@ class SampleOutput:
         self.stop_reason = self.stop_string or delta.stop_reason
         self.cumulative_score = delta.cumulative_score
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_cache_write_tokens = delta.num_cache_write_tokens
+        self.cached_tokens_by_tier = delta.cached_tokens_by_tier
         self.error = delta.error
         return self.detokenizer.flush()  # "" after a stop string

@@ -49,6 +49,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobList | None = None  # when SamplingParams.prompt_logprobs
+    # `cache`: prompt tokens newly pinned; num_cached_tokens by tier (device, cpu, disk)
+    num_cache_write_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

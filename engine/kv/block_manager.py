@@ -19,12 +19,15 @@ hashes so the groups never serve one another's blocks.
 
 from dataclasses import dataclass, field
 
+import structlog
 from kvpager.engine.kv.block_hash import update_block_hashes
 from kvpager.engine.kv.block_pool import NULL_BLOCK, BlockPool, CachedBlock
 from kvpager.engine.kv.prefix_hits import full_attention_hit, sliding_window_hit
 from kvpager.engine.request import Request
 from kvpager.schemas.executor import DiskBlock
 from kvpager.schemas.tokenizer import KvEvent
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class BlockManager:
         self.blocks, self.free_queue, self.cached = pool.blocks, pool.free_queue, pool.cached
         self.cpu, self.disk = pool.cpu, pool.disk
         self.block_tables: dict[str, list[int]] = {}
+        self.pin_progress: dict[str, int] = {}  # seq id -> prefix blocks pinned so far
         # swapped-out requests: (on_cpu, block id); shared device blocks stay referenced
         self.swapped_tables: dict[str, list[CachedBlock]] = {}
         self.ops = BlockOps()
@@ -162,6 +166,7 @@ class BlockManager:
         grown = [self._pop_free() for _ in range(-(-total // self.block_size) - len(table))]
         table.extend(grown)
         self._cache_full_blocks(request, table, total)
+        self._pin_prefix(request, total)
         return new_ids + grown
 
     def num_evictable_hits(self, hits: list[CachedBlock]) -> int:
@@ -195,6 +200,7 @@ class BlockManager:
         for hit in hits:
             if not hit.on_cpu and hit.block_id != NULL_BLOCK:
                 self.pool.touch(hit.block_id)
+                self.pool.refresh_pin(hit.block_id)  # a hit keeps a pin alive
         return cpu_blocks
 
     def _place_hits(self, hits: list[CachedBlock], cpu_blocks: dict[int, int]) -> list[int]:
@@ -221,17 +227,20 @@ class BlockManager:
         """Drop the request's references; unreferenced blocks join the free queue's tail.
 
         Tail blocks are freed first so that, among one request's blocks, the prefix (the part
-        most likely to be shared again) is evicted last.
+        most likely to be shared again) is evicted last. A low-priority request's (priority >
+        0) go to the free queue's head, prefix last there too: evicted before anyone else's.
         """
         table = self.block_tables.pop(request.seq_id, [])
+        self.pin_progress.pop(request.seq_id, None)
         for entry in self.swapped_tables.pop(request.seq_id, []):
             if entry.on_cpu:
                 self.cpu.release(entry.block_id)
             else:
                 table.append(entry.block_id)
-        for block_id in reversed(table):
+        low_priority = request.priority > 0
+        for block_id in table if low_priority else reversed(table):
             if block_id != NULL_BLOCK:
-                self.pool.unref(block_id)
+                self.pool.unref(block_id, low_priority)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Drop the table's blocks past its first `num_tokens` slots: lookahead blocks that
@@ -248,13 +257,21 @@ class BlockManager:
     def num_private_blocks(self, request: Request) -> int:
         """Blocks only this request holds: what swapping it out moves to the CPU pool."""
         table = self.block_tables[request.seq_id]
-        return sum(b != NULL_BLOCK and self.blocks[b].ref_count == 1 for b in table)
+        return sum(self._is_private(b) for b in table)
+
+    def _is_private(self, block_id: int) -> bool:
+        """Held by this table alone and not pinned: a pinned block stays on the device for
+        whoever reads its prefix next."""
+        if block_id == NULL_BLOCK or block_id in self.pool.pins:
+            return False
+        return self.blocks[block_id].ref_count == 1
 
     def swap_out(self, request: Request) -> None:
-        """Move the request's private blocks to the CPU pool; shared ones stay on device."""
+        """Move the request's private blocks to the CPU pool; shared and pinned ones stay on
+        the device, referenced."""
         entries = []
         for block_id in self.block_tables.pop(request.seq_id):
-            if block_id == NULL_BLOCK or self.blocks[block_id].ref_count > 1:
+            if not self._is_private(block_id):
                 entries.append(CachedBlock(block_id))
                 continue
             cpu_block = self.cpu.allocate()
@@ -351,6 +368,38 @@ class BlockManager:
             token_ids = tuple(tokens[start : start + self.block_size])
             parent = hashes[block_idx - 1] if block_idx else None
             self.pool.cache_block(block_id, hashes[block_idx], token_ids, parent)
+
+    def _pin_prefix(self, request: Request, num_tokens: int) -> None:
+        """Pin the full blocks of the request's pinned prefix computed by now (pins.py). The
+        whole prefix must fit the bounds when the request first pins: if not, it runs
+        unpinned (`pin_tokens` = 0, so its usage reports no cache write)."""
+        if not request.pin_tokens or not self.enable_prefix_caching:
+            return
+        hashes = self._hashes(request)
+        num_pin_blocks = min(request.pin_tokens // self.block_size, len(hashes))
+        start = self.pin_progress.get(request.seq_id)
+        if start is None and not self._pin_fits(request, hashes[:num_pin_blocks]):
+            request.pin_tokens = 0
+            return
+        end = min(num_pin_blocks, num_tokens // self.block_size)
+        pins = self.pool.pins
+        for block_hash in hashes[start or 0 : end]:
+            if block_hash not in self.cached:
+                continue  # a sliding window's block already reused
+            if not self.pool.is_pinned(block_hash) and not pins.room(request.cache_salt):
+                continue  # others pinned since this request's check
+            is_new = self.pool.pin(block_hash, request.pin_ttl, request.cache_salt)
+            if is_new and not self.hash_tag:  # usage counts the untagged group's tokens
+                request.num_cache_write_tokens += self.block_size
+        self.pin_progress[request.seq_id] = max(start or 0, end)
+
+    def _pin_fits(self, request: Request, hashes: list[bytes]) -> bool:
+        num_new = sum(not self.pool.is_pinned(h) for h in hashes)
+        room = self.pool.pins.room(request.cache_salt)
+        if num_new <= room:
+            return True
+        log.info("pin refused: over quota", request_id=request.seq_id, blocks=num_new, room=room)
+        return False
 
     def check_invariants(self) -> None:
         """free + used == total; ref counts equal table references; caches point at live data."""

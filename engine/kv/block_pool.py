@@ -6,6 +6,11 @@ reused on a prefix hit until allocation needs it, oldest-freed first (LRU); with
 evicted content moves there and a later hit swaps it back in. The pool knows blocks, not
 requests: the block managers (engine/kv/block_manager.py, one per KV group) keep the tables and
 the policy, and several of them may share one pool.
+
+Pinned blocks (engine/kv/pins.py: a prompt prefix kept for a time) wait in `pinned_free` when
+free, and are evicted only when `free_queue` is empty, oldest-freed first. Blocks freed by a
+low-priority request (priority > 0) join the free queue's head rather than its tail: they are
+evicted before those of default and high-priority requests.
 """
 
 from collections import OrderedDict
@@ -14,6 +19,7 @@ from typing import NamedTuple
 
 from kvpager.engine.kv.cpu_pool import CpuBlockPool
 from kvpager.engine.kv.disk_index import DiskTier
+from kvpager.engine.kv.pins import Clock, PinTable
 from kvpager.schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
 
 NULL_BLOCK = -1  # a sliding table's entry for a block slid out of the window: none held
@@ -43,6 +49,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.pinned_free: OrderedDict[int, None] = OrderedDict()  # free, but pinned
+        self.pins = PinTable(num_blocks // 2)
         self.cached: dict[bytes, int] = {}  # block hash -> device block id
         self.cpu = CpuBlockPool(num_cpu_blocks)
         self.disk = DiskTier(self.cpu, block_size, enable_disk)
@@ -51,11 +59,18 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.pinned_free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    def set_pin_limits(
+        self, max_pinned: int, max_per_key: int = 0, clock: Clock | None = None
+    ) -> None:
+        """Bound the pins (engine/kv/pins.py); before any block is pinned."""
+        assert not self.pins.num_pinned, "pin limits set after blocks were pinned"
+        self.pins = PinTable(max_pinned, max_per_key, clock or self.pins.clock)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -74,8 +89,14 @@ class BlockPool:
 
     def pop_free(self) -> tuple[int, int | None]:
         """Take the oldest free block (ref_count 1). Returns it and, when it held cached
-        content that the CPU pool kept, the CPU block to swap that content out to."""
-        block_id, _ = self.free_queue.popitem(last=False)
+        content that the CPU pool kept, the CPU block to swap that content out to. Pinned
+        blocks go last; an evicted pin's content is demoted like any other (to the CPU pool)."""
+        self.expire_pins()
+        if self.free_queue:
+            block_id, _ = self.free_queue.popitem(last=False)
+        else:
+            block_id, _ = self.pinned_free.popitem(last=False)
+            self.pins.num_pinned_evictions += 1
         block = self.blocks[block_id]
         cpu_block = None
         if block.block_hash is not None:
@@ -96,16 +117,56 @@ class BlockPool:
         """One more reference; a free block leaves the free queue."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queue[block_id]
+            if block_id in self.pinned_free:
+                del self.pinned_free[block_id]
+            else:
+                del self.free_queue[block_id]
         block.ref_count += 1
 
-    def unref(self, block_id: int) -> None:
-        """One reference fewer; an unreferenced block joins the free queue's tail."""
+    def unref(self, block_id: int, low_priority: bool = False) -> None:
+        """One reference fewer; an unreferenced block joins the free queue's tail (its head
+        when a low-priority request frees it; the pinned queue when pinned)."""
         block = self.blocks[block_id]
         block.ref_count -= 1
         assert block.ref_count >= 0, f"block {block_id} freed twice"
-        if block.ref_count == 0:
-            self.free_queue[block_id] = None
+        if block.ref_count != 0:
+            return
+        if block_id in self.pins:
+            self.pinned_free[block_id] = None
+            return
+        self.free_queue[block_id] = None
+        if low_priority:
+            self.free_queue.move_to_end(block_id, last=False)
+
+    def pin(self, block_hash: bytes, ttl: float, key: str | None) -> bool:
+        """Pin the device block cached under `block_hash` (which must be there); True if
+        newly pinned (a cache write), False if its pin was only extended."""
+        block_id = self.cached[block_hash]
+        is_new = self.pins.pin(block_id, ttl, key)
+        if block_id in self.free_queue:  # cached and free: from now on evicted last
+            del self.free_queue[block_id]
+            self.pinned_free[block_id] = None
+        if self.kv_events is not None:
+            parent = None  # the block is known already: the event only announces the pin
+            until = self.pins.wall_until(block_id)
+            self.kv_events.append(BlockStored(block_hash, parent, pinned_until=until))
+        return is_new
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        block_id = self.cached.get(block_hash)
+        return block_id is not None and block_id in self.pins
+
+    def refresh_pin(self, block_id: int) -> None:
+        self.pins.refresh(block_id)
+
+    def expire_pins(self) -> None:
+        """Blocks whose pins ended become ordinary LRU entries, at the free queue's head (their
+        last use is older than the TTL)."""
+        for block_id in self.pins.take_expired():
+            if block_id in self.pinned_free:
+                del self.pinned_free[block_id]
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
 
     def can_cache(self, block_id: int, block_hash: bytes) -> bool:
         """Neither is the block registered already nor does its content live in another."""
@@ -124,6 +185,12 @@ class BlockPool:
             self.kv_events.append(BlockStored(block_hash, parent))
 
     def uncache(self, block: Block) -> None:
+        """Drop a block's cached content (and so its pin); a free pinned block becomes an
+        ordinary free one."""
+        self.pins.unpin(block.block_id)
+        if block.block_id in self.pinned_free:
+            del self.pinned_free[block.block_id]
+            self.free_queue[block.block_id] = None
         if self.cached.get(block.block_hash) == block.block_id:
             del self.cached[block.block_hash]
             if self.kv_events is not None:
@@ -155,12 +222,19 @@ class BlockPool:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
             )
-            assert (block.ref_count == 0) == (block.block_id in self.free_queue), (
+            is_free = block.block_id in self.free_queue or block.block_id in self.pinned_free
+            assert (block.ref_count == 0) == is_free, (
                 f"block {block.block_id}: free-queue membership disagrees with ref count"
             )
+        assert not self.free_queue.keys() & self.pinned_free.keys(), "a block queued twice"
+        for block_id in self.pinned_free:
+            assert block_id in self.pins, f"block {block_id}: in the pinned queue, unpinned"
+        for block_id in self.pins.pins:
+            assert self.blocks[block_id].block_hash is not None, f"block {block_id}: pinned empty"
         assert self.num_free_blocks + sum(r > 0 for r in refs) == self.num_blocks
         for block_hash, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale cache entry {block_id}"
         assert owned == self.cpu.owned, "CPU blocks owned by no swapped request, or twice"
+        self.pins.check_invariants()
         self.cpu.check_invariants()
         self.disk.check_invariants()

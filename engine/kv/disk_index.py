@@ -73,6 +73,7 @@ class DiskTier:
             awaited.add(block_hash)
         if not awaited:
             return False
+        request.num_disk_hit_blocks = len(awaited)  # read into the CPU pool: its disk hits
         self.tried.add(request.seq_id)
         self.waiting[request.seq_id] = (request, awaited)
         return True

@@ -5,7 +5,8 @@ numbered per scheduler. A gap in the numbers (events lost) or a new scheduler dr
 index knew of that instance: from then on it holds only blocks stored since, a subset of the
 truth, so an overlap may be underestimated but never counts a block that may be gone.
 Blocks on an instance's disk tier (events with tier "disk") are kept apart: a hit there saves
-the prefill but costs a read (engine/router/routing.py weighs it).
+the prefill but costs a read (engine/router/routing.py weighs it). Pinned blocks (a stored
+event with `pinned_until`) are noted with the end of their pin.
 """
 
 import structlog
@@ -19,6 +20,8 @@ class KvIndex:
         self.holders: dict[bytes, set[str]] = {}  # block hash -> instances holding it
         self.by_instance: dict[str, set[bytes]] = {}
         self.disk_by_instance: dict[str, set[bytes]] = {}  # blocks on each instance's disk
+        # instance -> pinned block hash -> unix time its pin ends
+        self.pinned_by_instance: dict[str, dict[bytes, float]] = {}
         self._next_seq: dict[str, tuple[str, int]] = {}  # instance -> (scheduler id, seq)
         self.num_resyncs = 0
 
@@ -37,6 +40,9 @@ class KvIndex:
             elif isinstance(event, BlockStored):
                 self.holders.setdefault(event.block_hash, set()).add(batch.instance)
                 self.by_instance.setdefault(batch.instance, set()).add(event.block_hash)
+                if event.pinned_until is not None:
+                    pinned = self.pinned_by_instance.setdefault(batch.instance, {})
+                    pinned[event.block_hash] = event.pinned_until
             elif isinstance(event, BlockRemoved):
                 self._remove(batch.instance, event.block_hash)
             else:
@@ -57,8 +63,14 @@ class KvIndex:
             count += 1
         return count
 
+    def num_pinned(self, instance: str, hashes: list[bytes], now: float) -> int:
+        """How many of `hashes` the instance holds pinned (pins not ended by `now`)."""
+        pinned = self.pinned_by_instance.get(instance, {})
+        return sum(pinned.get(block_hash, 0.0) > now for block_hash in hashes)
+
     def _remove(self, instance: str, block_hash: bytes) -> None:
         self.by_instance.get(instance, set()).discard(block_hash)
+        self.pinned_by_instance.get(instance, {}).pop(block_hash, None)
         holders = self.holders.get(block_hash)
         if holders is not None:
             holders.discard(instance)
@@ -70,6 +82,7 @@ class KvIndex:
         for block_hash in self.by_instance.pop(instance, set()):
             self._remove(instance, block_hash)
         self.disk_by_instance.pop(instance, None)
+        self.pinned_by_instance.pop(instance, None)
 
     def forget(self, instance: str) -> None:
         """The instance is gone: its blocks and its event numbering."""

@@ -12,7 +12,9 @@ kv (Dynamo's cost): overlap_weight x blocks to prefill + decode blocks, the lowe
   a device hit);
   decode blocks = blocks in use there once the request runs too: the instance's own count,
   or what this router has in flight on it (distinct blocks, plus one a request), whichever is
-  larger, plus the request's blocks not already among them (Dynamo's potential blocks).
+  larger, plus the request's blocks not already among them (Dynamo's potential blocks), plus
+  the free blocks that pinned prefixes hold there (GenerateRequest.cache: evicted only after
+  every other free block, so memory a request cannot count on) less those it would read.
 least-loaded: fewest requests running and waiting, then fewest decode blocks.
 round-robin: every instance in turn.
 """
@@ -160,8 +162,14 @@ class Router:
                 on_disk = self.index.disk_run(instance.name, hashes, overlap)
                 to_prefill = num_blocks - overlap - (1 - self.config.disk_hit_cost) * on_disk
                 prefill = self.config.overlap_weight * to_prefill
-                costs[instance.name] = prefill + instance.potential_blocks(hashes)
+                held = self._held_by_pins(instance, hashes)
+                costs[instance.name] = prefill + instance.potential_blocks(hashes) + held
         return costs
+
+    def _held_by_pins(self, instance: Instance, hashes: list[bytes]) -> int:
+        """Free blocks pins hold on the instance, less the request's own pinned prefix."""
+        own = self.index.num_pinned(instance.name, hashes, time.time())
+        return max(0, instance.load.num_pinned_free_blocks - own)
 
     def _predicted_overlap(self, instance: Instance, hashes: list[bytes], known: int) -> int:
         """The known overlap, extended by blocks of requests routed there lately."""

@@ -24,6 +24,27 @@ class Admission:
     running: list[Request]
     stats: SchedulerStats
 
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue by (priority, arrival), vLLM's order: behind every request
+        of its priority or a lower (more urgent) one."""
+        idx = len(self.waiting)
+        while idx and self.waiting[idx - 1].priority > request.priority:
+            idx -= 1
+        self.waiting.insert(idx, request)
+
+    def _requeue(self, request: Request) -> None:
+        """A preempted request goes back at the head of its priority's requests."""
+        idx = 0
+        while idx < len(self.waiting) and self.waiting[idx].priority < request.priority:
+            idx += 1
+        self.waiting.insert(idx, request)
+
+    def _order_running(self) -> None:
+        """Running requests by priority (stable: admission order within one), so a step
+        serves urgent requests first and preemption, which takes the last, the least urgent."""
+        if any(r.priority != self.running[0].priority for r in self.running):
+            self.running.sort(key=lambda r: r.priority)
+
     def _schedule_waiting(self, plan: StepPlan) -> None:
         if not self.block_manager.disk.listed:
             return  # the disk's listing first, so what it holds is found
@@ -74,7 +95,7 @@ class Admission:
             return False
         self.waiting.popleft()
         self.block_manager.disk.admitted(request)
-        self._note_prefix_hits(request, num_hit_tokens)
+        self._note_prefix_hits(request, num_hit_tokens, hits)
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -99,8 +120,20 @@ class Admission:
         self._note_running(request, num_new, copy, plan)
         return True
 
-    def _note_prefix_hits(self, request: Request, num_hit_tokens: int) -> None:
+    def _note_prefix_hits(self, request: Request, num_hit_tokens: int, hits: list) -> None:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit_tokens
+            request.cached_tokens_by_tier = self._hits_by_tier(request, hits)
             self.stats.prefix_queried_tokens += request.num_tokens
             self.stats.prefix_hit_tokens += num_hit_tokens
+
+    def _hits_by_tier(self, request: Request, hits: list) -> dict[str, int]:
+        """Hit tokens per tier: on the device, swapped in from the CPU pool, or read from
+        disk into it for this admission (engine/kv/disk_index.py); tiers without hits left
+        out."""
+        hits = hits[0] if self.grouped else hits
+        num_cpu = sum(hit.on_cpu for hit in hits)
+        num_disk = min(num_cpu, request.num_disk_hit_blocks)
+        blocks = {"device": len(hits) - num_cpu, "cpu": num_cpu - num_disk, "disk": num_disk}
+        size = self.cache_config.block_size
+        return {tier: count * size for tier, count in blocks.items() if count}

@@ -1,4 +1,5 @@
-"""Preemption: when blocks run out, the newest running request gives its blocks back.
+"""Preemption: when blocks run out, the least urgent running request (the highest `priority`
+value, then the newest) gives its blocks back.
 
 It is swapped to the CPU pool (its private blocks move there, shared ones stay referenced) or
 freed and recomputed later; either way it goes back to the head of the waiting queue. Mixed
@@ -33,11 +34,21 @@ class Preemption:
             new_block_ids = self.block_manager.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            victim = self.running.pop()
+            victim = self._pick_victim(request, plan)
             self._preempt(victim, plan)
             plan.preempted.append(victim)
             if victim is request:
                 return None
+
+    def _pick_victim(self, request: Request, plan: StepPlan) -> Request:
+        """The last running request (running is in priority order: the least urgent, then
+        the newest), skipping samples forked in this step; at worst `request` itself. Those
+        before `request` were scheduled in this step already."""
+        for idx in range(len(self.running) - 1, -1, -1):
+            candidate = self.running[idx]
+            if candidate is request or candidate.seq_id not in plan.forked:
+                return self.running.pop(idx)
+        raise AssertionError(f"{request.seq_id}: not running")
 
     def _preemption_mode(self, request: Request) -> str:
         """ "swap" or "recompute" for this request, by the configured mode and the CPU pool."""
@@ -69,7 +80,7 @@ class Preemption:
             self._free_to_recompute(request)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue(request)
         log.debug("preempted", request_id=request.seq_id, mode=mode)
 
     def _free_to_recompute(self, request: Request) -> None:

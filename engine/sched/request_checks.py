@@ -5,6 +5,8 @@ from kvpager.engine.kv.kv_groups import max_blocks_per_seq
 from kvpager.engine.request import Request
 from kvpager.schemas.errors import InvalidRequestError, RequestTooLongError
 
+MAX_PIN_TTL = 86400.0  # seconds: PromptCache.ttl's bound
+
 
 def check_request_fits(
     request: Request, config: SchedulerConfig, cache_config: CacheConfig
@@ -17,6 +19,7 @@ def check_request_fits(
         raise InvalidRequestError("prompt: must not be empty", param="prompt")
     params = request.sampling_params
     _check_token_ids(request, config.vocab_size)
+    _check_pin(request)
     for name in ("n", "beam_width"):
         if getattr(params, name) > config.max_num_seqs:
             raise InvalidRequestError(
@@ -51,6 +54,19 @@ def _check_token_ids(request: Request, vocab_size: int) -> None:
     ids = request.prompt_token_ids
     if vocab_size and not (0 <= min(ids) and max(ids) < vocab_size):
         raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+
+
+def _check_pin(request: Request) -> None:
+    """A pinned prefix (resolved by the input path, or off the wire) inside the prompt, for a
+    TTL the public schema allows."""
+    if not 0 <= request.pin_tokens <= request.num_prompt_tokens:
+        raise InvalidRequestError(
+            f"cache.prefix_tokens: {request.pin_tokens} is not within the prompt's "
+            f"{request.num_prompt_tokens} tokens",
+            param="cache",
+        )
+    if request.pin_tokens and not 0.0 < request.pin_ttl <= MAX_PIN_TTL:
+        raise InvalidRequestError(f"cache.ttl: must be in (0, {MAX_PIN_TTL:g}]", param="cache")
 
 
 def _groups_note(windows: tuple[int, ...], peak: int, num_blocks: int) -> str:

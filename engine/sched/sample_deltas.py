@@ -50,7 +50,7 @@ class SampleDeltas:
         if request.is_finished:
             delta.finish_reason = request.status.value
             delta.stop_reason = request.stop_reason
-            delta.num_cached_tokens = request.num_cached_tokens
+            cache_usage(delta, request)
         self._push(delta)
 
     def add_beams(self, request_id: str, beams: list[FinishedBeam]) -> None:
@@ -72,8 +72,10 @@ class SampleDeltas:
         indices: list[int] | None = None,
         error: ErrorInfo | None = None,
         num_cached_tokens: int = 0,
+        request: Request | None = None,
     ) -> None:
-        """Final deltas for the open samples among `indices` (None: every open sample)."""
+        """Final deltas for the open samples among `indices` (None: every open sample), with
+        `request`'s prefix-cache usage when given."""
         open_indices = self.open.get(request_id, set())
         chosen = sorted(open_indices if indices is None else open_indices & set(indices))
         for index in chosen:
@@ -84,6 +86,8 @@ class SampleDeltas:
                 num_cached_tokens=num_cached_tokens,
                 error=error,
             )
+            if request is not None:
+                cache_usage(delta, request)
             self._push(delta)
 
     def _push(self, delta: SampleDelta) -> None:
@@ -99,3 +103,10 @@ class SampleDeltas:
                 del self.open[delta.request_id]
                 self.prompt_logprobs.forget(delta.request_id)
                 self._on_close(delta.request_id)
+
+
+def cache_usage(delta: SampleDelta, request: Request) -> None:
+    """A final delta's prefix-cache usage: hits (by tier) and pinned writes."""
+    delta.num_cached_tokens = request.num_cached_tokens
+    delta.num_cache_write_tokens = request.num_cache_write_tokens
+    delta.cached_tokens_by_tier = dict(request.cached_tokens_by_tier)

@@ -50,6 +50,9 @@ class Scheduler(Admission, Preemption, OutputUpdate):
             cache_config.enable_disk,
         )
         self.grouped = isinstance(self.block_manager, HybridBlockManager)
+        self.block_manager.pool.set_pin_limits(
+            cache_config.max_pinned_blocks, cache_config.max_pinned_blocks_per_key
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.seqs: dict[str, Request] = {}  # seq id -> its sample
@@ -74,7 +77,7 @@ class Scheduler(Admission, Preemption, OutputUpdate):
         self.groups[request.request_id] = [request]
         if params.is_beam_search:
             self.beams.start(request)
-        self.waiting.append(request)
+        self._enqueue(request)
         self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.waiting))
 
     def check_request(self, request: Request) -> None:
@@ -115,6 +118,7 @@ class Scheduler(Admission, Preemption, OutputUpdate):
         """One step: running requests first, then the waiting queue, while the budget lasts
         (admission.py); a request that finds no blocks preempts the newest (preemption.py)."""
         plan = StepPlan(budget=self.config.max_num_batched_tokens, grouped=self.grouped)
+        self._order_running()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)

@@ -29,6 +29,8 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         num_used_blocks=manager.num_used_blocks,
         num_free_blocks=manager.num_free_blocks,
         num_cached_blocks=manager.num_cached_blocks,
+        num_pinned_blocks=manager.pool.pins.num_pinned,
+        num_pinned_evictions=manager.pool.pins.num_pinned_evictions,
         num_running=len(core.running),
         num_waiting=len(core.waiting),
         num_preemptions=stats.num_preemptions,

@@ -39,6 +39,10 @@ GAUGES = {  # name: (help, value of a Stats)
         "free KV blocks holding prefix-cache data",
         lambda s: s.num_cached_blocks,
     ),
+    "num_pinned_blocks": (
+        "KV blocks pinned by requests' cache (a prefix kept for its TTL)",
+        lambda s: s.num_pinned_blocks,
+    ),
 }
 COUNTERS = {
     "num_preemptions": ("preemptions", lambda s: s.num_preemptions),
@@ -53,6 +57,10 @@ COUNTERS = {
     "prefix_cache_hits": (
         "prompt tokens served by the prefix cache",
         lambda s: s.prefix_cache_hit_tokens,
+    ),
+    "num_pinned_evictions": (
+        "pinned KV blocks evicted under pressure (demoted to CPU, or dropped)",
+        lambda s: s.num_pinned_evictions,
     ),
     "prompt_tokens": ("prompt tokens of scheduled requests", lambda s: s.num_prompt_tokens),
     "generation_tokens": ("generated tokens", lambda s: s.num_generated_tokens),

@@ -25,6 +25,7 @@ def instance_load(core: EngineCore | None, ready: ExecutorReady | None) -> Insta
         num_free_blocks=scheduler.block_manager.num_free_blocks,
         num_blocks=scheduler.block_manager.num_blocks,
         block_size=scheduler.block_manager.block_size,
+        num_pinned_free_blocks=len(scheduler.block_manager.pool.pinned_free),
     )
 
 

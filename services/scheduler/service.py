@@ -190,6 +190,9 @@ class SchedulerService:
             sampling_params=add.sampling_params,
             eos_token_ids=tuple(self.executor.eos_token_ids),
             cache_salt=add.cache_salt,
+            priority=add.priority,
+            pin_tokens=add.pin_tokens,
+            pin_ttl=add.pin_ttl,
         )
         try:
             self.core.add(request)

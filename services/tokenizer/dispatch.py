@@ -122,7 +122,16 @@ class Dispatch:
                 subjects.scheduler_requests, pack(PromptPiece(stream.request_id, piece))
             )
         reply_to = subjects.tokens(self.replica_id)
-        add = AddRequest(stream.request_id, tail, params, reply_to, stream.cache_salt)
+        add = AddRequest(
+            stream.request_id,
+            tail,
+            params,
+            reply_to,
+            stream.cache_salt,
+            priority=stream.priority,
+            pin_tokens=min(stream.pin_tokens, len(ids)),
+            pin_ttl=stream.pin_ttl,
+        )
         try:
             return await self._request_add(subjects.scheduler_requests, add)
         except nats.errors.NoRespondersError:

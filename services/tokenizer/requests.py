@@ -34,6 +34,9 @@ class Prepared:
     abort_token: str | None = None  # the client's; None: the stream makes one
     cache_salt: str | None = None
     prompt_text: str | None = None  # with echo: for the stream's first event
+    priority: int = 0
+    pin_tokens: int = 0  # `cache`, resolved: the prompt tokens to pin for `pin_ttl` seconds
+    pin_ttl: float = 0.0
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:
@@ -103,6 +106,7 @@ async def prepare(
         tools=request.tools,
         check=check_prompt,
         echo=request.echo,
+        cache=request.cache,
     )
     return Prepared(
         request_id=request_id,
@@ -114,6 +118,9 @@ async def prepare(
         abort_token=request.abort_token,
         cache_salt=request.cache_salt,
         prompt_text=prompt.text,
+        priority=request.priority,
+        pin_tokens=prompt.num_pinned_tokens,
+        pin_ttl=request.cache.ttl if request.cache is not None else 0.0,
     )
 
 

@@ -58,6 +58,10 @@ class Stream:
         self.params = prepared.params
         self.model = prepared.model
         self.cache_salt = prepared.cache_salt
+        self.priority = prepared.priority
+        self.pin_tokens, self.pin_ttl = prepared.pin_tokens, prepared.pin_ttl  # `cache`
+        self.num_cache_write_tokens = 0
+        self.cached_tokens_by_tier: dict[str, int] = {}
         self.generated: list[int] = []
         self.num_migrations = 0
         self.failed_instances: set[str] = set()
@@ -118,7 +122,11 @@ class Stream:
         cached = output.num_cached_tokens
         if self.num_migrations:  # the moved request's prompt held outputs too: not the client's
             cached = min(cached, self.num_prompt_tokens)
+        if cached >= self.num_cached_tokens:
+            self.cached_tokens_by_tier = dict(output.cached_tokens_by_tier)
         self.num_cached_tokens = max(self.num_cached_tokens, cached)
+        writes = output.num_cache_write_tokens
+        self.num_cache_write_tokens = max(self.num_cache_write_tokens, writes)
         if output.error is not None:
             self.error = output.error
         elif output.finish_reason == "abort":
@@ -206,6 +214,8 @@ class Stream:
             num_prompt_tokens=self.num_prompt_tokens,
             num_completion_tokens=sum(sample.output.num_tokens for sample in self._samples),
             num_cached_prompt_tokens=self.num_cached_tokens,
+            num_cache_write_tokens=self.num_cache_write_tokens,
+            cached_tokens_by_tier=self.cached_tokens_by_tier,
         )
 
 

@@ -1,5 +1,7 @@
 """The router's KV index and costs, fed hand-made events (no NATS)."""
 
+import time
+
 import pytest
 from kvpager.engine.kv.block_hash import prompt_block_hashes
 from kvpager.engine.router.routing import Router, RouterConfig
@@ -125,3 +127,23 @@ def test_disk_hits_cost_between_cached_and_uncached():
     ).get("d")
     with pytest.raises(ConfigError):
         RouterConfig(disk_hit_cost=1.5)
+
+
+def test_pinned_blocks_count_in_the_cost_except_the_requests_own():
+    r = router()
+    until = time.time() + 300
+    pinned = [BlockStored(e.block_hash, None, pinned_until=until) for e in stored(PROMPT)]
+    held = InstanceLoad(
+        model="m", num_blocks=100, num_free_blocks=100, block_size=BLOCK, num_pinned_free_blocks=5
+    )
+    r.apply(KvEvents("a", "s", 0, stored(PROMPT) + pinned, held))
+    assert r.index.num_pinned("a", prompt_block_hashes(PROMPT, BLOCK), time.time()) == 3
+    w = r.config.overlap_weight
+    other = [99] * 12
+    costs = r.costs(list(r.instances.values()), other)  # 5 free blocks held by pins on a
+    assert costs == {"a": w * 3 + 5 + 4, "b": w * 3 + 4}
+    assert r.pick(other) == "b"
+    costs = r.costs(list(r.instances.values()), PROMPT)  # its own 3 pinned blocks are hits
+    assert costs == {"a": w * 0 + 2 + 4, "b": w * 3 + 4}
+    r.apply(KvEvents("a", "s", 1, [BlockRemoved(pinned[0].block_hash)], held))
+    assert r.index.num_pinned("a", prompt_block_hashes(PROMPT, BLOCK), time.time()) == 2
