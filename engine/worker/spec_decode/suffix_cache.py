@@ -10,7 +10,6 @@ suffix_match.py reads; the array is rebuilt lazily, at the first lookup after a 
 from collections import OrderedDict
 
 import numpy as np
-
 from kvpager.engine.worker.spec_decode.suffix_match import SEPARATOR
 
 
