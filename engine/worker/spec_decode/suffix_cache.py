@@ -4,7 +4,9 @@ Agent loops rewrite the same file turn after turn: the tokens a request is about
 were often produced by an earlier request, whose output is not in this one's tokens. The
 cache keeps the last `max_requests` outputs (the least recently used, by insertion or by a
 draft taken from it, evicted first) joined into one flat array with separators, the form
-suffix_match.py reads; the array is rebuilt lazily, at the first lookup after a change.
+suffix_match.py reads; the array is rebuilt lazily, at the first lookup after a change. Tokens
+are kept as int32 (every vocabulary fits): memory is 4 bytes a cached token, the bound
+`max_requests` x the longest output.
 """
 
 from collections import OrderedDict
@@ -30,17 +32,18 @@ class SuffixCache:
         if self.max_requests == 0 or not len(output_token_ids):
             return
         self._outputs.pop(seq_id, None)
-        self._outputs[seq_id] = np.asarray(output_token_ids, dtype=np.int64).copy()
+        self._outputs[seq_id] = np.asarray(output_token_ids, dtype=np.int32).copy()
         while len(self._outputs) > self.max_requests:
             self._outputs.popitem(last=False)
         self._tokens = None
 
     def tokens(self) -> np.ndarray:
-        """int64 [num_tokens]: every cached output, each followed by SEPARATOR."""
+        """int32 [num_tokens]: every cached output, each followed by SEPARATOR."""
         if self._tokens is None:
             self._seq_ids = list(self._outputs)
-            parts = [part for out in self._outputs.values() for part in (out, [SEPARATOR])]
-            self._tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            separator = np.full(1, SEPARATOR, dtype=np.int32)
+            parts = [part for out in self._outputs.values() for part in (out, separator)]
+            self._tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
             lengths = [len(out) + 1 for out in self._outputs.values()]
             self._starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
         return self._tokens

@@ -43,7 +43,8 @@ class DraftLimits:
 def match_ends(tokens: np.ndarray, context: np.ndarray, max_depth: int):
     """Every position p of `tokens` where a suffix of `context` ends and a token follows,
     with the suffix's length (1..max_depth): int64 arrays ([num_matches], [num_matches])."""
-    ends = np.flatnonzero(tokens[:-1] == context[-1])
+    # the scalar in the array's own dtype: an int64 one would convert the whole array first
+    ends = np.flatnonzero(tokens[:-1] == tokens.dtype.type(context[-1]))
     ends = ends[tokens[ends + 1] != SEPARATOR]
     lengths = np.ones(ends.size, dtype=np.int64)
     alive = np.ones(ends.size, dtype=bool)
