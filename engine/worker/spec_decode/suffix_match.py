@@ -40,11 +40,14 @@ class DraftLimits:
     min_token_prob: float  # a draft stops before a token less likely than this
 
 
-def match_ends(tokens: np.ndarray, context: np.ndarray, max_depth: int):
+def match_ends(tokens: np.ndarray, context: np.ndarray, max_depth: int, ends=None):
     """Every position p of `tokens` where a suffix of `context` ends and a token follows,
-    with the suffix's length (1..max_depth): int64 arrays ([num_matches], [num_matches])."""
-    # the scalar in the array's own dtype: an int64 one would convert the whole array first
-    ends = np.flatnonzero(tokens[:-1] == tokens.dtype.type(context[-1]))
+    with the suffix's length (1..max_depth): int64 arrays ([num_matches], [num_matches]).
+    `ends`: the positions before the last one that hold the context's last token, if known
+    (an index); else they are found by a scan."""
+    if ends is None:
+        # the scalar in the array's own dtype: an int64 one would convert the whole array
+        ends = np.flatnonzero(tokens[:-1] == tokens.dtype.type(context[-1]))
     ends = ends[tokens[ends + 1] != SEPARATOR]
     lengths = np.ones(ends.size, dtype=np.int64)
     alive = np.ones(ends.size, dtype=bool)
@@ -62,6 +65,13 @@ def walk(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: float)
     token (the most recent breaking ties) while the path's probability >= `min_prob`."""
     draft, prob, at = Draft(ends=ends), 1.0, ends
     while len(draft.token_ids) < max_tokens and at.size:
+        if at.size == 1:  # one occurrence: its continuation, each token with p unchanged
+            rest = tokens[int(at[0]) + 1 : int(at[0]) + 1 + max_tokens - len(draft.token_ids)]
+            cut = np.flatnonzero(rest == SEPARATOR)
+            rest = rest[: cut[0]] if cut.size else rest
+            draft.token_ids += rest.tolist()
+            draft.score += prob * len(rest)
+            break
         nexts = at + 1
         nexts = nexts[nexts < len(tokens)]
         nexts = nexts[tokens[nexts] != SEPARATOR]
@@ -81,12 +91,13 @@ def walk(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: float)
     return draft
 
 
-def best_draft(tokens: np.ndarray, context: np.ndarray, limits: DraftLimits) -> Draft:
+def best_draft(tokens: np.ndarray, context: np.ndarray, limits: DraftLimits, ends=None) -> Draft:
     """The best-scoring draft rooted at one of the longest matches of `context`'s suffixes in
-    `tokens` (a longer match wins a tie); an empty Draft without a match."""
+    `tokens` (a longer match wins a tie); an empty Draft without a match. `ends` as for
+    `match_ends`."""
     if len(tokens) < 2 or not len(context):
         return Draft()
-    ends, lengths = match_ends(tokens, context, limits.max_depth)
+    ends, lengths = match_ends(tokens, context, limits.max_depth, ends)
     best = Draft()
     for match_len in np.unique(lengths)[::-1][:NUM_MATCH_LENGTHS_TRIED]:
         num = min(limits.max_tokens, int(match_len * limits.max_spec_factor + 1e-6))

@@ -50,7 +50,8 @@ class SuffixProposer:
         limits = DraftLimits(k, self.max_depth, self.max_spec_factor, self.min_token_prob)
         context = token_ids[-self.max_depth :]
         own = best_draft(token_ids, context, limits)
-        cached = best_draft(self.cache.tokens(), context, limits)
+        ends = self.cache.ends_of(int(context[-1]))
+        cached = best_draft(self.cache.tokens(), context, limits, ends)
         if cached.score > own.score:
             self.cache.touch(cached.ends)
             return cached.token_ids

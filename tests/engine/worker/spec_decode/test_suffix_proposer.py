@@ -121,3 +121,25 @@ def test_suffix_config_defaults_follow_vllm():
     assert config.max_num_seqs_to_speculate == 4
     assert SpeculativeConfig.parse(config.to_json()) == config
     assert SpeculativeConfig.parse({"method": "ngram"}).num_speculative_tokens == 4
+
+
+def test_the_cache_index_agrees_with_a_scan_through_evictions_and_compaction(monkeypatch):
+    from kvpager.engine.worker.spec_decode import suffix_cache
+
+    monkeypatch.setattr(suffix_cache, "MIN_UNINDEXED", 8)  # index early and often
+    cache, kept = suffix_cache.SuffixCache(max_requests=5), {}
+    rng = np.random.default_rng(0)
+    for step in range(300):
+        seq_id = f"s{rng.integers(0, 12)}"  # ids come back: the later output replaces
+        output = rng.integers(0, 20, rng.integers(1, 30))
+        cache.add(seq_id, output)
+        kept.pop(seq_id, None)
+        kept[seq_id] = output.tolist()
+        while len(kept) > 5:
+            kept.pop(next(iter(kept)))
+        tokens = cache.tokens()
+        for token in range(20):
+            assert cache.ends_of(token).tolist() == np.flatnonzero(tokens == token).tolist()
+        live = {s: tokens[start : start + n].tolist() for s, (start, n) in cache._where.items()}
+        assert live == kept and list(cache._where) == list(kept)
+    assert cache._num_indexed > 0 and len(tokens) < 5 * 2 * 31 * 2  # compacted
