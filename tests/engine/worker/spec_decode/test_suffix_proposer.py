@@ -129,7 +129,7 @@ def test_the_cache_index_agrees_with_a_scan_through_evictions_and_compaction(mon
     monkeypatch.setattr(suffix_cache, "MIN_UNINDEXED", 8)  # index early and often
     cache, kept = suffix_cache.SuffixCache(max_requests=5), {}
     rng = np.random.default_rng(0)
-    for step in range(300):
+    for _ in range(300):
         seq_id = f"s{rng.integers(0, 12)}"  # ids come back: the later output replaces
         output = rng.integers(0, 20, rng.integers(1, 30))
         cache.add(seq_id, output)
