@@ -193,6 +193,9 @@ class Settings(RequestCaps):
         from kvpager.engine.model_config import check_kv_cache_dtype  # the engine's own rule
 
         check_kv_cache_dtype(self.kv_cache_dtype)  # here, before any service starts
+        from kvpager.engine.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # a bad field, before any starts
 
     def _check_nats_auth(self) -> None:
         if (self.nats_user is None) != (self.nats_password is None):
