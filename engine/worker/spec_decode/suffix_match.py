@@ -22,6 +22,7 @@ import numpy as np
 SEPARATOR = -1
 # the longest few distinct match lengths are tried as the draft's root (Arctic tries all)
 NUM_MATCH_LENGTHS_TRIED = 3
+SMALL = 64  # candidates few enough to compare over every column at once
 
 
 @dataclass
@@ -50,13 +51,19 @@ def match_ends(tokens: np.ndarray, context: np.ndarray, max_depth: int, ends=Non
         ends = np.flatnonzero(tokens[:-1] == tokens.dtype.type(context[-1]))
     ends = ends[tokens[ends + 1] != SEPARATOR]
     lengths = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for back in range(1, min(max_depth, len(context))):
-        if not alive.any():
-            break
-        idx = ends - back
-        alive &= (idx >= 0) & (tokens[np.maximum(idx, 0)] == context[-1 - back])
-        lengths += alive
+    depth = min(max_depth, len(context))
+    backwards = context[::-1]  # backwards[b] is compared with tokens[end - b]
+    alive, back = np.arange(ends.size), 1  # candidates whose match reaches column `back`
+    # column by column while many candidates are alive (most drop out in the first few)...
+    while back < depth and alive.size > SMALL:
+        idx = ends[alive] - back
+        alive = alive[(idx >= 0) & (tokens[np.maximum(idx, 0)] == backwards[back])]
+        lengths[alive] += 1
+        back += 1
+    if back < depth and alive.size:  # ...then all remaining columns of the few at once
+        idx = ends[alive, None] - np.arange(back, depth)  # [num_alive, depth - back]
+        same = (idx >= 0) & (tokens[np.maximum(idx, 0)] == backwards[back:depth])
+        lengths[alive] += np.cumprod(same, axis=1).sum(axis=1)
     return ends, lengths
 
 
@@ -101,7 +108,7 @@ def best_draft(tokens: np.ndarray, context: np.ndarray, limits: DraftLimits, end
     best = Draft()
     for match_len in np.unique(lengths)[::-1][:NUM_MATCH_LENGTHS_TRIED]:
         num = min(limits.max_tokens, int(match_len * limits.max_spec_factor + 1e-6))
-        if num < 1:
+        if num <= best.score:  # a score is at most the draft's length: this cannot win
             continue
         draft = walk(tokens, ends[lengths >= match_len], num, limits.min_token_prob)
         if draft.score > best.score:

@@ -143,3 +143,27 @@ def test_the_cache_index_agrees_with_a_scan_through_evictions_and_compaction(mon
         live = {s: tokens[start : start + n].tolist() for s, (start, n) in cache._where.items()}
         assert live == kept and list(cache._where) == list(kept)
     assert cache._num_indexed > 0 and len(tokens) < 5 * 2 * 31 * 2  # compacted
+
+
+@pytest.mark.parametrize("small", [0, 3, 10_000])  # column by column, mixed, all at once
+def test_match_lengths_agree_with_their_definition(monkeypatch, small):
+    from kvpager.engine.worker.spec_decode import suffix_match
+
+    monkeypatch.setattr(suffix_match, "SMALL", small)
+    rng = np.random.default_rng(small)
+    for _ in range(50):
+        tokens = rng.integers(0, 3, rng.integers(2, 80))
+        tokens[rng.random(tokens.size) < 0.05] = suffix_match.SEPARATOR
+        context = rng.integers(0, 3, rng.integers(1, 12))
+        depth = int(rng.integers(1, 10))
+        ends, lengths = suffix_match.match_ends(tokens, context, depth)
+        want = {}
+        for end in range(len(tokens) - 1):
+            if tokens[end] == context[-1] and tokens[end + 1] != suffix_match.SEPARATOR:
+                n = 1
+                while n < min(depth, len(context)) and end - n >= 0:
+                    if tokens[end - n] != context[-1 - n]:
+                        break
+                    n += 1
+                want[end] = n
+        assert dict(zip(ends.tolist(), lengths.tolist())) == want
