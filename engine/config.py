@@ -9,37 +9,74 @@ from typing import Any
 from kvpager.engine.model_config import ModelConfig, check_kv_cache_dtype
 from kvpager.schemas.errors import ConfigError
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
+_SPECULATIVE_FLOATS = (
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+    "min_acceptance_rate",
+)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, with vLLM's names: `method` "ngram" (prompt lookup) proposes up to
+    """Speculative decoding, with vLLM's names. `method` "ngram" (prompt lookup) proposes up to
     `num_speculative_tokens` tokens a step from the longest suffix n-gram (`prompt_lookup_max`
-    down to `prompt_lookup_min` tokens) found earlier in the sequence. Speculation steps aside
-    for a step when more than `max_num_seqs_to_speculate` sequences run."""
+    down to `prompt_lookup_min` tokens) found earlier in the sequence; "suffix" (suffix
+    decoding, Arctic Inference's) proposes the most frequent continuation of the longest
+    suffix (up to `suffix_decoding_max_tree_depth` tokens) found in the sequence or in the
+    outputs of the last `suffix_decoding_max_cached_requests` requests, as long as its
+    estimated probability stays at least `suffix_decoding_min_token_prob` and its length at
+    most `suffix_decoding_max_spec_factor` x the match length.
+
+    Switching off: speculation steps aside for a step when more than
+    `max_num_seqs_to_speculate` sequences run (vLLM's `disable_by_batch_size` is read as this),
+    and for a request's next 64 tokens when fewer than `min_acceptance_rate` of its last 32
+    proposed tokens were accepted (engine/sched/lookahead.py)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    # None: 4 for ngram, the tree depth for suffix (vLLM's defaults)
+    num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # Measured on SmolLM2 (CPU, benchmarks/spec_decode.py) is left to the lead; 8 is cautious.
     max_num_seqs_to_speculate: int = 8
+    min_acceptance_rate: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(
                 f"speculative_config.method: {self.method!r} is not supported; supported: "
                 f"{', '.join(SPECULATIVE_METHODS)} (draft models are not built yet)"
             )
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError("speculative_config.num_speculative_tokens: must be in [1, 16]")
+        self._check_suffix()
+        if self.num_speculative_tokens is None:
+            default = 4 if self.method == "ngram" else self.suffix_decoding_max_tree_depth
+            object.__setattr__(self, "num_speculative_tokens", min(default, 32))
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ConfigError("speculative_config.num_speculative_tokens: must be in [1, 32]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ConfigError(
                 "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64"
             )
         if self.max_num_seqs_to_speculate < 1:
             raise ConfigError("speculative_config.max_num_seqs_to_speculate: must be >= 1")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ConfigError("speculative_config.min_acceptance_rate: must be in [0, 1]")
+
+    def _check_suffix(self) -> None:
+        prefix = "speculative_config.suffix_decoding_"
+        if not 1 <= self.suffix_decoding_max_tree_depth <= 256:
+            raise ConfigError(f"{prefix}max_tree_depth: must be in [1, 256]")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError(f"{prefix}max_cached_requests: must be >= 0 (0: no global cache)")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ConfigError(f"{prefix}max_spec_factor: must be > 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ConfigError(f"{prefix}min_token_prob: must be in [0, 1]")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -55,19 +92,42 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config: give an object of its fields")
         if value.get("method", "ngram") not in SPECULATIVE_METHODS:
             cls(method=str(value["method"]))  # raises, naming what is supported
+        value = _read_disable_by_batch_size(dict(value))
         names = {spec.name for spec in fields(cls)}
         unknown = sorted(set(value) - names)
         if unknown:
             raise ConfigError(
                 f"speculative_config: unknown fields {unknown}; known {sorted(names)}"
             )
-        ints = [k for k, v in value.items() if k != "method" and type(v) is not int]
-        if ints:
-            raise ConfigError(f"speculative_config: {ints} must be integers")
+        _check_types(value)
         return cls(**value)
 
     def to_json(self) -> str:
         return json.dumps({spec.name: getattr(self, spec.name) for spec in fields(self)})
+
+
+def _read_disable_by_batch_size(value: dict) -> dict:
+    """vLLM's `disable_by_batch_size` (off when more requests run) is our
+    `max_num_seqs_to_speculate`; both given must agree."""
+    if "disable_by_batch_size" not in value:
+        return value
+    size = value.pop("disable_by_batch_size")
+    if value.setdefault("max_num_seqs_to_speculate", size) != size:
+        raise ConfigError(
+            "speculative_config: disable_by_batch_size and max_num_seqs_to_speculate differ"
+        )
+    return value
+
+
+def _check_types(value: dict) -> None:
+    floats = [k for k in _SPECULATIVE_FLOATS if k in value]
+    not_numbers = [k for k in floats if type(value[k]) not in (int, float)]
+    if not_numbers:
+        raise ConfigError(f"speculative_config: {not_numbers} must be numbers")
+    ints = [k for k, v in value.items() if k != "method" and k not in floats]
+    ints = [k for k in ints if type(value[k]) is not int]
+    if ints:
+        raise ConfigError(f"speculative_config: {ints} must be integers")
 
 
 @dataclass(frozen=True)

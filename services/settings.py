@@ -102,8 +102,11 @@ class Settings(RequestCaps):
     seed: int = option("seed of unseeded sampling", default=0)
     speculative_config: str | None = option(
         'speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
-        '"max_num_seqs_to_speculate": 8} (default: off)',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
+        '{"method": "suffix", "suffix_decoding_max_tree_depth": 24, '
+        '"suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0, '
+        '"suffix_decoding_min_token_prob": 0.1}; off above "max_num_seqs_to_speculate": 8 '
+        'running, and per request under "min_acceptance_rate": 0.1 (default: off)',
         default=None,
     )
     tensor_parallel_size: int = option(
@@ -203,6 +206,9 @@ class Settings(RequestCaps):
         from kvpager.engine.model_config import check_kv_cache_dtype  # the engine's own rule
 
         check_kv_cache_dtype(self.kv_cache_dtype)  # here, before any service starts
+        from kvpager.engine.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # a bad field, before any starts
 
     def _check_nats_auth(self) -> None:
         if (self.nats_user is None) != (self.nats_password is None):

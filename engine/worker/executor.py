@@ -10,7 +10,7 @@ import time
 import msgspec
 import structlog
 import torch
-from kvpager.engine.config import ExecutorConfig, SpeculativeConfig
+from kvpager.engine.config import ExecutorConfig
 from kvpager.engine.kv.kv_groups import kv_groups
 from kvpager.engine.memory import resolve_device, resolve_dtype
 from kvpager.engine.model.attention import PagedAttention
@@ -27,7 +27,7 @@ from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.engine.worker.kv_cache import allocate_kv_caches, kv_cache_dtype
 from kvpager.engine.worker.prompt_logprobs import compute_prompt_logprobs
 from kvpager.engine.worker.sampler import Sampler
-from kvpager.engine.worker.spec_decode.ngram_proposer import NgramProposer
+from kvpager.engine.worker.spec_decode.proposer import make_proposer
 from kvpager.engine.worker.step_check import Capacity, StepCheck
 from kvpager.engine.worker.step_sampling import StepSampler
 from kvpager.kernels.backend import (
@@ -89,8 +89,7 @@ class Executor:
             config.grammar_compile_timeout,
         )
         self.step_sampler = StepSampler(self.sampler, self.grammars, model_config, self.device)
-        spec = config.speculative_config or SpeculativeConfig()  # sizes for when asked
-        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.proposer = make_proposer(config.speculative_config)
         self._log_ready(rank, size, time.perf_counter() - started)
 
     def _new_batch(self) -> InputBatch:
@@ -291,6 +290,8 @@ class Executor:
                 self.batch.fork(fork.parent_id, fork.child_id, parent.params)
                 self.grammars.fork(fork.parent_id, fork.child_id)
         for seq_id in step.finished_seq_ids:
+            if seq_id in self.batch.states:  # suffix decoding keeps its output
+                self.proposer.remove(self.batch, self.batch.states[seq_id])
             self.batch.remove(seq_id)
             self.grammars.remove(seq_id)
         for new in step.new_requests:

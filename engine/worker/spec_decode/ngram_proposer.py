@@ -20,7 +20,7 @@ each candidate's match length is grown backwards over at most `prompt_lookup_max
 """
 
 import numpy as np
-from kvpager.engine.worker.input_batch import InputBatch
+from kvpager.engine.worker.input_batch import InputBatch, RequestState
 
 
 class NgramProposer:
@@ -68,3 +68,6 @@ class NgramProposer:
             return []
         end = int(ends[np.flatnonzero(match_len == best)[-1]])  # the most recent
         return token_ids[end + 1 : end + 1 + k].tolist()
+
+    def remove(self, batch: InputBatch, state: RequestState) -> None:
+        """Nothing to keep: prompt lookup reads only the sequence's own tokens."""

@@ -128,3 +128,35 @@ def test_full_acceptance_doubles_k_within_its_bound():
     assert scheduler.lookahead._k_of["a"] == 2
     answer(scheduler, scheduler.schedule(), {"a": [23, 24, 25]})
     assert scheduler.lookahead._k_of["a"] == 4
+
+
+def test_a_request_rarely_accepted_stops_speculating_then_tries_again():
+    from kvpager.engine.sched.lookahead import ACCEPTANCE_WINDOW, PAUSE_TOKENS
+
+    spec = SpeculativeConfig(num_speculative_tokens=8, min_acceptance_rate=0.5)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=512, speculative_config=spec),
+        CacheConfig(block_size=4, num_blocks=128),
+    )
+    a = add(scheduler, "a", range(10, 13), max_tokens=400)
+    lookahead, token = scheduler.lookahead, 100
+    step = scheduler.schedule()
+    # every proposal but one in eight is rejected: a rate of 1/8 < 1/2
+    while lookahead.stats.num_pauses == 0:
+        asked = step.num_spec_tokens.get("a", 0)
+        verified = len(step.cached_requests[0].spec_token_ids) if step.cached_requests else 0
+        emitted = [token, token + 1] if verified == 8 else [token]
+        answer(scheduler, step, {"a": emitted}, {"a": [7] * asked})
+        lookahead._k_of["a"] = 8  # hold k, so the window fills quickly
+        token += len(emitted)
+        step = scheduler.schedule()
+    assert lookahead.stats.num_draft_tokens >= ACCEPTANCE_WINDOW
+    paused_at = a.num_output_tokens
+    while a.num_output_tokens < paused_at + PAUSE_TOKENS:
+        assert step.num_spec_tokens == {} and scheduler.can_plan_ahead
+        answer(scheduler, step, {"a": [token]})
+        token, step = token + 1, scheduler.schedule()
+    assert step.num_spec_tokens == {"a": 8}  # a fresh window
+    answer(scheduler, step, {"a": [token]})
+    scheduler.finish(a, a.status.FINISHED_ABORTED)
+    assert not lookahead._paused_until and scheduler.block_manager.num_free_blocks == 128

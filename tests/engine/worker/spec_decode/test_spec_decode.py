@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup): the same tokens as without it, fewer steps.
+"""Speculative decoding (n-gram prompt lookup and suffix decoding): the same tokens as without
+it, fewer steps.
 
 The tiny random Llama rarely repeats itself, so proposals would almost never be accepted; the
 `looping` checkpoint scales its attention and MLP outputs down (the residual stream, so the
@@ -16,6 +17,12 @@ from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.models import build_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+
+
+@pytest.fixture(params=[SPEC, SUFFIX], ids=["ngram", "suffix"])
+def spec(request) -> dict:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +56,8 @@ def expected(looping):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
-def test_greedy_identical_batched_and_alone(looping, expected):
-    llm = make_llm(looping, speculative_config=SPEC)
+def test_greedy_identical_batched_and_alone(looping, expected, spec):
+    llm = make_llm(looping, speculative_config=spec)
     assert _tokens(llm, _prompts(), GREEDY) == expected
     alone = [_tokens(llm, [prompt], GREEDY)[0] for prompt in _prompts()]
     assert alone == expected
@@ -63,9 +70,9 @@ def test_greedy_identical_batched_and_alone(looping, expected):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_greedy_identical_under_preemption(looping, expected, mode):
+def test_greedy_identical_under_preemption(looping, expected, mode, spec):
     llm = make_llm(
-        looping, speculative_config=SPEC, num_blocks=20, preemption_mode=mode, plan_ahead=0
+        looping, speculative_config=spec, num_blocks=20, preemption_mode=mode, plan_ahead=0
     )
     assert _tokens(llm, _prompts(), GREEDY) == expected
     stats = llm.stats()
@@ -73,8 +80,8 @@ def test_greedy_identical_under_preemption(looping, expected, mode):
     assert_all_free(llm)
 
 
-def test_stop_token_and_max_tokens_inside_an_accepted_run(looping, expected):
-    llm = make_llm(looping, speculative_config=SPEC)
+def test_stop_token_and_max_tokens_inside_an_accepted_run(looping, expected, spec):
+    llm = make_llm(looping, speculative_config=spec)
     prompt, full = _prompts()[1], expected[1]
     stop_at = full.index(full[30])  # the first occurrence of a token late in the output
     params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[full[30]])
@@ -87,8 +94,8 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(looping, expected):
     assert_all_free(llm)
 
 
-def test_stop_string_inside_a_delta_of_several_tokens(looping, expected):
-    base, llm = make_llm(looping), make_llm(looping, speculative_config=SPEC)
+def test_stop_string_inside_a_delta_of_several_tokens(looping, expected, spec):
+    base, llm = make_llm(looping), make_llm(looping, speculative_config=spec)
     prompt = _prompts()[0]
     text = base.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
@@ -99,8 +106,8 @@ def test_stop_string_inside_a_delta_of_several_tokens(looping, expected):
     assert_all_free(llm)
 
 
-def test_logprobs_and_seeded_sampling_match(looping):
-    base, llm = make_llm(looping), make_llm(looping, speculative_config=SPEC)
+def test_logprobs_and_seeded_sampling_match(looping, spec):
+    base, llm = make_llm(looping), make_llm(looping, speculative_config=spec)
     prompts = _prompts()[:2]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
     want = base.generate(prompts, params, use_tqdm=False)
@@ -120,8 +127,8 @@ def test_logprobs_and_seeded_sampling_match(looping):
     assert_all_free(llm)
 
 
-def test_parallel_samples_and_prefix_sharing(looping, expected):
-    llm = make_llm(looping, speculative_config=SPEC)
+def test_parallel_samples_and_prefix_sharing(looping, expected, spec):
+    llm = make_llm(looping, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=3)
     outs = llm.generate(_prompts()[:2], params, use_tqdm=False)
     for out, want in zip(outs, expected):
@@ -129,8 +136,8 @@ def test_parallel_samples_and_prefix_sharing(looping, expected):
     assert_all_free(llm)
 
 
-def test_speculation_steps_aside_for_a_large_batch(looping, expected):
-    config = {**SPEC, "max_num_seqs_to_speculate": 2}
+def test_speculation_steps_aside_for_a_large_batch(looping, expected, spec):
+    config = {**spec, "max_num_seqs_to_speculate": 2}
     llm = make_llm(looping, speculative_config=config)
     lengths = [48, 48, 12, 16, 20]  # 5 running: off until 2 are left
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -140,10 +147,39 @@ def test_speculation_steps_aside_for_a_large_batch(looping, expected):
     assert_all_free(llm)
 
 
+def test_suffix_decoding_reuses_an_earlier_requests_output(looping):
+    """A prompt never seen, asked twice in turn: the second time the first's output is in the
+    global cache and is proposed from its first token; without the cache it is not."""
+    prompt = random_prompts([24], seed=11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = _tokens(make_llm(looping), [prompt], params)
+    accepted = {}
+    for num_cached in (0, 4):
+        config = {**SUFFIX, "suffix_decoding_max_cached_requests": num_cached}
+        llm = make_llm(looping, speculative_config=config)
+        assert _tokens(llm, [prompt], params) == want
+        before = llm.stats()["spec_decode_num_accepted_tokens"]
+        assert _tokens(llm, [prompt], params) == want
+        accepted[num_cached] = llm.stats()["spec_decode_num_accepted_tokens"] - before
+        assert len(llm.executor.proposer.cache) == min(num_cached, 2)
+        assert_all_free(llm)
+    assert accepted[4] > accepted[0] + 10, accepted
+
+
+def test_suffix_decoding_pauses_a_request_that_is_rarely_accepted(looping, expected):
+    config = {**SUFFIX, "min_acceptance_rate": 1.0}  # any rejection in a window pauses
+    llm = make_llm(looping, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    got = _tokens(llm, _prompts(), params)
+    assert [tokens[:48] for tokens in got] == expected
+    assert llm.scheduler.lookahead.stats.num_pauses > 0
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"method": "draft_model", "model": "x"}, "supported: ngram"),
+        ({"method": "draft_model", "model": "x"}, "supported: ngram, suffix"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"num_speculative_tokens": "4"}, "integers"),

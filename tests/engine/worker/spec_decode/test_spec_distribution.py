@@ -1,7 +1,7 @@
 """Speculative sampling keeps the model's distribution: a two-sample chi-square test.
 
 2,000 unseeded samples of 3 tokens each from one repetitive prompt, with and without n-gram
-speculation (different engine seeds, so the draws are independent): the histograms of the
+or suffix speculation (different engine seeds, so the draws are independent): the histograms of the
 2nd and of the 3rd token must agree. Those tokens are the ones proposals decide (the 1st
 comes from the prefill), so emitting a rejected proposal anyway, or sampling a rejection
 from p instead of the residual, skews them towards the proposals and fails the test.
@@ -14,7 +14,11 @@ import pytest
 from kvpager.engine import SamplingParams
 
 from tests.engine.helpers import assert_all_free, make_llm
-from tests.engine.worker.spec_decode.test_spec_decode import SPEC, looping  # noqa: F401 (a fixture)
+from tests.engine.worker.spec_decode.test_spec_decode import (  # noqa: F401 (a fixture)
+    SPEC,
+    SUFFIX,
+    looping,
+)
 
 NUM_SAMPLES = 2000
 TEMPERATURE = 0.5
@@ -44,10 +48,11 @@ def _histograms(llm, prompt: list[int]) -> tuple[Counter, Counter, Counter]:
     return tuple(Counter(t[i] for t in tokens) for i in range(3))
 
 
-def test_speculative_sampling_keeps_the_distribution(looping):  # noqa: F811
+@pytest.mark.parametrize("method", [SPEC, SUFFIX], ids=["ngram", "suffix"])
+def test_speculative_sampling_keeps_the_distribution(looping, method):  # noqa: F811
     args = dict(block_size=16, num_blocks=4096, max_num_seqs=2048)
     base = make_llm(looping, seed=1, **args)
-    config = {**SPEC, "max_num_seqs_to_speculate": 4096}
+    config = {**method, "max_num_seqs_to_speculate": 4096}
     spec = make_llm(looping, seed=2, speculative_config=config, **args)
     # the model's own greedy continuation repeats itself: proposals come from its loops
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
