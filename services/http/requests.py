@@ -163,10 +163,20 @@ def _sampling(request: SamplingFields, kind: Kind, default_max_tokens: int) -> d
         max_tokens = request.max_completion_tokens
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     fields["stream"] = request.stream
+    if request.logit_bias is not None:
+        fields["logit_bias"] = _logit_bias(request.logit_bias)
     top = _top_logprobs(request, kind)
     if top is not None:
         fields["logprobs"] = top
     return fields
+
+
+def _logit_bias(given: dict[str, float]) -> dict[int, float]:
+    """OpenAI's keys are token ids as text; the ranges are checked as a GenerateRequest's."""
+    for key in given:
+        if not (key.isascii() and key.isdigit()):
+            raise HttpError.invalid(f"logit_bias: {key!r} is not a token id", "logit_bias")
+    return {int(key): bias for key, bias in given.items()}
 
 
 def _prompt_options(request: Any, kind: Kind, fields: dict[str, Any]) -> dict[str, bool]:
