@@ -2,7 +2,9 @@
 
 The fields the anthropic SDK sends for text and tool use. Content blocks are one struct with
 a `type` tag rather than a tagged union, so that an unserved block type (image, document,
-thinking) gets a 400 that names it instead of a decoding error. Unknown fields are an error,
+thinking) gets a 400 that names it instead of a decoding error. The SDK of 2026 (2.x) sends
+no `temperature`, `top_p` or `top_k` of its own; they are served for clients that do (and
+through the SDK's `extra_body`). Unknown fields are an error,
 as on the OpenAI routes, unless the gateway runs with `--allow-unknown-fields`.
 """
 
@@ -78,3 +80,11 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_k: int | None = None
     metadata: AnthropicMetadata | None = None
     stream: bool = False
+    cache_control: Annotated[
+        CacheControl | None,
+        Meta(description="automatic caching: the marker of the last block (the whole prompt)"),
+    ] = None
+    service_tier: str | None = None  # accepted, ignored: one tier here
+    thinking: (
+        Annotated[dict[str, Any], Meta(description='only {"type": "disabled"} is served')] | None
+    ) = None

@@ -5,9 +5,12 @@
 - Tools with a template that ignores `tools` (SmolLM2's, plain ChatML): rendered with and
   without a probe tool, such a template gives the same text, and the model would never see the
   tools. The tool list then goes into the system turn, as the default templates of vLLM and
-  SGLang for such models write it (Qwen2.5's hermes wording: JSON schemas in <tools>, calls as
-  <tool_call>{"name", "arguments"}</tool_call>), so that tools are never silently dropped and
-  the hermes parser reads the calls as it does for templates that know tools.
+  SGLang for such models write it (Qwen2.5's hermes format, in fewer words: JSON schemas in <tools>,
+  calls as <tool_call>{"name", "arguments"}</tool_call>), so that tools are never silently dropped and
+  the hermes parser reads the calls as it does for templates that know tools. Only where the
+  model chooses (no structured-outputs constraint: `tool_choice` auto or none, or a NATS
+  request with tools alone): a required or named choice is enforced by a grammar built from
+  the tools, and their list would only lengthen the prompt.
 """
 
 import json
@@ -21,13 +24,12 @@ _PROBE_TOOL = {
 }
 _PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS_HEADER = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "# Tools\n\nYou may call these functions, given as JSON schemas within <tools></tools>:\n"
+    "<tools>"
 )
 TOOLS_FOOTER = (
-    "</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "</tools>\n\nTo call one, answer with <tool_call></tool_call> XML tags around "
+    '{"name": <function-name>, "arguments": <args-json-object>}'
 )
 
 

@@ -91,8 +91,9 @@ class InputProcessor:
         self._check_logit_bias(params)
         given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
         param = _prompt_field(given, tools)
-        if param == "messages":
-            token_ids = self.chat_ids(messages, tools=tools)
+        if param == "messages":  # a constrained answer needs no tool list in the prompt
+            shown = spec is None
+            token_ids = self.chat_ids(messages, tools=tools, tools_in_system=shown)
         else:
             token_ids = self.prompt_ids(given[param], param)
         if check is not None:
@@ -159,13 +160,14 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         tools: list[dict] | None = None,
+        tools_in_system: bool = True,
     ) -> list[int]:
         """A conversation rendered with the model's chat template, by default ready for a
         reply; the template writes its own special tokens, `add_special_tokens` adds the
         tokenizer's on top (vLLM's /tokenize option). `tools` (OpenAI's definitions) go to
         the template, as transformers' `apply_chat_template(tools=...)` takes them; a template
-        that ignores them gets them in the system turn (engine/frontend/chat_fallbacks.py),
-        as it gets developer turns as system ones."""
+        that ignores them gets them in the system turn (engine/frontend/chat_fallbacks.py)
+        unless `tools_in_system` is false, as it gets developer turns as system ones."""
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", "messages")
         if self._special_text is not None:
@@ -173,7 +175,7 @@ class InputProcessor:
             _refuse_special_text(self._special_text, tools, "tools")
         template = chat_fallbacks.template_text(self.tokenizer)
         messages = chat_fallbacks.with_system_roles(messages, template)
-        if tools and not self.renders_tools:
+        if tools and tools_in_system and not self.renders_tools:
             messages, tools = chat_fallbacks.with_tools_in_system(messages, tools), None
         try:
             text = self.tokenizer.apply_chat_template(

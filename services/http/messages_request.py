@@ -10,7 +10,8 @@ assistant turn's text and `tool_use` blocks one assistant message with its tool 
 `cache_control`: the last marked block (in Anthropic's order: tools, system, messages) ends
 the pinned prefix: `cache.prefix_messages` counts the mapped messages up to and including the
 one that block landed in (a marked tool or system block pins through the system turn, or the
-first message when there is none), with that marker's TTL.
+first message when there is none), with that marker's TTL. A top-level `cache_control`
+(automatic caching) marks the last block: the whole conversation.
 """
 
 import json
@@ -61,6 +62,10 @@ def chat_request(request: MessagesRequest) -> tuple[ChatCompletionRequest, Promp
         raise HttpError.invalid("messages: must not be empty", "messages")
     for i, message in enumerate(request.messages):
         _add_turn(conversation, message, f"messages[{i}]")
+    conversation.mark(request.cache_control, len(conversation.messages))  # the last block
+    thinking = (request.thinking or {}).get("type", "disabled")
+    if thinking != "disabled":
+        raise HttpError.invalid(f"thinking: {thinking!r} is not served", "thinking")
     fields: dict[str, Any] = {
         "model": request.model,
         "messages": conversation.messages,
@@ -190,20 +195,18 @@ def _tools(request: MessagesRequest) -> dict[str, Any]:
             raise HttpError.invalid("tool_choice: needs tools", "tool_choice")
         return {}
     tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": tool.input_schema,
-            },
-        }
+        {"type": "function", "function": _function(tool.name, tool.description, tool.input_schema)}
         for tool in request.tools
     ]
     fields: dict[str, Any] = {"tools": tools, "tool_choice": _tool_choice(choice)}
     if choice is not None and choice.disable_parallel_tool_use:
         fields["parallel_tool_calls"] = False
     return fields
+
+
+def _function(name: str, description: str | None, schema: dict[str, Any]) -> dict[str, Any]:
+    function = {"name": name, "parameters": schema}
+    return function if description is None else {**function, "description": description}
 
 
 def _tool_choice(choice: AnthropicToolChoice | None) -> Any:
