@@ -5,12 +5,12 @@
 - Tools with a template that ignores `tools` (SmolLM2's, plain ChatML): rendered with and
   without a probe tool, such a template gives the same text, and the model would never see the
   tools. The tool list then goes into the system turn, as the default templates of vLLM and
-  SGLang for such models write it (Qwen2.5's hermes format, in fewer words: JSON schemas in <tools>,
-  calls as <tool_call>{"name", "arguments"}</tool_call>), so that tools are never silently dropped and
-  the hermes parser reads the calls as it does for templates that know tools. Only where the
-  model chooses (no structured-outputs constraint: `tool_choice` auto or none, or a NATS
-  request with tools alone): a required or named choice is enforced by a grammar built from
-  the tools, and their list would only lengthen the prompt.
+  SGLang for such models write it (Qwen2.5's hermes format, in fewer words: JSON schemas in
+  <tools>, calls as <tool_call>{"name", "arguments"}</tool_call>), so that tools are never
+  silently dropped and the hermes parser reads the calls as it does for templates that know
+  tools. Only where the model chooses (no structured-outputs constraint: `tool_choice` auto or
+  none, or a NATS request with tools alone): a required or named choice is enforced by a
+  grammar built from the tools, and their list would only lengthen the prompt.
 """
 
 import json

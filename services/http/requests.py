@@ -21,6 +21,7 @@ from kvpager.schemas.openai import (
     SamplingFields,
 )
 from kvpager.schemas.public import GenerateRequest
+from kvpager.schemas.sampling import MAX_LOGIT_BIAS
 from kvpager.services.http import decoding
 from kvpager.services.http.decoding import param_of
 from kvpager.services.http.errors import HttpError
@@ -173,9 +174,12 @@ def _sampling(request: SamplingFields, kind: Kind, default_max_tokens: int) -> d
 
 def _logit_bias(given: dict[str, float]) -> dict[int, float]:
     """OpenAI's keys are token ids as text; the ranges are checked as a GenerateRequest's."""
-    for key in given:
+    for key, bias in given.items():
         if not (key.isascii() and key.isdigit()):
             raise HttpError.invalid(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+            message = f"logit_bias: {key}: {bias} is not in [-100, 100]"
+            raise HttpError.invalid(message, "logit_bias")
     return {int(key): bias for key, bias in given.items()}
 
 
