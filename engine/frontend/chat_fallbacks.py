@@ -8,9 +8,10 @@
   SGLang for such models write it (Qwen2.5's hermes format, in fewer words: JSON schemas in
   <tools>, calls as <tool_call>{"name", "arguments"}</tool_call>), so that tools are never
   silently dropped and the hermes parser reads the calls as it does for templates that know
-  tools. Only where the model chooses (no structured-outputs constraint: `tool_choice` auto or
-  none, or a NATS request with tools alone): a required or named choice is enforced by a
-  grammar built from the tools, and their list would only lengthen the prompt.
+  tools. Only where the model chooses (no structured-outputs constraint: `tool_choice` auto,
+  or a NATS request with tools alone; the gateway sends no tools with `tool_choice: "none"`):
+  a required or named choice is enforced by a grammar built from the tools, and their list
+  would only lengthen the prompt.
 """
 
 import json

@@ -231,7 +231,9 @@ def _generate_request(fields: dict[str, Any], request: Any, kind: Kind) -> Gener
 
 def _chat_prompt(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     prompt: dict[str, Any] = {"messages": chat_messages(request.messages)}
-    tools = tool_definitions(request)
+    # tool_choice none: no tool list in the prompt (vLLM's --exclude-tools-when-tool-choice-none),
+    # so that a model told not to call is not shown how to; earlier calls and results stay
+    tools = None if request.tool_choice == "none" else tool_definitions(request)
     if tools is not None:
         prompt["tools"] = tools
     return [prompt]
