@@ -29,7 +29,7 @@ GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 ANTHROPIC_PREFIX = "/v1/messages"  # its refusals in Anthropic's error shape
 _MISSING = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
-    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or an x-api-key header."
 )
 
 
