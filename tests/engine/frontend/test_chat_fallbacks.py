@@ -83,3 +83,15 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(tokenizer):
         inputs.process(SamplingParams(logit_bias={VOCAB_SIZE - 1: 1.0}), prompt="Hi")
     )
     assert done.token_ids
+
+
+@pytest.mark.slow
+def test_smollm2s_template_drops_tools_and_gets_them_in_the_system_turn(smollm2_path):
+    """The issue's case: SmolLM2-135M-Instruct's template ignores `tools`."""
+    smollm2 = AutoTokenizer.from_pretrained(smollm2_path)
+    inputs = InputProcessor(smollm2, smollm2.vocab_size)
+    assert not inputs.renders_tools
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = _text(inputs, messages, tools=[WEATHER])
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n" + TOOLS_HEADER)
+    assert '"name": "get_weather"' in text
