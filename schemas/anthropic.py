@@ -88,3 +88,15 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     thinking: (
         Annotated[dict[str, Any], Meta(description='only {"type": "disabled"} is served')] | None
     ) = None
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/messages/count_tokens`: a Messages request's prompt, without generation."""
+
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list[ContentBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None

@@ -224,6 +224,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
     ) = None
     add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = True
+    tools: (
+        Annotated[
+            list[dict[str, Any]],
+            Meta(description="with messages: OpenAI's tool definitions, as llm.generate's"),
+        ]
+        | None
+    ) = None
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -42,6 +42,7 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
             Route("/v1/completions", _completions, methods=["POST"]),
             Route("/v1/chat/completions", _chat_completions, methods=["POST"]),
             Route("/v1/messages", messages.create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/models", _models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", _model, methods=["GET"]),
             Route("/tokenize", tokenize.tokenize, methods=["POST"]),

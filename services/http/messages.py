@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 import structlog
-from kvpager.schemas.anthropic import MessagesRequest
+from kvpager.schemas.anthropic import CountTokensRequest, MessagesRequest
 from kvpager.schemas.errors import PoisonedRequestError
-from kvpager.schemas.public import GenerateEvent, Usage
+from kvpager.schemas.public import ChatMessage, GenerateEvent, TokenizeRequest, Usage
 from kvpager.services.http import anthropic_shapes as shapes
 from kvpager.services.http import tool_output
 from kvpager.services.http.completions import (
@@ -32,9 +32,10 @@ from kvpager.services.http.errors import HttpError
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.messages_request import chat_request
 from kvpager.services.http.request_id import REQUEST_ID
-from kvpager.services.http.requests import Job, build_job
+from kvpager.services.http.requests import Job, build_job, chat_messages
 from kvpager.services.http.streams import CutOffResponse, Streams
-from kvpager.services.http.structured import ToolSettings, check_compiles
+from kvpager.services.http.structured import ToolSettings, check_compiles, tool_definitions
+from kvpager.services.http.tokenize import QUERY_TIMEOUT_S, _ask
 from kvpager.services.http.tool_output import ToolDeltas
 from kvpager.services.inflight import request_key
 from starlette.requests import Request
@@ -59,6 +60,29 @@ async def create_message(request: Request) -> Response:
     except Exception as exc:
         log.error("request failed", path=request.url.path, exc_info=exc)
         return error_response(HttpError(500, f"the gateway failed: {exc!r}", "internal_error"))
+
+
+async def count_tokens(request: Request) -> Response:
+    """`{"input_tokens"}`: the prompt `create` would send, counted by the tokenizer service
+    (template, tools and their fallback included), as Anthropic's count_tokens answers."""
+    gateway: Gateway = request.app.state.gateway
+    http = gateway.http
+    try:
+        body = await read_body(
+            request, gateway.settings.max_request_bytes, http.http_header_timeout
+        )
+        counted = decode(body, CountTokensRequest, http.allow_unknown_fields)
+        fields = msgspec.structs.asdict(counted)
+        chat, _ = chat_request(MessagesRequest(max_tokens=1, **fields))
+        await gateway.models.resolve(chat.model)
+        tools = None if chat.tool_choice == "none" else tool_definitions(chat)
+        messages = [ChatMessage(**message) for message in chat_messages(chat.messages)]
+        query = TokenizeRequest(messages=messages, tools=tools)
+        result = await _ask(gateway.client.tokenize(query, QUERY_TIMEOUT_S))
+    except (HttpError, PoisonedRequestError) as exc:
+        error = exc if isinstance(exc, HttpError) else HttpError.invalid(str(exc), None)
+        return error_response(error)
+    return JSONResponse({"input_tokens": len(result.token_ids)})
 
 
 async def _job(gateway: Gateway, request: Request) -> Job:

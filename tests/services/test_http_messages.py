@@ -214,3 +214,19 @@ async def test_x_api_key_and_errors_in_anthropic_shape(keyed, tiny_llama, nats_c
     zero = httpx.post(f"{keyed.base_url}/v1/messages", content=data, headers={**bearer,
                       "Content-Type": "application/json"})  # fmt: skip
     assert zero.status_code == 400 and zero.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_count_tokens_counts_what_create_sends(claude, tiny_llama, nats_client):  # noqa: F811
+    fields = dict(
+        model=tiny_llama.name, system=SYSTEM, messages=[{"role": "user", "content": USER}]
+    )
+    counted = await claude.messages.count_tokens(**fields)
+    done = await claude.messages.create(**fields, max_tokens=1)
+    usage = done.usage
+    total = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert counted.input_tokens == total
+    tool = {"name": "t", "input_schema": {"type": "object"}}
+    none = await claude.messages.count_tokens(**fields, tools=[tool], tool_choice={"type": "none"})
+    assert none.input_tokens == total  # tool_choice none: no tool list in the prompt
+    auto = await claude.messages.count_tokens(**fields, tools=[tool])
+    assert auto.input_tokens > total + 40  # the template ignores tools: the fallback's list
