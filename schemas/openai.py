@@ -188,6 +188,9 @@ class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
     ) = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Meta(description="with messages, as chat's (vLLM's)")] | None = (
+        None
+    )
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -63,10 +63,19 @@ def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
 def with_tools_in_system(messages: list[dict], tools: list[dict[str, Any]]) -> list[dict]:
     """The tool list in the system turn: the first message's when it is a system one, else a
     new first turn."""
-    schemas = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    schemas = "\n".join(json.dumps(_set_fields(tool), ensure_ascii=False) for tool in tools)
     text = f"{TOOLS_HEADER}\n{schemas}\n{TOOLS_FOOTER}"
     if messages and messages[0].get("role") == "system":
         first = messages[0]
         content = first.get("content") or ""
         return [{**first, "content": f"{content}\n\n{text}" if content else text}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def _set_fields(value: Any) -> Any:
+    """A tool definition without its null fields (`"strict": null` says nothing to a model)."""
+    if isinstance(value, dict):
+        return {key: _set_fields(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_set_fields(item) for item in value]
+    return value

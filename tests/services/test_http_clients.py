@@ -136,3 +136,10 @@ async def test_auto_tools_go_into_the_prompt(client, front, tiny_llama, nats_cli
     # the tool list and its instructions came on top of the conversation: never dropped
     assert auto.usage.prompt_tokens - plain.usage.prompt_tokens > tool_tokens["count"] + 20
     assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    body = {"messages": messages, "tools": [CLOCK]}
+    rendered = httpx.post(f"{front.base_url}/tokenize", json=body, headers=AUTH).json()
+    assert rendered["count"] == auto.usage.prompt_tokens
+    tokens = {"tokens": rendered["tokens"]}
+    text = httpx.post(f"{front.base_url}/detokenize", json=tokens, headers=AUTH).json()["prompt"]
+    assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(CLOCK) in text
+    assert "<tool_call>" in text and text.endswith("<|im_start|>assistant\n")
