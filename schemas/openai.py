@@ -14,7 +14,9 @@ import msgspec
 from msgspec import Meta
 
 IGNORED = ("metadata", "store", "service_tier", "user", "reasoning_effort")
-Role = Literal["system", "user", "assistant", "tool"]  # others could forge template turns
+# others could forge template turns; developer (OpenAI's newer system role) becomes system where
+# the chat template has no developer turn (engine/frontend/inputs.py)
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -117,6 +119,10 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: (
+        Annotated[dict[str, float], Meta(description="token id (as text) -> bias in [-100, 100]")]
+        | None
+    ) = None
     # OpenAI's fields that a local server has no use for: accepted, ignored (IGNORED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -182,6 +188,9 @@ class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
     ) = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Meta(description="with messages, as chat's (vLLM's)")] | None = (
+        None
+    )
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

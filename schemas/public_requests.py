@@ -4,7 +4,7 @@ subjects and re-exports these; `kvpager schema` prints them with the rest)."""
 from typing import Annotated, Any
 
 import msgspec
-from kvpager.schemas.sampling import MAX_NUM_LOGPROBS, StructuredOutputsParams
+from kvpager.schemas.sampling import MAX_LOGIT_BIAS, MAX_NUM_LOGPROBS, StructuredOutputsParams
 from msgspec import Meta
 
 INT32_MAX = 2**31 - 1  # counts and token ids beyond this can never be served
@@ -193,6 +193,16 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         StructuredOutputsParams | None,
         Meta(description="constrain the output: a JSON schema, regex, choice or grammar"),
     ] = None
+    logit_bias: (
+        Annotated[
+            dict[NonNegInt, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+            Meta(
+                description="OpenAI's: token id -> bias in [-100, 100] added to its logit; ids "
+                "in the vocabulary, at most the server's --max-logit-bias entries"
+            ),
+        ]
+        | None
+    ) = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -214,6 +224,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Annotated[bool, Meta(description="default: true for a prompt, false for messages")] | None
     ) = None
     add_generation_prompt: Annotated[bool, Meta(description="messages: end ready to reply")] = True
+    tools: (
+        Annotated[
+            list[dict[str, Any]],
+            Meta(description="with messages: OpenAI's tool definitions, as llm.generate's"),
+        ]
+        | None
+    ) = None
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -14,6 +14,7 @@ from kvpager.schemas.errors import InvalidRequestError
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar past this is refused, not compiled
 MAX_CHOICES = 1024
 MAX_NUM_LOGPROBS = 20  # top alternatives a token's logprobs may list (sampled and prompt)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -99,6 +100,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's: token id -> a value added to its logit before sampling (and before logprobs);
+    # -100 bans a token, +100 all but forces it. Ids are checked against the vocabulary on the
+    # input path (engine/frontend/inputs.py), which knows it.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +144,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check(in_range, name, f"must be in [0, {MAX_NUM_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(0 <= self.seed_offset < 2**31, "seed_offset", "must be in [0, 2**31)")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, "logit_bias", f"token id {token_id} must be >= 0")
+            in_range = math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+            _check(in_range, "logit_bias", f"{token_id}: {bias} is not in [-100, 100]")
 
     def _check_structured(self) -> None:
         if self.structured_outputs is None:
@@ -162,6 +174,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check(getattr(self, name) == neutral, name, "is not supported with beam search")
         _check(self.top_k in (0, -1), "top_k", "is not supported with beam search")
         _check(not self.stop, "stop", "stop strings are not supported with beam search")
+        _check(not self.logit_bias, "logit_bias", "is not supported with beam search")
         _check(
             self.structured_outputs is None,
             "structured_outputs",

@@ -70,6 +70,7 @@ class RequestCaps:
         default=GrammarLimits.compile_workers,
     )
     max_stop_token_ids: int = option("most stop_token_ids per request", default=256)
+    max_logit_bias: int = option("most logit_bias entries per request (OpenAI's)", default=300)
     max_logprobs: int = option(
         "most logprobs / prompt_logprobs one request may ask for (vLLM's flag; past it, a 400)",
         default=MAX_NUM_LOGPROBS,

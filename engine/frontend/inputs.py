@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from kvpager.engine.frontend import chat_fallbacks
 from kvpager.engine.structured.compile_pool import CompilePool
 from kvpager.engine.structured.compile_thread import CompileThread
 from kvpager.engine.structured.grammar import GrammarCompiler
@@ -69,6 +70,7 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._thread = CompileThread(grammar_limits.compile_timeout)
         self._pool: CompilePool | None = None
+        self._renders_tools: bool | None = None  # known on the first request with tools
 
     async def process(
         self,
@@ -90,10 +92,12 @@ class InputProcessor:
         spec = params.structured_outputs
         if spec is not None:
             check_spec(spec, self.grammar_limits)
+        self._check_logit_bias(params)
         given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
         param = _prompt_field(given, tools)
-        if param == "messages":
-            token_ids = self.chat_ids(messages, tools=tools)
+        if param == "messages":  # a constrained answer needs no tool list in the prompt
+            shown = spec is None
+            token_ids = self.chat_ids(messages, tools=tools, tools_in_system=shown)
         else:
             token_ids = self.prompt_ids(given[param], param)
         if check is not None:
@@ -144,6 +148,13 @@ class InputProcessor:
         head_ids = self.chat_ids(head, add_generation_prompt=False, tools=tools)
         return _common_prefix(head_ids, token_ids)
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        outside = sorted(t for t in (params.logit_bias or {}) if not 0 <= t < vocab)
+        if outside:
+            message = f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}"
+            raise InvalidRequestError(message, param="logit_bias")
+
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
@@ -193,16 +204,23 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         tools: list[dict] | None = None,
+        tools_in_system: bool = True,
     ) -> list[int]:
         """A conversation rendered with the model's chat template, by default ready for a
         reply; the template writes its own special tokens, `add_special_tokens` adds the
         tokenizer's on top (vLLM's /tokenize option). `tools` (OpenAI's definitions) go to
-        the template, as transformers' `apply_chat_template(tools=...)` takes them."""
+        the template, as transformers' `apply_chat_template(tools=...)` takes them; a template
+        that ignores them gets them in the system turn (engine/frontend/chat_fallbacks.py)
+        unless `tools_in_system` is false, as it gets developer turns as system ones."""
         if not self.tokenizer.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", "messages")
         if self._special_text is not None:
             _refuse_special_text(self._special_text, messages, "messages")
             _refuse_special_text(self._special_text, tools, "tools")
+        template = chat_fallbacks.template_text(self.tokenizer)
+        messages = chat_fallbacks.with_system_roles(messages, template)
+        if tools and tools_in_system and not self.renders_tools:
+            messages, tools = chat_fallbacks.with_tools_in_system(messages, tools), None
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
@@ -211,6 +229,13 @@ class InputProcessor:
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return self.checked(token_ids, "messages")
+
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template writes `tools` into the prompt (probed once)."""
+        if self._renders_tools is None:
+            self._renders_tools = chat_fallbacks.renders_tools(self.tokenizer)
+        return self._renders_tools
 
     def checked(self, token_ids: list[int], param: str) -> list[int]:
         """Non-empty, every id in the vocabulary."""

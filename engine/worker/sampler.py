@@ -1,6 +1,6 @@
 """Sampler: one step's logits to one token a row, vectorised over the batch.
 
-Order (vLLM's): grammar bitmask -> min_tokens -> penalties -> [greedy rows: argmax] ->
+Order (vLLM's): grammar bitmask -> min_tokens -> logit_bias -> penalties -> [greedy rows: argmax] ->
 temperature -> min_p -> top_k -> top_p -> sample. Sampling is by inverse CDF: one uniform
 draw a row, looked up in the row's cumulative probabilities. A seeded row draws it from a
 generator seeded by (seed, output position) alone, so a seeded request samples the same
@@ -56,6 +56,7 @@ class SamplingBatch:
     # structured outputs: int32 [num_masked, ceil(vocab / 32)] grammar masks of these rows
     bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None  # int64 [num_masked]
+    logit_bias: "LogitBias | None" = None  # OpenAI's logit_bias of the rows that have one
 
     @property
     def no_penalties(self) -> bool:
@@ -110,7 +111,39 @@ class SamplingBatch:
             banned_rows=_ints(banned_rows, device) if banned_rows else None,
             banned_token_ids=_ints(banned_ids, device) if banned_rows else None,
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            logit_bias=LogitBias.build(params, vocab_size, device),
         )
+
+
+@dataclass
+class LogitBias:
+    """(row, token, bias) triples, added to the logits (OpenAI's `logit_bias`)."""
+
+    rows: torch.Tensor  # int64 [num_biased]
+    token_ids: torch.Tensor  # int64 [num_biased]
+    values: torch.Tensor  # float32 [num_biased]
+
+    @classmethod
+    def build(
+        cls, params: list[SamplingParams], vocab_size: int, device: torch.device
+    ) -> "LogitBias | None":
+        """None when no row has a bias; ids past the logits (checked on the input path
+        already) are left out rather than indexed."""
+        triples = [
+            (row, token_id, bias)
+            for row, p in enumerate(params)
+            for token_id, bias in (p.logit_bias or {}).items()
+            if token_id < vocab_size
+        ]
+        if not triples:
+            return None
+        rows, token_ids, values = zip(*triples, strict=True)
+        return cls(
+            _ints(list(rows), device), _ints(list(token_ids), device), _floats(list(values), device)
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)
 
 
 @dataclass
@@ -137,12 +170,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # the edits below are in place, and the caller's logits stay untouched: a copy where
         # there are edits (a bf16 model's logits become a new float tensor anyway)
-        edits = (batch.bitmask, batch.banned_rows, batch.penalties)
+        edits = (batch.bitmask, batch.banned_rows, batch.logit_bias, batch.penalties)
         logits = logits.to(torch.float32, copy=any(e is not None for e in edits))
         if batch.bitmask is not None:  # the grammar first, as vLLM: logprobs see it too
             apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
+        if batch.logit_bias is not None:
+            batch.logit_bias.apply(logits)
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
         logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)

@@ -3,22 +3,23 @@ detokenize and version, health, metrics.
 
 POST /v1/completions, /v1/chat/completions  ->  GenerateRequests on `llm.generate`
 GET  /v1/models, /v1/models/{id}  ->  llm.models      GET /health  ->  llm.health
+POST /v1/messages  ->  Anthropic's Messages API, over the chat path (services/http/messages.py)
 POST /tokenize, /detokenize  ->  llm.tokenize, llm.detokenize      GET /version
 GET  /metrics    ->  llm.stats of every instance, Prometheus text format
 """
 
-import re
 import time
 
 import structlog
 from kvpager.schemas.errors import PoisonedRequestError
 from kvpager.schemas.public import ModelCard
-from kvpager.services.http import metrics, responses_api, tokenize
+from kvpager.services.http import messages, metrics, responses_api, tokenize
 from kvpager.services.http.completions import as_http_error, respond
 from kvpager.services.http.decoding import read_body
 from kvpager.services.http.errors import HttpError, error_body
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.guard import Guard
+from kvpager.services.http.request_id import REQUEST_ID, EchoRequestId
 from kvpager.services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
 from kvpager.services.http.structured import ToolSettings, check_compiles
 from kvpager.services.inflight import request_key
@@ -33,8 +34,6 @@ from starlette.routing import Route
 
 log = structlog.get_logger(__name__)
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
-
 
 def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
     routes = [Route("/metrics", _metrics, methods=["GET"])]
@@ -42,6 +41,8 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
         routes += [
             Route("/v1/completions", _completions, methods=["POST"]),
             Route("/v1/chat/completions", _chat_completions, methods=["POST"]),
+            Route("/v1/messages", messages.create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/models", _models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", _model, methods=["GET"]),
             Route("/tokenize", tokenize.tokenize, methods=["POST"]),
@@ -55,7 +56,7 @@ def build_app(gateway: Gateway, metrics_only: bool = False) -> Starlette:
     guard = Middleware(
         Guard, api_keys=http.api_keys, hosts=http.hosts, max_in_flight=http.http_max_concurrency
     )
-    middleware = [guard]
+    middleware = [Middleware(EchoRequestId), guard]
     if http.origins:  # outermost, as vLLM's: a browser's preflight needs no API key
         cors = Middleware(
             CORSMiddleware, allow_origins=list(http.origins), allow_methods=["*"],
@@ -112,7 +113,7 @@ async def _complete(request: Request, kind: Kind) -> Response:
 
 def _request_id(request: Request) -> str | None:
     value = request.headers.get("x-request-id")
-    if value is not None and not _REQUEST_ID.match(value):
+    if value is not None and not REQUEST_ID.match(value):
         message = "X-Request-Id: 1 to 200 letters, digits or ._:-"
         raise HttpError.invalid(message, None)
     return value

@@ -5,7 +5,9 @@
 - the Host header, against `--allowed-hosts` when given (a 400 otherwise: a DNS-rebinding
   page cannot reach a gateway on loopback under its own name);
 - API keys on the model routes (/v1/*, /tokenize, /detokenize), while /health, /metrics and
-  /version stay open (401 with OpenAI's error object);
+  /version stay open (401 with OpenAI's error object); a key comes as `Authorization: Bearer`
+  or as Anthropic's `x-api-key`, and the refusals of /v1/messages are in Anthropic's error
+  shape;
 - `Content-Type: application/json` on every POST (a 415 otherwise: a web page can send
   text/plain or a form across origins without asking, never JSON).
 
@@ -18,14 +20,16 @@ prefix-cache hits never cross API keys.
 import hashlib
 import hmac
 
+from kvpager.services.http import anthropic_shapes
 from kvpager.services.http.errors import error_body
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+ANTHROPIC_PREFIX = "/v1/messages"  # its refusals in Anthropic's error shape
 _MISSING = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
-    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or an x-api-key header."
 )
 
 
@@ -54,7 +58,7 @@ class Guard:
             return
         if self._max_in_flight is not None and self.num_in_flight >= self._max_in_flight:
             message = f"the gateway has {self.num_in_flight} requests in flight; retry later"
-            await _refuse(503, message, "overloaded")(scope, receive, send)
+            await _refuse(scope, 503, message, "overloaded")(scope, receive, send)
             return
         self.num_in_flight += 1
         try:
@@ -68,7 +72,8 @@ class Guard:
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         if self._hosts and not host_allowed(_header(scope, b"host"), self._hosts):
-            return _refuse(400, "Host: not a name this server answers to", "invalid_host")
+            message = "Host: not a name this server answers to"
+            return _refuse(scope, 400, message, "invalid_host")
         if self._digests and _guarded(scope["path"]):
             refusal = self._key_refusal(scope)
             if refusal is not None:
@@ -77,19 +82,16 @@ class Guard:
             media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
             if media_type != "application/json":
                 message = f"Content-Type: {media_type or 'none'}; expected application/json"
-                return _refuse(415, message, "unsupported_media_type")
+                return _refuse(scope, 415, message, "unsupported_media_type")
         return None
 
     def _key_refusal(self, scope: Scope) -> JSONResponse | None:
-        header = _header(scope, b"authorization")
-        if not header:
-            return _unauthorized(_MISSING, None)
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return _unauthorized(_MISSING, None)
-        salt = self._match(token.strip())
+        token = _api_key(scope)
+        if token is None:
+            return _unauthorized(scope, _MISSING, None)
+        salt = self._match(token)
         if salt is None:
-            return _unauthorized("Incorrect API key provided.", "invalid_api_key")
+            return _unauthorized(scope, "Incorrect API key provided.", "invalid_api_key")
         scope.setdefault("state", {})["key_salt"] = salt
         return None
 
@@ -125,6 +127,15 @@ def _guarded(path: str) -> bool:
     return path == "/v1" or path.startswith(GUARDED_PREFIXES)
 
 
+def _api_key(scope: Scope) -> str | None:
+    """The key of `Authorization: Bearer KEY`, else of Anthropic's `x-api-key: KEY`."""
+    header = _header(scope, b"authorization")
+    if header:
+        scheme, _, token = header.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return (_header(scope, b"x-api-key") or "").strip() or None
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -132,11 +143,19 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _unauthorized(message: str, code: str | None) -> JSONResponse:
-    return _refuse(401, message, code, {"WWW-Authenticate": "Bearer"})
+def _unauthorized(scope: Scope, message: str, code: str | None) -> JSONResponse:
+    return _refuse(scope, 401, message, code, {"WWW-Authenticate": "Bearer"})
 
 
 def _refuse(
-    status: int, message: str, code: str | None, headers: dict[str, str] | None = None
+    scope: Scope,
+    status: int,
+    message: str,
+    code: str | None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+    if scope["path"].startswith(ANTHROPIC_PREFIX):
+        body = anthropic_shapes.error_body(status, message)
+    else:
+        body = error_body(status, message, code)
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -21,6 +21,7 @@ from kvpager.schemas.openai import (
     SamplingFields,
 )
 from kvpager.schemas.public import GenerateRequest
+from kvpager.schemas.sampling import MAX_LOGIT_BIAS
 from kvpager.services.http import decoding
 from kvpager.services.http.decoding import param_of
 from kvpager.services.http.errors import HttpError
@@ -163,10 +164,23 @@ def _sampling(request: SamplingFields, kind: Kind, default_max_tokens: int) -> d
         max_tokens = request.max_completion_tokens
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     fields["stream"] = request.stream
+    if request.logit_bias is not None:
+        fields["logit_bias"] = _logit_bias(request.logit_bias)
     top = _top_logprobs(request, kind)
     if top is not None:
         fields["logprobs"] = top
     return fields
+
+
+def _logit_bias(given: dict[str, float]) -> dict[int, float]:
+    """OpenAI's keys are token ids as text; the ranges are checked as a GenerateRequest's."""
+    for key, bias in given.items():
+        if not (key.isascii() and key.isdigit()):
+            raise HttpError.invalid(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+            message = f"logit_bias: {key}: {bias} is not in [-100, 100]"
+            raise HttpError.invalid(message, "logit_bias")
+    return {int(key): bias for key, bias in given.items()}
 
 
 def _prompt_options(request: Any, kind: Kind, fields: dict[str, Any]) -> dict[str, bool]:
@@ -217,7 +231,9 @@ def _generate_request(fields: dict[str, Any], request: Any, kind: Kind) -> Gener
 
 def _chat_prompt(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     prompt: dict[str, Any] = {"messages": chat_messages(request.messages)}
-    tools = tool_definitions(request)
+    # tool_choice none: no tool list in the prompt (vLLM's --exclude-tools-when-tool-choice-none),
+    # so that a model told not to call is not shown how to; earlier calls and results stay
+    tools = None if request.tool_choice == "none" else tool_definitions(request)
     if tools is not None:
         prompt["tools"] = tools
     return [prompt]

@@ -11,6 +11,7 @@ from kvpager.services.http.decoding import decode, read_body
 from kvpager.services.http.errors import HttpError
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.requests import chat_messages
+from kvpager.services.http.structured import tool_definitions
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -79,6 +80,7 @@ def _tokenize_request(body: TokenizeBody) -> TokenizeRequest:
         messages=messages,
         add_special_tokens=body.add_special_tokens,
         add_generation_prompt=body.add_generation_prompt,
+        tools=tool_definitions(body),
     )
 
 

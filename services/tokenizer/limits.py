@@ -32,6 +32,7 @@ class RequestLimits:
     max_prompt_logprob_values: int = 1 << 18  # (prompt_logprobs + 1) x prompt tokens
     max_sampling_params_bytes: int = 256 << 10  # their msgpack size, in every internal message
     max_logprobs: int = 20  # logprobs and prompt_logprobs (vLLM's --max-logprobs)
+    max_logit_bias: int = 300  # logit_bias entries (OpenAI's bound)
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -61,6 +62,8 @@ class RequestLimits:
         _at_most("prompt_logprobs", request.prompt_logprobs or 0, self.max_logprobs, "logprobs")
         num_ids = len(request.stop_token_ids)
         _at_most("stop_token_ids", num_ids, self.max_stop_token_ids, "stop token ids")
+        num_biased = len(request.logit_bias or {})
+        _at_most("logit_bias", num_biased, self.max_logit_bias, "logit_bias entries")
 
     def check_params(self, params: SamplingParams) -> None:
         """What the sampling params put on the wire: their own size, and beam candidates."""

@@ -55,10 +55,13 @@ def _decode(body: bytes, msgpack: bool, kind: type, limits: RequestLimits):
 def _token_ids(request: TokenizeRequest, inputs: InputProcessor) -> list[int]:
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("exactly one of prompt or messages is required", "prompt")
+    if request.tools is not None and request.messages is None:
+        raise InvalidRequestError("tools: only with messages", "tools")
     special = request.add_special_tokens
     if request.messages is not None:
         messages = [msgspec.structs.asdict(message) for message in request.messages]
-        return inputs.chat_ids(messages, request.add_generation_prompt, bool(special))
+        generation = request.add_generation_prompt
+        return inputs.chat_ids(messages, generation, bool(special), tools=request.tools)
     return inputs.prompt_ids(request.prompt, "prompt", special is not False)
 
 

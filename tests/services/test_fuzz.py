@@ -334,6 +334,12 @@ CAPPED = [  # (fields, error type, param)
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
     ({"prompt": "x", "stop": "s" * 33}, "invalid_request", "stop"),
     ({"prompt": "x" * MAX_REQUEST_BYTES}, "invalid_request", None),
+    (
+        {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}},
+        "invalid_request",
+        "logit_bias",
+    ),
+    ({"prompt": "x", "logit_bias": {str(VOCAB_SIZE): 1}}, "invalid_request", "logit_bias"),
 ]
 
 

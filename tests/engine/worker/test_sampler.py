@@ -274,3 +274,34 @@ def test_flags_skip_unused_stages() -> None:
     assert not mixed.all_greedy and not mixed.no_penalties and not mixed.no_top_k_p
     assert mixed.top_k is None
     assert mixed.greedy_mask.tolist() == [False, True]
+
+
+def test_logit_bias_is_added_before_greedy_and_logprobs() -> None:
+    logits = KNOWN_LOGITS.expand(3, -1).clone()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 100.0}, logprobs=1),  # forced
+        SamplingParams(temperature=0.0, logit_bias={0: -100.0}, logprobs=1),  # banned: next best
+        SamplingParams(temperature=0.0, logprobs=1),  # untouched in the same batch
+    ]
+    out = sample(logits, params)
+    assert out.sampled_token_ids.tolist() == [3, 1, 0]
+    biased = KNOWN_LOGITS.clone()
+    biased[3] += 100.0
+    expected = biased.log_softmax(-1)[3].item()
+    assert math.isclose(out.logprobs[0].item(), expected, abs_tol=1e-5)
+    assert math.isclose(out.logprobs[2].item(), math.log(0.5), abs_tol=1e-5)
+
+
+def test_logit_bias_forces_a_random_row_and_ignores_ids_past_the_logits() -> None:
+    params = SamplingParams(temperature=1.0, logit_bias={2: 100.0, 99: 5.0})
+    freqs = frequencies(KNOWN_LOGITS, params)
+    assert freqs[2].item() == 1.0
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: float("nan")}, {-1: 1.0}])
+def test_logit_bias_out_of_range_is_refused(bias) -> None:
+    from kvpager.schemas.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(logit_bias=bias)
+    assert caught.value.param == "logit_bias"
