@@ -97,6 +97,14 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2 * inter] -> gpt-oss's clamped SwiGLU (gate half first): the gate clamped from
+    above and the up half both ways to `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def reshape_and_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -332,18 +340,26 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: each token's top-k experts' gated MLPs, weighted and summed.
 
     hidden [T, H]; gate_up [E, 2 * I, H] (gate rows first); down [E, H, I]; topk_weights
-    [T, k] in hidden's dtype; topk_ids int [T, k]. Returns [T, H] in hidden's dtype. The
+    [T, k] in hidden's dtype; topk_ids int [T, k]; gpt-oss's biases, gate_up_bias [E, 2 * I]
+    and down_bias [E, H], or None. Returns [T, H] in hidden's dtype. The
     (token, slot) pairs are sorted by expert, so each expert runs two matmuls over all its
     tokens at once; results are added back into their tokens' rows (index_add_)."""
     top_k = topk_ids.shape[1]
     out = torch.zeros_like(hidden)
     for expert, pairs in pairs_by_expert(topk_ids, gate_up.shape[0]):
         tokens = pairs // top_k
-        rows = activation(hidden[tokens] @ gate_up[expert].t()) @ down[expert].t()
+        gate_up_rows = hidden[tokens] @ gate_up[expert].t()
+        if gate_up_bias is not None:
+            gate_up_rows = gate_up_rows + gate_up_bias[expert]
+        rows = activation(gate_up_rows) @ down[expert].t()
+        if down_bias is not None:
+            rows = rows + down_bias[expert]
         out.index_add_(0, tokens, rows * topk_weights.flatten()[pairs, None])
     return out
 

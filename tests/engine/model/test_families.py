@@ -33,6 +33,7 @@ FAMILIES = {
     "phi3": model_families.build_phi3,
     "mixtral": model_families.build_mixtral,
     "qwen3_moe": model_families.build_qwen3_moe,
+    "gpt_oss": model_families.build_gpt_oss,
 }
 
 
