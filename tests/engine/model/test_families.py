@@ -149,10 +149,14 @@ def test_unknown_family_is_a_typed_error_naming_the_supported_ones(tmp_path):
         ModelConfig.from_dict(raw)
 
 
-@pytest.mark.parametrize("build", [model_families.build_gemma2, model_families.build_qwen3_moe])
+@pytest.mark.parametrize(
+    "build",
+    [model_families.build_gemma2, model_families.build_qwen3_moe, model_families.build_gpt_oss],
+)
 def test_triton_backend_windows_soft_caps_and_experts(build, tmp_path):
     """The Triton kernels (interpreted on CPU) in the engine: Gemma 2's window and attention
-    soft-cap in paged attention, Qwen3-MoE's experts in the grouped MoE kernel; chunked."""
+    soft-cap in paged attention, Qwen3-MoE's experts in the grouped MoE kernel, gpt-oss's
+    sinks beside its windows (its biased experts on the twin); chunked."""
     path = build(tmp_path)
     prompts = make_prompts()[-5:-1]  # 23-33 tokens: past the 8-token window
     llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=64,
