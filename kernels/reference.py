@@ -6,8 +6,9 @@ full; else a key at position j is visible to the query at position i iff
 i - window < j <= i, transformers' sliding-window mask) and a
 `softcap` (0: none; else scores become softcap * tanh(scores / softcap) before masking, as
 Gemma 2 does), and optional `sinks` (fp32 [num_heads]: gpt-oss's learned per-head logit that
-joins every softmax's denominator and adds no value; None: none). An fp8 cache (float8_e4m3fn or float8_e5m2) stores each K/V value x as
-q = clamp(x / scale) rounded to nearest even, with a per-layer `k_scale` / `v_scale`, and
+joins every softmax's denominator and adds no value; None: none). An fp8 cache
+(float8_e4m3fn or float8_e5m2) stores each K/V value x as q = clamp(x / scale) rounded to
+nearest even, with a per-layer `k_scale` / `v_scale`, and
 attention reads x = q * scale (`quantise_ref`, `dequantise_ref`); other caches store x cast to
 their dtype and ignore the scales. Cache layout everywhere:
 

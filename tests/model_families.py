@@ -117,8 +117,15 @@ def build_gpt_oss(path: Path, seed: int = 9, **overrides) -> Path:
     biases at 0)."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 64.0, "beta_fast": 8.0,
-            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 64.0,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    }
     fields = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, sliding_window=WINDOW, num_local_experts=4,
                   num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.5,

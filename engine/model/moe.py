@@ -1,8 +1,8 @@
-"""Routed experts (Mixtral, Qwen3-MoE, gpt-oss: engine/model/gpt_oss.py): a router picks each token's top-k experts, the
-backend's `fused_moe` runs them (kernels/reference.py's twin: one matmul pair per expert over
-the tokens routed to it; kernels/moe.py on CUDA). Once the decoder packs its weights on CPU,
-in bf16, engine/model/packed_experts.py runs them instead: the twin's loop on oneDNN-packed
-matmuls.
+"""Routed experts (Mixtral, Qwen3-MoE, gpt-oss: engine/model/gpt_oss.py): a router picks
+each token's top-k experts, the backend's `fused_moe` runs them (kernels/reference.py's twin:
+one matmul pair per expert over the tokens routed to it; kernels/moe.py on CUDA). Once the
+decoder packs its weights on CPU, in bf16, engine/model/packed_experts.py runs them instead:
+the twin's loop on oneDNN-packed matmuls.
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
 (engine/model/sharding.py) and the whole router, so the routing is the same on every rank and
@@ -49,7 +49,8 @@ class RoutedExperts(nn.Module):
         num_experts, hidden = config.num_experts, config.hidden_size
 
         def param(*shape: int, on: bool = True) -> nn.Parameter | None:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False) if on else None
+            empty = torch.empty(*shape, dtype=dtype)
+            return nn.Parameter(empty, requires_grad=False) if on else None
 
         self.router = param(num_experts, hidden)
         self.gate_up = param(num_experts, 2 * intermediate, hidden)

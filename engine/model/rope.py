@@ -1,5 +1,6 @@
 """Rotary position embeddings as cos/sin tables: default, linear, Llama 3.1's frequency scaling,
-YaRN (gpt-oss), and Phi-3's LongRoPE; Gemma 3's sliding layers get a second table with their own base.
+YaRN (gpt-oss), and Phi-3's LongRoPE; Gemma 3's sliding layers get a second table with their
+own base.
 
 LongRoPE has two tables: the long one for a sequence whose context is past the pre-training
 length, the short one before. The engine picks per sequence, each step, by its context length
