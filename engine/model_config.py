@@ -204,7 +204,8 @@ class ModelConfig:
 
 def _rope_theta(raw: dict[str, Any]) -> float:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints `rope_theta`
-    default = 1_000_000.0 if raw.get("model_type") == "gemma3_text" else 10000.0
+    defaults = {"gemma3_text": 1_000_000.0, "gpt_oss": 150000.0}  # their configs' defaults
+    default = defaults.get(raw.get("model_type", ""), 10000.0)
     return float(rope_params(raw).get("rope_theta", raw.get("rope_theta", default)))
 
 

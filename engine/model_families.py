@@ -67,7 +67,7 @@ def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         return (0,) * num_layers
     types = raw.get("layer_types")
-    if types is None and model_type == "gemma2":
+    if types is None and model_type in ("gemma2", "gpt_oss"):  # sliding first, alternating
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if types is None and model_type == "gemma3_text":
         pattern = raw.get("sliding_window_pattern", 6)
