@@ -109,12 +109,12 @@ def build_qwen3_moe(path: Path, seed: int = 8, **overrides) -> Path:
     return _build(path, seed, Qwen3MoeConfig, Qwen3MoeForCausalLM, 1.0, **{**fields, **overrides})
 
 
-def build_gpt_oss(path: Path, seed: int = 9, **overrides) -> Path:
+def build_gpt_oss(path: Path, seed: int = 9, bias_scale: float = 1.0, **overrides) -> Path:
     """4 layers alternating sliding (window 8) and full, sinks, q/k/v/o bias, 4 experts top 2
     with a router bias and biased clamped-SwiGLU experts (a limit of 1.5 that the random
     weights reach), YaRN with a 16-token pre-training length (the ramp covers several dims).
     Sinks, router and expert biases drawn large enough to matter (transformers starts the
-    biases at 0)."""
+    biases at 0), times `bias_scale`."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     rope = {
@@ -138,5 +138,5 @@ def build_gpt_oss(path: Path, seed: int = 9, **overrides) -> Path:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("sinks", "bias")):
-                param.copy_(torch.randn_like(param))
+                param.copy_(bias_scale * torch.randn_like(param))
     return _save(model, path, 1.0)
