@@ -96,6 +96,13 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # gpt-oss (engine/model_families.py: _gpt_oss_fields; engine/model/gpt_oss.py)
+    attention_sinks: bool = False  # a learned logit per head joins every softmax
+    o_proj_bias: bool = False
+    float32_norms: bool = False  # norm weights kept in float32 (Gemma's are, by gemma_norms)
+    gpt_oss_experts: bool = False  # router bias, softmax over the top k, biased clamped SwiGLU
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -145,7 +152,8 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v bias; Llama/Mistral say so with attention_bias.
-            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            attention_bias=model_type == "qwen2"
+            or raw.get("attention_bias", model_type == "gpt_oss"),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(raw),
@@ -196,7 +204,8 @@ class ModelConfig:
 
 def _rope_theta(raw: dict[str, Any]) -> float:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints `rope_theta`
-    default = 1_000_000.0 if raw.get("model_type") == "gemma3_text" else 10000.0
+    defaults = {"gemma3_text": 1_000_000.0, "gpt_oss": 150000.0}  # their configs' defaults
+    default = defaults.get(raw.get("model_type", ""), 10000.0)
     return float(rope_params(raw).get("rope_theta", raw.get("rope_theta", default)))
 
 

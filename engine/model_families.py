@@ -9,6 +9,9 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
                             sliding and full layers; gemma3: q/k norms, a local RoPE base
     phi3                    fused qkv_proj / gate_up_proj in the checkpoint, longrope
     mixtral                 top-k routed experts, always renormalised over the top k
+    gpt_oss                 attention sinks, q/k/v/o bias, sliding and full layers, YaRN, routed
+                            experts: a router with bias, softmax over the top-k logits, biased
+                            experts with a clamped SwiGLU (engine/model/gpt_oss.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -25,10 +28,11 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "phi3",
     "mixtral",
+    "gpt_oss",
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
 def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +56,7 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)
         ),
         **_moe_fields(raw, model_type, num_layers),
+        **_gpt_oss_fields(raw, model_type),
     )
 
 
@@ -62,7 +67,7 @@ def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         return (0,) * num_layers
     types = raw.get("layer_types")
-    if types is None and model_type == "gemma2":
+    if types is None and model_type in ("gemma2", "gpt_oss"):  # sliding first, alternating
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if types is None and model_type == "gemma3_text":
         pattern = raw.get("sliding_window_pattern", 6)
@@ -107,4 +112,19 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         # Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size
         moe_intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
         norm_topk_prob=model_type == "mixtral" or raw.get("norm_topk_prob", False),
+    )
+
+
+def _gpt_oss_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """gpt-oss's switches: sinks, an o_proj bias, float32 norm weights (transformers keeps
+    them in fp32 and scales before the one rounding, as Gemma's), and its experts."""
+    if model_type != "gpt_oss":
+        return {}
+    return dict(
+        attention_sinks=True,
+        o_proj_bias=raw.get("attention_bias", True),
+        float32_norms=True,
+        gpt_oss_experts=True,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
     )

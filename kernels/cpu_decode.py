@@ -20,9 +20,10 @@ from kvpager.kernels.reference import (
     chunk_attention_ref,
     decode_attention_ref,
     paged_attention_ref,
+    with_sink_column,
 )
 
-_ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
+_ARGTYPES = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT, PTR)
 # the kernel's entry point for each cache dtype (fp8 ones decoded by kernels/cpu/fp8.h)
 _FUNCTIONS = {
     torch.float32: "paged_decode_f32",
@@ -51,10 +52,11 @@ def paged_decode(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One query token per sequence over paged K/V: fp32 [num_seqs, heads, d], or None when the
     kernel does not take these inputs (then the caller uses the torch twin). window, softcap,
-    k_scale, v_scale: as kernels/reference.py's."""
+    k_scale, v_scale, sinks: as kernels/reference.py's."""
     library = load()
     if library is None or key_cache.dtype not in _FUNCTIONS or value_cache.dtype != key_cache.dtype:
         return None
@@ -63,18 +65,19 @@ def paged_decode(
     # an fp8 cache's scales are linear: k_scale joins the softmax scale, v_scale the output
     out = call_decode_kernel(
         getattr(library, _FUNCTIONS[key_cache.dtype]), query.float(), key_cache, value_cache,
-        block_tables, seq_lens, scale * k_scale, window, softcap,
+        block_tables, seq_lens, scale * k_scale, window, softcap, sinks=sinks,
     )  # fmt: skip
     return out.mul_(v_scale) if out is not None and v_scale != 1.0 else out
 
 
 def call_decode_kernel(
     function, query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
-    cu_seqlens_q=None,
+    cu_seqlens_q=None, sinks=None,
 ) -> torch.Tensor | None:  # fmt: skip
     """A C kernel with paged_decode.c's entry point (its query in the kernel's dtype), or with
     a varlen batch's `cu_seqlens_q` after the block tables (paged_tiles.c's): fp32
-    [num_tokens, heads, d], or None when the caches are not contiguous or it declines."""
+    [num_tokens, heads, d], or None when the caches are not contiguous or it declines.
+    sinks: fp32 [heads] (passed as a pointer) or None (NULL)."""
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
     if not rows_of_heads(query):  # rows may be apart (a qkv view)
@@ -84,23 +87,28 @@ def call_decode_kernel(
     starts = () if cu_seqlens_q is None else (cu_seqlens_q.to(torch.int32).contiguous(),)
     out = torch.empty(query.shape, dtype=torch.float32)
     _, num_heads, head_dim = query.shape
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        assert sinks.shape == (num_heads,), f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     _, block_size, num_kv_heads, _ = key_cache.shape
     status = function(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), *(t.data_ptr() for t in starts),
         seq_lens.data_ptr(), out.data_ptr(), len(seq_lens), num_heads, num_kv_heads, head_dim,
         block_size, torch.get_num_threads(), scale, window or 0, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
     return None if status != 0 else out
 
 
 def _decode_rows(
     query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0, *,
-    k_scale=1.0, v_scale=1.0,
+    k_scale=1.0, v_scale=1.0, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     args = (query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
-    out = paged_decode(*args, k_scale=k_scale, v_scale=v_scale)
-    return decode_attention_ref(*args, k_scale=k_scale, v_scale=v_scale) if out is None else out
+    extra = dict(k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+    out = paged_decode(*args, **extra)
+    return decode_attention_ref(*args, **extra) if out is None else out
 
 
 # Prefill chunks this long or longer go to SDPA (blocked matmuls over a gathered copy of the
@@ -141,13 +149,15 @@ def paged_attention_cpu(
     softcap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
     in place through the block tables (bf16 and fp8 caches without widening), and chunks of
     SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather); a bf16
-    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16, assembled in bf16. Returns query's dtype."""
+    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16, assembled in bf16 (sinks as one more
+    key column: reference.with_sink_column). Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     masking = dict(window=window, softcap=softcap, **scales)
     if max_seqlen_q == 1:
         out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap, **scales)
@@ -159,17 +169,17 @@ def paged_attention_cpu(
     if long_chunks is None:
         return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
     if native_bf16:
-        _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window)
+        _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window, sinks)
     else:
         chunk_attention_ref(
-            query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale)
+            query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale), sinks
         )  # fmt: skip
     return out.to(query.dtype)
 
 
 def _short_rows(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, min_chunk, out,
-    window=0, softcap=0.0, *, k_scale=1.0, v_scale=1.0,
+    window=0, softcap=0.0, *, k_scale=1.0, v_scale=1.0, sinks=None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The rows of chunks under `min_chunk` tokens (decode tokens among them) on the C kernel,
     a row per query token over the keys it sees, into `out`. Returns which sequences are left
@@ -181,7 +191,7 @@ def _short_rows(
         tables = block_tables.index_select(0, seq_of_token[short])
         rows = paged_decode(
             query[short], key_cache, value_cache, tables, context[short], scale, window, softcap,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, sinks=sinks,
         )  # fmt: skip
         if rows is None:
             return None
@@ -201,10 +211,10 @@ def _native_bf16_chunks(query: torch.Tensor, key_cache: torch.Tensor, softcap: f
 
 def _bf16_chunk_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, chosen, out,
-    window=0,
+    window=0, sinks=None,
 ) -> None:  # fmt: skip
     """chunk_attention_ref's contract (rows of `chosen` sequences into `out`), in bf16, over
-    gathered copies of their context."""
+    gathered copies of their context; sinks as one more key column (with_sink_column)."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end, seq_len = starts[seq_idx], starts[seq_idx + 1], lens[seq_idx]
@@ -214,11 +224,12 @@ def _bf16_chunk_attention(
         )
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
         q_len = end - start
-        if q_len == seq_len and not window:  # no cached context: plain causal
+        if q_len == seq_len and not window and sinks is None:  # no cached context: plain causal
             mask, causal = None, True
         else:  # query i sits at position seq_len - q_len + i
             q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
             mask, causal = _visible(q_pos, torch.arange(seq_len)[None, :], window), False
+            k, v, mask = with_sink_column(k, v, mask, sinks, q.shape)
         attended = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )

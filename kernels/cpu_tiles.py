@@ -32,7 +32,7 @@ TOKEN_MAJOR = "token-major"
 TILE_TOKENS = 16
 MAX_GROUP = 16
 
-_ATTENTION = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT)
+_ATTENTION = (PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR) + (I64,) * 6 + (FLOAT, I64, FLOAT, PTR)
 _SIGNATURES = (
     ("tiles_ready", ()),
     ("write_kv_tiles_bf16", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64)),
@@ -121,13 +121,13 @@ def reshape_and_cache_tiles_ref(
 
 def paged_attention_tiles_ref(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-    *, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0,
+    *, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """paged_attention_ref over a tile-layout cache: the whole cache back in token rows."""
     keys, values = from_tiles(key_cache, False), from_tiles(value_cache, True)
     return reference.paged_attention_ref(
         query, keys, values, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -155,17 +155,18 @@ def reshape_and_cache_tiles(
 
 def paged_decode_tiles(
     query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0, *,
-    k_scale=1.0, v_scale=1.0,
+    k_scale=1.0, v_scale=1.0, sinks=None,
 ) -> torch.Tensor | None:  # fmt: skip
     """cpu_decode.paged_decode's contract over a tile-layout cache, for a bf16 query: fp32
     [num_seqs, heads, d], or None when the kernel does not take these inputs."""
     one_each = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     args = (query, key_cache, value_cache, block_tables, one_each, seq_lens, scale)
-    return _tile_attention(*args, window, softcap)
+    return _tile_attention(*args, window, softcap, sinks)
 
 
 def _tile_attention(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, window, softcap
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, window, softcap,
+    sinks=None,
 ) -> torch.Tensor | None:  # fmt: skip
     """The tile kernel over a varlen batch: fp32 [num_tokens, heads, d], or None where it
     declines (no AMX or AVX512-BF16, not bf16, a soft-cap, shapes it does not take)."""
@@ -177,7 +178,7 @@ def _tile_attention(
         raise ValueError(f"cu_seqlens_q {cu_seqlens_q.tolist()} does not cover {len(query)} tokens")
     return cpu_decode.call_decode_kernel(
         load().paged_attention_tiles_bf16, query, key_cache, value_cache, block_tables, seq_lens,
-        scale, window, softcap, cu_seqlens_q,
+        scale, window, softcap, cu_seqlens_q, sinks,
     )  # fmt: skip
 
 
@@ -195,12 +196,15 @@ def paged_attention_tiles(
     softcap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref's contract over a tile-layout cache: the whole batch, decode tokens
     and prefill chunks alike, on the tile kernel, read in place (no gathered copies); the twin
     for what the kernel does not take (a soft-capped layer: the layout is not picked for one)."""
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    out = _tile_attention(*args, window, softcap)
+    out = _tile_attention(*args, window, softcap, sinks)
     if out is None:
-        return paged_attention_tiles_ref(*args, max_seqlen_q, window=window, softcap=softcap)
+        return paged_attention_tiles_ref(
+            *args, max_seqlen_q, window=window, softcap=softcap, sinks=sinks
+        )
     return out.to(query.dtype)

@@ -46,6 +46,8 @@ class PagedAttention(Protocol):
         softcap: float = 0.0,  # scores become softcap * tanh(score / softcap); 0: none
         k_scale: float = 1.0,  # an fp8 cache's K are stored / k_scale: read as q * k_scale
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # fp32 [num_heads]: a logit per head that joins
+        # every softmax's denominator and adds no value (gpt-oss); None: none
     ) -> torch.Tensor:
         """Causal attention of a mixed batch over paged K/V: [num_tokens, num_heads, head_dim]
         in query's dtype. The new tokens' K/V are in the cache already. The caches are in

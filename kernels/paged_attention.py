@@ -16,7 +16,10 @@ q_pos sees q_pos - WINDOW < pos <= q_pos) starts the tile's key loop at its firs
 window and masks per row; soft-capping (SOFTCAP > 0) squashes each score with tanh first.
 Split-KV (flash-decoding) runs the same kernel with the context cut into `num_splits`
 partitions along grid axis 2: each program writes its unnormalised partial output with its
-running max and sum, and `_reduce_splits_kernel` combines them.
+running max and sum, and `_reduce_splits_kernel` combines them. Attention sinks (SINKS: a
+logit per query head, gpt-oss's) join the softmax once, where its sum is final: after the key
+loop in a single pass, in the reducer under split-KV; they add to the sum and nothing to the
+output (`_add_sink`).
 
 An fp8 cache (float8_e4m3fn / float8_e5m2) is widened to the query's dtype as each tile is
 loaded (exact: both formats fit in bf16 and fp16); its scales are linear, so k_scale joins
@@ -128,6 +131,16 @@ def _attend_range(
 
 
 @triton.jit
+def _add_sink(acc, m_i, l_i, sink):
+    """The running softmax (acc, max and sum in the log2 domain) with a sink logit per row
+    (natural units, fp32) joined: it raises the max and the sum, never the output."""
+    sink = sink * LOG2E_IN_KERNEL
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(sink - m_new)
+
+
+@triton.jit
 def _paged_attention_kernel(
     query_ptr,
     key_cache_ptr,
@@ -139,6 +152,7 @@ def _paged_attention_kernel(
     partial_out_ptr,
     partial_m_ptr,
     partial_l_ptr,
+    sinks_ptr,
     qk_scale,
     v_scale,
     softcap,
@@ -167,6 +181,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     WIDEN_KV: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq_idx, q_tile = tl.program_id(0), tl.program_id(1)
     kv_head, split_idx = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
@@ -207,6 +222,9 @@ def _paged_attention_kernel(
         tl.store(partial_l_ptr + part, l_i, mask=row_mask)
         tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
     else:
+        if SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32)
+            acc, m_i, l_i = _add_sink(acc, m_i, l_i, sink)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_offs = token_idx[:, None] * stride_out_token + head[:, None] * stride_out_head
         out_ptrs = out_ptr + out_offs + offs_d[None, :]
@@ -219,6 +237,7 @@ def _reduce_splits_kernel(
     partial_out_ptr,
     partial_m_ptr,
     partial_l_ptr,
+    sinks_ptr,
     num_splits,
     stride_out_token,
     stride_out_head,
@@ -227,6 +246,7 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     token_idx, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -235,8 +255,14 @@ def _reduce_splits_kernel(
     split_mask = offs_s < num_splits
     m = tl.load(partial_m_ptr + part, mask=split_mask, other=float("-inf"))
     l_i = tl.load(partial_l_ptr + part, mask=split_mask, other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))  # rescale every split to the global max
+    top = tl.max(m, 0)
+    if SINKS:  # the sink joins the global max and the sum once, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_IN_KERNEL
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # rescale every split to the global max
     denom = tl.sum(weight * l_i, 0)
+    if SINKS:
+        denom += tl.exp2(sink - top)
     mask = split_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
@@ -301,6 +327,7 @@ def paged_attention(
     softcap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -315,7 +342,8 @@ def paged_attention(
     num_splits: None lets `choose_num_splits` decide (split-KV for small decode batches with
     long contexts, judged by block_tables.shape[1] * block_size); 1 forces the single pass,
     > 1 forces split-KV with that many context partitions (any batch, also prefill). window,
-    softcap, k_scale, v_scale: as kernels/ops.py's contract (fp8 caches: the module doc)."""
+    softcap, k_scale, v_scale, sinks: as kernels/ops.py's contract (fp8 caches: the module
+    doc; sinks fp32 [num_heads] on query's device)."""
     _check_inputs(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
@@ -323,9 +351,12 @@ def paged_attention(
     if num_splits is None:
         num_splits = _auto_num_splits(query, key_cache, block_tables, max_seqlen_q)
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
-    masking = (window or 0, softcap or 0.0, k_scale, v_scale)
+    unused = torch.empty(0, dtype=torch.float32, device=query.device)
+    if sinks is not None:
+        assert sinks.shape == (query.shape[1],), f"sinks {tuple(sinks.shape)}: one a head"
+        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    masking = (window or 0, softcap or 0.0, k_scale, v_scale, sinks)
     if num_splits == 1:
-        unused = torch.empty(0, dtype=torch.float32, device=query.device)
         _launch_attention(*args, (unused, unused, unused), 1, scale, max_seqlen_q, masking)
         return out
     num_tokens, num_heads, head_dim = query.shape
@@ -334,7 +365,7 @@ def paged_attention(
     partial_out = partial_m.new_empty((*partial_m.shape, head_dim))
     partials = (partial_out, partial_m, partial_l)
     _launch_attention(*args, partials, num_splits, scale, max_seqlen_q, masking)
-    _launch_reduce(out, partials)
+    _launch_reduce(out, partials, unused if sinks is None else sinks)
     return out
 
 
@@ -356,13 +387,16 @@ def _launch_attention(
     max_context = block_tables.shape[1] * block_size
     partition_size = triton.cdiv(max_context, num_splits * block_n) * block_n
     group_pad, block_q = _tile_sizes(num_heads // num_kv_heads, max_seqlen_q)
-    window, softcap, k_scale, v_scale = masking
+    window, softcap, k_scale, v_scale, sinks = masking
+    has_sinks = sinks is not None
+    if sinks is None:
+        sinks = partial_m  # never read (SINKS off)
     if key_cache.dtype not in FP8_DTYPES:  # scales are an fp8 cache's
         k_scale = v_scale = 1.0
     grid = (num_seqs, triton.cdiv(max_seqlen_q, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-        out, partial_out, partial_m, partial_l,
+        out, partial_out, partial_m, partial_l, sinks,
         scale * LOG2E * k_scale, v_scale, softcap, window, num_splits, partition_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
@@ -373,16 +407,18 @@ def _launch_attention(
         # the interpreter (CPU) multiplies bf16 bit patterns in tl.dot: upcast there only
         DOT_FP32=not query.is_cuda and query.dtype == torch.bfloat16,
         SOFTCAP=softcap > 0, WINDOW=window > 0, WIDEN_KV=key_cache.dtype != query.dtype,
+        SINKS=has_sinks and num_splits == 1,  # split-KV: the reducer adds them
     )  # fmt: skip
 
 
-def _launch_reduce(out, partials):
-    """Combine the split-KV partials into out: one program per (token, head)."""
+def _launch_reduce(out, partials, sinks):
+    """Combine the split-KV partials into out: one program per (token, head); sinks fp32
+    [num_heads], or an empty tensor for none."""
     partial_out, partial_m, partial_l = partials
     num_tokens, num_heads, num_splits, head_dim = partial_out.shape
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        out, partial_out, partial_m, partial_l, num_splits,
+        out, partial_out, partial_m, partial_l, sinks, num_splits,
         out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks.numel() > 0,
     )  # fmt: skip

@@ -5,8 +5,10 @@ torch attention backend (CPU serving) calls them. Attention takes a per-layer `w
 full; else a key at position j is visible to the query at position i iff
 i - window < j <= i, transformers' sliding-window mask) and a
 `softcap` (0: none; else scores become softcap * tanh(scores / softcap) before masking, as
-Gemma 2 does). An fp8 cache (float8_e4m3fn or float8_e5m2) stores each K/V value x as
-q = clamp(x / scale) rounded to nearest even, with a per-layer `k_scale` / `v_scale`, and
+Gemma 2 does), and optional `sinks` (fp32 [num_heads]: gpt-oss's learned per-head logit that
+joins every softmax's denominator and adds no value; None: none). An fp8 cache
+(float8_e4m3fn or float8_e5m2) stores each K/V value x as q = clamp(x / scale) rounded to
+nearest even, with a per-layer `k_scale` / `v_scale`, and
 attention reads x = q * scale (`quantise_ref`, `dequantise_ref`); other caches store x cast to
 their dtype and ignore the scales. Cache layout everywhere:
 
@@ -96,6 +98,14 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2 * inter] -> gpt-oss's clamped SwiGLU (gate half first): the gate clamped from
+    above and the up half both ways to `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def reshape_and_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -131,18 +141,46 @@ def _gather_context(
     return dequantise_ref(cache.index_select(0, blocks).flatten(0, 1)[:num_tokens], scale)
 
 
-def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
+def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float = 0.0, sinks=None):
     """fp32 softmax attention. q [B, heads, q_len, d], k/v [B, kv_heads, kv_len, d] (any
-    strides), mask bool broadcastable to [B, heads, q_len, kv_len]; GQA by head groups.
-    SDPA has no soft-capping, so a capped layer takes the written-out path."""
+    strides), mask bool broadcastable to [B, heads, q_len, kv_len]; GQA by head groups;
+    sinks fp32 [heads] or None. SDPA has no soft-capping, so a capped layer takes the
+    written-out path."""
     q, k, v = q.float(), k.float(), v.float()
     if not softcap:
+        k, v, mask = with_sink_column(k, v, mask, sinks, q.shape)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # the sink's column joins the softmax, then is dropped
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1] @ v
     return scores.softmax(dim=-1) @ v  # [B, heads, q_len, d]
+
+
+def with_sink_column(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    q_shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """SDPA with attention sinks: one more key of zeros (score 0) whose additive mask is the
+    head's sink, and a value of zeros, so the sink joins each softmax's denominator and adds
+    nothing; the bool mask becomes an additive one in q's dtype (-inf where hidden). As they
+    are when `sinks` is None. q_shape [B, heads, q_len, d]; mask None: causal is not allowed
+    here (the caller passes an explicit mask)."""
+    if sinks is None:
+        return k, v, mask
+    zeros = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+    k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros.to(v.dtype)], dim=2)
+    batch, heads, q_len, _ = q_shape
+    bias = torch.zeros((batch, heads, q_len, k.shape[2]), dtype=k.dtype, device=k.device)
+    bias[..., :-1].masked_fill_(~mask, float("-inf"))
+    bias[..., -1] = sinks.to(k.dtype).view(1, -1, 1)
+    return k, v, bias
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -153,7 +191,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Ten
 
 def decode_attention_ref(
     query, key_cache, value_cache, block_tables, seq_lens, scale, window=0, softcap=0.0, *,
-    k_scale=1.0, v_scale=1.0,
+    k_scale=1.0, v_scale=1.0, sinks=None,
 ):  # fmt: skip
     """All sequences have one query token: one batched gather and attention, no Python loop."""
     num_seqs = query.shape[0]
@@ -168,12 +206,12 @@ def decode_attention_ref(
     k, v = dequantise_ref(k, k_scale), dequantise_ref(v, v_scale)
     positions = torch.arange(num_blocks * block_size, device=query.device)
     mask = _visible(seq_lens[:, None] - 1, positions[None, :], window).view(num_seqs, 1, 1, -1)
-    return _attend(query.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
+    return _attend(query.unsqueeze(2), k, v, mask, scale, softcap, sinks).squeeze(2)
 
 
 def _sequence_attention(
     q_seq, key_cache, value_cache, block_table, seq_len, scale, window=0, softcap=0.0,
-    kv_scales=(1.0, 1.0),
+    kv_scales=(1.0, 1.0), sinks=None,
 ):  # fmt: skip
     """Causal attention of one sequence's query chunk over its whole cached context."""
     q_len = q_seq.shape[0]
@@ -184,7 +222,7 @@ def _sequence_attention(
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q_seq.device)
     mask = _visible(q_pos[:, None], torch.arange(seq_len, device=q_seq.device)[None, :], window)
     # [1, heads, q_len, d]
-    out = _attend(q_seq.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)
+    out = _attend(q_seq.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap, sinks)
     return out[0].transpose(0, 1)
 
 
@@ -203,6 +241,7 @@ def paged_attention_ref(
     softcap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decode tokens) over paged K/V.
 
@@ -213,9 +252,9 @@ def paged_attention_ref(
     whose K/V must already be in the cache. num_heads is a multiple of num_kv_heads (GQA).
     Returns [num_tokens, num_heads, head_dim] in query's dtype. The one-token rows go to
     `decode` in one batch (the CPU backend passes its C kernel there). window, softcap,
-    k_scale, v_scale: see the module docstring.
+    k_scale, v_scale, sinks: see the module docstring.
     """
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if max_seqlen_q == 1:
         out = decode(
             query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
@@ -233,7 +272,7 @@ def paged_attention_ref(
         )  # fmt: skip
     chunk_attention_ref(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens > 1,
-        out, window, softcap, (k_scale, v_scale),
+        out, window, softcap, (k_scale, v_scale), sinks,
     )  # fmt: skip
     return out.to(query.dtype)
 
@@ -251,16 +290,17 @@ def chunk_attention_ref(
     window: int = 0,
     softcap: float = 0.0,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The query chunks of the sequences `chosen` (bool [num_seqs]), each attending causally
     over its cached context, into their rows of `out` (fp32 [num_tokens, heads, d]);
-    kv_scales: an fp8 cache's (k_scale, v_scale)."""
+    kv_scales: an fp8 cache's (k_scale, v_scale); sinks: fp32 [heads] or None."""
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end = starts[seq_idx], starts[seq_idx + 1]
         out[start:end] = _sequence_attention(
             query[start:end], key_cache, value_cache, block_tables[seq_idx], lens[seq_idx], scale,
-            window, softcap, kv_scales,
+            window, softcap, kv_scales, sinks,
         )  # fmt: skip
 
 
@@ -301,18 +341,26 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: each token's top-k experts' gated MLPs, weighted and summed.
 
     hidden [T, H]; gate_up [E, 2 * I, H] (gate rows first); down [E, H, I]; topk_weights
-    [T, k] in hidden's dtype; topk_ids int [T, k]. Returns [T, H] in hidden's dtype. The
+    [T, k] in hidden's dtype; topk_ids int [T, k]; gpt-oss's biases, gate_up_bias [E, 2 * I]
+    and down_bias [E, H], or None. Returns [T, H] in hidden's dtype. The
     (token, slot) pairs are sorted by expert, so each expert runs two matmuls over all its
     tokens at once; results are added back into their tokens' rows (index_add_)."""
     top_k = topk_ids.shape[1]
     out = torch.zeros_like(hidden)
     for expert, pairs in pairs_by_expert(topk_ids, gate_up.shape[0]):
         tokens = pairs // top_k
-        rows = activation(hidden[tokens] @ gate_up[expert].t()) @ down[expert].t()
+        gate_up_rows = hidden[tokens] @ gate_up[expert].t()
+        if gate_up_bias is not None:
+            gate_up_rows = gate_up_rows + gate_up_bias[expert]
+        rows = activation(gate_up_rows) @ down[expert].t()
+        if down_bias is not None:
+            rows = rows + down_bias[expert]
         out.index_add_(0, tokens, rows * topk_weights.flatten()[pairs, None])
     return out
 

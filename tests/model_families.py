@@ -107,3 +107,36 @@ def build_qwen3_moe(path: Path, seed: int = 8, **overrides) -> Path:
                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                   mlp_only_layers=[1], decoder_sparse_step=1)  # fmt: skip
     return _build(path, seed, Qwen3MoeConfig, Qwen3MoeForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_gpt_oss(path: Path, seed: int = 9, bias_scale: float = 1.0, **overrides) -> Path:
+    """4 layers alternating sliding (window 8) and full, sinks, q/k/v/o bias, 4 experts top 2
+    with a router bias and biased clamped-SwiGLU experts (a limit of 1.5 that the random
+    weights reach), YaRN with a 16-token pre-training length (the ramp covers several dims).
+    Sinks, router and expert biases drawn large enough to matter (transformers starts the
+    biases at 0), times `bias_scale`."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 64.0,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    }
+    fields = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                  num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.5,
+                  rope_parameters=rope, tie_word_embeddings=False,
+                  layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+    tokenizer = train_tokenizer(path)
+    config = GptOssConfig(**{**_common(tokenizer), **fields, **overrides})
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                param.copy_(bias_scale * torch.randn_like(param))
+    return _save(model, path, 1.0)

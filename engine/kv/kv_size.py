@@ -29,13 +29,17 @@ def parse_bytes(text: str) -> int:
 def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> int:
     """Bytes of the weights one of `size` ranks holds (engine/model/sharding.py): 1/N of every
     sharded matrix (each routed expert's too), the vocab padded to a multiple of N, KV heads
-    replicated past their count, the norms and routers whole; Gemma's norms in float32
-    (engine/model/decoder.py: norm_dtype)."""
+    replicated past their count, the norms and routers whole; Gemma's and gpt-oss's norms in
+    float32 (engine/model/decoder.py: norm_dtype), gpt-oss's sinks too, its biases beside."""
     hidden, head_dim = config.hidden_size, config.head_dim
     q, kv = config.num_heads // size * head_dim, config.kv_heads_per_rank(size) * head_dim
     attention = (q + 2 * kv) * hidden + hidden * q + ((q + 2 * kv) if config.attention_bias else 0)
     dense = 3 * hidden * (config.intermediate_size // size)
-    experts = config.num_experts * (3 * hidden * (config.moe_intermediate_size // size) + hidden)
+    expert_rows = config.moe_intermediate_size // size
+    experts = config.num_experts * (3 * hidden * expert_rows + hidden)
+    if config.gpt_oss_experts:  # router, gate_up and down biases
+        experts += config.num_experts * (1 + 2 * expert_rows + hidden)
+    attention += hidden if config.o_proj_bias else 0
     layers = sum(
         attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
     )
@@ -45,8 +49,10 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     layer_norms = (4 if config.gemma_norms else 2) * hidden + qk_norms
     norms = config.num_layers * layer_norms + hidden  # the final norm too
     element = dtype_bytes(dtype)
-    norm_element = dtype_bytes("float32") if config.gemma_norms else element
-    return (layers + embeddings) * element + norms * norm_element
+    float32_norms = config.gemma_norms or config.float32_norms
+    norm_element = dtype_bytes("float32") if float32_norms else element
+    sinks = config.num_layers * config.num_heads // size if config.attention_sinks else 0
+    return (layers + embeddings) * element + norms * norm_element + sinks * dtype_bytes("float32")
 
 
 def gpu_kv_budget(

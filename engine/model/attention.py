@@ -39,13 +39,17 @@ class PagedAttention:
         softcap: float = 0.0,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d], layer_cache [2, num_blocks, bs, kv_heads, d];
         the layer's sliding window (0: full), attention soft-cap (0: none), and its fp8
-        cache's scales (engine/model/kv_scales.py; other caches ignore them)."""
+        cache's scales (engine/model/kv_scales.py; other caches ignore them); sinks: fp32
+        [heads] (gpt-oss) or None."""
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, **scales)
+        if sinks is not None:  # gpt-oss's; other families' calls stay as they were
+            scales["sinks"] = sinks
         return self.ops.paged_attention(
             q,
             key_cache,

@@ -42,8 +42,9 @@ def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
     """The dtype of the norm weights: the model's, but float32 for Gemma's (1 + w) scales.
     Transformers' Gemma norms scale in fp32 and round once (`(norm(x) * (1 + w)).to(dtype)`,
     not Llama's `w * norm(x).to(dtype)`); the norm ops apply a float32 weight beside
-    narrower activations that way (kernels/reference.py: rms_norm_ref)."""
-    return torch.float32 if config.gemma_norms else dtype
+    narrower activations that way (kernels/reference.py: rms_norm_ref). gpt-oss keeps its
+    norm weights in fp32 and scales the same way (`(w * norm(x)).to(dtype)`)."""
+    return torch.float32 if config.gemma_norms or config.float32_norms else dtype
 
 
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
@@ -90,13 +91,18 @@ class DecoderLayer(nn.Module):
         self.q_norm = optional(config.qk_norm, self.head_dim, dtype=norm)  # one for every head
         self.k_norm = optional(config.qk_norm, self.head_dim, dtype=norm)
         self.o_weight = param(hidden, self.q_size)
+        # gpt-oss: o's bias (added once, after the all-reduce) and a sink logit per head
+        self.o_bias = optional(config.o_proj_bias, hidden)
+        self.sinks = optional(config.attention_sinks, self.num_heads, dtype=torch.float32)
         # Gemma's sandwich norms: on the attention output and the MLP output, before the adds
         self.attn_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
         self.post_attention_norm = param(hidden, dtype=norm)  # the MLP's input norm
         self.mlp_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
         self.experts = None
         if config.is_sparse(layer_idx):
-            self.experts = RoutedExperts(config, shard.expert_intermediate_size, dtype)
+            self.experts = RoutedExperts(
+                config, shard.expert_intermediate_size, dtype, add_down_bias=shard.rank == 0
+            )
         else:
             self.gate_up_weight = param(2 * intermediate, hidden)
             self.down_weight = param(hidden, intermediate)
@@ -133,9 +139,12 @@ class DecoderLayer(nn.Module):
         q, k = ops.rotary(q, k, *(rope.local if self.local_rope else rope.full))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attention(
-            q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale
-        )
+            q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale,
+            self.sinks,
+        )  # fmt: skip
         attn = _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
+        if self.o_bias is not None:
+            attn = attn + self.o_bias
         h, x = ops.add_rms_norm(
             x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.kv_scales import read_kv_scales
 from kvpager.engine.model.sharding import MIXTRAL_NAMES, Part, Shard
@@ -47,19 +48,21 @@ def _reader(tensor_slice) -> Callable[[Part], torch.Tensor]:
         if part is None:  # a 0-dim tensor (a KV cache scale) takes no slice
             return tensor_slice[:] if tensor_slice.get_shape() else tensor_slice[()]
         dim, start, stop = part
-        return tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
+        return tensor_slice[(slice(None),) * dim + (slice(start, stop),)]
 
     return read
 
 
 class Target(NamedTuple):
     """Where (part of) a checkpoint tensor goes: `param` rows from `offset` (of `expert`'s
-    slice of a stacked expert parameter), read as `part` of the checkpoint tensor."""
+    slice of a stacked expert parameter), read as `part` of the checkpoint tensor, then
+    `transform`ed to the param's layout (gpt-oss's stacked experts)."""
 
     param: torch.Tensor | None
     offset: int
     part: Part
     expert: int | None = None
+    transform: gpt_oss.Transform = None
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
@@ -76,6 +79,10 @@ def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
               "k_norm.weight": layer.k_norm}  # fmt: skip
     if kind in params:
         return [Target(params[kind], 0, shard.layer_part(f"self_attn.{kind}"))]
+    if kind == "o_proj.bias" and layer.o_bias is not None:  # added after the all-reduce
+        return [Target(layer.o_bias, 0, None)]
+    if kind == "sinks" and layer.sinks is not None:  # one per query head: the rank's heads
+        return [Target(layer.sinks, 0, shard.head_part())]
     return None
 
 
@@ -96,7 +103,9 @@ def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
 
 def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
     """`gate.weight` (the router) and `experts.<e>.<proj>.weight` (Qwen3-MoE's names, or
-    Mixtral's w1 / w3 / w2)."""
+    Mixtral's w1 / w3 / w2); gpt-oss's stacked tensors (engine/model/gpt_oss.py)."""
+    if experts.gpt_oss:
+        return _gpt_oss_expert_targets(experts, kind, shard)
     if kind == "gate.weight":
         return [Target(experts.router, 0, None)]
     parts = kind.split(".")
@@ -109,6 +118,13 @@ def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
     if proj not in rows:
         return None
     return [Target(*rows[proj], shard.layer_part(f"mlp.{kind}"), expert)]
+
+
+def _gpt_oss_expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
+    if kind not in gpt_oss.EXPERT_TENSORS:
+        return None
+    name, dim, columns, transform = gpt_oss.EXPERT_TENSORS[kind]
+    return [Target(getattr(experts, name), 0, shard.expert_part(dim, columns), None, transform)]
 
 
 def _norm_targets(layer, kind: str, gemma: bool) -> list[Target] | None:
@@ -159,11 +175,12 @@ def load_weights(model: Decoder, path: Path) -> int:
     filled = _vocab_padding(model)
     num_bytes = 0
     for name, read in iter_slices(path):
-        for param, offset, part, expert in _targets(model, name) or ():
+        for param, offset, part, expert, transform in _targets(model, name) or ():
             if param is None:
                 continue  # the tied lm_head
             tensor = read(part)
             num_bytes += tensor.numel() * tensor.element_size()
+            tensor = tensor if transform is None else transform(tensor)
             dest = param.data if expert is None else param.data[expert]
             if tensor.shape[1:] != dest.shape[1:] or offset + tensor.shape[0] > dest.shape[0]:
                 raise CheckpointError(

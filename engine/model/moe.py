@@ -1,19 +1,23 @@
-"""Routed experts (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, the
-backend's `fused_moe` runs them (kernels/reference.py's twin: one matmul pair per expert over
-the tokens routed to it; kernels/moe.py on CUDA). Once the decoder packs its weights on CPU,
-in bf16, engine/model/packed_experts.py runs them instead: the twin's loop on oneDNN-packed
-matmuls.
+"""Routed experts (Mixtral, Qwen3-MoE, gpt-oss: engine/model/gpt_oss.py): a router picks
+each token's top-k experts, the backend's `fused_moe` runs them (kernels/reference.py's twin:
+one matmul pair per expert over the tokens routed to it; kernels/moe.py on CUDA). Once the
+decoder packs its weights on CPU, in bf16, engine/model/packed_experts.py runs them instead:
+the twin's loop on oneDNN-packed matmuls.
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
 (engine/model/sharding.py) and the whole router, so the routing is the same on every rank and
 the decoder all-reduces the output as it does a dense MLP's.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+from kvpager.engine.model.gpt_oss import route_top_logits
 from kvpager.engine.model.linear import release
 from kvpager.engine.model.packed_experts import PACKED_DTYPES, PackedExperts
 from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.reference import clamped_swiglu_ref, fused_moe_ref
 from torch import nn
 
 
@@ -30,20 +34,33 @@ def route(
 
 
 class RoutedExperts(nn.Module):
-    """A layer's router and experts; `gate_up` [E, 2 * I_rank, H], `down` [E, H, I_rank]."""
+    """A layer's router and experts; `gate_up` [E, 2 * I_rank, H], `down` [E, H, I_rank];
+    gpt-oss's biases beside them. Under tensor parallelism only rank 0 (`add_down_bias`) adds
+    the down bias: the ranks' outputs are summed."""
 
-    def __init__(self, config: ModelConfig, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, intermediate: int, dtype: torch.dtype, add_down_bias: bool = True
+    ) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalise = config.norm_topk_prob
+        self.gpt_oss = config.gpt_oss_experts
+        self.add_down_bias = add_down_bias
         num_experts, hidden = config.num_experts, config.hidden_size
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        def param(*shape: int, on: bool = True) -> nn.Parameter | None:
+            empty = torch.empty(*shape, dtype=dtype)
+            return nn.Parameter(empty, requires_grad=False) if on else None
 
         self.router = param(num_experts, hidden)
         self.gate_up = param(num_experts, 2 * intermediate, hidden)
         self.down = param(num_experts, hidden, intermediate)
+        self.router_bias = param(num_experts, on=self.gpt_oss)
+        self.gate_up_bias = param(num_experts, 2 * intermediate, on=self.gpt_oss)
+        self.down_bias = param(num_experts, hidden, on=self.gpt_oss)
+        self.gpt_oss_activation = partial(
+            clamped_swiglu_ref, alpha=config.swiglu_alpha, limit=config.swiglu_limit
+        )
         self.packed: PackedExperts | None = None
 
     @property
@@ -53,6 +70,8 @@ class RoutedExperts(nn.Module):
     def build_matmuls(self, pack: bool) -> None:
         """Packs every expert where oneDNN can and that pays (bf16: packed_experts.py); then the
         plain stacks, copies, are released."""
+        if self.gpt_oss:  # biased experts stay on the twin's loop (gpt_oss.py)
+            return
         if pack and not self.is_packed and self.gate_up.dtype in PACKED_DTYPES:
             self.packed = PackedExperts.pack(self.gate_up, self.down)
             if self.is_packed:
@@ -61,7 +80,17 @@ class RoutedExperts(nn.Module):
 
     def forward(self, h: torch.Tensor, fused_moe, activation) -> torch.Tensor:
         """h [T, H] -> [T, H] (this rank's partial sum under tensor parallelism)."""
+        if self.gpt_oss:
+            return self._gpt_oss(h)
         weights, ids = route(F.linear(h, self.router), self.top_k, self.renormalise)
         if self.packed is not None:
             return self.packed(h, weights, ids, activation)
         return fused_moe(h, self.gate_up, self.down, weights, ids, activation)
+
+    def _gpt_oss(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_top_logits(F.linear(h, self.router, self.router_bias), self.top_k)
+        down_bias = self.down_bias if self.add_down_bias else None
+        return fused_moe_ref(
+            h, self.gate_up, self.down, weights, ids, self.gpt_oss_activation,
+            gate_up_bias=self.gate_up_bias, down_bias=down_bias,
+        )  # fmt: skip

@@ -1,5 +1,6 @@
 """Rotary position embeddings as cos/sin tables: default, linear, Llama 3.1's frequency scaling,
-and Phi-3's LongRoPE; Gemma 3's sliding layers get a second table with their own base.
+YaRN (gpt-oss), and Phi-3's LongRoPE; Gemma 3's sliding layers get a second table with their
+own base.
 
 LongRoPE has two tables: the long one for a sequence whose context is past the pre-training
 length, the short one before. The engine picks per sequence, each step, by its context length
@@ -56,6 +57,44 @@ def _longrope(
     return 1.0 / (factors * theta**exponents), attention_factor
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(
+    config: ModelConfig, scaling: dict, exponents: torch.Tensor, theta: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers computes it (_compute_yarn_parameters): interpolated (divided by
+    `factor`) low frequencies, extrapolated high ones, a linear ramp between the dims that
+    turn beta_fast and beta_slow times over the pre-training length; cos/sin scaled by mscale."""
+    dim = config.head_dim
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else _yarn_mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # 1: the dim keeps its frequency
+    pos_freqs = theta**exponents
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    return inv_freq, float(attention_factor)
+
+
 def inverse_frequencies(
     config: ModelConfig, local: bool = False, long: bool = False
 ) -> tuple[torch.Tensor, float]:
@@ -76,6 +115,8 @@ def inverse_frequencies(
         return inv_freq / scaling["factor"], 1.0
     if rope_type in ("longrope", "su"):
         return _longrope(config, scaling, exponents, theta, long)
+    if rope_type == "yarn":
+        return _yarn(config, scaling, exponents, theta)
     raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported")
 
 

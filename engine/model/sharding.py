@@ -97,6 +97,20 @@ class Shard:
         }
         return parts[MIXTRAL_NAMES.get(kind, kind)]
 
+    def head_part(self) -> Part:
+        """The rank's rows of a per-query-head tensor (gpt-oss's sinks)."""
+        if not self.is_sharded:
+            return None
+        return (0, self.rank * self.num_heads, (self.rank + 1) * self.num_heads)
+
+    def expert_part(self, dim: int | None, columns: int) -> Part:
+        """The rank's span of a stacked expert tensor's intermediate `dim` (None: replicated),
+        `columns` entries per intermediate row (gpt-oss's interleaved gate_up: 2)."""
+        if not self.is_sharded or dim is None:
+            return None
+        width = columns * self.expert_intermediate_size
+        return (dim, self.rank * width, (self.rank + 1) * width)
+
     def fused_part(self, kind: str, index: int) -> Part:
         """This rank's rows of q, k or v (index 0-2) in a fused qkv_proj, or of gate or up
         (0-1) in a fused gate_up_proj."""

@@ -21,6 +21,8 @@
 // `window` > 0 keeps the keys j with seq_len - 1 - window < j (the sliding window of the query
 // at position seq_len - 1): the loop starts at the block holding the first of them and zeroes
 // the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
+// `sinks` (NULL: none) holds a logit per query head (gpt-oss) that joins the softmax's
+// denominator and adds no value: each head's running max starts at its sink, the sum at 1.
 // An fp8 cache's scales are the caller's: it folds k_scale into `scale` and multiplies the
 // output by v_scale (both linear), so the kernel reads the stored values as they are.
 // Returns 0, or -1 for shapes it does not handle (head_dim not a multiple of 8, big groups).
@@ -73,7 +75,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     const int64_t group, const int64_t chunks, const float *query, const CACHE_T *key_cache,   \
     const CACHE_T *value_cache, const int32_t *table, const int64_t seq_len, float *out,       \
     const int64_t token_stride, const int64_t block_stride, const int64_t block_size,          \
-    const int64_t kv_head, const float scale, const int64_t window, const float softcap) {    \
+    const int64_t kv_head, const float scale, const int64_t window, const float softcap,      \
+    const float *sinks) {                                                                      \
     vec q[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];                                  \
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];                                      \
     vec scores[MAX_GROUP][MAX_BLOCK_SIZE / LANES];                                             \
@@ -82,8 +85,8 @@ static inline __attribute__((always_inline)) void NAME(                         
             q[g][c] = load_f32(query + g * chunks * LANES + c * LANES) * scale;                \
             acc[g][c] = (vec){0};                                                              \
         }                                                                                      \
-        running_max[g] = -INFINITY;                                                            \
-        running_sum[g] = 0.0f;                                                                 \
+        running_max[g] = sinks ? sinks[g] : -INFINITY; /* the sink: exp(sink - max) = 1 */    \
+        running_sum[g] = sinks ? 1.0f : 0.0f;                                                  \
     }                                                                                          \
     const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0;               \
     for (int64_t start = first / block_size * block_size; start < seq_len;                     \
@@ -172,7 +175,7 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define CASE(ATTEND, G, C)                                                                     \
     if (group == G && chunks == C)                                                             \
         return ATTEND(G, C, query, key_cache, value_cache, table, seq_len, out, token_stride,  \
-                      block_stride, block_size, kv_head, scale, window, softcap);
+                      block_stride, block_size, kv_head, scale, window, softcap, sinks);
 #define CASES_FOR_GROUP(ATTEND, G)                                                             \
     CASE(ATTEND, G, 8) CASE(ATTEND, G, 16)
 
@@ -184,12 +187,13 @@ static void NAME(const int64_t group, const int64_t chunks, const float *query, 
                  const CACHE_T *key_cache, const CACHE_T *value_cache, const int32_t *table,  \
                  const int64_t seq_len, float *out, const int64_t token_stride,                \
                  const int64_t block_stride, const int64_t block_size, const int64_t kv_head,  \
-                 const float scale, const int64_t window, const float softcap) {               \
+                 const float scale, const int64_t window, const float softcap,                 \
+                 const float *sinks) {                                                         \
     CASES_FOR_GROUP(ATTEND, 1) CASES_FOR_GROUP(ATTEND, 2) CASES_FOR_GROUP(ATTEND, 3)           \
     CASES_FOR_GROUP(ATTEND, 4) CASES_FOR_GROUP(ATTEND, 5) CASES_FOR_GROUP(ATTEND, 6)           \
     CASES_FOR_GROUP(ATTEND, 7) CASES_FOR_GROUP(ATTEND, 8)                                      \
     ATTEND(group, chunks, query, key_cache, value_cache, table, seq_len, out, token_stride,    \
-           block_stride, block_size, kv_head, scale, window, softcap);                         \
+           block_stride, block_size, kv_head, scale, window, softcap, sinks);                  \
 }
 
 // The exported entry point: an OpenMP loop over (sequence, kv head) pairs, sequence-major.
@@ -198,7 +202,7 @@ int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,    
          const CACHE_T *value_cache, const int32_t *block_tables, int64_t table_stride,        \
          const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads,             \
          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_threads,      \
-         float scale, int64_t window, float softcap) {                                         \
+         float scale, int64_t window, float softcap, const float *sinks) {                     \
     if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES) return -1;           \
     const int64_t group = num_heads / num_kv_heads, chunks = head_dim / LANES;                 \
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size > MAX_BLOCK_SIZE) return -1;    \
@@ -213,7 +217,8 @@ int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,    
             DISPATCH(group, chunks, query + seq * query_stride + kv_head * group * head_dim,   \
                      key_cache, value_cache, block_tables + seq * table_stride,                \
                      seq_lens[seq], out + first_head * head_dim, token_stride, block_stride,   \
-                     block_size, kv_head, scale, window, softcap);                             \
+                     block_size, kv_head, scale, window, softcap,                              \
+                     sinks ? sinks + kv_head * group : 0);                                     \
         }                                                                                      \
     }                                                                                          \
     return 0;                                                                                  \

@@ -99,7 +99,7 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
         const uint16_t *value_cache, const int32_t *block_tables, int64_t table_stride,      \
         const int32_t *cu_seqlens_q, const int32_t *seq_lens, float *out, int64_t num_seqs,   \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,        \
-        int64_t num_threads, float scale, int64_t window, float softcap
+        int64_t num_threads, float scale, int64_t window, float softcap, const float *sinks
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define TILES_AMX 1
@@ -151,6 +151,7 @@ typedef struct {
     const int32_t *table;
     int64_t query_step, out_step, rows, kv_head;
     int64_t last, causal;   // row r sees the keys before last + r * causal (a window: fewer)
+    int64_t head, head_step;  // row r is query head head + r * head_step (its sink's)
 } unit;
 
 typedef struct {  // the running softmax of a unit's rows
@@ -163,6 +164,7 @@ typedef struct {  // what every unit of a call shares
     int64_t group, head_dim, num_heads, block_size, slab, block_stride;
     float scale;
     int64_t window;
+    const float *sinks;  // a logit per query head that joins every softmax (gpt-oss); NULL: none
 } shape;
 
 static inline int64_t row_last(const unit *u, int64_t r) { return u->last + r * u->causal; }
@@ -285,6 +287,8 @@ static void attend(const shape *s, const unit *u, const unit *next) {
     for (int64_t g = 0; g < u->rows; g++) {
         memset(st.acc[g], 0, s->head_dim * sizeof(float));
         st.max[g] = -INFINITY, st.sum[g] = 0.0f;
+        if (s->sinks)  // the sink starts the running softmax, in base 2: exp2(max - max) = 1
+            st.max[g] = s->sinks[u->head + g * u->head_step] * 1.44269504088896341f, st.sum[g] = 1.0f;
     }
     const int64_t first = row_first(s, u->last), end = row_last(u, u->rows - 1);
     for (int64_t start = unit_start(s, u); start < end; start += CHUNK) {
@@ -323,7 +327,7 @@ static int64_t sequence_units(const shape *s, unit *units, const uint16_t *query
             for (int64_t i = 0; i < q_len; i++)
                 units[n++] = (unit){query + i * query_stride + h * s->group * hd,
                                     out + (i * s->num_heads + h * s->group) * hd, table, hd, hd,
-                                    s->group, h, first_last + i, 0};
+                                    s->group, h, first_last + i, 0, h * s->group, 1};
         return n;
     }
     for (int64_t head = 0; head < s->num_heads; head++)
@@ -331,7 +335,7 @@ static int64_t sequence_units(const shape *s, unit *units, const uint16_t *query
             units[n++] = (unit){query + i * query_stride + head * hd,
                                 out + (i * s->num_heads + head) * hd, table, query_stride,
                                 s->num_heads * hd, q_len - i < TILE_TOKENS ? q_len - i : TILE_TOKENS,
-                                head / s->group, first_last + i, 1};
+                                head / s->group, first_last + i, 1, head, 0};
     return n;
 }
 
@@ -373,7 +377,7 @@ int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
         return -1;  // a soft-capped layer has the token-major layout (kernels/cpu_tiles.py fits)
     const shape s = {key_cache, value_cache, num_heads / num_kv_heads, head_dim, num_heads,
                      block_size, block_size * head_dim, block_size * num_kv_heads * head_dim,
-                     scale, window};
+                     scale, window, sinks};
     int64_t n = 0;
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];

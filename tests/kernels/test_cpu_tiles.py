@@ -213,7 +213,7 @@ def test_the_kernel_declines_soft_capping():
     status = library.paged_attention_tiles_bf16(
         batch.query.data_ptr(), batch.query.stride(0), key, value, tables,
         batch.block_tables.stride(0), batch.cu_seqlens_q.data_ptr(), batch.seq_lens.data_ptr(),
-        out.data_ptr(), len(batch.seq_lens), 4, 2, 32, 16, 1, 0.125, 0, 5.0,
+        out.data_ptr(), len(batch.seq_lens), 4, 2, 32, 16, 1, 0.125, 0, 5.0, None,
     )  # fmt: skip
     assert status == -1
 

@@ -113,3 +113,36 @@ def test_sliding_layers_hold_only_their_window():
     assert report.windowed_bytes_per_sequence == (512 + 5 * 65) * 16 * per_layer_slot
     assert report.paged_sequences == (80 * 1024**3) // report.windowed_bytes_per_sequence
     assert any("windows freeing" in line and "27%" in line for line in report.lines())
+
+
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json (transformers' GptOssConfig defaults)
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_local_experts": 32,
+    "num_experts_per_tok": 4, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096},
+}  # fmt: skip
+
+
+def test_gpt_oss_20b_weights_and_windowed_kv():
+    """gpt-oss-20b unquantised in bf16: weight bytes equal transformers' parameter count (its
+    sinks and norm weights held in float32 here), and at 8K tokens the 12 sliding layers
+    (window 128) hold 9 blocks of 16 each where the 12 full ones hold 512: 51% of the bytes."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = ModelConfig.from_dict(GPT_OSS_20B)
+    assert config.attention_sinks and config.gpt_oss_experts and config.attention_bias
+    with torch.device("meta"):
+        model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_20B))
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    in_fp32 = sum(p.numel() for n, p in params.items() if "norm" in n or n.endswith("sinks"))
+    assert weight_bytes_per_rank(config, torch.bfloat16) == 2 * total + 2 * in_fp32
+    report = kv_size(config, torch.bfloat16, 8192, 1, 80 * 1024**3, avg_tokens=8192)
+    per_layer_slot = 2 * 8 * 64 * 2
+    assert report.bytes_per_sequence == 24 * per_layer_slot * 8192
+    assert report.windowed_bytes_per_sequence == (12 * 512 + 12 * 9) * 16 * per_layer_slot
+    assert any("windows freeing" in line and "51%" in line for line in report.lines())

@@ -9,6 +9,7 @@ from kvpager.engine.kv.kv_groups import kv_groups
 from kvpager.engine.kv.kv_size import weight_bytes_per_rank
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.loader import load_weights
+from kvpager.engine.model.rope import inverse_frequencies
 from kvpager.engine.model.sharding import Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
@@ -33,6 +34,7 @@ FAMILIES = {
     "phi3": model_families.build_phi3,
     "mixtral": model_families.build_mixtral,
     "qwen3_moe": model_families.build_qwen3_moe,
+    "gpt_oss": model_families.build_gpt_oss,
 }
 
 
@@ -148,10 +150,14 @@ def test_unknown_family_is_a_typed_error_naming_the_supported_ones(tmp_path):
         ModelConfig.from_dict(raw)
 
 
-@pytest.mark.parametrize("build", [model_families.build_gemma2, model_families.build_qwen3_moe])
+@pytest.mark.parametrize(
+    "build",
+    [model_families.build_gemma2, model_families.build_qwen3_moe, model_families.build_gpt_oss],
+)
 def test_triton_backend_windows_soft_caps_and_experts(build, tmp_path):
     """The Triton kernels (interpreted on CPU) in the engine: Gemma 2's window and attention
-    soft-cap in paged attention, Qwen3-MoE's experts in the grouped MoE kernel; chunked."""
+    soft-cap in paged attention, Qwen3-MoE's experts in the grouped MoE kernel, gpt-oss's
+    sinks beside its windows (its biased experts on the twin); chunked."""
     path = build(tmp_path)
     prompts = make_prompts()[-5:-1]  # 23-33 tokens: past the 8-token window
     llm = LLM(str(path), dtype="float32", block_size=8, num_blocks=64,
@@ -204,3 +210,29 @@ def test_hub_style_configs_parse_as_transformers_reads_them():
     assert not moe.norm_topk_prob
     mixtral = ModelConfig.from_dict({**base, "model_type": "mixtral", "num_local_experts": 4})
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 8
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_gpt_oss_hub_config_parses_as_transformers_reads_it(truncate):
+    """gpt-oss-20b's config.json style: `rope_scaling` and `rope_theta` beside it, no
+    `layer_types` (transformers alternates, sliding first); the YaRN table equals transformers'
+    own (inverse frequencies and the cos / sin scale), the ramp truncated or not."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+               "truncate": truncate, "original_max_position_embeddings": 4096}  # fmt: skip
+    raw = {"model_type": "gpt_oss", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 32,
+           "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "sliding_window": 128, "num_local_experts": 4,
+           "rope_theta": 150000.0, "rope_scaling": scaling,
+           "max_position_embeddings": 131072}  # fmt: skip
+    config = ModelConfig.from_dict(raw)
+    hf = GptOssConfig(**raw)
+    windows = tuple(128 if kind == "sliding_attention" else 0 for kind in hf.layer_types)
+    assert config.layer_windows == windows == (128, 0, 128, 0, 128)
+    assert config.rope_theta == 150000.0 and config.attention_bias and config.o_proj_bias
+    want_inv_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    inv_freq, scale = inverse_frequencies(config)
+    torch.testing.assert_close(inv_freq, want_inv_freq, rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale)

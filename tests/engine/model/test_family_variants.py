@@ -23,6 +23,10 @@ PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 5000.0,
              "short_factor": [1.0 + 0.2 * i for i in range(4)],
              "long_factor": [1.0 + 0.7 * i for i in range(4)]}  # fmt: skip
 
+# YaRN with transformers' defaults: truncated ramp, beta 32 / 1, factor = 1024 / 32
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 32.0,
+                "original_max_position_embeddings": 32}  # fmt: skip
+
 VARIANTS = {
     "llama": lambda p: build_llama(
         p, seed=41, num_attention_heads=8, num_key_value_heads=4, head_dim=12,
@@ -58,6 +62,11 @@ VARIANTS = {
     "qwen3_moe": lambda p: fam.build_qwen3_moe(
         p, seed=49, num_experts=4, num_experts_per_tok=3, norm_topk_prob=True,
         mlp_only_layers=[], decoder_sparse_step=2, head_dim=24, num_hidden_layers=3,
+    ),
+    "gpt_oss": lambda p: fam.build_gpt_oss(
+        p, seed=50, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+        num_hidden_layers=3, layer_types=[F, S, S], sliding_window=5, num_local_experts=5,
+        num_experts_per_tok=3, intermediate_size=24, swiglu_limit=3.0, rope_parameters=GPT_OSS_ROPE,
     ),
 }  # fmt: skip
 

@@ -38,6 +38,19 @@ def test_a_bf16_model_on_tiles_follows_transformers(tiny_qwen3):
 
 
 @needs_tiles
+def test_gpt_oss_sinks_and_windows_on_tiles_follow_transformers(tmp_path):
+    """gpt-oss on the tile layout: each row's sink starts its running softmax, in decode and
+    prefill units, sliding (window 8) and full layers alike (smaller weights, as test_bf16's
+    gpt-oss: transformers' own bf16 stays within the tie margin of its fp32 then)."""
+    path = model_families.build_gpt_oss(
+        tmp_path, head_dim=32, bias_scale=0.3, initializer_range=0.1
+    )
+    llm = make_llm(path, **TILES)
+    assert llm.executor.ops.kv_layout == cpu_tiles.LAYOUT
+    _generates_and_frees(llm, path)
+
+
+@needs_tiles
 def test_swapped_blocks_come_back_in_the_layout_they_left(tiny_qwen3):
     """Swaps copy whole blocks, so the tile layout survives them: the same tokens as a run
     with room for everything."""

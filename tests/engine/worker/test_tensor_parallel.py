@@ -27,7 +27,13 @@ from tests.engine.kv.test_kv_size import LLAMA_31_70B
 from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
 from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.test_prompt_logprobs import check_against, hf_logprobs
-from tests.model_families import build_gemma2, build_gemma3, build_phi3, build_qwen3_moe
+from tests.model_families import (
+    build_gemma2,
+    build_gemma3,
+    build_gpt_oss,
+    build_phi3,
+    build_qwen3_moe,
+)
 from tests.models import build_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -180,21 +186,28 @@ def test_bad_sizes_are_typed_errors(tiny_llama):
     check_devices(torch.device("cpu"), 8)  # CPU ranks share the host
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3", "gpt_oss"])
 def test_experts_windows_and_fused_tensors_over_two_ranks(family, tmp_path):
     """Qwen3-MoE: each expert's intermediate dimension halves (32 -> 16 rows a rank), the
     router and the dense layer as usual; Gemma 2: window 8 and soft-caps on each rank's heads;
-    Phi-3: each rank reads its q, k, v (gate, up) rows out of the fused tensors. Roomy, then
-    under recompute preemption."""
-    builders = {"qwen3_moe": build_qwen3_moe, "gemma2": build_gemma2, "phi3": build_phi3}
+    Phi-3: each rank reads its q, k, v (gate, up) rows out of the fused tensors; gpt-oss: each
+    rank its heads' sinks and its span of the interleaved gate_up columns, the o and down
+    biases added once. Roomy, then under recompute preemption."""
+    builders = {"qwen3_moe": build_qwen3_moe, "gemma2": build_gemma2, "phi3": build_phi3,
+                "gpt_oss": build_gpt_oss}  # fmt: skip
     path = builders[family](tmp_path)
     expected = hf_greedy(path, PROMPTS)
-    num_blocks = 20 if family == "gemma2" else 10  # two KV groups: blocks of half the bytes
+    # two KV groups: blocks of half the bytes
+    num_blocks = 20 if family in ("gemma2", "gpt_oss") else 10
     with tp_llm(path, num_blocks=num_blocks, preemption_mode="recompute") as llm:
         if family == "qwen3_moe":
             experts = llm.executor.model.layers[0].experts
             assert tuple(experts.gate_up.shape) == (6, 2 * 16, 64)
             assert tuple(experts.down.shape) == (6, 64, 16)
+        if family == "gpt_oss":  # 32 intermediate rows -> 16 a rank; 2 of 4 heads' sinks
+            layer = llm.executor.model.layers[0]
+            assert tuple(layer.experts.gate_up_bias.shape) == (4, 2 * 16)
+            assert tuple(layer.sinks.shape) == (2,)
         assert greedy(llm, PROMPTS[:3]) == expected[:3]
         assert greedy(llm, PROMPTS) == expected
         assert llm.stats()["num_preemptions"] > 0
