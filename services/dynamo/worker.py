@@ -1,0 +1,166 @@
+"""`kvpager dynamo`: a kvpager engine as an NVIDIA Dynamo worker (token in, token out).
+
+    register_model(Tokens) -> Dynamo's frontend tokenizes and routes (KV-aware) to us
+    generate(request, context): to_request -> AsyncEngine.add -> its deltas as Dynamo chunks
+    after each step: kvpager's block events -> KvEventPublisher; its load -> metrics
+
+Discovery, request plane and event plane are Dynamo's own settings, read from its usual
+environment (DYN_DISCOVERY_BACKEND, DYN_FILE_KV, ETCD_ENDPOINTS, DYN_REQUEST_PLANE, NATS_SERVER,
+DYN_EVENT_PLANE). Cancellation (`context.is_stopped()`, or the stream dropped) aborts the request
+in the engine at once, freeing its blocks.
+"""
+
+import asyncio
+import itertools
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from dynamo.llm import (
+    KvEventPublisher,
+    ModelInput,
+    ModelRuntimeConfig,
+    ModelType,
+    WorkerMetricsPublisher,
+    WorkerType,
+    register_model,
+)
+from dynamo.runtime import DistributedRuntime
+from kvpager.engine.async_engine import AsyncEngine
+from kvpager.engine.config import EngineConfig
+from kvpager.schemas.tokenizer import SampleDelta
+from kvpager.services.dynamo.kv_events import DynamoKvEvents
+from kvpager.services.dynamo.requests import to_output, to_request
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DynamoOptions:
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+    served_model_name: str | None = None  # None: the model as given
+
+
+class DynamoWorker:
+    def __init__(self, engine: AsyncEngine, kv_events: DynamoKvEvents | None = None) -> None:
+        self.engine = engine
+        self.kv_events = kv_events
+        self.metrics: WorkerMetricsPublisher | None = None
+        self._ids = itertools.count()
+        self.engine.scheduler.block_manager.record_kv_events()
+        engine.on_publish = self._after_step
+
+    async def generate(self, payload: Any, context: Any) -> AsyncIterator[dict[str, Any]]:
+        """Dynamo's handler: stream one request's chunks until every sample has finished."""
+        request_id = f"{context.id()}-{next(self._ids)}"
+        engine = self.engine
+        request = to_request(
+            payload, request_id, self.engine.model_config.eos_token_ids, engine.ready.max_model_len
+        )
+        queue = engine.add(request)
+        num_open = request.sampling_params.n
+        stopped = asyncio.ensure_future(context.async_killed_or_stopped())
+        try:
+            while num_open:
+                delta = await _next_or_stopped(queue, stopped)
+                if delta is None:
+                    log.info("dynamo request cancelled", request_id=request_id)
+                    return
+                num_open -= delta.finish_reason is not None
+                if delta.finish_reason is not None:
+                    self._log_finished(request_id, request.num_prompt_tokens, delta)
+                yield to_output(delta)
+        finally:
+            stopped.cancel()
+            engine.release(request_id)  # aborts it if it still runs (stopped, or dropped)
+
+    def _log_finished(self, request_id: str, num_prompt_tokens: int, delta: SampleDelta) -> None:
+        log.info(
+            "dynamo request finished",
+            request_id=request_id,
+            num_prompt_tokens=num_prompt_tokens,
+            num_cached_tokens=delta.num_cached_tokens,
+            finish_reason=delta.finish_reason,
+        )
+
+    def _after_step(self) -> None:
+        manager = self.engine.scheduler.block_manager
+        events = manager.take_kv_events()
+        if self.kv_events is not None and events:
+            self.kv_events.publish(events)
+        if self.metrics is not None:
+            self.metrics.publish(None, None, manager.num_blocks - manager.num_free_blocks)
+
+
+async def _next_or_stopped(
+    queue: asyncio.Queue[SampleDelta], stopped: asyncio.Future
+) -> SampleDelta | None:
+    """The next delta, or None once the request is stopped or killed."""
+    if not queue.empty():
+        return queue.get_nowait()
+    getter = asyncio.ensure_future(queue.get())
+    await asyncio.wait((getter, stopped), return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return None
+
+
+def runtime_config(engine: AsyncEngine) -> ModelRuntimeConfig:
+    config = ModelRuntimeConfig()
+    config.context_length = engine.ready.max_model_len
+    config.total_kv_blocks = engine.ready.num_blocks
+    config.max_num_seqs = engine.ready.max_num_seqs
+    config.max_num_batched_tokens = engine.config.max_num_batched_tokens
+    return config
+
+
+async def serve(path: Path, model: str, config: EngineConfig, options: DynamoOptions) -> None:
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(
+        loop,
+        os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+        os.environ.get("DYN_REQUEST_PLANE", "tcp"),
+    )
+    endpoint = runtime.endpoint(f"{options.namespace}.{options.component}.{options.endpoint}")
+    engine = AsyncEngine(path, config, name="dynamo")
+    publisher = KvEventPublisher(endpoint, kv_block_size=engine.block_size)
+    pool = engine.scheduler.block_manager.pool
+    worker = DynamoWorker(engine, DynamoKvEvents(publisher, pool, engine.block_size))
+    worker.metrics = WorkerMetricsPublisher()
+    await worker.metrics.create_endpoint(endpoint)
+    engine_task = loop.create_task(engine.run())
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat | ModelType.Completions,
+        endpoint,
+        str(path),
+        options.served_model_name or model,
+        worker_type=WorkerType.Aggregated,
+        kv_cache_block_size=engine.block_size,
+        runtime_config=runtime_config(engine),
+    )
+    log.info("dynamo worker ready", model=model, block_size=engine.block_size)
+    _stop_on_signals(runtime, engine)
+    try:
+        await asyncio.gather(endpoint.serve_endpoint(worker.generate), engine_task)
+    finally:
+        engine.stop()
+        engine.close()
+
+
+def _stop_on_signals(runtime: DistributedRuntime, engine: AsyncEngine) -> None:
+    def stop() -> None:
+        log.info("dynamo worker stopping")
+        engine.stop()
+        runtime.shutdown()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
