@@ -29,7 +29,9 @@ IDLE_WAIT_S = 0.01  # a step that computed nothing: wait this long (or for new w
 
 
 class AsyncEngine:
-    def __init__(self, path: Path, config: EngineConfig, name: str = "async") -> None:
+    def __init__(
+        self, path: Path, config: EngineConfig, name: str = "async", check_invariants: bool = False
+    ) -> None:
         self.config = config
         self.model_config = ModelConfig.from_path(path)
         executor_config = config.executor_config(path, self.model_config)
@@ -44,6 +46,7 @@ class AsyncEngine:
             self.runner,
             self._on_deltas,
             config.plan_ahead,
+            check_invariants=check_invariants,
             plan_ahead_with_room=False,  # served: a new arrival joins the next step
         )
         self.on_publish: Callable[[], None] = lambda: None  # after each batch of deltas
@@ -66,11 +69,14 @@ class AsyncEngine:
         self._work.set()
         return queue
 
-    def release(self, request_id: str) -> None:
-        """The caller stops reading: abort whatever still runs (its blocks are freed now)."""
+    def release(self, request_id: str) -> bool:
+        """The caller stops reading: abort whatever still runs (its blocks are freed now).
+        True if something still ran."""
         self._streams.pop(request_id, None)
-        if self.core.finish_early(request_id, "abort"):
+        aborted = self.core.finish_early(request_id, "abort")
+        if aborted:
             self._work.set()  # the executor drops its rows at the next step
+        return aborted
 
     async def run(self) -> None:
         """Step while there is work, idle until there is; a bug fails every request (its

@@ -41,7 +41,7 @@ def engine_flags() -> tuple[str, ...]:
     """The engine's settings (the same flags as `kvpager serve`), the model and logging."""
     settings = {f.name for f in dataclasses.fields(Settings)}
     engine = [f.name for f in dataclasses.fields(EngineConfig) if f.name in settings]
-    return ("model", "log_level", *engine)
+    return ("model", "log_level", "check_invariants", *engine)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
         args.namespace, args.component, args.endpoint, args.served_model_name
     )
     path = resolve_model(settings.model)
-    asyncio.run(serve(path, settings.model, EngineConfig.pick(settings), options))
+    asyncio.run(serve(path, settings.model, EngineConfig.pick(settings), options, settings.check_invariants))
     return 0

@@ -70,15 +70,15 @@ class DynamoWorker:
             while num_open:
                 delta = await _next_or_stopped(queue, stopped)
                 if delta is None:
-                    log.info("dynamo request cancelled", request_id=request_id)
-                    return
+                    return  # stopped or killed: aborted below
                 num_open -= delta.finish_reason is not None
                 if delta.finish_reason is not None:
                     self._log_finished(request_id, request.num_prompt_tokens, delta)
                 yield to_output(delta)
         finally:
             stopped.cancel()
-            engine.release(request_id)  # aborts it if it still runs (stopped, or dropped)
+            if engine.release(request_id):  # it still ran: stopped, killed or dropped
+                self._log_aborted(request_id)
 
     def _log_finished(self, request_id: str, num_prompt_tokens: int, delta: SampleDelta) -> None:
         log.info(
@@ -89,13 +89,22 @@ class DynamoWorker:
             finish_reason=delta.finish_reason,
         )
 
+    def _log_aborted(self, request_id: str) -> None:
+        scheduler = self.engine.scheduler
+        log.info(
+            "dynamo request aborted",
+            request_id=request_id,
+            num_running=len(scheduler.running),
+            num_used_blocks=scheduler.block_manager.num_used_blocks,
+        )
+
     def _after_step(self) -> None:
         manager = self.engine.scheduler.block_manager
         events = manager.take_kv_events()
         if self.kv_events is not None and events:
             self.kv_events.publish(events)
         if self.metrics is not None:
-            self.metrics.publish(None, None, manager.num_blocks - manager.num_free_blocks)
+            self.metrics.publish(None, None, manager.num_used_blocks)
 
 
 async def _next_or_stopped(
@@ -121,7 +130,9 @@ def runtime_config(engine: AsyncEngine) -> ModelRuntimeConfig:
     return config
 
 
-async def serve(path: Path, model: str, config: EngineConfig, options: DynamoOptions) -> None:
+async def serve(
+    path: Path, model: str, config: EngineConfig, options: DynamoOptions, check: bool = False
+) -> None:
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(
         loop,
@@ -129,7 +140,7 @@ async def serve(path: Path, model: str, config: EngineConfig, options: DynamoOpt
         os.environ.get("DYN_REQUEST_PLANE", "tcp"),
     )
     endpoint = runtime.endpoint(f"{options.namespace}.{options.component}.{options.endpoint}")
-    engine = AsyncEngine(path, config, name="dynamo")
+    engine = AsyncEngine(path, config, name="dynamo", check_invariants=check)
     publisher = KvEventPublisher(endpoint, kv_block_size=engine.block_size)
     pool = engine.scheduler.block_manager.pool
     worker = DynamoWorker(engine, DynamoKvEvents(publisher, pool, engine.block_size))

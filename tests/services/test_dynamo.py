@@ -1,0 +1,190 @@
+"""`kvpager dynamo` workers behind NVIDIA Dynamo's own frontend (`python -m dynamo.frontend
+--router-mode kv`): real processes, file discovery, Dynamo's TCP request plane and ZMQ event
+plane. Skipped only when the `kvpager[dynamo]` extra is not installed."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from kvpager.engine.llm import LLM
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.services.serve.processes import python_module
+
+from tests.nats_server import free_port
+
+pytest.importorskip(
+    "dynamo.llm", reason="the dynamo extra is not installed: pip install 'kvpager[dynamo]'"
+)
+
+NUM_WORKERS = 2
+START_TIMEOUT_S = 300.0  # two model loads and Dynamo's start on 2 shared cores
+WORKER_FLAGS = ("--num-blocks", "64", "--block-size", "16", "--check-invariants")
+PROMPTS = ["The quick brown fox", "Paged attention stores keys", "def add(a, b):"]
+# distinct from their first token, each 5+ blocks long: only a cache hit ties them to a worker
+PREFIXES = [
+    f"{word} once upon a time there was a small language model that liked numbers "
+    "0123456789. A scheduler batches many requests continuously, step after step."
+    for word in ("Alpha", "Bravo", "Charlie", "Delta")
+]
+
+
+@dataclass
+class Deployment:
+    url: str
+    model: str
+    log_dir: Path
+    processes: dict[str, subprocess.Popen]
+
+    def worker_lines(self, name: str) -> list[dict]:
+        lines = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def find(self, event: str, request_id: str) -> tuple[str, dict] | None:
+        """The worker that logged `event` for the request Dynamo calls `request_id`."""
+        for name in self.workers:
+            for line in self.worker_lines(name):
+                if line.get("event") == event and line["request_id"].startswith(request_id):
+                    return name, line
+        return None
+
+    @property
+    def workers(self) -> list[str]:
+        return [name for name in self.processes if name.startswith("worker")]
+
+
+def _launch(log_dir: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen:
+    with open(log_dir / f"{name}.log", "wb") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=log)
+
+
+def _wait_ready(deployment: Deployment) -> None:
+    """Until the frontend has added every worker to its KV router and lists the model."""
+    frontend_log = deployment.log_dir / "frontend.log"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for name, process in deployment.processes.items():
+            if process.poll() is not None:
+                log = (deployment.log_dir / f"{name}.log").read_text(errors="replace")
+                raise RuntimeError(f"{name} exited ({process.returncode}):\n{log[-3000:]}")
+        added = frontend_log.read_text(errors="replace").count("Adding worker WorkerWithDpRank")
+        if added >= NUM_WORKERS and _lists_model(deployment):
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"Dynamo deployment not ready in {START_TIMEOUT_S:.0f} s")
+
+
+def _lists_model(deployment: Deployment) -> bool:
+    try:
+        models = httpx.get(f"{deployment.url}/v1/models", timeout=5.0).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return False
+    return any(model["id"] == deployment.model for model in models)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
+    log_dir = tmp_path_factory.mktemp("dynamo")
+    env = {
+        **os.environ,
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(log_dir / "discovery"),
+        "NO_COLOR": "1",
+        "KVPAGER_LOG_JSON": "true",
+    }
+    port = free_port()
+    frontend = python_module("dynamo.frontend", "--router-mode", "kv", "--http-port", str(port))
+    processes = {"frontend": _launch(log_dir, "frontend", frontend, env)}
+    for idx in range(NUM_WORKERS):
+        argv = python_module("kvpager.services.cli", "dynamo", "--model", str(tiny_llama))
+        processes[f"worker{idx}"] = _launch(log_dir, f"worker{idx}", [*argv, *WORKER_FLAGS], env)
+    deployment = Deployment(f"http://127.0.0.1:{port}", str(tiny_llama), log_dir, processes)
+    try:
+        _wait_ready(deployment)
+        yield deployment
+        for name in deployment.workers:  # alive to the end: no invariant failed in a step
+            assert processes[name].poll() is None, f"{name} died: see {log_dir}/{name}.log"
+    finally:
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama) -> Iterator[LLM]:
+    with LLM(str(tiny_llama), block_size=16, num_blocks=64) as llm:
+        yield llm
+
+
+def _complete(deployment: Deployment, prompt: str, max_tokens: int) -> dict:
+    body = {"model": deployment.model, "prompt": prompt, "max_tokens": max_tokens}
+    reply = httpx.post(
+        f"{deployment.url}/v1/completions", json={**body, "temperature": 0.0}, timeout=120.0
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _context_id(completion_id: str) -> str:
+    """Dynamo's request (context) id, from its completion id `cmpl-<id>`."""
+    return re.sub(r"^(cmpl|chatcmpl)-", "", completion_id)
+
+
+def test_completions_equal_offline_greedy(deployment, offline):
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    expected = offline.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, want in zip(PROMPTS, expected):
+        choice = _complete(deployment, prompt, 16)["choices"][0]
+        assert choice["text"] == want.outputs[0].text, prompt
+        assert choice["finish_reason"] == want.outputs[0].finish_reason
+    offline.check_invariants()
+
+
+def test_shared_prefix_goes_to_the_worker_that_holds_it(deployment):
+    for prefix in PREFIXES:
+        first = _complete(deployment, prefix + " one", 2)
+        time.sleep(0.5)  # the first one's stored blocks reach the router (ZMQ event plane)
+        second = _complete(deployment, prefix + " two", 2)
+        holder, _ = _wait_for(deployment, "dynamo request finished", first["id"])
+        worker, line = _wait_for(deployment, "dynamo request finished", second["id"])
+        assert worker == holder, f"{prefix!r}: routed to {worker}, its prefix is on {holder}"
+        assert line["num_cached_tokens"] >= 4 * 16, line
+
+
+def test_cancel_mid_stream_frees_every_block(deployment, offline):
+    prompt = "Once upon a time"
+    body = {"model": deployment.model, "prompt": prompt, "max_tokens": 300, "stream": True}
+    body["ignore_eos"] = True  # Dynamo's extension: no end token cuts the stream short
+    with httpx.stream(
+        "POST", f"{deployment.url}/v1/completions", json={**body, "temperature": 0.0}, timeout=60
+    ) as reply:
+        lines = (line for line in reply.iter_lines() if line.startswith("data: {"))
+        chunks = [json.loads(next(lines)[len("data: ") :]) for _ in range(3)]
+    # the client has gone after 3 chunks of 300: the worker aborts and frees at once
+    _, aborted = _wait_for(deployment, "dynamo request aborted", chunks[0]["id"])
+    assert aborted["num_running"] == 0 and aborted["num_used_blocks"] == 0, aborted
+    assert deployment.find("dynamo request finished", _context_id(chunks[0]["id"])) is None
+    # the worker serves on
+    assert _complete(deployment, "The quick brown fox", 4)["choices"][0]["finish_reason"]
+
+
+def _wait_for(deployment: Deployment, event: str, completion_id: str) -> tuple[str, dict]:
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        found = deployment.find(event, _context_id(completion_id))
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no worker logged {event!r} for {completion_id}")
