@@ -55,9 +55,7 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     configure_logging(args.log_level)
     settings = Settings.from_args(args)
-    options = DynamoOptions(
-        args.namespace, args.component, args.endpoint, args.served_model_name
-    )
-    path = resolve_model(settings.model)
-    asyncio.run(serve(path, settings.model, EngineConfig.pick(settings), options, settings.check_invariants))
+    options = DynamoOptions(args.namespace, args.component, args.endpoint, args.served_model_name)
+    path, config = resolve_model(settings.model), EngineConfig.pick(settings)
+    asyncio.run(serve(path, settings.model, config, options, settings.check_invariants))
     return 0

@@ -1,12 +1,14 @@
 """`kvpager dynamo` workers behind NVIDIA Dynamo's own frontend (`python -m dynamo.frontend
 --router-mode kv`): real processes, file discovery, Dynamo's TCP request plane and ZMQ event
-plane. Skipped only when the `kvpager[dynamo]` extra is not installed."""
+plane, each started with its command in compose.dynamo.yaml (the tiny model in place of the
+real one). Skipped only when the `kvpager[dynamo]` extra is not installed."""
 
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from kvpager.engine.llm import LLM
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.services.serve.processes import python_module
@@ -24,9 +27,28 @@ pytest.importorskip(
     "dynamo.llm", reason="the dynamo extra is not installed: pip install 'kvpager[dynamo]'"
 )
 
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "compose.dynamo.yaml").read_text())["services"]
+COMPOSE_MODEL = "smollm2-135m-instruct"
 NUM_WORKERS = 2
 START_TIMEOUT_S = 300.0  # two model loads and Dynamo's start on 2 shared cores
 WORKER_FLAGS = ("--num-blocks", "64", "--block-size", "16", "--check-invariants")
+
+
+def compose_command(service: str, model: Path, port: int) -> list[str]:
+    """The service's command in compose.dynamo.yaml, run here: this interpreter, the tiny
+    model loaded (served under the compose file's model name), the frontend on `port`."""
+    command = [
+        str(model) if arg == COMPOSE_MODEL and prev == "--model" else arg
+        for prev, arg in zip(["", *COMPOSE[service]["command"]], COMPOSE[service]["command"])
+    ]
+    command = [arg.replace("${DYNAMO_HTTP_PORT:-8000}", str(port)) for arg in command]
+    if command[0] == "python":
+        return [sys.executable, "-P", *command[1:]]
+    assert command[0] == "kvpager", command
+    return [*python_module("kvpager.services.cli", *command[1:]), *WORKER_FLAGS]
+
+
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "def add(a, b):"]
 # distinct from their first token, each 5+ blocks long: only a cache hit ties them to a worker
 PREFIXES = [
@@ -100,12 +122,12 @@ def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
         "KVPAGER_LOG_JSON": "true",
     }
     port = free_port()
-    frontend = python_module("dynamo.frontend", "--router-mode", "kv", "--http-port", str(port))
+    frontend = compose_command("frontend", tiny_llama, port)
     processes = {"frontend": _launch(log_dir, "frontend", frontend, env)}
-    for idx in range(NUM_WORKERS):
-        argv = python_module("kvpager.services.cli", "dynamo", "--model", str(tiny_llama))
-        processes[f"worker{idx}"] = _launch(log_dir, f"worker{idx}", [*argv, *WORKER_FLAGS], env)
-    deployment = Deployment(f"http://127.0.0.1:{port}", str(tiny_llama), log_dir, processes)
+    for idx in range(1, NUM_WORKERS + 1):
+        argv = compose_command(f"worker-{idx}", tiny_llama, port)
+        processes[f"worker{idx}"] = _launch(log_dir, f"worker{idx}", argv, env)
+    deployment = Deployment(f"http://127.0.0.1:{port}", COMPOSE_MODEL, log_dir, processes)
     try:
         _wait_ready(deployment)
         yield deployment
