@@ -78,7 +78,9 @@ def to_output(delta: SampleDelta) -> dict[str, Any]:
 
 
 def _section(payload: dict, name: str) -> dict:
-    section = payload.get(name) or {}
+    section = payload.get(name)
+    if section is None:
+        return {}
     if not isinstance(section, dict):
         raise InvalidRequestError(f"{name}: must be an object", name)
     return section
