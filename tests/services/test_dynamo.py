@@ -210,3 +210,14 @@ def _wait_for(deployment: Deployment, event: str, completion_id: str) -> tuple[s
             return found
         time.sleep(0.2)
     raise AssertionError(f"no worker logged {event!r} for {completion_id}")
+
+
+def test_a_refused_request_gets_an_error_and_the_worker_serves_on(deployment):
+    body = {"model": deployment.model, "prompt": "Hello", "max_tokens": 4, "logprobs": 2}
+    reply = httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=60.0)
+    # an InvalidRequestError is a ValueError: Dynamo answers 400 (its own words), the worker
+    # logs ours
+    assert reply.status_code == 400, reply.text
+    logs = [(deployment.log_dir / f"{name}.log").read_text() for name in deployment.workers]
+    assert any("logprobs: not served through the Dynamo worker" in log for log in logs)
+    assert _complete(deployment, "Hello", 4)["choices"][0]["finish_reason"]
