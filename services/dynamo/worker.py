@@ -53,6 +53,7 @@ class DynamoWorker:
         self.kv_events = kv_events
         self.metrics: WorkerMetricsPublisher | None = None
         self._ids = itertools.count()
+        self._last_used_blocks = -1  # the load last published (a change is published)
         self.engine.scheduler.block_manager.record_kv_events()
         engine.on_publish = self._after_step
 
@@ -103,8 +104,10 @@ class DynamoWorker:
         events = manager.take_kv_events()
         if self.kv_events is not None and events:
             self.kv_events.publish(events)
-        if self.metrics is not None:
-            self.metrics.publish(None, None, manager.num_used_blocks)
+        num_used_blocks = manager.num_used_blocks
+        if self.metrics is not None and num_used_blocks != self._last_used_blocks:
+            self.metrics.publish(None, None, num_used_blocks)
+            self._last_used_blocks = num_used_blocks
 
 
 async def _next_or_stopped(
@@ -147,6 +150,7 @@ async def serve(
     worker.metrics = WorkerMetricsPublisher()
     await worker.metrics.create_endpoint(endpoint)
     engine_task = loop.create_task(engine.run())
+    engine_task.add_done_callback(lambda task: _shutdown_if_failed(task, runtime))
     await register_model(
         ModelInput.Tokens,
         ModelType.Chat | ModelType.Completions,
@@ -158,20 +162,18 @@ async def serve(
         runtime_config=runtime_config(engine),
     )
     log.info("dynamo worker ready", model=model, block_size=engine.block_size)
-    _stop_on_signals(runtime, engine)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Dynamo's graceful shutdown: streams finish
+        loop.add_signal_handler(sig, runtime.shutdown)
     try:
-        await asyncio.gather(endpoint.serve_endpoint(worker.generate), engine_task)
+        await endpoint.serve_endpoint(worker.generate)
     finally:
-        engine.stop()
+        engine.stop()  # after the last stream (or after the engine failed)
+        await engine_task  # its exception, if it failed, ends the process with it
         engine.close()
+        log.info("dynamo worker stopped")
 
 
-def _stop_on_signals(runtime: DistributedRuntime, engine: AsyncEngine) -> None:
-    def stop() -> None:
-        log.info("dynamo worker stopping")
-        engine.stop()
+def _shutdown_if_failed(task: asyncio.Task, runtime: DistributedRuntime) -> None:
+    """A failed engine ends serving (its requests have failed): Dynamo routes elsewhere."""
+    if not task.cancelled() and task.exception() is not None:
         runtime.shutdown()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)

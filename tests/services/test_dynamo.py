@@ -3,6 +3,7 @@
 plane, each started with its command in compose.dynamo.yaml (the tiny model in place of the
 real one). Skipped only when the `kvpager[dynamo]` extra is not installed."""
 
+import importlib.util
 import json
 import os
 import re
@@ -113,6 +114,8 @@ def _lists_model(deployment: Deployment) -> bool:
 
 @pytest.fixture(scope="module")
 def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
+    if importlib.util.find_spec("dynamo.frontend") is None:  # the extra alone lacks it
+        pytest.fail("Dynamo's frontend is missing: pip install --no-deps ai-dynamo==1.6.1")
     log_dir = tmp_path_factory.mktemp("dynamo")
     env = {
         **os.environ,
@@ -142,6 +145,11 @@ def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+    for name in deployment.workers:  # SIGTERM: Dynamo's graceful shutdown, then the engine's
+        assert processes[name].returncode == 0, f"{name}: see {log_dir}/{name}.log"
+        assert any(
+            line.get("event") == "dynamo worker stopped" for line in deployment.worker_lines(name)
+        )
 
 
 @pytest.fixture(scope="module")
