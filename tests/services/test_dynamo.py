@@ -122,6 +122,8 @@ def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
         "DYN_DISCOVERY_BACKEND": "file",
         "DYN_FILE_KV": str(log_dir / "discovery"),
         "NO_COLOR": "1",
+        # the KV router's choice and the overlap it saw, per request
+        "DYN_LOG": "info,dynamo_llm::kv_router::routing_host::kv_selection=debug",
         "KVPAGER_LOG_JSON": "true",
     }
     port = free_port()
@@ -191,9 +193,12 @@ def test_shared_prefix_goes_to_the_worker_that_holds_it(deployment):
         worker, line = _wait_for(deployment, "dynamo request finished", second["id"])
         assert worker == holder, f"{prefix!r}: routed to {worker}, its prefix is on {holder}"
         assert line["num_cached_tokens"] >= 4 * 16, line
+        # the router knew: the overlap it saw came from the workers' KV events (without
+        # them it sees 0 blocks and the choice is load's alone)
+        assert _routed_overlap(deployment, second["id"]) >= 4
 
 
-def test_cancel_mid_stream_frees_every_block(deployment, offline):
+def test_cancel_mid_stream_frees_every_block(deployment):
     prompt = "Once upon a time"
     body = {"model": deployment.model, "prompt": prompt, "max_tokens": 300, "stream": True}
     body["ignore_eos"] = True  # Dynamo's extension: no end token cuts the stream short
@@ -208,6 +213,16 @@ def test_cancel_mid_stream_frees_every_block(deployment, offline):
     assert deployment.find("dynamo request finished", _context_id(chunks[0]["id"])) is None
     # the worker serves on
     assert _complete(deployment, "The quick brown fox", 4)["choices"][0]["finish_reason"]
+
+
+def _routed_overlap(deployment: Deployment, completion_id: str) -> int:
+    """The blocks of the request's prefix the KV router saw cached on the worker it chose."""
+    log = (deployment.log_dir / "frontend.log").read_text(errors="replace")
+    log = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    request_id = re.escape(_context_id(completion_id))
+    found = re.search(rf"with (\d+)/\d+ blocks overlap request_id=\"?{request_id}", log)
+    assert found, f"the frontend logged no routing decision for {completion_id}"
+    return int(found.group(1))
 
 
 def _wait_for(deployment: Deployment, event: str, completion_id: str) -> tuple[str, dict]:
