@@ -1,6 +1,8 @@
 """Dynamo's token-in requests as kvpager Requests (services/dynamo/requests.py): what maps, and
 what is refused with a typed error. Needs no Dynamo: the mapping is plain dicts."""
 
+import sys
+
 import pytest
 from kvpager.schemas.errors import InvalidRequestError
 from kvpager.schemas.tokenizer import SampleDelta
@@ -81,3 +83,18 @@ def test_outputs_in_dynamo_words():
         from kvpager.schemas.public import ErrorInfo
 
         to_output(SampleDelta("r", 0, [], finish_reason="error", error=ErrorInfo("x", "boom")))
+
+
+def test_cli_refuses_disaggregation_until_built(capsys):
+    from kvpager.services.cli import main
+
+    assert main(["dynamo", "--model", "x", "--disaggregation-mode", "prefill"]) == 2
+    assert "--disaggregation-mode: not built yet" in capsys.readouterr().err
+
+
+def test_cli_says_how_to_install_dynamo(monkeypatch, capsys):
+    from kvpager.services.cli import main
+
+    monkeypatch.setitem(sys.modules, "kvpager.services.dynamo.worker", None)  # as if absent
+    assert main(["dynamo", "--model", "x"]) == 2
+    assert "pip install 'kvpager[dynamo]'" in capsys.readouterr().err
