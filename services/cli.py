@@ -8,6 +8,8 @@ from collections.abc import Callable
 from kvpager.schemas.errors import ConfigError, KvpagerError
 from kvpager.services.bench.cli import add_parsers as add_bench_parsers
 from kvpager.services.client import ClientError
+from kvpager.services.dynamo.main import add_parser as add_dynamo_parser
+from kvpager.services.dynamo.main import run as run_dynamo
 from kvpager.services.http.settings import HttpSettings
 from kvpager.services.settings import (
     CONNECTION_FIELDS,
@@ -340,6 +342,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     commands.update(_add_client_parsers(sub))
     commands.update(_add_kv_size_parser(sub))
     commands.update(add_bench_parsers(sub))
+    add_dynamo_parser(sub)
+    commands["dynamo"] = run_dynamo
     return parser, commands
 
 

@@ -87,6 +87,12 @@ class BlockPool:
         cpu_block = self.cpu.lookup(block_hash, token_ids)
         return None if cpu_block is None else CachedBlock(cpu_block, on_cpu=True)
 
+    def cached_token_ids(self, block_hash: bytes) -> tuple[int, ...] | None:
+        """The tokens of the device block cached under `block_hash` (None: not cached now),
+        for routers that hash token ids themselves (Dynamo's)."""
+        block_id = self.cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id].token_ids
+
     def pop_free(self) -> tuple[int, int | None]:
         """Take the oldest free block (ref_count 1). Returns it and, when it held cached
         content that the CPU pool kept, the CPU block to swap that content out to. Pinned

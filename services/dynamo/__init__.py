@@ -1,0 +1,1 @@
+"""kvpager as an NVIDIA Dynamo backend (`kvpager dynamo`, the `kvpager[dynamo]` extra)."""
