@@ -37,6 +37,7 @@ def test_with_a_cpu_tier_pressure_demotes_the_pin(tiny_llama):
     assert llm.stats()["num_pinned_evictions"] == 4
     again = llm.generate([system + [40]], GREEDY)[0]
     assert again.cached_tokens_by_tier == {"cpu": 32}
+    assert llm.stats()["num_pinned_blocks"] == 4  # the pin came back with its content
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert_all_free(llm)
 
