@@ -116,6 +116,8 @@ class BlockPool:
         cpu_block = None
         if self.cpu.enabled:
             cpu_block = self.cpu.cache(block.block_hash, block.token_ids, block.block_id)
+            if block.block_hash in self.cpu.cached:  # demoted: its pin waits for its return
+                self.pins.demote(block.block_id, block.block_hash, self.cpu.num_blocks)
         self.uncache(block)
         return cpu_block
 
@@ -187,8 +189,11 @@ class BlockPool:
         block = self.blocks[block_id]
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block_id
+        until = None
+        if self.pins.demoted and self.pins.restore(block_id, block_hash):
+            until = self.pins.wall_until(block_id)  # a demoted pin is back on the device
         if self.kv_events is not None:
-            self.kv_events.append(BlockStored(block_hash, parent))
+            self.kv_events.append(BlockStored(block_hash, parent, pinned_until=until))
 
     def uncache(self, block: Block) -> None:
         """Drop a block's cached content (and so its pin); a free pinned block becomes an

@@ -4,9 +4,11 @@ contract, GenerateRequest.cache).
 A pinned device block carries an expiry on a monotonic clock (injectable, for tests). The pool
 (engine/kv/block_pool.py) keeps free pinned blocks in a queue of their own and evicts them only
 when no unpinned free block is left; an evicted pin's content goes down the tiers as any cached
-block's does (CPU pool, then disk), and the pin ends there: below the device every tier is LRU.
-A hit on a pinned block refreshes its expiry (as Anthropic's cache does); an expired pin makes
-its block an ordinary LRU entry again.
+block's does (CPU pool, then disk: below the device every tier is LRU). Its pin is kept by hash
+(`demoted`, at most as many as the CPU pool has blocks): when the content comes back to the
+device before the pin would have ended, the block is pinned again. A hit on a pinned block
+refreshes its expiry (as Anthropic's cache does); an expired pin makes its block an ordinary
+LRU entry again.
 
 Bounds: at most `max_pinned` blocks pinned at once (`--max-pinned-fraction` of the device's),
 and at most `max_per_key` per key (the request's `cache_salt`, which the HTTP gateway sets per
@@ -16,6 +18,7 @@ whole prefix at once: a request over its quota runs unpinned (engine/kv/block_ma
 
 import heapq
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +42,9 @@ class PinTable:
         self.pins: dict[int, Pin] = {}  # device block id -> its pin
         self.per_key: dict[str | None, int] = {}
         self._expiries: list[tuple[float, int]] = []  # heap; entries of refreshed pins go stale
-        self.num_pinned_evictions = 0  # pins that pressure (not expiry) ended
+        self.demoted: OrderedDict[bytes, Pin] = OrderedDict()  # pins of content gone to CPU
+        self.num_pinned_evictions = 0  # pinned blocks that pressure (not expiry) evicted
+        self.num_restored = 0  # pins that came back with their content
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.pins
@@ -84,6 +89,27 @@ class PinTable:
         self.per_key[pin.key] -= 1
         if not self.per_key[pin.key]:
             del self.per_key[pin.key]
+
+    def demote(self, block_id: int, block_hash: bytes, max_entries: int) -> None:
+        """The pinned block's content went to the CPU pool: keep its pin by hash (the oldest
+        such pins are forgotten past `max_entries`)."""
+        pin = self.pins.get(block_id)
+        if pin is None or max_entries <= 0:
+            return
+        self.demoted[block_hash] = pin
+        self.demoted.move_to_end(block_hash)
+        while len(self.demoted) > max_entries:
+            self.demoted.popitem(last=False)
+
+    def restore(self, block_id: int, block_hash: bytes) -> bool:
+        """Content cached on the device again: pin its block anew if its pin had not ended
+        (for its TTL from now, as a hit) and its key has room; True if so."""
+        pin = self.demoted.pop(block_hash, None)
+        if pin is None or pin.until <= self.clock() or not self.room(pin.key):
+            return False
+        self.pin(block_id, pin.ttl, pin.key)
+        self.num_restored += 1
+        return True
 
     def take_expired(self) -> list[int]:
         """Unpin the blocks whose pins have ended; returns them."""

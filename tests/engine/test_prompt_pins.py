@@ -37,6 +37,7 @@ def test_with_a_cpu_tier_pressure_demotes_the_pin(tiny_llama):
     assert llm.stats()["num_pinned_evictions"] == 4
     again = llm.generate([system + [40]], GREEDY)[0]
     assert again.cached_tokens_by_tier == {"cpu": 32}
+    assert llm.stats()["num_pinned_blocks"] == 4  # the pin came back with its content
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert_all_free(llm)
 
@@ -78,3 +79,19 @@ def test_priority_is_accepted_and_checked(tiny_llama):
     with pytest.raises(InvalidRequestError, match="priority"):
         llm.generate([[5, 6]], GREEDY, priority="high")
     assert_all_free(llm)
+
+
+def test_a_demoted_pin_is_read_back_from_disk(tiny_llama, tmp_path):
+    from tests.engine.kv.test_disk_tier import disk_llm
+
+    with disk_llm(tiny_llama, tmp_path / "kv", max_pinned_fraction=1.0) as llm:
+        system = random_prompts([40], seed=16)[0]  # 5 full blocks
+        first = llm.generate([system], GREEDY, cache={"prefix_tokens": 32})[0]
+        assert first.num_cache_write_tokens == 32
+        for flood in random_prompts([124, 124, 124], seed=17):  # all 16 device blocks each
+            llm.generate([flood], GREEDY)
+        again = llm.generate([system], GREEDY)[0]
+        assert again.num_cached_tokens == 32 and again.cached_tokens_by_tier == {"disk": 32}
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert llm.stats()["num_pinned_blocks"] == 4  # its pin came back with it
+        assert_all_free(llm)

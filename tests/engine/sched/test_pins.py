@@ -105,10 +105,23 @@ def test_pressure_demotes_pinned_blocks_to_the_cpu_tier_rather_than_dropping_the
     run(scheduler, request("big", prompt(500, 29), max_tokens=3))  # needs all 8 blocks
     pool = scheduler.block_manager.pool
     assert pool.pins.num_pinned == 0 and pool.pins.num_pinned_evictions == 2
-    again = request("p2", pinned, pin=8)
+    again = request("p2", pinned)  # no `cache` of its own
     run(scheduler, again)
     assert again.cached_tokens_by_tier == {"cpu": 8}  # read back from the CPU tier
-    assert again.num_cache_write_tokens == 8  # pinned again on the device
+    assert pool.pins.num_pinned == 2 and pool.pins.num_restored == 2  # pinned again
+    assert again.num_cache_write_tokens == 0
+    all_free(scheduler)
+
+
+def test_a_demoted_pin_that_ended_meanwhile_comes_back_unpinned():
+    scheduler, clock = make_scheduler(num_blocks=8, num_cpu_blocks=8, fraction=1.0)
+    run(scheduler, request("p", prompt(100), pin=8, ttl=60.0))
+    run(scheduler, request("big", prompt(500, 29), max_tokens=3))
+    clock.now += 61
+    again = request("p2", prompt(100))
+    run(scheduler, again)
+    assert again.cached_tokens_by_tier == {"cpu": 8}
+    assert scheduler.block_manager.pool.pins.num_pinned == 0
     all_free(scheduler)
 
 
