@@ -138,6 +138,14 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: Annotated[
+        int,
+        Meta(
+            ge=-(2**31),
+            le=2**31 - 1,
+            description="vLLM's: lower is admitted first and evicted last (prompt-cache.md)",
+        ),
+    ] = 0
     cache_salt: (
         Annotated[str, Meta(min_length=1, max_length=128, description="prefix-cache scope")] | None
     ) = None

@@ -56,6 +56,7 @@ PASSED = (  # same name and meaning in both APIs; None: the engine's default
     "include_stop_str_in_output",
     "skip_special_tokens",
     "timeout",
+    "priority",
 )
 NO_AUTO_TOOLS = ToolSettings()
 _TYPES = {"chat": ChatCompletionRequest, "completion": CompletionRequest}

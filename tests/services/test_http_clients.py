@@ -88,6 +88,24 @@ async def test_bad_logit_bias_is_a_400(client, tiny_llama, bias, found):
     assert found in caught.value.body["message"]
 
 
+async def test_priority_is_served_and_bounded(client, tiny_llama, nats_client):  # noqa: F811
+    """vLLM's `priority` (docs/user/prompt-cache.md) goes through to llm.generate's."""
+    urgent = await client.chat.completions.create(
+        model=tiny_llama.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0.0, extra_body={"priority": -10},
+    )  # fmt: skip
+    plain = await client.chat.completions.create(
+        model=tiny_llama.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0.0,
+    )  # fmt: skip
+    assert urgent.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(
+            model=tiny_llama.name, prompt="Hi", max_tokens=1, extra_body={"priority": 2**40}
+        )
+    assert "priority" in str(caught.value.body), caught.value.body
+
+
 def test_a_preflight_from_an_allowed_origin_needs_no_key(front):
     ask = {
         "Origin": ORIGIN,
