@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.sampling import SamplingParams
 
 
@@ -54,6 +55,8 @@ class Request:
     request_id: str = ""
     sample_index: int = 0
     num_pending_forks: int = 0
+    # a drained stream's continuation: its blocks come from another instance (kv_moves.py)
+    kv_import: KvHandoff | None = None
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

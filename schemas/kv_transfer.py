@@ -60,10 +60,67 @@ class KvTransferDone(msgspec.Struct, tag="done", array_like=True):
 KvRequest = KvReadRequest | KvWriteRequest | KvTransferDone
 
 
-class KvChunk(msgspec.Struct, array_like=True):
+class KvChunk(msgspec.Struct, tag="chunk", array_like=True):
     """Bytes `offset`.. of a transfer's block bytes; `total` is the whole size."""
 
     transfer_id: str
     offset: int
     total: int
     data: bytes
+
+
+# --- Drain migration with blocks: what the schedulers, tokenizers and executors hand on.
+
+
+class KvHandoff(msgspec.Struct, array_like=True):
+    """A stream's blocks, held on the instance it leaves until they are read.
+
+    It rides on the stream's final SampleDelta to its tokenizer, then on the continuation's
+    AddRequest to the next instance, whose executor reads the blocks from `agent`.
+    `block_tables` are per KV group, NULL (-1) where a sliding window let a block go; the first
+    `num_computed_tokens` tokens of the continuation's prompt have their K/V there.
+    """
+
+    transfer_id: str
+    instance: str  # the instance that holds the blocks
+    agent: str  # its executor's KvAgent name
+    block_tables: list[list[int]]
+    num_computed_tokens: int
+
+
+class KvPull(msgspec.Struct, array_like=True):
+    """Read `remote` blocks of `agent` into `local` ones, after the step it rides on ran
+    (its swap-outs first: a block popped for the pull may hold content going to the CPU)."""
+
+    transfer_id: str
+    agent: str
+    remote: list[list[int]]
+    local: list[list[int]]
+
+
+class KvPulled(msgspec.Struct, tag="kv_pulled", array_like=True):
+    """Executor -> its scheduler: a KvPull ended (`error` empty: every byte arrived)."""
+
+    transfer_id: str
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+class KvSent(msgspec.Struct, tag="kv_sent", array_like=True):
+    """Executor -> its scheduler: a peer read the blocks of a handoff (NIXL's notification):
+    the scheduler may free them."""
+
+    transfer_id: str
+
+
+class DrainInstance(msgspec.Struct, array_like=True):
+    """`kvpager drain`: the instance refuses new requests and hands its streams on, blocks
+    and all; the answer is a DrainResult."""
+
+    instance: str
+
+
+class DrainResult(msgspec.Struct, array_like=True):
+    num_moved: int  # streams handed on with their blocks
+    num_recomputed: int  # streams that move without them (waiting, nothing to carry)

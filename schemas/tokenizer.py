@@ -7,6 +7,7 @@ subject is the scheduler's liveness ping: the replica answers with an empty mess
 """
 
 import msgspec
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import PromptLogprobs, TokenLogprobs
 
@@ -36,6 +37,8 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     cumulative_score: float | None = None  # beam search: the beam's length-penalised score
     # the whole prompt's (start 1), once per request: with its first token delta
     prompt_logprobs: PromptLogprobs | None = None
+    # a drained instance's final delta: the stream's blocks, held for the next instance
+    kv_handoff: KvHandoff | None = None
 
 
 class TokenBatch(msgspec.Struct, array_like=True):

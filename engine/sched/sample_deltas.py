@@ -10,6 +10,7 @@ from collections.abc import Callable
 from kvpager.engine.request import Request
 from kvpager.engine.sched.beam_search import FinishedBeam
 from kvpager.engine.sched.prompt_logprobs import PromptLogprobsCollector
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import TokenLogprobs
 from kvpager.schemas.tokenizer import SampleDelta
@@ -72,6 +73,7 @@ class SampleDeltas:
         indices: list[int] | None = None,
         error: ErrorInfo | None = None,
         num_cached_tokens: int = 0,
+        kv_handoff: KvHandoff | None = None,
     ) -> None:
         """Final deltas for the open samples among `indices` (None: every open sample)."""
         open_indices = self.open.get(request_id, set())
@@ -83,6 +85,7 @@ class SampleDeltas:
                 finish_reason=finish_reason,
                 num_cached_tokens=num_cached_tokens,
                 error=error,
+                kv_handoff=kv_handoff,
             )
             self._push(delta)
 

@@ -21,6 +21,7 @@ from kvpager.engine.core import EngineCore, build_scheduler, check_ready
 from kvpager.engine.request import Request
 from kvpager.schemas.errors import ConfigError, KvpagerError
 from kvpager.schemas.executor import Attached
+from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import (
     AddRequest,
@@ -34,18 +35,20 @@ from kvpager.services.discovery import Discovery
 from kvpager.services.liveness import repeat
 from kvpager.services.pieces import Pieces
 from kvpager.services.scheduler.attach import scheduler_info
+from kvpager.services.scheduler.drain import movable, other_instances
 from kvpager.services.scheduler.kv_events import KvEventPublisher, instance_load
 from kvpager.services.scheduler.link import ExecutorLink
 from kvpager.services.scheduler.outbox import Outbox
 from kvpager.services.scheduler.watch import PeerWatch
 from kvpager.services.settings import Settings
-from kvpager.services.subjects import Subjects, is_inbox
+from kvpager.services.subjects import TRANSFER_ID, Subjects, is_inbox
 from kvpager.services.wire import encode_public, pack, payload_budget, unpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 log = structlog.get_logger(__name__)
 
+HOLD_CHECK_S = 5.0  # how often handed-on blocks no peer read are looked for
 MAX_PIECE_TOKENS = 2**22  # prompt ids held for AddRequests still to come, at least
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
 _ready_decoder = msgspec.msgpack.Decoder(ExecutorReady)
@@ -71,8 +74,9 @@ class SchedulerService:
         )
         self._work = asyncio.Event()
         self.link = ExecutorLink(
-            nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor
-        )
+            nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor,
+            self._on_kv,
+        )  # fmt: skip
         self.watch = PeerWatch(
             nc,
             self.subjects,
@@ -97,8 +101,10 @@ class SchedulerService:
         await self.link.start()
         await discovery.subscribe("info", subjects.scheduler_info, self._on_info)
         await discovery.subscribe("stats", subjects.stats, self._on_stats)
+        await self.nc.subscribe(subjects.scheduler_drain, cb=self._on_drain)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
+        self._expire_task = repeat(HOLD_CHECK_S, self._expire_holds)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
 
     # --- the executor attaches ---------------------------------------------------------
@@ -190,6 +196,7 @@ class SchedulerService:
             sampling_params=add.sampling_params,
             eos_token_ids=tuple(self.executor.eos_token_ids),
             cache_salt=add.cache_salt,
+            kv_import=self._importable(add.kv_source),
         )
         try:
             self.core.add(request)
@@ -200,6 +207,64 @@ class SchedulerService:
         log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
         self._work.set()
         return None
+
+    def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
+        """A handoff our executor can read (another instance's, a transfer id fit for a
+        subject); else None: the continuation recomputes its prompt."""
+        if source is None or not self.executor.kv_agent:
+            return None
+        if source.instance == self.settings.instance or not TRANSFER_ID.fullmatch(
+            source.transfer_id
+        ):
+            return None
+        return source
+
+    def _on_kv(self, message: KvPulled | KvSent) -> None:
+        """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
+        if self.core is None:
+            return
+        scheduler = self.core.scheduler
+        if isinstance(message, KvSent):
+            known = scheduler.release(message.transfer_id)
+            log.info("kv handoff read", transfer_id=message.transfer_id, known=known)
+        else:
+            ok = not message.error
+            scheduler.pulled(message.transfer_id, message.num_bytes, message.seconds, ok)
+            if not ok:
+                log.warning("kv pull failed: recomputing", transfer_id=message.transfer_id)
+        self._work.set()
+
+    async def _expire_holds(self) -> None:
+        if self.core is not None and self.core.scheduler.expire_holds(time.monotonic()):
+            log.warning("kv handoffs never read: their blocks are free again")
+            self._work.set()
+
+    async def _on_drain(self, msg: Msg) -> None:
+        """`kvpager drain`: answer how many streams moved, with or without their blocks."""
+        num_moved = await self._drain("drain asked")
+        if msg.reply:
+            await msg.respond(pack(DrainResult(num_moved, 0)))
+
+    async def _drain(self, reason: str) -> int:
+        """Refuse new requests, empty the pipeline, hand the running streams on."""
+        self._closing = True
+        core = self.core
+        if core is None or self.executor is None or not self.executor.kv_agent:
+            return 0
+        core.paused = True
+        self._work.set()
+        try:
+            while core.num_in_flight and core is self.core:
+                await asyncio.sleep(0.005)
+            if core is not self.core or self.executor is None:
+                return 0
+            num_moved = core.hand_off(self.settings.instance, self.executor.kv_agent, movable)
+            await core.publish()
+        finally:
+            core.paused = False
+            self._work.set()
+        log.info("instance drained", reason=reason, num_moved=num_moved)
+        return num_moved
 
     def _params_fit(self, add: AddRequest) -> ErrorInfo | None:
         """Each NewRequest travels whole in one message (services/fit.py cuts a step between
@@ -291,7 +356,8 @@ class SchedulerService:
 
     async def _on_info(self, msg: Msg) -> None:
         self.watch.check_reconnect()  # never report an executor that is about to be dropped
-        await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor)))
+        held = len(self.core.scheduler.held) if self.core is not None else 0
+        await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor, held)))
 
     async def _on_stats(self, msg: Msg) -> None:
         if self.core is None or not is_inbox(msg.reply):
@@ -299,17 +365,33 @@ class SchedulerService:
         stats = self.core.stats(self.settings.instance)
         await msg.respond(encode_public(stats, msgpack=False)[0])
 
+    async def _drain_on_stop(self) -> None:
+        """With another instance up, the running streams move there with their blocks."""
+        if self.core is None or self.executor is None or not self.executor.kv_agent:
+            return
+        prefix, instance = self.settings.prefix, self.settings.instance
+        if await other_instances(self.nc, prefix, instance):
+            await self._drain("shutting down")
+
+    @property
+    def _busy_stopping(self) -> bool:
+        """Streams to finish, or handed-on blocks not yet read."""
+        held = self.core is not None and self.core.scheduler.held
+        return bool(self.outbox.routes or held)
+
     async def stop(self) -> None:
         """Refuse new requests, let running ones finish for a while, then fail the rest."""
         self._closing = True
         deadline = time.monotonic() + self.settings.drain_timeout
-        while self.outbox.routes and time.monotonic() < deadline:
+        await self._drain_on_stop()
+        while self._busy_stopping and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.outbox.routes:
             self._fail_all(ErrorInfo("unavailable", "the scheduler is shutting down"))
         self._stopped = True
         if self._watch_task is not None:
             self._watch_task.cancel()
+            self._expire_task.cancel()
         self.link.cancel()  # do not wait for a step the executor may never answer
         self._work.set()
         if self._loop_task is not None:
