@@ -13,7 +13,8 @@ import nats.errors
 from kvpager.schemas.kv_transfer import DrainInstance, DrainResult
 from kvpager.schemas.public import ChatMessage, GenerateEvent, GenerateRequest, Stats
 from kvpager.services.client import Client
-from kvpager.services.connection import open_connection
+from kvpager.services import credentials
+from kvpager.services.connection import open_connection, with_local_identity
 from kvpager.services.settings import Settings
 from kvpager.services.subjects import Subjects
 from kvpager.services.wire import pack
@@ -77,8 +78,10 @@ async def health(settings: Settings, timeout_s: float) -> int:
 
 async def drain(settings: Settings, instance: str, timeout_s: float) -> int:
     """`kvpager drain INSTANCE`: its streams move on with their KV blocks (services/
-    scheduler/drain.py); 0 once the instance answered."""
-    client = await _client(settings)
+    scheduler/drain.py); 0 once the instance answered. An internal subject: without
+    credentials given, this host's services identity (a `kvpager serve` made one)."""
+    settings = with_local_identity(settings, credentials.SERVICE)
+    client = Client(await open_connection(settings, "kvpager-drain"), settings.prefix)
     subject = Subjects(settings.prefix, instance).scheduler_drain
     try:
         reply = await client.nc.request(subject, pack(DrainInstance(instance)), timeout=timeout_s)
