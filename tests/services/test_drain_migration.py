@@ -106,7 +106,7 @@ async def _moved_streams(url: str, drain) -> tuple[list[list[int]], list]:
 async def _undrained(url: str) -> list[list[int]]:
     client = await Client.connect(url, "llm")
     try:
-        return [await _stream(client, i) for i in range(NUM_STREAMS)]
+        return list(await asyncio.gather(*(_stream(client, i) for i in range(NUM_STREAMS))))
     finally:
         await client.close()
 

@@ -45,7 +45,7 @@ class NixlTransfer(KvTransfer):
         nixl = import_nixl()
         if nixl is None:
             raise KvTransferError("NIXL is not installed (pip install kvpager[nixl])")
-        self.nixl = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        self.nixl = _agent(nixl, name)
         if "UCX" not in self.nixl.backends:
             raise KvTransferError("NIXL has no UCX backend here")
         cache, mem_type = regions.kv_cache, regions.mem_type
@@ -156,6 +156,28 @@ class NixlTransfer(KvTransfer):
             self.remove_peer(name)
         self.nixl.release_dlist_handle(self._local)
         self.nixl.deregister_memory(self._registered)
+
+
+PROGRESS_DELAY_US = 1000
+
+
+def _agent(nixl, name: str):
+    """A UCX agent whose progress thread sleeps PROGRESS_DELAY_US between polls. NIXL's
+    Python API sets the delay to 0, a thread spinning on a fifth of a core while idle; without
+    the thread a peer's reads of our blocks stall (over TCP the holder must progress them).
+    The delay is set through the one config object the API builds."""
+    bind = nixl._api.nixlBind
+    original = bind.nixlAgentConfig
+
+    class Config(original):
+        def __setattr__(self, field: str, value) -> None:
+            super().__setattr__(field, PROGRESS_DELAY_US if field == "pthrDelay" else value)
+
+    bind.nixlAgentConfig = Config
+    try:
+        return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgentConfig = original
 
 
 def _release(handle) -> None:
