@@ -12,8 +12,8 @@ import msgspec
 import nats.errors
 from kvpager.schemas.kv_transfer import DrainInstance, DrainResult
 from kvpager.schemas.public import ChatMessage, GenerateEvent, GenerateRequest, Stats
-from kvpager.services.client import Client
 from kvpager.services import credentials
+from kvpager.services.client import Client
 from kvpager.services.connection import open_connection, with_local_identity
 from kvpager.services.settings import Settings
 from kvpager.services.subjects import Subjects

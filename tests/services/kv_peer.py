@@ -50,7 +50,8 @@ async def main(args: argparse.Namespace) -> None:
         if isinstance(message, KvSent):
             _say({"sent": message.transfer_id})
         else:
-            _say({"pulled": msgspec.to_builtins(message)})
+            fields = ("transfer_id", "num_bytes", "error")
+            _say({"pulled": {field: getattr(message, field) for field in fields}})
 
     endpoint = KvEndpoint(nc, settings, transfer, to_scheduler)
     await endpoint.start()

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from kvpager.engine.worker.kv_transfer import nixl
@@ -16,6 +17,7 @@ from tests import model_families
 from tests.nats_server import nats_server  # noqa: F401  (fixture)
 from tests.services.kvpager_cli import QUIET_ENV
 
+PEER_SCRIPT = Path(__file__).with_name("kv_peer.py")  # imports kvpager only
 BACKENDS = ["nats"] + (["nixl"] if nixl.available() else [])
 
 
@@ -27,7 +29,7 @@ def tiny_gemma2(tmp_path_factory):
 class Peer:
     def __init__(self, model, url: str, backend: str, instance: str, seed: int) -> None:
         argv = [
-            sys.executable, "-P", "-m", "tests.services.kv_peer", "--model", str(model),
+            sys.executable, "-P", str(PEER_SCRIPT), "--model", str(model),
             "--nats-url", url, "--instance", instance, "--backend", backend,
             "--kv-cache-dtype", "fp8", "--seed", str(seed), "--timeout", "5",
         ]  # fmt: skip
@@ -82,8 +84,8 @@ def test_blocks_move_between_processes(peers):
     remote, local = [[3, 9], [17]], [[40, 41], [5]]
     assert holder.digest([3, 9, 17]) != reader.digest([40, 41, 5])  # seeded apart
     transfer_id, pulled = _pull(reader, holder, remote, local)
-    assert pulled[0] == transfer_id and pulled[3] == "", pulled  # no error
-    assert pulled[1] > 0  # bytes
+    assert pulled["transfer_id"] == transfer_id and pulled["error"] == "", pulled
+    assert pulled["num_bytes"] > 0
     assert holder.next("sent")["sent"] == transfer_id  # the notification frees the blocks
     assert holder.digest([3, 9, 17]) == reader.digest([40, 41, 5])
     assert holder.digest([4]) != reader.digest([4])  # nothing else moved
@@ -93,9 +95,9 @@ def test_blocks_move_between_processes(peers):
 def test_bad_blocks_are_a_typed_error(peers):
     holder, reader = peers
     _, pulled = _pull(reader, holder, [[3], [10**6]], [[1], [2]])
-    assert "out of range" in pulled[3], pulled
+    assert "out of range" in pulled["error"], pulled
     _, pulled = _pull(reader, holder, [[3, 4]], [[1]])
-    assert pulled[3], pulled  # one group sent, two to receive; 2 blocks to 1
+    assert pulled["error"], pulled  # one group sent, two to receive; 2 blocks to 1
 
 
 @pytest.mark.parametrize("peers", BACKENDS, indirect=True)
@@ -104,4 +106,4 @@ def test_holder_killed_is_a_typed_error(peers):
     holder.process.kill()
     holder.process.wait()
     _, pulled = _pull(reader, holder, [[1], [2]], [[7], [8]])
-    assert pulled[3], pulled  # failed: timed out or refused, never a hang
+    assert pulled["error"], pulled  # failed: timed out or refused, never a hang
