@@ -9,6 +9,7 @@ whether it imports.
 
 import asyncio
 import importlib
+import logging
 import time
 
 import structlog
@@ -27,10 +28,22 @@ def import_nixl():
     """NIXL's Python API, or None when no NIXL wheel is installed."""
     for name in NIXL_MODULES:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError:
             continue
+        _quiet_logger()
+        return module
     return None
+
+
+def _quiet_logger() -> None:
+    """NIXL's Python logger prints INFO lines of its own format to stdout; ours are JSON.
+    Its warnings and errors go through the process's logging (structlog) instead."""
+    logger = logging.getLogger("nixl")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = True
 
 
 def available() -> bool:
