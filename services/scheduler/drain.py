@@ -9,10 +9,21 @@ the blocks. Streams that cannot move (parallel samples, beams, penalties) finish
 
 import asyncio
 import json
+import time
 
+import structlog
+from kvpager.engine.core import EngineCore
 from kvpager.engine.frontend.migration import can_move
 from kvpager.engine.request import Request
+from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
+from kvpager.schemas.scheduler import ExecutorReady
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import TRANSFER_ID
+from kvpager.services.wire import pack
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+log = structlog.get_logger(__name__)
 
 GATHER_S = 0.25
 STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
@@ -47,3 +58,88 @@ def _instance_of(data: bytes, prefix: str) -> set[str]:
     if metadata.get("prefix") != prefix or not stats.get("endpoints"):
         return set()
     return {str(metadata.get("instance", ""))}
+
+
+class KvMovesService:
+    """The scheduler service's side of KV moves and drains, mixed into SchedulerService:
+    handoffs it accepts, transfers' ends from its executor, drains."""
+
+    nc: NATS
+    settings: Settings
+    core: EngineCore | None
+    executor: ExecutorReady | None
+    outbox: object
+    _work: asyncio.Event
+    _closing: bool
+
+    def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
+        """A handoff our executor can read (another instance's, a transfer id fit for a
+        subject); else None: the continuation recomputes its prompt."""
+        if source is None or not self.executor.kv_agent:
+            return None
+        if source.instance == self.settings.instance or not TRANSFER_ID.fullmatch(
+            source.transfer_id
+        ):
+            return None
+        return source
+
+    def _on_kv(self, message: KvPulled | KvSent) -> None:
+        """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
+        if self.core is None:
+            return
+        scheduler = self.core.scheduler
+        if isinstance(message, KvSent):
+            known = scheduler.release(message.transfer_id)
+            log.info("kv handoff read", transfer_id=message.transfer_id, known=known)
+        else:
+            ok = not message.error
+            scheduler.pulled(message.transfer_id, message.num_bytes, message.seconds, ok)
+            if not ok:
+                log.warning("kv pull failed: recomputing", transfer_id=message.transfer_id)
+        self._work.set()
+
+    async def _expire_holds(self) -> None:
+        if self.core is not None and self.core.scheduler.expire_holds(time.monotonic()):
+            log.warning("kv handoffs never read: their blocks are free again")
+            self._work.set()
+
+    async def _on_drain(self, msg: Msg) -> None:
+        """`kvpager drain`: answer how many streams moved, with or without their blocks."""
+        num_moved = await self._drain("drain asked")
+        if msg.reply:
+            await msg.respond(pack(DrainResult(num_moved, 0)))
+
+    async def _drain(self, reason: str) -> int:
+        """Refuse new requests, empty the pipeline, hand the running streams on."""
+        self._closing = True
+        core = self.core
+        if core is None or self.executor is None or not self.executor.kv_agent:
+            return 0
+        core.paused = True
+        self._work.set()
+        try:
+            while core.num_in_flight and core is self.core:
+                await asyncio.sleep(0.005)
+            if core is not self.core or self.executor is None:
+                return 0
+            num_moved = core.hand_off(self.settings.instance, self.executor.kv_agent, movable)
+            await core.publish()
+        finally:
+            core.paused = False
+            self._work.set()
+        log.info("instance drained", reason=reason, num_moved=num_moved)
+        return num_moved
+
+    async def _drain_on_stop(self) -> None:
+        """With another instance up, the running streams move there with their blocks."""
+        if self.core is None or self.executor is None or not self.executor.kv_agent:
+            return
+        prefix, instance = self.settings.prefix, self.settings.instance
+        if await other_instances(self.nc, prefix, instance):
+            await self._drain("shutting down")
+
+    @property
+    def _busy_stopping(self) -> bool:
+        """Streams to finish, or handed-on blocks not yet read."""
+        held = self.core is not None and self.core.scheduler.held
+        return bool(self.outbox.routes or held)

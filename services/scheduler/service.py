@@ -21,7 +21,6 @@ from kvpager.engine.core import EngineCore, build_scheduler, check_ready
 from kvpager.engine.request import Request
 from kvpager.schemas.errors import ConfigError, KvpagerError
 from kvpager.schemas.executor import Attached
-from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import (
     AddRequest,
@@ -35,13 +34,13 @@ from kvpager.services.discovery import Discovery
 from kvpager.services.liveness import repeat
 from kvpager.services.pieces import Pieces
 from kvpager.services.scheduler.attach import scheduler_info
-from kvpager.services.scheduler.drain import movable, other_instances
+from kvpager.services.scheduler.drain import KvMovesService
 from kvpager.services.scheduler.kv_events import KvEventPublisher, instance_load
 from kvpager.services.scheduler.link import ExecutorLink
 from kvpager.services.scheduler.outbox import Outbox
 from kvpager.services.scheduler.watch import PeerWatch
 from kvpager.services.settings import Settings
-from kvpager.services.subjects import TRANSFER_ID, Subjects, is_inbox
+from kvpager.services.subjects import Subjects, is_inbox
 from kvpager.services.wire import encode_public, pack, payload_budget, unpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -54,7 +53,7 @@ _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
 _ready_decoder = msgspec.msgpack.Decoder(ExecutorReady)
 
 
-class SchedulerService:
+class SchedulerService(KvMovesService):
     def __init__(self, nc: NATS, settings: Settings) -> None:
         self.nc = nc
         self.settings = settings
@@ -208,64 +207,6 @@ class SchedulerService:
         self._work.set()
         return None
 
-    def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
-        """A handoff our executor can read (another instance's, a transfer id fit for a
-        subject); else None: the continuation recomputes its prompt."""
-        if source is None or not self.executor.kv_agent:
-            return None
-        if source.instance == self.settings.instance or not TRANSFER_ID.fullmatch(
-            source.transfer_id
-        ):
-            return None
-        return source
-
-    def _on_kv(self, message: KvPulled | KvSent) -> None:
-        """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
-        if self.core is None:
-            return
-        scheduler = self.core.scheduler
-        if isinstance(message, KvSent):
-            known = scheduler.release(message.transfer_id)
-            log.info("kv handoff read", transfer_id=message.transfer_id, known=known)
-        else:
-            ok = not message.error
-            scheduler.pulled(message.transfer_id, message.num_bytes, message.seconds, ok)
-            if not ok:
-                log.warning("kv pull failed: recomputing", transfer_id=message.transfer_id)
-        self._work.set()
-
-    async def _expire_holds(self) -> None:
-        if self.core is not None and self.core.scheduler.expire_holds(time.monotonic()):
-            log.warning("kv handoffs never read: their blocks are free again")
-            self._work.set()
-
-    async def _on_drain(self, msg: Msg) -> None:
-        """`kvpager drain`: answer how many streams moved, with or without their blocks."""
-        num_moved = await self._drain("drain asked")
-        if msg.reply:
-            await msg.respond(pack(DrainResult(num_moved, 0)))
-
-    async def _drain(self, reason: str) -> int:
-        """Refuse new requests, empty the pipeline, hand the running streams on."""
-        self._closing = True
-        core = self.core
-        if core is None or self.executor is None or not self.executor.kv_agent:
-            return 0
-        core.paused = True
-        self._work.set()
-        try:
-            while core.num_in_flight and core is self.core:
-                await asyncio.sleep(0.005)
-            if core is not self.core or self.executor is None:
-                return 0
-            num_moved = core.hand_off(self.settings.instance, self.executor.kv_agent, movable)
-            await core.publish()
-        finally:
-            core.paused = False
-            self._work.set()
-        log.info("instance drained", reason=reason, num_moved=num_moved)
-        return num_moved
-
     def _params_fit(self, add: AddRequest) -> ErrorInfo | None:
         """Each NewRequest travels whole in one message (services/fit.py cuts a step between
         them): its sampling params must leave room in the server's max_payload."""
@@ -364,20 +305,6 @@ class SchedulerService:
             return  # no answer until the executor attaches; never on a service subject
         stats = self.core.stats(self.settings.instance)
         await msg.respond(encode_public(stats, msgpack=False)[0])
-
-    async def _drain_on_stop(self) -> None:
-        """With another instance up, the running streams move there with their blocks."""
-        if self.core is None or self.executor is None or not self.executor.kv_agent:
-            return
-        prefix, instance = self.settings.prefix, self.settings.instance
-        if await other_instances(self.nc, prefix, instance):
-            await self._drain("shutting down")
-
-    @property
-    def _busy_stopping(self) -> bool:
-        """Streams to finish, or handed-on blocks not yet read."""
-        held = self.core is not None and self.core.scheduler.held
-        return bool(self.outbox.routes or held)
 
     async def stop(self) -> None:
         """Refuse new requests, let running ones finish for a while, then fail the rest."""
