@@ -22,7 +22,7 @@ from kvpager.schemas.errors import KvTransferError
 from kvpager.schemas.kv_transfer import KvAgent, KvPull, KvPulled, KvSent
 from kvpager.services.executor.kv_nats import NatsTransfer
 from kvpager.services.settings import Settings
-from kvpager.services.subjects import Subjects
+from kvpager.services.subjects import TRANSFER_ID, Subjects
 from kvpager.services.wire import pack, unpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -90,6 +90,9 @@ class KvEndpoint:
     async def _on_card(self, msg: Msg) -> None:
         card = unpack(_card_decoder, msg.data, msg.subject)
         if card is None or card.name == self.name or card.name in self.transfer.peers:
+            return
+        if not TRANSFER_ID.fullmatch(card.name):  # it names a subject of the fallback's
+            log.warning("kv transfer card with a bad name dropped", name=card.name[:80])
             return
         try:  # NIXL's connect blocks for a while: not on the event loop
             await asyncio.to_thread(self.transfer.add_peer, card)

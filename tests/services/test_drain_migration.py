@@ -21,7 +21,6 @@ from tests.nats_server import free_port
 from tests.services.kvpager_cli import start, wait_for_line
 
 NUM_STREAMS, NUM_TOKENS = 8, 96
-INSTANCES = ["default-0", "default-1"]
 
 
 @pytest.fixture
@@ -86,19 +85,21 @@ async def _all_free(client: Client, timeout_s: float = 20.0) -> list:
         await asyncio.sleep(0.2)
 
 
-async def _moved_streams(url: str, drain) -> tuple[list[list[int]], list]:
-    """Every stream started, both instances running some, then `drain()`: the streams'
-    tokens once they ended, and each instance's stats."""
+async def _moved_streams(url: str, drain) -> tuple[list[list[int]], list, str]:
+    """Every stream started, then `drain(instance)` of the instance running most of them:
+    the streams' tokens once they ended, each instance's stats, and the drained instance."""
     client = await Client.connect(url, "llm")
     try:
         first = [asyncio.Event() for _ in range(NUM_STREAMS)]
         tasks = [asyncio.create_task(_stream(client, i, first[i])) for i in range(NUM_STREAMS)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 60.0)
         stats = await gather_stats(client.nc, "llm.stats", 1.0)
-        assert all(s.num_running > 0 for s in stats), stats
-        await drain()
+        source = max(stats, key=lambda s: s.num_running)
+        assert source.num_running > 0 and len(stats) == 2, stats
+        assert not any(task.done() for task in tasks), "streams ended before the drain"
+        await drain(source.instance)
         moved = await asyncio.wait_for(asyncio.gather(*tasks), 90.0)
-        return moved, await _all_free(client)
+        return moved, await _all_free(client), source.instance
     finally:
         await client.close()
 
@@ -124,27 +125,27 @@ def test_kvpager_drain_moves_streams_with_their_blocks(served):
     process, url = served
     results: list[DrainResult] = []
 
-    async def drain() -> None:
-        results.append(await _drain_request(url, "default-0"))
+    async def drain(instance: str) -> None:
+        results.append(await _drain_request(url, instance))
 
-    moved, stats = asyncio.run(_moved_streams(url, drain))
+    moved, stats, source = asyncio.run(_moved_streams(url, drain))
     assert results[0].num_moved > 0, results
-    _check_target(stats, "default-0")
-    source = next(s for s in stats if s.instance == "default-0")
-    assert source.kv_handoffs == results[0].num_moved, source
-    assert moved == asyncio.run(_undrained(url))  # default-0 refuses: all on default-1
+    _check_target(stats, source)
+    drained = next(s for s in stats if s.instance == source)
+    assert drained.kv_handoffs == results[0].num_moved, drained
+    assert moved == asyncio.run(_undrained(url))  # the drained instance refuses: the other
 
 
 def test_sigterm_of_an_instance_moves_its_streams(served):
     process, url = served
     children = psutil.Process(process.pid).children(recursive=True)
-    instance = [p for p in children if p.environ().get("KVPAGER_INSTANCE") == "default-0"]
-    assert len(instance) == 2, instance  # its executor and scheduler
 
-    async def drain() -> None:
-        for child in instance:
+    async def drain(instance: str) -> None:
+        pair = [p for p in children if p.environ().get("KVPAGER_INSTANCE") == instance]
+        assert len(pair) == 2, pair  # its executor and scheduler
+        for child in pair:
             child.send_signal(signal.SIGTERM)
 
-    moved, stats = asyncio.run(_moved_streams(url, drain))
+    moved, stats, source = asyncio.run(_moved_streams(url, drain))
     assert moved == asyncio.run(_undrained(url))
-    _check_target([s for s in stats if s.instance != "default-0"] or stats, "default-0")
+    _check_target(stats, source)

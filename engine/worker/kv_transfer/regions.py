@@ -11,6 +11,8 @@ import torch
 from kvpager.schemas.errors import KvTransferError
 from kvpager.schemas.kv_transfer import KvAgent
 
+MAX_PEER_BLOCKS = 2**24  # as the scheduler's bound on an executor (engine/core.py)
+
 # per KV group: block ids (a group's table; groups share the pool, so ids never repeat)
 GroupBlocks = list[list[int]]
 
@@ -73,6 +75,8 @@ class KvRegions:
                 raise KvTransferError(f"peer {peer.name}: {field} {theirs!r}, ours {mine!r}")
         if peer.kv_scales != ours.kv_scales:
             raise KvTransferError(f"peer {peer.name}: its fp8 KV scales differ from ours")
+        if not 0 < peer.num_blocks <= MAX_PEER_BLOCKS:
+            raise KvTransferError(f"peer {peer.name}: {peer.num_blocks} blocks")
 
     def check_blocks(self, block_ids: list[int], num_blocks: int, whose: str) -> None:
         bad = [b for b in block_ids if not 0 <= b < num_blocks]
