@@ -81,6 +81,7 @@ class InstanceLoad(msgspec.Struct, kw_only=True):
     num_free_blocks: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    closing: bool = False  # refusing new requests (shutting down or drained)
 
     @property
     def num_used_blocks(self) -> int:

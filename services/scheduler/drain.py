@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 log = structlog.get_logger(__name__)
 
 GATHER_S = 0.25
+STOP_SETTLE_S = 0.5  # a signal to every instance at once reaches them all within this
 STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
 
 
@@ -57,6 +58,9 @@ def _instance_of(data: bytes, prefix: str) -> set[str]:
     metadata = stats.get("metadata") or {} if isinstance(stats, dict) else {}
     if metadata.get("prefix") != prefix or not stats.get("endpoints"):
         return set()
+    load = stats["endpoints"][0].get("data") or {}
+    if not isinstance(load, dict) or load.get("closing") or not load.get("model"):
+        return set()  # shutting down too, or no executor: it would refuse the streams
     return {str(metadata.get("instance", ""))}
 
 
@@ -131,9 +135,13 @@ class KvMovesService:
         return num_moved
 
     async def _drain_on_stop(self) -> None:
-        """With another instance up, the running streams move there with their blocks."""
+        """With another instance up and accepting, the running streams move there with their
+        blocks. Every instance that a whole `kvpager serve` stops gets its signal at once:
+        after STOP_SETTLE_S each says it is closing, so none hands its streams to another
+        that will refuse them (they finish where they are, as before)."""
         if self.core is None or self.executor is None or not self.executor.kv_agent:
             return
+        await asyncio.sleep(STOP_SETTLE_S)
         prefix, instance = self.settings.prefix, self.settings.instance
         if await other_instances(self.nc, prefix, instance):
             await self._drain("shutting down")

@@ -154,7 +154,8 @@ class SchedulerService(KvMovesService):
 
     def _load(self) -> dict:
         """The instance's load, for discovery ($SRV.STATS endpoint data)."""
-        return msgspec.to_builtins(instance_load(self.core, self.executor))
+        load = instance_load(self.core, self.executor)
+        return msgspec.to_builtins(msgspec.structs.replace(load, closing=self._closing))
 
     def _lose_executor(self, error: ErrorInfo) -> None:
         """Fail every request now; the core stays (all blocks free) until an executor attaches."""
