@@ -18,7 +18,7 @@ from kvpager.services.client import Client
 from kvpager.services.http.metrics import gather_stats
 
 from tests.nats_server import free_port
-from tests.services.kvpager_cli import start, wait_for_line
+from tests.services.kvpager_cli import kvpager, start, wait_for_line
 
 NUM_STREAMS, NUM_TOKENS = 8, 96
 
@@ -134,6 +134,11 @@ def test_kvpager_drain_moves_streams_with_their_blocks(served):
     drained = next(s for s in stats if s.instance == source)
     assert drained.kv_handoffs == results[0].num_moved, drained
     assert moved == asyncio.run(_undrained(url))  # the drained instance refuses: the other
+    done = kvpager("drain", source, "--nats-url", url)  # the CLI, as the services' identity
+    assert done.returncode == 0, done.stderr
+    assert f"instance {source} drains: 0 streams moved" in done.stdout, done.stdout
+    missing = kvpager("drain", "no-such-instance", "--nats-url", url)
+    assert missing.returncode == 1 and "no instance" in missing.stderr, missing
 
 
 def test_sigterm_of_an_instance_moves_its_streams(served):
