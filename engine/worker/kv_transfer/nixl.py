@@ -179,7 +179,10 @@ def _agent(nixl, name: str):
     Python API sets the delay to 0, a thread spinning on a fifth of a core while idle; without
     the thread a peer's reads of our blocks stall (over TCP the holder must progress them).
     The delay is set through the one config object the API builds."""
-    bind = nixl._api.nixlBind
+    config = nixl.nixl_agent_config(backends=["UCX"])
+    bind = getattr(getattr(nixl, "_api", None), "nixlBind", None)
+    if bind is None:  # another packaging of the API: its own delay, then
+        return nixl.nixl_agent(name, config)
     original = bind.nixlAgentConfig
 
     class Config(original):
@@ -188,7 +191,7 @@ def _agent(nixl, name: str):
 
     bind.nixlAgentConfig = Config
     try:
-        return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        return nixl.nixl_agent(name, config)
     finally:
         bind.nixlAgentConfig = original
 
