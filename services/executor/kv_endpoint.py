@@ -18,7 +18,7 @@ from kvpager.engine.worker.executor import Executor
 from kvpager.engine.worker.kv_transfer import nixl
 from kvpager.engine.worker.kv_transfer.base import KvTransfer
 from kvpager.engine.worker.kv_transfer.endpoint import executor_regions
-from kvpager.schemas.errors import KvTransferError
+from kvpager.schemas.errors import ConfigError, KvTransferError
 from kvpager.schemas.kv_transfer import KvAgent, KvPull, KvPulled, KvSent
 from kvpager.services.executor.kv_nats import NatsTransfer
 from kvpager.services.settings import Settings
@@ -38,16 +38,21 @@ ToScheduler = Callable[[KvPulled | KvSent], Awaitable[None]]
 
 
 def make_transfer(executor: Executor, settings: Settings, nc: NATS) -> KvTransfer | None:
-    """NIXL when it imports, else the NATS fallback; None when the cache cannot move."""
+    """NIXL when it imports (`--kv-transfer auto`), else the NATS fallback; None when the
+    cache cannot move. `--kv-transfer nixl` without NIXL is a ConfigError."""
     regions = executor_regions(executor)
     if regions is None:
         log.info("kv transfer off: tensor-parallel caches do not move yet")
         return None
     name = f"{settings.instance}-{uuid.uuid4().hex[:12]}"
-    if nixl.available():
+    if settings.kv_transfer == "nixl" and not nixl.available():
+        raise ConfigError("kv_transfer nixl: NIXL is not installed (pip install kvpager[nixl])")
+    if settings.kv_transfer != "nats" and nixl.available():
         try:
             return nixl.NixlTransfer(regions, name, settings.instance)
         except KvTransferError as exc:
+            if settings.kv_transfer == "nixl":
+                raise ConfigError(f"kv_transfer nixl: {exc}") from exc
             log.warning("nixl unusable: the NATS fallback moves KV blocks", error=str(exc))
     return NatsTransfer(regions, name, settings.instance, nc, settings.prefix)
 

@@ -12,6 +12,7 @@ import msgspec
 import nats
 import psutil
 import pytest
+from kvpager.engine.worker.kv_transfer import nixl
 from kvpager.schemas.kv_transfer import DrainInstance, DrainResult
 from kvpager.services import credentials
 from kvpager.services.client import Client
@@ -20,19 +21,23 @@ from kvpager.services.http.metrics import gather_stats
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, start, wait_for_line
 
-NUM_STREAMS, NUM_TOKENS = 8, 96
+NUM_STREAMS, NUM_TOKENS = 8, 128  # still running when the drain comes
 
 
-@pytest.fixture
-def served(tiny_llama, tmp_path):
+@pytest.fixture(params=["auto", "nats"])
+def served(tiny_llama, tmp_path, request):
+    """Blocks over NIXL (when installed) and over the NATS fallback."""
     port = free_port()
     process = start(
         "serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "256",
-        "--no-http", "--replicas", "2", "--drain-timeout", "30", log_dir=tmp_path,
+        "--no-http", "--replicas", "2", "--drain-timeout", "30", "--kv-transfer", request.param,
+        log_dir=tmp_path,
     )  # fmt: skip
     try:
         wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
         yield process, f"nats://127.0.0.1:{port}"
+        fallback = "kv transfer over NATS" in (tmp_path / "err.txt").read_text()
+        assert fallback == (request.param == "nats" or not nixl.available())  # and says so
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
