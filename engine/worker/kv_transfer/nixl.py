@@ -58,6 +58,17 @@ class NixlTransfer(KvTransfer):
         nixl = import_nixl()
         if nixl is None:
             raise KvTransferError("NIXL is not installed (pip install kvpager[nixl])")
+        try:  # no plugins, no UCX, memory it cannot register: NIXL raises plain errors
+            self._register(nixl, name)
+        except KvTransferError:
+            raise
+        except Exception as exc:
+            raise KvTransferError(f"NIXL could not register the KV cache: {exc}") from exc
+        self._remote: dict[str, object] = {}  # peer name -> its prepared descriptor list
+
+    def _register(self, nixl, name: str) -> None:
+        """The agent, the whole cache registered, and our regions prepared once."""
+        regions = self.regions
         self.nixl = _agent(nixl, name)
         if "UCX" not in self.nixl.backends:
             raise KvTransferError("NIXL has no UCX backend here")
@@ -66,7 +77,6 @@ class NixlTransfer(KvTransfer):
         self._registered = self.nixl.register_memory(whole, mem_type)
         ours = regions.descriptors(cache.data_ptr(), regions.num_blocks, regions.device_id)
         self._local = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", ours, mem_type)
-        self._remote: dict[str, object] = {}  # peer name -> its prepared descriptor list
 
     def agent(self) -> KvAgent:
         metadata = self.nixl.get_agent_metadata()
