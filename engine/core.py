@@ -28,6 +28,8 @@ from kvpager.schemas.scheduler import ExecutorReady, StepDone
 from kvpager.schemas.tokenizer import SampleDelta
 
 Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
+# a drained stream's final delta: "unavailable" moves it (services/tokenizer/dispatch.py)
+DRAINED = ErrorInfo("unavailable", "the instance drains: the stream moves with its KV blocks")
 
 
 class StepRunner(Protocol):
@@ -68,6 +70,8 @@ class EngineCore:
         self._check = check_invariants
         self._in_flight: deque[tuple[ScheduledStep, bool]] = deque()  # with: back to back
         self._busy = False  # the last answered step computed something
+        self.paused = False  # plan no step (a drain empties the pipeline first)
+        self._absorbing = False  # a step's output is awaited or being absorbed
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -97,6 +101,25 @@ class EngineCore:
             self.scheduler.abort(request_id)
             self.deltas.add_finals(request_id, "abort", request=group[0])
         return bool(group)
+
+    def hand_off(self, instance: str, agent: str, movable: Callable[[Request], bool]) -> int:
+        """Drain: every running stream that `movable` lets go ends here with a final delta
+        carrying its KvHandoff (its tokenizer moves it on); its blocks stay held until the
+        next instance read them (Scheduler.release). No step may be in flight."""
+        assert not self.num_in_flight, "hand_off with steps in flight"
+        scheduler, num_moved = self.scheduler, 0
+        for request in list(scheduler.running):
+            if not (movable(request) and scheduler.can_hand_off(request)):
+                continue
+            handoff = scheduler.hold(request, instance, agent)
+            self.deltas.add_finals(request.request_id, "error", error=DRAINED, kv_handoff=handoff)
+            num_moved += 1
+        return num_moved
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps sent whose output is not absorbed yet."""
+        return len(self._in_flight) + self._absorbing
 
     def fail_all(self, error: ErrorInfo) -> None:
         """Every open request ends with `error`; its blocks are freed."""
@@ -139,11 +162,15 @@ class EngineCore:
         if not self._in_flight:
             return False
         step, back_to_back = self._in_flight.popleft()
-        result = await self.runner.result(step.step_id)
-        if isinstance(result, StepDone):
-            self._absorb(step, result, back_to_back)
-        else:
-            self.abandon(result)
+        self._absorbing = True
+        try:
+            result = await self.runner.result(step.step_id)
+            if isinstance(result, StepDone):
+                self._absorb(step, result, back_to_back)
+            else:
+                self.abandon(result)
+        finally:
+            self._absorbing = False
         return True
 
     async def publish(self, step_id: int | None = None) -> None:
@@ -161,6 +188,8 @@ class EngineCore:
 
     def _may_plan(self) -> bool:
         scheduler, in_flight = self.scheduler, self._in_flight
+        if self.paused:
+            return False
         if not (scheduler.has_unfinished or scheduler.finished_seq_ids):
             return False
         if not in_flight:

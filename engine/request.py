@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.sampling import SamplingParams
 
 
@@ -64,6 +65,8 @@ class Request:
     # num_cached_tokens by tier ("device", "cpu", "disk"), at first schedule
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_disk_hit_blocks: int = 0  # prompt blocks its admission read from the disk tier
+    # a drained stream's continuation: its blocks come from another instance (kv_moves.py)
+    kv_import: KvHandoff | None = None
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

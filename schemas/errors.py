@@ -82,6 +82,13 @@ class PoisonedRequestError(InvalidRequestError):
     rest of the deployment's life (services/inflight.py)."""
 
 
+class KvTransferError(KvpagerError):
+    """KV blocks could not move between executors (peer gone, timed out, caches that do not
+    match): the request falls back to recomputing its prompt."""
+
+    type = "kv_transfer_failed"
+
+
 # A stream ends with these without an exception: its deadline passed (the tokenizer aborts it),
 # its instance failed more often than `--migration-limit` allows (services/tokenizer/
 # dispatch.py), or the Python client lost its NATS connection or heard nothing for too long.

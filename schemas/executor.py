@@ -6,6 +6,7 @@ tensor (input ids, positions, slot mapping, block tables) itself.
 """
 
 import msgspec
+from kvpager.schemas.kv_transfer import KvPull
 from kvpager.schemas.sampling import SamplingParams
 
 
@@ -88,6 +89,8 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     # them), and files to read into reserved CPU blocks (StepOutput.disk_loaded says when)
     blocks_to_disk: list[DiskBlock] = []
     blocks_from_disk: list[DiskBlock] = []
+    # KV blocks to read from another executor once this step ran (KvPulled says when)
+    kv_pulls: list[KvPull] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

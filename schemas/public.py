@@ -255,6 +255,17 @@ class Stats(msgspec.Struct, kw_only=True):
     num_pinned_evictions: Annotated[
         int, Meta(description="pinned blocks evicted under pressure (demoted, or dropped)")
     ] = 0
+    kv_transfer_blocks: Annotated[
+        int, Meta(description="KV blocks that arrived from another instance (drain migration)")
+    ] = 0
+    kv_transfer_bytes: Annotated[int, Meta(description="their bytes")] = 0
+    kv_transfer_mean_ms: Annotated[float, Meta(description="mean time of one transfer")] = 0.0
+    kv_transfer_failed: Annotated[
+        int, Meta(description="transfers that failed: their requests recomputed")
+    ] = 0
+    kv_handoffs: Annotated[
+        int, Meta(description="streams handed on with their blocks, read by the next instance")
+    ] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

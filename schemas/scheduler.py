@@ -1,6 +1,7 @@
 """What the scheduler receives: sampled tokens from its executor, requests from tokenizers."""
 
 import msgspec
+from kvpager.schemas.kv_transfer import KvHandoff, KvPulled, KvSent
 from kvpager.schemas.sampling import SamplingParams
 
 
@@ -93,6 +94,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     # tokens (their full blocks) for `pin_ttl` seconds; the scheduler checks both again
     pin_tokens: int = 0
     pin_ttl: float = 0.0
+    # a drained stream's continuation: its blocks, to read instead of recomputing
+    kv_source: KvHandoff | None = None
 
 
 class FinishRequest(msgspec.Struct, tag="finish", array_like=True):
@@ -137,6 +140,8 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full attention;
     # empty: one full-attention group
     kv_group_windows: list[int] = []
+    # its KV transfer endpoint (KvAgent.name; schemas/kv_transfer.py), "" without one
+    kv_agent: str = ""
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):
@@ -164,7 +169,7 @@ class StepFailed(msgspec.Struct, tag="failed", array_like=True):
     error_type: str = "internal_error"
 
 
-ExecutorMessage = StepPart | StepDone | StepFailed
+ExecutorMessage = StepPart | StepDone | StepFailed | KvPulled | KvSent
 
 
 class SchedulerInfo(msgspec.Struct):
@@ -180,3 +185,5 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int = 0
     scheduler_id: str = ""
     executor_id: str = ""
+    # blocks held for peers to read (a drain's handoffs): the executor stays up meanwhile
+    num_kv_held: int = 0

@@ -7,6 +7,7 @@ subject is the scheduler's liveness ping: the replica answers with an empty mess
 """
 
 import msgspec
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import PromptLogprobs, TokenLogprobs
 
@@ -40,6 +41,8 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # by tier: "device", "cpu", "disk"
     num_cache_write_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = {}
+    # a drained instance's final delta: the stream's blocks, held for the next instance
+    kv_handoff: KvHandoff | None = None
 
 
 class TokenBatch(msgspec.Struct, array_like=True):
@@ -88,6 +91,7 @@ class InstanceLoad(msgspec.Struct, kw_only=True):
     # free device blocks that pins hold (GenerateRequest.cache): taken only after every other
     # free block, so they count as in use for the router's cost
     num_pinned_free_blocks: int = 0
+    closing: bool = False  # refusing new requests (shutting down or drained)
 
     @property
     def num_used_blocks(self) -> int:

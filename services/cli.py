@@ -107,6 +107,12 @@ def _cmd_health(args: argparse.Namespace) -> int:
     return asyncio.run(terminal.health(Settings.from_args(args), args.timeout))
 
 
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from kvpager.services import terminal
+
+    return asyncio.run(terminal.drain(Settings.from_args(args), args.name, args.timeout))
+
+
 def _cmd_credentials(args: argparse.Namespace) -> int:
     from kvpager.services import credentials
 
@@ -216,9 +222,15 @@ def _add_client_parsers(sub) -> dict[str, Callable]:
     stats.add_argument("--watch", type=float, metavar="SECONDS", help="repeat until Ctrl-C")
     health = sub.add_parser("health", help="exit 0 if the API answers ok (llm.health)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    for parser in (generate, stats, health):
+    drain = sub.add_parser(
+        "drain", help="move an instance's streams, KV blocks and all, to the other instances"
+    )
+    drain.add_argument("name", metavar="INSTANCE", help="the instance to drain")
+    drain.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    for parser in (generate, stats, health, drain):
         add_arguments(parser, names=CONNECTION_FIELDS)
-    return {"generate": _cmd_generate, "stats": _cmd_stats, "health": _cmd_health}
+    commands = {"generate": _cmd_generate, "stats": _cmd_stats, "health": _cmd_health}
+    return {**commands, "drain": _cmd_drain}
 
 
 def _add_prompt_args(parser: argparse.ArgumentParser) -> None:

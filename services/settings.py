@@ -120,6 +120,11 @@ class Settings(RequestCaps):
     finish_timeout: float = option("seconds a stream waits for an abort to land", default=10.0)
     drain_timeout: float = option("seconds to finish streams on shutdown", default=10.0)
     check_invariants: bool = option("check block accounting after every step", default=False)
+    kv_transfer: str = option(
+        "how KV blocks move between executors (drain): auto (NIXL when installed, else "
+        "NATS) | nixl | nats",
+        default="auto",
+    )
     log_level: str = option("debug | info | warning | error", default="info")
     log_json: bool | None = option("JSON log lines (default: when not a tty)", default=None)
     nats_token: str | None = option("NATS authentication token", default=None, secret=True)
@@ -198,6 +203,8 @@ class Settings(RequestCaps):
             raise ConfigError("max_pinned_blocks_per_key: must be at least 0")
         if self.migration_limit < 0:
             raise ConfigError("migration_limit: must be at least 0")
+        if self.kv_transfer not in ("auto", "nixl", "nats"):
+            raise ConfigError(f"kv_transfer: {self.kv_transfer!r} is not auto, nixl or nats")
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization: {utilization} is not in (0, 1]")

@@ -16,6 +16,14 @@ llm.internal.<instance>.executor.<id>.ping   scheduler -> one executor: liveness
 llm.internal.<instance>.tokens.<replica>     scheduler -> one tokenizer: TokenBatch; empty
                                       request: liveness ping
 llm.internal.<instance>.kv.events     scheduler -> every tokenizer's router: KvEvents
+llm.internal.<instance>.scheduler.drain      `kvpager drain` -> scheduler: DrainInstance,
+                                      request-reply (DrainResult)
+llm.internal.kv.agents                executor -> every executor: its KvAgent (at attach);
+                                      `.ask`: every executor publishes its card again
+llm.internal.kv.agent.<name>          executor -> one executor (NATS fallback): KvReadRequest,
+                                      KvWriteRequest, KvTransferDone
+llm.internal.kv.xfer.<transfer id>    the NATS fallback's block bytes (KvChunk), one subject a
+                                      transfer: KV bytes never share the scheduler's subjects
 $SRV.STATS.kvpager-scheduler          tokenizers -> every scheduler (nats.micro): its
                                       instance (metadata) and InstanceLoad (endpoint data)
 """
@@ -25,6 +33,10 @@ from dataclasses import dataclass
 
 TOKENIZER_QUEUE = "kvpager-tokenizer"
 INBOX = "_INBOX"  # nats-py's inbox prefix; client identities have `_INBOX_<name>`
+
+
+# a KV transfer's id: one subject token (no dots, no wildcards), as kv_transfer() needs
+TRANSFER_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 
 
 def is_inbox(subject: str) -> bool:
@@ -107,6 +119,24 @@ class Subjects:
     @property
     def kv_events(self) -> str:
         return f"{self._internal}.kv.events"
+
+    @property
+    def scheduler_drain(self) -> str:
+        return f"{self._internal}.scheduler.drain"
+
+    @property
+    def kv_agents(self) -> str:
+        return f"{self.prefix}.internal.kv.agents"
+
+    @property
+    def kv_agents_ask(self) -> str:
+        return f"{self.prefix}.internal.kv.agents.ask"
+
+    def kv_agent(self, name: str) -> str:
+        return f"{self.prefix}.internal.kv.agent.{name}"
+
+    def kv_transfer(self, transfer_id: str) -> str:
+        return f"{self.prefix}.internal.kv.xfer.{transfer_id}"
 
     @property
     def all_kv_events(self) -> str:

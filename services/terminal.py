@@ -9,10 +9,15 @@ import sys
 from contextlib import aclosing
 
 import msgspec
+import nats.errors
+from kvpager.schemas.kv_transfer import DrainInstance, DrainResult
 from kvpager.schemas.public import ChatMessage, GenerateEvent, GenerateRequest, Stats
+from kvpager.services import credentials
 from kvpager.services.client import Client
-from kvpager.services.connection import open_connection
+from kvpager.services.connection import open_connection, with_local_identity
 from kvpager.services.settings import Settings
+from kvpager.services.subjects import Subjects
+from kvpager.services.wire import pack
 
 
 async def _client(settings: Settings) -> Client:
@@ -69,6 +74,25 @@ async def health(settings: Settings, timeout_s: float) -> int:
     detail = f": {answer.message}" if answer.message else ""
     print(f"{answer.status} (instance {answer.instance}, model {answer.model}){detail}")
     return 0 if answer.status == "ok" else 1
+
+
+async def drain(settings: Settings, instance: str, timeout_s: float) -> int:
+    """`kvpager drain INSTANCE`: its streams move on with their KV blocks (services/
+    scheduler/drain.py); 0 once the instance answered. An internal subject: without
+    credentials given, this host's services identity (a `kvpager serve` made one)."""
+    settings = with_local_identity(settings, credentials.SERVICE)
+    client = Client(await open_connection(settings, "kvpager-drain"), settings.prefix)
+    subject = Subjects(settings.prefix, instance).scheduler_drain
+    try:
+        reply = await client.nc.request(subject, pack(DrainInstance(instance)), timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        print(f"no instance {instance!r} answers", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+    result = msgspec.msgpack.decode(reply.data, type=DrainResult)
+    print(f"instance {instance} drains: {result.num_moved} streams moved with their KV blocks")
+    return 0
 
 
 def format_stats(stats: Stats) -> str:

@@ -346,6 +346,10 @@ class BlockManager:
         self.num_copies += 1
         return [dst]
 
+    def pop_free_block(self) -> int:
+        """A free block for the caller's own table (a KV import); see _pop_free."""
+        return self._pop_free()
+
     def _pop_free(self) -> int:
         """A free block; content it held that the CPU pool keeps is swapped out first."""
         block_id, cpu_block = self.pool.pop_free()

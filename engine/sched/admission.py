@@ -63,6 +63,8 @@ class Admission:
             return False  # preempted with a token in flight: resume once it has arrived
         if request.status is RequestStatus.SWAPPED:
             return self._swap_in(request, plan)
+        if request.kv_import is not None and self._start_import(request):
+            return True  # its blocks come from another instance first (kv_moves.py)
         room = self.config.max_num_seqs - self._num_seqs_in_use
         return room >= 1 + request.num_pending_forks and self._admit(request, plan)
 

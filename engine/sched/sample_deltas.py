@@ -10,6 +10,7 @@ from collections.abc import Callable
 from kvpager.engine.request import Request
 from kvpager.engine.sched.beam_search import FinishedBeam
 from kvpager.engine.sched.prompt_logprobs import PromptLogprobsCollector
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import TokenLogprobs
 from kvpager.schemas.tokenizer import SampleDelta
@@ -73,6 +74,7 @@ class SampleDeltas:
         error: ErrorInfo | None = None,
         num_cached_tokens: int = 0,
         request: Request | None = None,
+        kv_handoff: KvHandoff | None = None,
     ) -> None:
         """Final deltas for the open samples among `indices` (None: every open sample), with
         `request`'s prefix-cache usage when given."""
@@ -85,6 +87,7 @@ class SampleDeltas:
                 finish_reason=finish_reason,
                 num_cached_tokens=num_cached_tokens,
                 error=error,
+                kv_handoff=kv_handoff,
             )
             if request is not None:
                 cache_usage(delta, request)

@@ -25,6 +25,7 @@ from kvpager.engine.request import Request, RequestStatus
 from kvpager.engine.sched.admission import Admission
 from kvpager.engine.sched.beam_scheduler import BeamScheduler
 from kvpager.engine.sched.beam_search import FinishedBeam
+from kvpager.engine.sched.kv_moves import KvMoves
 from kvpager.engine.sched.lookahead import Lookahead
 from kvpager.engine.sched.output_update import OutputUpdate
 from kvpager.engine.sched.preemption import Preemption
@@ -35,7 +36,7 @@ from kvpager.schemas.executor import ForkRequest, ScheduledStep
 from kvpager.schemas.public import ErrorInfo
 
 
-class Scheduler(Admission, Preemption, OutputUpdate):
+class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
     """The one scheduling rule over running and waiting requests (see the module docstring)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -65,6 +66,7 @@ class Scheduler(Admission, Preemption, OutputUpdate):
         self.failed: dict[str, ErrorInfo] = {}  # request id -> why it failed, for the core
         self.stats = SchedulerStats()
         self.step_id = 0
+        self._init_kv_moves()
 
     def add_request(self, request: Request) -> None:
         """Queue a request (n > 1 samples fork from it later), or raise a typed error."""
@@ -97,7 +99,9 @@ class Scheduler(Admission, Preemption, OutputUpdate):
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.block_manager.disk.waiting)
+        return bool(
+            self.waiting or self.running or self.block_manager.disk.waiting or self.importing
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -152,6 +156,7 @@ class Scheduler(Admission, Preemption, OutputUpdate):
             blocks_from_disk=ops.from_disk,
             forks=self.beams.take_forks() + plan.forks,
             num_spec_tokens=asks,
+            kv_pulls=self.take_kv_pulls(),
         )
         self.finished_seq_ids = []
         return step
@@ -270,7 +275,8 @@ class Scheduler(Admission, Preemption, OutputUpdate):
         self.block_manager.disk.forget(request)
         request.status = status
         request.num_pending_forks = 0
-        self.block_manager.free(request)
+        if not self._import_in_flight(request):  # else freed when the pull ends (pulled)
+            self.block_manager.free(request)
         self.forget_at_executor(request.seq_id)
         self.lookahead.forget(request.seq_id)
         self.seqs.pop(request.seq_id, None)

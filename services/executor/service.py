@@ -33,9 +33,11 @@ from kvpager.schemas.executor import (
     StepPiece,
     StepRequests,
 )
+from kvpager.schemas.kv_transfer import KvPulled, KvSent
 from kvpager.schemas.scheduler import ExecutorReady, SchedulerInfo, StepDone, StepFailed
 from kvpager.services.connection import flush_sent
 from kvpager.services.discovery import Discovery
+from kvpager.services.executor.kv_endpoint import KvEndpoint, make_transfer
 from kvpager.services.fit import split_done
 from kvpager.services.liveness import PeerGone, Reconnects, ping, repeat
 from kvpager.services.pieces import Pieces
@@ -84,9 +86,13 @@ class ExecutorService:
         self._reconnects = Reconnects(nc)
         self._ping_sub = None
         self._watch_task: asyncio.Task | None = None
+        transfer = make_transfer(self.executor, settings, nc)
+        self.kv = KvEndpoint(nc, settings, transfer, self._to_scheduler) if transfer else None
 
     async def start(self) -> None:
         await self._watch_ranks()
+        if self.kv is not None:
+            await self.kv.start()
         discovery = await Discovery.register(
             self.nc, "executor", self.settings, "runs the model on the paged KV cache"
         )
@@ -116,7 +122,13 @@ class ExecutorService:
         self._ping_sub = await self.nc.subscribe(subject, cb=pong)
 
     def ready_message(self) -> ExecutorReady:
-        return self.executor.ready(self.executor_id, self.settings.model)
+        ready = self.executor.ready(self.executor_id, self.settings.model)
+        if self.kv is None:
+            return ready
+        return msgspec.structs.replace(ready, kv_agent=self.kv.name)
+
+    async def _to_scheduler(self, message: KvPulled | KvSent) -> None:
+        await self.nc.publish(self.subjects.scheduler_outputs, pack(message))
 
     # --- attaching, and watching the scheduler ---------------------------------------------
 
@@ -143,6 +155,8 @@ class ExecutorService:
         finally:
             self._attaching = False
         self.scheduler_id = msgspec.msgpack.decode(reply.data, type=Attached).scheduler_id
+        if self.kv is not None:
+            await self.kv.announce()
         log.info(
             "attached to scheduler",
             scheduler=self.scheduler_id,
@@ -223,6 +237,11 @@ class ExecutorService:
             await self._fail(step.step_id, repr(exc))
             return
         await self._answer(done)
+        if step.kv_pulls and self.kv is not None:  # after the step's swap-outs ran
+            self.kv.start_pulls(step.kv_pulls)
+        elif step.kv_pulls:
+            for pull in step.kv_pulls:
+                await self._to_scheduler(KvPulled(pull.transfer_id, error="no KV transfer"))
         self._last_activity = time.monotonic()
 
     async def _answer(self, done: StepDone) -> None:
@@ -268,6 +287,21 @@ class ExecutorService:
         failed = StepFailed(step_id, message, error_type)
         await self.nc.publish(self.subjects.scheduler_outputs, pack(failed))
 
+    async def _needed(self) -> bool:
+        """Pulls in flight, or a scheduler holding blocks for peers to read (a drain's
+        handoffs): they read them from us, so we stay until it lets them go."""
+        if self.kv is None:
+            return False
+        if self.kv.busy:
+            return True
+        try:
+            reply = await ping(self.nc, self.subjects.scheduler_info, 0.5)
+        except PeerGone:
+            return False
+        if reply is None:
+            return False
+        return msgspec.msgpack.decode(reply.data, type=SchedulerInfo).num_kv_held > 0
+
     async def _exit_lost(self, reason: str) -> None:
         """A tensor-parallel rank is gone: no step can run again. Exit now (the ranks started
         here die with us); the scheduler finds us gone and a supervisor may restart us."""
@@ -284,8 +318,11 @@ class ExecutorService:
             self._watch_task.cancel()
         deadline = time.monotonic() + self.settings.drain_timeout + 5.0
         while time.monotonic() < deadline:
-            if time.monotonic() - self._last_activity > IDLE_BEFORE_EXIT_S:
+            idle = time.monotonic() - self._last_activity > IDLE_BEFORE_EXIT_S
+            if idle and not await self._needed():
                 break
             await asyncio.sleep(0.1)
+        if self.kv is not None:
+            self.kv.close()
         async with self._lock:  # tensor parallel: the other ranks exit too
             await asyncio.get_running_loop().run_in_executor(None, self.runner.close)

@@ -43,6 +43,10 @@ GAUGES = {  # name: (help, value of a Stats)
         "KV blocks pinned by requests' cache (a prefix kept for its TTL)",
         lambda s: s.num_pinned_blocks,
     ),
+    "kv_transfer_mean_seconds": (
+        "mean time of a KV transfer from another instance",
+        lambda s: s.kv_transfer_mean_ms / 1000,
+    ),
 }
 COUNTERS = {
     "num_preemptions": ("preemptions", lambda s: s.num_preemptions),
@@ -65,6 +69,14 @@ COUNTERS = {
     "prompt_tokens": ("prompt tokens of scheduled requests", lambda s: s.num_prompt_tokens),
     "generation_tokens": ("generated tokens", lambda s: s.num_generated_tokens),
     "engine_steps": ("model steps", lambda s: s.num_steps),
+    # drain migration with blocks (docs/user/replicas.md)
+    "kv_transfer_blocks": ("KV blocks read from another instance", lambda s: s.kv_transfer_blocks),
+    "kv_transfer_bytes": ("their bytes", lambda s: s.kv_transfer_bytes),
+    "kv_transfer_failed": (
+        "KV transfers that failed (the stream recomputed)",
+        lambda s: s.kv_transfer_failed,
+    ),
+    "kv_handoffs": ("streams handed on with their KV blocks", lambda s: s.kv_handoffs),
     # vLLM's speculative-decoding counters: acceptance rate = accepted / draft tokens, mean
     # accepted length = 1 + accepted / drafts
     "spec_decode_num_drafts": (

@@ -3,7 +3,9 @@
 from kvpager.schemas.scheduler import ExecutorReady, SchedulerInfo
 
 
-def scheduler_info(scheduler_id: str, ready: ExecutorReady | None) -> SchedulerInfo:
+def scheduler_info(
+    scheduler_id: str, ready: ExecutorReady | None, num_kv_held: int = 0
+) -> SchedulerInfo:
     if ready is None:
         return SchedulerInfo(executor_attached=False, scheduler_id=scheduler_id)
     return SchedulerInfo(
@@ -13,4 +15,5 @@ def scheduler_info(scheduler_id: str, ready: ExecutorReady | None) -> SchedulerI
         vocab_size=ready.vocab_size,
         scheduler_id=scheduler_id,
         executor_id=ready.executor_id,
+        num_kv_held=num_kv_held,
     )

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 from kvpager.schemas.executor import RunStep, ScheduledStep, StepPiece, StepRequests
+from kvpager.schemas.kv_transfer import KvPulled, KvSent
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import ExecutorMessage, StepDone, StepFailed, StepPart
 from kvpager.services.fit import join_done, split_step
@@ -41,12 +42,14 @@ class ExecutorLink:
         piece_tokens: int,
         step_timeout_s: float,
         lose_executor: Callable[[ErrorInfo], None],
+        on_kv: Callable[[KvPulled | KvSent], None] = lambda message: None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.piece_tokens = piece_tokens
         self.step_timeout_s = step_timeout_s
         self._lose_executor = lose_executor  # a step not answered in time
+        self._on_kv = on_kv  # KV transfers' ends (engine/sched/kv_moves.py)
         self._pending: dict[int, asyncio.Future] = {}  # by step id
         self._parts: dict[int, list[StepPart]] = {}  # by step id, until its StepDone
 
@@ -118,6 +121,9 @@ class ExecutorLink:
         message = unpack(_decoder, msg.data, msg.subject)
         if message is None:
             return  # the step it answered times out
+        if isinstance(message, KvPulled | KvSent):
+            self._on_kv(message)
+            return
         step_id = message.output.step_id if isinstance(message, StepDone) else message.step_id
         pending = self._pending.get(step_id)
         if pending is None or pending.done():

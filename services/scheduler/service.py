@@ -34,6 +34,7 @@ from kvpager.services.discovery import Discovery
 from kvpager.services.liveness import repeat
 from kvpager.services.pieces import Pieces
 from kvpager.services.scheduler.attach import scheduler_info
+from kvpager.services.scheduler.drain import KvMovesService
 from kvpager.services.scheduler.kv_events import KvEventPublisher, instance_load
 from kvpager.services.scheduler.link import ExecutorLink
 from kvpager.services.scheduler.outbox import Outbox
@@ -46,12 +47,13 @@ from nats.aio.msg import Msg
 
 log = structlog.get_logger(__name__)
 
+HOLD_CHECK_S = 5.0  # how often handed-on blocks no peer read are looked for
 MAX_PIECE_TOKENS = 2**22  # prompt ids held for AddRequests still to come, at least
 _tokenizer_decoder = msgspec.msgpack.Decoder(TokenizerMessage)
 _ready_decoder = msgspec.msgpack.Decoder(ExecutorReady)
 
 
-class SchedulerService:
+class SchedulerService(KvMovesService):
     def __init__(self, nc: NATS, settings: Settings) -> None:
         self.nc = nc
         self.settings = settings
@@ -71,8 +73,9 @@ class SchedulerService:
         )
         self._work = asyncio.Event()
         self.link = ExecutorLink(
-            nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor
-        )
+            nc, self.subjects, settings.piece_tokens, settings.step_timeout, self._lose_executor,
+            self._on_kv,
+        )  # fmt: skip
         self.watch = PeerWatch(
             nc,
             self.subjects,
@@ -97,8 +100,10 @@ class SchedulerService:
         await self.link.start()
         await discovery.subscribe("info", subjects.scheduler_info, self._on_info)
         await discovery.subscribe("stats", subjects.stats, self._on_stats)
+        await self.nc.subscribe(subjects.scheduler_drain, cb=self._on_drain)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
+        self._expire_task = repeat(HOLD_CHECK_S, self._expire_holds)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
 
     # --- the executor attaches ---------------------------------------------------------
@@ -149,7 +154,8 @@ class SchedulerService:
 
     def _load(self) -> dict:
         """The instance's load, for discovery ($SRV.STATS endpoint data)."""
-        return msgspec.to_builtins(instance_load(self.core, self.executor))
+        load = instance_load(self.core, self.executor)
+        return msgspec.to_builtins(msgspec.structs.replace(load, closing=self._closing))
 
     def _lose_executor(self, error: ErrorInfo) -> None:
         """Fail every request now; the core stays (all blocks free) until an executor attaches."""
@@ -193,6 +199,7 @@ class SchedulerService:
             priority=add.priority,
             pin_tokens=add.pin_tokens,
             pin_ttl=add.pin_ttl,
+            kv_import=self._importable(add.kv_source),
         )
         try:
             self.core.add(request)
@@ -294,7 +301,8 @@ class SchedulerService:
 
     async def _on_info(self, msg: Msg) -> None:
         self.watch.check_reconnect()  # never report an executor that is about to be dropped
-        await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor)))
+        held = len(self.core.scheduler.held) if self.core is not None else 0
+        await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor, held)))
 
     async def _on_stats(self, msg: Msg) -> None:
         if self.core is None or not is_inbox(msg.reply):
@@ -306,13 +314,15 @@ class SchedulerService:
         """Refuse new requests, let running ones finish for a while, then fail the rest."""
         self._closing = True
         deadline = time.monotonic() + self.settings.drain_timeout
-        while self.outbox.routes and time.monotonic() < deadline:
+        await self._drain_on_stop()
+        while self._busy_stopping and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.outbox.routes:
             self._fail_all(ErrorInfo("unavailable", "the scheduler is shutting down"))
         self._stopped = True
         if self._watch_task is not None:
             self._watch_task.cancel()
+            self._expire_task.cancel()
         self.link.cancel()  # do not wait for a step the executor may never answer
         self._work.set()
         if self._loop_task is not None:

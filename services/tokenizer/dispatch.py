@@ -14,6 +14,7 @@ import msgspec
 import nats.errors
 import structlog
 from kvpager.schemas.errors import KvpagerError, ModelNotFoundError, NoInstanceError
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.public import ErrorInfo
 from kvpager.schemas.scheduler import AddRequest, FinishRequest, PromptPiece
 from kvpager.schemas.tokenizer import AddResult
@@ -70,17 +71,27 @@ class Dispatch:
         self.end, self.lose, self.send_finish, self.spawn = end, lose, send_finish, spawn
 
     async def route(
-        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
+        self,
+        stream: Stream,
+        ids: list[int],
+        params,
+        fallback: ErrorInfo | None = None,
+        kv_source: KvHandoff | None = None,
     ) -> None:
         try:
-            await self._add(stream, ids, params, fallback)
+            await self._add(stream, ids, params, fallback, kv_source)
         except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
             log.exception("request submission failed", request_id=stream.request_id)
             error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
             await self.lose(stream, error)
 
     async def _add(
-        self, stream: Stream, ids: list[int], params, fallback: ErrorInfo | None = None
+        self,
+        stream: Stream,
+        ids: list[int],
+        params,
+        fallback: ErrorInfo | None = None,
+        kv_source: KvHandoff | None = None,
     ) -> None:
         """Route the request, then send it; an instance gone meanwhile makes it route again.
         With no instance left, the stream ends with `fallback` (why it moved), if given."""
@@ -95,7 +106,7 @@ class Dispatch:
                 await self.end(stream, fallback or typed_error(exc))
                 return
             self.instances.router.routed(stream.request_id, stream.instance, ids)
-            result = await self._send_add(stream, ids, params)
+            result = await self._send_add(stream, ids, params, kv_source)
             if result is not None and (result.error is None or not movable(result.error)):
                 break
             fallback = result.error if result is not None else fallback
@@ -112,7 +123,9 @@ class Dispatch:
             return self.settings.instance  # discovery found nothing: our own --instance
         return router.pick(token_ids, model, exclude)
 
-    async def _send_add(self, stream: Stream, ids: list[int], params) -> AddResult | None:
+    async def _send_add(
+        self, stream: Stream, ids: list[int], params, kv_source: KvHandoff | None = None
+    ) -> AddResult | None:
         """Pieces of a long prompt, then the AddRequest; None: nothing serves the instance."""
         subjects = self.subjects.for_instance(stream.instance)
         size = max(1, min(self.settings.piece_tokens, payload_budget(self.nc) // 6))  # 5 B an id
@@ -131,6 +144,7 @@ class Dispatch:
             priority=stream.priority,
             pin_tokens=min(stream.pin_tokens, len(ids)),
             pin_ttl=stream.pin_ttl,
+            kv_source=kv_source,
         )
         try:
             return await self._request_add(subjects.scheduler_requests, add)
@@ -169,9 +183,13 @@ class Dispatch:
             return AddResult(ErrorInfo("invalid_request", message))
         return msgspec.msgpack.decode(reply.data, type=AddResult)
 
-    async def move(self, stream: Stream, error: ErrorInfo) -> None:
+    async def move(
+        self, stream: Stream, error: ErrorInfo, kv_handoff: KvHandoff | None = None
+    ) -> None:
         """The stream's instance failed: go on elsewhere with the tokens so far (migration),
-        or end with `error` when it cannot move; with a typed error past the limit."""
+        or end with `error` when it cannot move; with a typed error past the limit. A drained
+        instance hands on the stream's blocks (`kv_handoff`): the next instance reads them
+        instead of recomputing the prompt."""
         if self.streams.get(stream.request_id) is not stream or not stream.submitted:
             return
         moved = stream.continuation() if not stream.aborting else None
@@ -194,7 +212,7 @@ class Dispatch:
         )
         self.instances.router.drop(stream.instance)
         stream.moving_from(stream.instance)
-        self.spawn(self.route(stream, *moved, fallback=error))
+        self.spawn(self.route(stream, *moved, fallback=error, kv_source=kv_handoff))
 
     def requests_subject(self, stream: Stream) -> str:
         return self.subjects.for_instance(stream.instance).scheduler_requests

@@ -206,7 +206,8 @@ class TokenizerService:
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
         if delta.error is not None and movable(delta.error):
-            await self.dispatch.move(stream, delta.error)  # the instance failed, not the request
+            # the instance failed or drains, not the request; a drain hands on its blocks
+            await self.dispatch.move(stream, delta.error, delta.kv_handoff)
             return
         events, finish = stream.on_delta(delta)
         await self._send(stream, events)

@@ -1,0 +1,153 @@
+"""Draining an instance: its streams move on, with their KV blocks, to the other instances.
+
+`kvpager drain INSTANCE` asks (DrainInstance on `.scheduler.drain`), and SIGTERM does the same
+when another instance is up. The scheduler refuses new requests, lets the steps in flight
+come back, then hands every running stream that can move to its tokenizer with a KvHandoff
+(EngineCore.hand_off); the tokenizer sends the continuation elsewhere, whose executor reads
+the blocks. Streams that cannot move (parallel samples, beams, penalties) finish here.
+"""
+
+import asyncio
+import json
+import time
+
+import structlog
+from kvpager.engine.core import EngineCore
+from kvpager.engine.frontend.migration import can_move
+from kvpager.engine.request import Request
+from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
+from kvpager.schemas.scheduler import ExecutorReady
+from kvpager.services.settings import Settings
+from kvpager.services.subjects import TRANSFER_ID
+from kvpager.services.wire import pack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+log = structlog.get_logger(__name__)
+
+GATHER_S = 0.25
+STOP_SETTLE_S = 0.5  # a signal to every instance at once reaches them all within this
+STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
+
+
+def movable(request: Request) -> bool:
+    return can_move(request.sampling_params)
+
+
+async def other_instances(nc: NATS, prefix: str, instance: str) -> set[str]:
+    """The other instances under `prefix` that answer discovery now."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    found: set[str] = set()
+    try:
+        await nc.publish(STATS_SUBJECT, b"", reply=inbox)
+        await asyncio.sleep(GATHER_S)
+        while sub.pending_msgs:
+            msg = await sub.next_msg(timeout=0.01)
+            found |= _instance_of(msg.data, prefix)
+    finally:
+        await sub.unsubscribe()
+    return found - {instance, ""}
+
+
+def _instance_of(data: bytes, prefix: str) -> set[str]:
+    try:
+        stats = json.loads(data) if data else {}
+    except ValueError:
+        return set()
+    metadata = stats.get("metadata") or {} if isinstance(stats, dict) else {}
+    if metadata.get("prefix") != prefix or not stats.get("endpoints"):
+        return set()
+    load = stats["endpoints"][0].get("data") or {}
+    if not isinstance(load, dict) or load.get("closing") or not load.get("model"):
+        return set()  # shutting down too, or no executor: it would refuse the streams
+    return {str(metadata.get("instance", ""))}
+
+
+class KvMovesService:
+    """The scheduler service's side of KV moves and drains, mixed into SchedulerService:
+    handoffs it accepts, transfers' ends from its executor, drains."""
+
+    nc: NATS
+    settings: Settings
+    core: EngineCore | None
+    executor: ExecutorReady | None
+    outbox: object
+    _work: asyncio.Event
+    _closing: bool
+
+    def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
+        """A handoff our executor can read (another instance's, a transfer id fit for a
+        subject); else None: the continuation recomputes its prompt."""
+        if source is None or not self.executor.kv_agent:
+            return None
+        if source.instance == self.settings.instance or not TRANSFER_ID.fullmatch(
+            source.transfer_id
+        ):
+            return None
+        return source
+
+    def _on_kv(self, message: KvPulled | KvSent) -> None:
+        """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
+        if self.core is None:
+            return
+        scheduler = self.core.scheduler
+        if isinstance(message, KvSent):
+            known = scheduler.release(message.transfer_id)
+            log.info("kv handoff read", transfer_id=message.transfer_id, known=known)
+        else:
+            ok = not message.error
+            scheduler.pulled(message.transfer_id, message.num_bytes, message.seconds, ok)
+            if not ok:
+                log.warning("kv pull failed: recomputing", transfer_id=message.transfer_id)
+        self._work.set()
+
+    async def _expire_holds(self) -> None:
+        if self.core is not None and self.core.scheduler.expire_holds(time.monotonic()):
+            log.warning("kv handoffs never read: their blocks are free again")
+            self._work.set()
+
+    async def _on_drain(self, msg: Msg) -> None:
+        """`kvpager drain`: answer how many streams moved, with or without their blocks."""
+        num_moved = await self._drain("drain asked")
+        if msg.reply:
+            await msg.respond(pack(DrainResult(num_moved, 0)))
+
+    async def _drain(self, reason: str) -> int:
+        """Refuse new requests, empty the pipeline, hand the running streams on."""
+        self._closing = True
+        core = self.core
+        if core is None or self.executor is None or not self.executor.kv_agent:
+            return 0
+        core.paused = True
+        self._work.set()
+        try:
+            while core.num_in_flight and core is self.core:
+                await asyncio.sleep(0.005)
+            if core is not self.core or self.executor is None:
+                return 0
+            num_moved = core.hand_off(self.settings.instance, self.executor.kv_agent, movable)
+            await core.publish()
+        finally:
+            core.paused = False
+            self._work.set()
+        log.info("instance drained", reason=reason, num_moved=num_moved)
+        return num_moved
+
+    async def _drain_on_stop(self) -> None:
+        """With another instance up and accepting, the running streams move there with their
+        blocks. Every instance that a whole `kvpager serve` stops gets its signal at once:
+        after STOP_SETTLE_S each says it is closing, so none hands its streams to another
+        that will refuse them (they finish where they are, as before)."""
+        if self.core is None or self.executor is None or not self.executor.kv_agent:
+            return
+        await asyncio.sleep(STOP_SETTLE_S)
+        prefix, instance = self.settings.prefix, self.settings.instance
+        if await other_instances(self.nc, prefix, instance):
+            await self._drain("shutting down")
+
+    @property
+    def _busy_stopping(self) -> bool:
+        """Streams to finish, or handed-on blocks not yet read."""
+        held = self.core is not None and self.core.scheduler.held
+        return bool(self.outbox.routes or held)
