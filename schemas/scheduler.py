@@ -185,5 +185,6 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int = 0
     scheduler_id: str = ""
     executor_id: str = ""
-    # blocks held for peers to read (a drain's handoffs): the executor stays up meanwhile
+    # blocks held for peers to read (a drain's handoffs), plus a closing scheduler's
+    # unfinished requests (about to be handed on): the executor stays up meanwhile
     num_kv_held: int = 0

@@ -301,7 +301,11 @@ class SchedulerService(KvMovesService):
 
     async def _on_info(self, msg: Msg) -> None:
         self.watch.check_reconnect()  # never report an executor that is about to be dropped
-        held = len(self.core.scheduler.held) if self.core is not None else 0
+        held = 0
+        if self.core is not None:
+            held = len(self.core.scheduler.held)
+            if self._closing:  # streams about to be handed on or finished: their blocks stay
+                held += self.core.scheduler.num_unfinished()
         await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor, held)))
 
     async def _on_stats(self, msg: Msg) -> None:
