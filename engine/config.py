@@ -83,13 +83,19 @@ class CacheConfig:
     swap_is_cheap: bool = False
     # the executor keeps prefix blocks leaving the CPU pool on disk (kv_disk_dir)
     enable_disk: bool = False
-    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full; empty or
-    # one entry: one group, every block holding every layer
+    # per KV group (engine/kv/kv_groups.py): its layers' span, 0 = full, w > 0 a sliding
+    # window, -C chunks of C tokens; empty or one entry: one group, every block holding every
+    # layer
     group_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if any(window < 0 for window in self.group_windows):
-            raise ConfigError("group_windows: windows must be >= 0")
+        for window in self.group_windows:
+            if window < 0 and -window % self.block_size:
+                # a chunk ending inside a block would leave that block half-needed
+                raise ConfigError(
+                    f"group_windows: the attention chunk size {-window} is not a multiple of "
+                    f"block_size {self.block_size}; choose a block size that divides it"
+                )
         if self.enable_disk and any(self.group_windows):
             # the disk index follows one full-attention table; a window's hits skip blocks
             raise ConfigError("kv_disk_dir: the disk tier serves full-attention models only")

@@ -3,7 +3,8 @@
 They share the launchers' signatures so tests can compare the two directly, and the engine's
 torch attention backend (CPU serving) calls them. Attention takes a per-layer `window` (0:
 full; else a key at position j is visible to the query at position i iff
-i - window < j <= i, transformers' sliding-window mask) and a
+i - window < j <= i, transformers' sliding-window mask; a negative one is chunked local
+attention of C = -window tokens, Llama 4's: j is visible iff C * (i // C) <= j <= i) and a
 `softcap` (0: none; else scores become softcap * tanh(scores / softcap) before masking, as
 Gemma 2 does). An fp8 cache (float8_e4m3fn or float8_e5m2) stores each K/V value x as
 q = clamp(x / scale) rounded to nearest even, with a per-layer `k_scale` / `v_scale`, and
@@ -146,8 +147,11 @@ def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float = 0.0) -> 
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """bool [..., q, k]: causal, and inside the window when there is one."""
+    """bool [..., q, k]: causal, and inside the window when there is one (window < 0: inside
+    the query's chunk of -window tokens)."""
     visible = k_pos <= q_pos
+    if window < 0:
+        return visible & (k_pos >= q_pos - q_pos % -window)
     return visible & (k_pos > q_pos - window) if window else visible
 
 

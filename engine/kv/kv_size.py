@@ -69,7 +69,8 @@ class KvSizeReport:
     dtype: str = ""  # the KV cache's, by name
     tensor_parallel_size: int = 1
     replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
-    # at max_tokens, paged, sliding layers capped at their window; None: no sliding layers
+    # at max_tokens, paged, sliding layers capped at their window, chunked ones (Llama 4) at
+    # their chunk; None: no sliding or chunked layers
     windowed_bytes_per_sequence: int | None = None
 
     def _window_lines(self, per: str) -> list[str]:
@@ -79,7 +80,8 @@ class KvSizeReport:
         share = windowed / self.bytes_per_sequence
         return [
             f"  paged, windows freeing:  {windowed:,}{per} ({windowed / gib:.2f} GiB, "
-            f"{share:.0%}: sliding layers hold only their window's blocks)"
+            f"{share:.0%}: sliding layers hold only their window's blocks, chunked layers "
+            "their chunk's)"
         ]
 
     def lines(self) -> list[str]:
@@ -153,5 +155,6 @@ def paged_bytes_per_sequence(
     per_layer_slot = config.kv_bytes_per_token(dtype, size) // config.num_layers
     blocks = -(-num_tokens // block_size)
     windows = config.layer_windows or (0,) * config.num_layers
-    held = sum(min(blocks, -(-(w - 1) // block_size) + 1) if w else blocks for w in windows)
+    # a chunked layer (w = -C) holds at most what a window of C tokens does
+    held = sum(min(blocks, -(-(abs(w) - 1) // block_size) + 1) if w else blocks for w in windows)
     return held * block_size * per_layer_slot

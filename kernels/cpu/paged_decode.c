@@ -19,8 +19,9 @@
 // (locality 2): blocks sit anywhere, so the hardware prefetcher never sees them coming. Into
 // L1 the prefetches stall on its few fill buffers; L2 keeps more misses in flight.
 // `window` > 0 keeps the keys j with seq_len - 1 - window < j (the sliding window of the query
-// at position seq_len - 1): the loop starts at the block holding the first of them and zeroes
-// the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
+// at position seq_len - 1), `window` < 0 the keys of that query's chunk of -window tokens
+// (Llama 4's chunked attention): the loop starts at the block holding the first of them and
+// zeroes the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
 // An fp8 cache's scales are the caller's: it folds k_scale into `scale` and multiplies the
 // output by v_scale (both linear), so the kernel reads the stored values as they are.
 // Returns 0, or -1 for shapes it does not handle (head_dim not a multiple of 8, big groups).
@@ -85,7 +86,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         running_max[g] = -INFINITY;                                                            \
         running_sum[g] = 0.0f;                                                                 \
     }                                                                                          \
-    const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0;               \
+    const int64_t first = window < 0 ? (seq_len - 1) / -window * -window                      \
+                          : window > 0 && seq_len > window ? seq_len - window : 0;              \
     for (int64_t start = first / block_size * block_size; start < seq_len;                     \
          start += block_size) {                                                                \
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;         \
