@@ -9,11 +9,15 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
                             sliding and full layers; gemma3: q/k norms, a local RoPE base
     phi3                    fused qkv_proj / gate_up_proj in the checkpoint, longrope
     mixtral                 top-k routed experts, always renormalised over the top k
+    llama4_text             chunked local attention and NoPE layers, QK L2 norm, interleaved
+                            MoE with a shared expert (engine/llama4_family.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
 
 from typing import Any
+
+from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -25,6 +29,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "phi3",
     "mixtral",
+    LLAMA4_TEXT,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -36,7 +41,7 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type", "")
     num_layers = raw["num_hidden_layers"]
     gemma = model_type in GEMMA
-    return dict(
+    fields = dict(
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         qk_norm=model_type in QK_NORM,
         gemma_norms=gemma,
@@ -53,6 +58,7 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         ),
         **_moe_fields(raw, model_type, num_layers),
     )
+    return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 
 def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:

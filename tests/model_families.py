@@ -11,6 +11,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -107,3 +109,20 @@ def build_qwen3_moe(path: Path, seed: int = 8, **overrides) -> Path:
                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                   mlp_only_layers=[1], decoder_sparse_step=1)  # fmt: skip
     return _build(path, seed, Qwen3MoeConfig, Qwen3MoeForCausalLM, 1.0, **{**fields, **overrides})
+
+
+CHUNK = 16  # Llama 4's attention chunk: two blocks of 8, so finished chunks free blocks
+
+
+def build_llama4(path: Path, seed: int = 9, **overrides) -> Path:
+    """Llama 4 text: layers 0, 2, 3 chunked (16 tokens) with RoPE on adjacent pairs and the
+    weightless q/k norm, layer 1 NoPE with full attention and a temperature that changes every
+    4 positions; MoE (4 experts, top 1, sigmoid-scaled inputs, a shared expert) on layers 1
+    and 3, dense layers 96 wide, experts 32."""
+    fields = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+                  num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                  no_rope_layers=[1, 0, 1, 1], attention_chunk_size=CHUNK, floor_scale=4,
+                  attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                  tie_word_embeddings=False)  # fmt: skip
+    return _build(path, seed, Llama4TextConfig, Llama4ForCausalLM, 1.0, **{**fields, **overrides})

@@ -36,6 +36,7 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     attention = (q + 2 * kv) * hidden + hidden * q + ((q + 2 * kv) if config.attention_bias else 0)
     dense = 3 * hidden * (config.intermediate_size // size)
     experts = config.num_experts * (3 * hidden * (config.moe_intermediate_size // size) + hidden)
+    experts += 3 * hidden * config.shared_expert_intermediate_size  # Llama 4's (one rank)
     layers = sum(
         attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
     )
