@@ -63,13 +63,16 @@ def max_blocks_per_seq(
 ) -> int:
     """Blocks one sequence of `num_tokens` holds at its peak across all groups: a full group
     every block; a sliding group only its window's blocks plus those of the chunk being
-    computed (at most `max_chunk` tokens a step); a chunked group at most as many as a window
-    of its chunk size."""
+    computed (at most `max_chunk` tokens a step); a chunked group its chunk's blocks and the
+    step's (a chunk starts on a block edge: CacheConfig checks)."""
     total = 0
-    for window in (abs(w) for w in windows or (0,)):
+    for window in windows or (0,):
         full = -(-num_tokens // block_size)
-        sliding = -(-(window - 1 + max_chunk) // block_size) + 1 if window else full
-        total += min(full, sliding)
+        if window < 0:
+            held = -(-(-window - 1 + max_chunk) // block_size)
+        else:
+            held = -(-(window - 1 + max_chunk) // block_size) + 1 if window else full
+        total += min(full, held)
     return total
 
 

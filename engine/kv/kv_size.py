@@ -152,10 +152,17 @@ def paged_bytes_per_sequence(
     config: ModelConfig, dtype: object, num_tokens: int, block_size: int, size: int = 1
 ) -> int:
     """KV bytes one paged sequence of `num_tokens` holds on one rank while it decodes: a full
-    layer every block, a sliding layer at most ceil((window - 1) / block_size) + 1."""
+    layer every block, a sliding layer at most ceil((window - 1) / block_size) + 1, a chunked
+    one its chunk's ceil(C / block_size)."""
     per_layer_slot = config.kv_bytes_per_token(dtype, size) // config.num_layers
     blocks = -(-num_tokens // block_size)
     windows = config.layer_windows or (0,) * config.num_layers
-    # a chunked layer (w = -C) holds at most what a window of C tokens does
-    held = sum(min(blocks, -(-(abs(w) - 1) // block_size) + 1) if w else blocks for w in windows)
+    held = sum(min(blocks, _blocks_held(w, block_size)) if w else blocks for w in windows)
     return held * block_size * per_layer_slot
+
+
+def _blocks_held(window: int, block_size: int) -> int:
+    """Blocks a decoding sequence holds in a layer of this sliding window or chunk (-C)."""
+    if window < 0:
+        return -(window // block_size)  # ceil(C / block_size)
+    return -(-(window - 1) // block_size) + 1
