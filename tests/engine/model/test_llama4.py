@@ -91,9 +91,7 @@ def test_finished_chunks_free_their_blocks(llama4, long_sequence, backend):
     each chunked group at most its chunk's two, so 36 blocks serve what full attention on
     every layer would hold in 120; exact, no preemption."""
     path, (prompt, expected) = llama4[0], long_sequence
-    with make_llm(
-        path, num_blocks=40, max_num_batched_tokens=8, attention_backend=backend
-    ) as llm:
+    with make_llm(path, num_blocks=40, max_num_batched_tokens=8, attention_backend=backend) as llm:
         assert greedy(llm, [prompt], 200) == expected
         stats = llm.stats()
         assert stats["num_preemptions"] == 0 and stats["peak_used_blocks"] == 30 + 3 * 2, stats
