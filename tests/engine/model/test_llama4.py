@@ -160,3 +160,35 @@ def test_defaults_and_the_multimodal_config_parse_as_transformers_reads_them(tmp
     per_layer_block = 16 * 2 * 2 * 16 * 2  # tokens, K and V, KV heads, head_dim, bf16
     held = (12 * 4096 + 36 * 512) * per_layer_block
     assert f"paged, windows freeing:  {held:,}" in out and "chunked layers their chunk's" in out
+
+
+@pytest.fixture(scope="module")
+def llama4_variant(tmp_path_factory):
+    """Unlike build_llama4's: 5 layers, NoPE every 3rd (derived), 8-token chunks (one block),
+    every layer MoE with top 2 of 6 experts, no q/k norm, GQA 4:1, llama3 RoPE scaling."""
+    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+    path = build_llama4(
+        tmp_path_factory.mktemp("llama4-variant"), seed=19, num_hidden_layers=5,
+        no_rope_layers=None, no_rope_layer_interval=3, attention_chunk_size=8,
+        interleave_moe_layer_step=1, num_local_experts=6, num_experts_per_tok=2,
+        use_qk_norm=False, num_attention_heads=8, num_key_value_heads=2, floor_scale=3,
+        rope_parameters=rope,
+    )  # fmt: skip
+    prompts = random_prompts([4, 13, 22, 35], seed=7)
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_a_second_config_matches_transformers(llama4_variant):
+    path, prompts, expected = llama4_variant
+    config = ModelConfig.from_path(path)
+    assert config.layer_windows == (-8, -8, 0, -8, -8) and all(config.sparse_layers)
+    with make_llm(path, attention_backend="cpu") as llm:
+        assert greedy(llm, prompts) == expected
+        assert_all_free(llm)
+    with make_llm(
+        path, num_blocks=16, max_num_batched_tokens=5, enable_prefix_caching=False
+    ) as llm:
+        assert greedy(llm, prompts) == expected
+        assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
