@@ -192,3 +192,21 @@ def test_a_second_config_matches_transformers(llama4_variant):
         assert greedy(llm, prompts) == expected
         assert llm.stats()["num_preemptions"] > 0
         assert_all_free(llm)
+
+
+def test_samples_and_beams_fork_chunked_tables(llama4):
+    """n = 3 greedy samples fork every group's table (copy-on-write of the shared tail); a
+    beam search of width 3 forks and frees beams' tables, all equal to transformers."""
+    path = llama4[0]
+    prompt = random_prompts([21], seed=3)[0]
+    with make_llm(path, num_blocks=256) as llm:
+        out = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=20))[0]
+        expected = hf_generate(path, [prompt], max_new_tokens=20, do_sample=False)
+        assert [c.token_ids for c in out.outputs] == expected * 3
+        assert llm.stats()["num_block_copies"] > 0
+        prompts = random_prompts([6, 17], seed=5)
+        params = SamplingParams(beam_width=3, temperature=0.0, max_tokens=12)
+        got = [o.outputs[0].token_ids for o in llm.beam_search(prompts, params, use_tqdm=False)]
+        beams = hf_generate(path, prompts, max_new_tokens=12, num_beams=3, do_sample=False)
+        assert got == beams
+        assert_all_free(llm)
