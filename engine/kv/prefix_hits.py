@@ -53,13 +53,18 @@ def chunked_hit(
     chunk: int,
 ) -> list[CachedBlock]:
     """The longest prefix whose blocks from the start of the chunk of its end are cached (at
-    least its last block, as a sliding window's rule keeps one), scanning back from
-    `max_blocks`: the next token sees its own chunk only."""
-    for end in range(max_blocks, 0, -1):
-        start = min(end - 1, (end * block_size - end * block_size % chunk) // block_size)
-        run = [_lookup_block(pool, tokens, hashes, i, block_size) for i in range(start, end)]
-        if all(hit is not None for hit in run):
-            return [CachedBlock(NULL_BLOCK)] * start + run
+    least its last block, as a sliding window's rule keeps one): the next token sees its own
+    chunk only. One scan back from `max_blocks`, each block looked up once: a miss at block i
+    fails every end past i, so the next candidate ends at i."""
+    end, run = max_blocks, []  # run: cached blocks from end - 1 down, newest first
+    for block_idx in range(max_blocks - 1, -1, -1):
+        hit = _lookup_block(pool, tokens, hashes, block_idx, block_size)
+        if hit is None:
+            end, run = block_idx, []
+            continue
+        run.append(hit)
+        if block_idx == min(end - 1, end * block_size // chunk * chunk // block_size):
+            return [CachedBlock(NULL_BLOCK)] * block_idx + run[::-1]
     return []
 
 
