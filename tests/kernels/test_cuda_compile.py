@@ -1,5 +1,6 @@
-"""The fp8 paths of the Triton kernels compile for CUDA (sm_90, PTX through the wheel's own
-ptxas) on a machine without a GPU: the interpreter the other kernel tests run on executes
+"""The fp8 paths of the Triton kernels, and the chunked mask, compile for CUDA (sm_90, PTX
+through the wheel's own ptxas) on a machine without a GPU: the interpreter the other kernel
+tests run on executes
 Python, so it accepts what the compiler refuses (a kernel reading a plain global compiled
 only in the interpreter until this test). The compile runs in a child process, since
 TRITON_INTERPRET=1 (set for this session) turns every @triton.jit into an interpreted one."""
@@ -17,6 +18,7 @@ ATTENTION_CASES = [
     ("*fp8e4nv", {"SPLIT": True, "SOFTCAP": True, "WINDOW": True, "BLOCK_Q": 4}),
     ("*fp8e5", {"SPLIT": False, "SOFTCAP": True, "WINDOW": True, "BLOCK_Q": 16}),
     ("*bf16", {"SPLIT": False, "SOFTCAP": True, "WINDOW": False, "BLOCK_Q": 16}),
+    ("*bf16", {"SPLIT": True, "SOFTCAP": False, "WINDOW": False, "BLOCK_Q": 16, "CHUNKED": True}),
 ]
 
 
@@ -36,7 +38,8 @@ def _compile_all() -> None:
         _compile(triton, ASTSource, kv_write._reshape_and_cache_kernel, pointers, const, target)
     for cache, case in ATTENTION_CASES:
         const = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_N=64)
-        const.update(BLOCK_SIZE=16, DOT_FP32=False, WIDEN_KV=cache != "*bf16", **case)
+        const.update(BLOCK_SIZE=16, DOT_FP32=False, WIDEN_KV=cache != "*bf16", CHUNKED=False)
+        const.update(case)
         pointers = {"query_ptr": "*bf16", "out_ptr": "*bf16", "key_cache_ptr": cache}
         pointers.update(value_cache_ptr=cache, block_tables_ptr="*i32", seq_lens_ptr="*i32")
         pointers.update(cu_seqlens_q_ptr="*i32", partial_out_ptr="*fp32")
