@@ -1,9 +1,9 @@
 """The fp8 paths of the Triton kernels, and the chunked mask, compile for CUDA (sm_90, PTX
 through the wheel's own ptxas) on a machine without a GPU: the interpreter the other kernel
-tests run on executes
-Python, so it accepts what the compiler refuses (a kernel reading a plain global compiled
-only in the interpreter until this test). The compile runs in a child process, since
-TRITON_INTERPRET=1 (set for this session) turns every @triton.jit into an interpreted one."""
+tests run on executes Python, so it accepts what the compiler refuses (a kernel reading a
+plain global compiled only in the interpreter until this test). The compile runs in a child
+process, since TRITON_INTERPRET=1 (set for this session) turns every @triton.jit into an
+interpreted one."""
 
 import os
 import subprocess
