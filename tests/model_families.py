@@ -11,7 +11,9 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Llama4Config,
     Llama4ForCausalLM,
+    Llama4ForConditionalGeneration,
     Llama4TextConfig,
     MistralConfig,
     MistralForCausalLM,
@@ -126,3 +128,20 @@ def build_llama4(path: Path, seed: int = 9, **overrides) -> Path:
                   attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                   tie_word_embeddings=False)  # fmt: skip
     return _build(path, seed, Llama4TextConfig, Llama4ForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_llama4_multimodal(path: Path, seed: int = 10) -> Path:
+    """A `llama4` checkpoint (Llama4ForConditionalGeneration): build_llama4's text layers
+    under `language_model.`, beside a one-layer vision tower the engine leaves unread."""
+    tokenizer = train_tokenizer(path)
+    text = dict(_common(tokenizer), num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                intermediate_size_mlp=96, num_local_experts=4, interleave_moe_layer_step=2,
+                no_rope_layers=[1, 0, 1, 1], attention_chunk_size=CHUNK, floor_scale=4,
+                attn_scale=0.5)  # fmt: skip
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision))
+    return _save(model, path, 1.0)

@@ -17,11 +17,11 @@ from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import ConfigError
-from transformers import Llama4TextConfig
+from transformers import Llama4ForConditionalGeneration, Llama4TextConfig
 
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
-from tests.model_families import CHUNK, build_llama4
+from tests.model_families import CHUNK, build_llama4, build_llama4_multimodal
 
 
 def greedy(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -209,4 +209,21 @@ def test_samples_and_beams_fork_chunked_tables(llama4):
         got = [o.outputs[0].token_ids for o in llm.beam_search(prompts, params, use_tqdm=False)]
         beams = hf_generate(path, prompts, max_new_tokens=12, num_beams=3, do_sample=False)
         assert got == beams
+        assert_all_free(llm)
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """A `llama4` checkpoint: its text_config is the model, its `language_model.` weights are
+    read and the vision tower's left; text prompts equal Llama4ForConditionalGeneration's."""
+    path = build_llama4_multimodal(tmp_path)
+    prompts = random_prompts([5, 23, 37], seed=2)
+    model = Llama4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                             do_sample=False)  # fmt: skip
+        expected.append(out[0, len(prompt) :].tolist())
+    with make_llm(path, attention_backend="cpu") as llm:
+        assert greedy(llm, prompts) == expected
         assert_all_free(llm)
