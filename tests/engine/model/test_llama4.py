@@ -20,6 +20,8 @@ from kvpager.schemas.errors import ConfigError
 from transformers import Llama4ForConditionalGeneration, Llama4TextConfig
 
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
+from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
+from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import CHUNK, build_llama4, build_llama4_multimodal
 
@@ -229,4 +231,26 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path):
         expected.append(out[0, len(prompt) :].tolist())
     with make_llm(path, attention_backend="cpu") as llm:
         assert greedy(llm, prompts) == expected
+        assert_all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def llama4_one_expert(tmp_path_factory):
+    """build_llama4 with one routed expert: in bf16 the tiny random router's top-1 logits sit
+    a bf16 step apart (seen: 0.03), so a rounding flips a token's expert and its logits move
+    by whole units, a tie the final-logit margin cannot see; one expert cannot flip."""
+    return build_llama4(tmp_path_factory.mktemp("llama4-one-expert"), num_local_experts=1)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bf16_greedy_follows_transformers(llama4_one_expert, backend):
+    """bf16 (the cpu backend: its experts packed where the CPU has native bf16, the chunked
+    mask on the tile kernel where it has AMX or AVX512-BF16): each greedy token within
+    test_bf16.py's tie margin of transformers' bf16 best, up to the first near tie."""
+    path = llama4_one_expert
+    prompts = random_prompts([1, 6, 17, 33], seed=5)
+    with make_llm(path, dtype="bfloat16", attention_backend=backend) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert_follows_transformers(path, prompts, outputs)
         assert_all_free(llm)
