@@ -143,8 +143,9 @@ class CacheConfig:
     swap_is_cheap: bool = False
     # the executor keeps prefix blocks leaving the CPU pool on disk (kv_disk_dir)
     enable_disk: bool = False
-    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full; empty or
-    # one entry: one group, every block holding every layer
+    # per KV group (engine/kv/kv_groups.py): its layers' span, 0 = full, w > 0 a sliding
+    # window, -C chunks of C tokens; empty or one entry: one group, every block holding every
+    # layer
     group_windows: tuple[int, ...] = ()
     # pinned prompt-cache blocks (GenerateRequest.cache, engine/kv/pins.py): at most this
     # fraction of the device blocks, and at most this many per key (cache_salt; 0: no bound
@@ -157,8 +158,13 @@ class CacheConfig:
             raise ConfigError("max_pinned_fraction: must be in [0, 1]")
         if self.max_pinned_blocks_per_key < 0:
             raise ConfigError("max_pinned_blocks_per_key: must be >= 0 (0: no bound per key)")
-        if any(window < 0 for window in self.group_windows):
-            raise ConfigError("group_windows: windows must be >= 0")
+        for window in self.group_windows:
+            if window < 0 and -window % self.block_size:
+                # a chunk ending inside a block would leave that block half-needed
+                raise ConfigError(
+                    f"group_windows: the attention chunk size {-window} is not a multiple of "
+                    f"block_size {self.block_size}; choose a block size that divides it"
+                )
         if self.enable_disk and any(self.group_windows):
             # the disk index follows one full-attention table; a window's hits skip blocks
             raise ConfigError("kv_disk_dir: the disk tier serves full-attention models only")

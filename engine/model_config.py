@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
@@ -103,6 +104,13 @@ class ModelConfig:
     gpt_oss_experts: bool = False  # router bias, softmax over the top k, biased clamped SwiGLU
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Llama 4 (engine/llama4_family.py)
+    nope_layers: tuple[bool, ...] = ()  # per layer: no RoPE (a NoPE layer)
+    rope_interleaved: bool = False  # RoPE on adjacent pairs: q / k rows reordered at load
+    qk_l2_norm: bool = False  # a weightless RMSNorm of q and k after RoPE, RoPE layers only
+    attn_temperature: tuple[float, float] | None = None  # NoPE layers' (floor_scale, attn_scale)
+    shared_expert_intermediate_size: int = 0  # a dense MLP beside a MoE layer's experts
+    moe_router: str = "softmax"  # "llama4": sigmoid top-k scores scale the experts' inputs
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -116,13 +124,16 @@ class ModelConfig:
             raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
         if self.partial_rotary_factor != 1.0:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
-        for name in ("layer_windows", "sparse_layers"):
+        for name in ("layer_windows", "sparse_layers", "nope_layers"):
             if len(getattr(self, name)) not in (0, self.num_layers):
                 raise CheckpointError(f"{name}: one entry per layer ({self.num_layers})")
 
     def window(self, layer_idx: int) -> int:
         """The layer's sliding window in tokens; 0: full attention."""
         return self.layer_windows[layer_idx] if self.layer_windows else 0
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        return not (self.nope_layers and self.nope_layers[layer_idx])
 
     def is_sparse(self, layer_idx: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
@@ -133,6 +144,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        raw = llama4_text_config(raw)
         model_type = raw.get("model_type", "")
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
@@ -141,7 +153,8 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
+            # Llama 4's dense layers are intermediate_size_mlp wide (its experts the other)
+            intermediate_size=raw.get("intermediate_size_mlp") or raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
@@ -188,6 +201,8 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
+        if size > 1 and self.model_type == LLAMA4_TEXT:
+            raise ConfigError("tensor_parallel_size: llama4_text is served on one rank only")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")
         if self.num_kv_heads % size and size % self.num_kv_heads:

@@ -12,11 +12,15 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
     gpt_oss                 attention sinks, q/k/v/o bias, sliding and full layers, YaRN, routed
                             experts: a router with bias, softmax over the top-k logits, biased
                             experts with a clamped SwiGLU (engine/model/gpt_oss.py)
+    llama4_text             chunked local attention and NoPE layers, QK L2 norm, interleaved
+                            MoE with a shared expert (engine/llama4_family.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
 
 from typing import Any
+
+from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -29,6 +33,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3",
     "mixtral",
     "gpt_oss",
+    LLAMA4_TEXT,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -40,7 +45,7 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type", "")
     num_layers = raw["num_hidden_layers"]
     gemma = model_type in GEMMA
-    return dict(
+    fields = dict(
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         qk_norm=model_type in QK_NORM,
         gemma_norms=gemma,
@@ -58,6 +63,7 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         **_moe_fields(raw, model_type, num_layers),
         **_gpt_oss_fields(raw, model_type),
     )
+    return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 
 def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:

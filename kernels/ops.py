@@ -42,7 +42,9 @@ class PagedAttention(Protocol):
         scale: float,
         max_seqlen_q: int,
         *,
-        window: int = 0,  # a key at j is seen from i iff i - window < j <= i; 0: every key
+        # a key at j is seen from i iff i - window < j <= i; 0: every key; negative: chunked
+        # local attention, iff C * (i // C) <= j <= i for C = -window (Llama 4)
+        window: int = 0,
         softcap: float = 0.0,  # scores become softcap * tanh(score / softcap); 0: none
         k_scale: float = 1.0,  # an fp8 cache's K are stored / k_scale: read as q * k_scale
         v_scale: float = 1.0,

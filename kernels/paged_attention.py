@@ -13,7 +13,9 @@ them (rows padded to a power of 2 and masked when GROUP is not one):
 The key tile (BLOCK_N positions) is gathered through the block table position by position, so
 BLOCK_N is independent of the cache block size. A sliding window (WINDOW > 0 keys: query at
 q_pos sees q_pos - WINDOW < pos <= q_pos) starts the tile's key loop at its first query's
-window and masks per row; soft-capping (SOFTCAP > 0) squashes each score with tanh first.
+window and masks per row; chunked local attention (CHUNKED: C = -window, query at q_pos sees
+C * (q_pos // C) <= pos <= q_pos) alike from its first query's chunk; soft-capping (SOFTCAP > 0)
+squashes each score with tanh first.
 Split-KV (flash-decoding) runs the same kernel with the context cut into `num_splits`
 partitions along grid axis 2: each program writes its unnormalised partial output with its
 running max and sum, and `_reduce_splits_kernel` combines them. Attention sinks (SINKS: a
@@ -89,9 +91,11 @@ def _attend_range(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     WIDEN_KV: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over keys kv_start..kv_end (causal, and
-    within `window` keys of each row's position when WINDOW).
+    within `window` keys of each row's position when WINDOW, inside its chunk of -window keys
+    when CHUNKED).
 
     Returns the unnormalised fp32 output, the running max (log2 domain) and the running sum.
     Rows that see no key keep max -1e30 and sum 0 (finite, so no NaN reaches the reducer).
@@ -120,6 +124,8 @@ def _attend_range(
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
         if WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if CHUNKED:
+            visible = visible & (pos[None, :] >= q_pos[:, None] - q_pos[:, None] % -window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -182,6 +188,7 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr,
     WIDEN_KV: tl.constexpr,
     SINKS: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     seq_idx, q_tile = tl.program_id(0), tl.program_id(1)
     kv_head, split_idx = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
@@ -207,11 +214,15 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(kv_end, kv_start + partition_size)
     if WINDOW:  # nothing left of the tile's first query's window (a split may hold none)
         kv_start = tl.maximum(kv_start, seq_len - q_len + q_tile * BLOCK_Q - window + 1)
+    if CHUNKED:  # nothing before the tile's first query's chunk
+        first_q = seq_len - q_len + q_tile * BLOCK_Q
+        kv_start = tl.maximum(kv_start, first_q - first_q % -window)
     acc, m_i, l_i = _attend_range(
         q, seq_len - q_len + token, kv_start, kv_end, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + seq_idx * stride_block_tables_seq, kv_head, qk_scale, softcap, window,
         stride_cache_block, stride_cache_slot, stride_cache_head,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32, SOFTCAP, WINDOW, WIDEN_KV,
+        CHUNKED,
     )  # fmt: skip
     if WIDEN_KV:
         acc = acc * v_scale
@@ -408,6 +419,7 @@ def _launch_attention(
         DOT_FP32=not query.is_cuda and query.dtype == torch.bfloat16,
         SOFTCAP=softcap > 0, WINDOW=window > 0, WIDEN_KV=key_cache.dtype != query.dtype,
         SINKS=has_sinks and num_splits == 1,  # split-KV: the reducer adds them
+        CHUNKED=window < 0,
     )  # fmt: skip
 
 

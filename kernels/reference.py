@@ -3,7 +3,8 @@
 They share the launchers' signatures so tests can compare the two directly, and the engine's
 torch attention backend (CPU serving) calls them. Attention takes a per-layer `window` (0:
 full; else a key at position j is visible to the query at position i iff
-i - window < j <= i, transformers' sliding-window mask) and a
+i - window < j <= i, transformers' sliding-window mask; a negative one is chunked local
+attention of C = -window tokens, Llama 4's: j is visible iff C * (i // C) <= j <= i) and a
 `softcap` (0: none; else scores become softcap * tanh(scores / softcap) before masking, as
 Gemma 2 does), and optional `sinks` (fp32 [num_heads]: gpt-oss's learned per-head logit that
 joins every softmax's denominator and adds no value; None: none). An fp8 cache
@@ -184,8 +185,11 @@ def with_sink_column(
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """bool [..., q, k]: causal, and inside the window when there is one."""
+    """bool [..., q, k]: causal, and inside the window when there is one (window < 0: inside
+    the query's chunk of -window tokens)."""
     visible = k_pos <= q_pos
+    if window < 0:
+        return visible & (k_pos >= q_pos - q_pos % -window)
     return visible & (k_pos > q_pos - window) if window else visible
 
 

@@ -137,8 +137,8 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     world_size: int = 1
     # a disk tier under the CPU pool (kv_disk_dir): its listing follows in the step outputs
     kv_disk: bool = False
-    # per KV group (engine/kv/kv_groups.py): its layers' sliding window, 0 = full attention;
-    # empty: one full-attention group
+    # per KV group (engine/kv/kv_groups.py): its layers' span, 0 = full attention, w > 0 a
+    # sliding window, -C chunked local attention of C tokens; empty: one full-attention group
     kv_group_windows: list[int] = []
     # its KV transfer endpoint (KvAgent.name; schemas/kv_transfer.py), "" without one
     kv_agent: str = ""

@@ -11,6 +11,10 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Llama4Config,
+    Llama4ForCausalLM,
+    Llama4ForConditionalGeneration,
+    Llama4TextConfig,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
@@ -139,4 +143,38 @@ def build_gpt_oss(path: Path, seed: int = 9, bias_scale: float = 1.0, **override
         for name, param in model.named_parameters():
             if name.endswith(("sinks", "bias")):
                 param.copy_(bias_scale * torch.randn_like(param))
+    return _save(model, path, 1.0)
+
+
+CHUNK = 16  # Llama 4's attention chunk: two blocks of 8, so finished chunks free blocks
+
+
+def build_llama4(path: Path, seed: int = 9, **overrides) -> Path:
+    """Llama 4 text: layers 0, 2, 3 chunked (16 tokens) with RoPE on adjacent pairs and the
+    weightless q/k norm, layer 1 NoPE with full attention and a temperature that changes every
+    4 positions; MoE (4 experts, top 1, sigmoid-scaled inputs, a shared expert) on layers 1
+    and 3, dense layers 96 wide, experts 32."""
+    fields = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+                  num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                  no_rope_layers=[1, 0, 1, 1], attention_chunk_size=CHUNK, floor_scale=4,
+                  attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                  tie_word_embeddings=False)  # fmt: skip
+    return _build(path, seed, Llama4TextConfig, Llama4ForCausalLM, 1.0, **{**fields, **overrides})
+
+
+def build_llama4_multimodal(path: Path, seed: int = 10) -> Path:
+    """A `llama4` checkpoint (Llama4ForConditionalGeneration): build_llama4's text layers
+    under `language_model.`, beside a one-layer vision tower the engine leaves unread."""
+    tokenizer = train_tokenizer(path)
+    text = dict(_common(tokenizer), num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                intermediate_size_mlp=96, num_local_experts=4, interleave_moe_layer_step=2,
+                no_rope_layers=[1, 0, 1, 1], attention_chunk_size=CHUNK, floor_scale=4,
+                attn_scale=0.5)  # fmt: skip
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision))
     return _save(model, path, 1.0)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import structlog
 from kvpager.engine.kv.block_hash import update_block_hashes
 from kvpager.engine.kv.block_pool import NULL_BLOCK, BlockPool, CachedBlock
-from kvpager.engine.kv.prefix_hits import full_attention_hit, sliding_window_hit
+from kvpager.engine.kv.kv_groups import num_skipped_blocks
+from kvpager.engine.kv.prefix_hits import chunked_hit, full_attention_hit, sliding_window_hit
 from kvpager.engine.request import Request
 from kvpager.schemas.executor import DiskBlock
 from kvpager.schemas.tokenizer import KvEvent
@@ -114,6 +115,8 @@ class BlockManager:
         limit = (request.num_tokens - 1) // self.block_size
         max_blocks = limit if max_blocks is None else min(max_blocks, limit)
         tokens = request.all_token_ids
+        if self.window < 0:
+            return chunked_hit(self.pool, tokens, hashes, max_blocks, self.block_size, -self.window)
         if self.window:
             return sliding_window_hit(
                 self.pool, tokens, hashes, max_blocks, self.block_size, self.window
@@ -179,13 +182,14 @@ class BlockManager:
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Sliding window: free the blocks wholly before the window of the next token to
-        compute (no later query attends them); the table keeps NULL_BLOCK in their place."""
+        compute (no later query attends them); the table keeps NULL_BLOCK in their place.
+        Chunked attention alike: the blocks of the chunks before the next token's."""
         if not self.window:
             return
         table = self.block_tables.get(request.seq_id)
         if not table:
             return
-        num_skipped = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
+        num_skipped = num_skipped_blocks(request.num_computed_tokens, self.window, self.block_size)
         for block_idx in range(min(num_skipped, len(table)) - 1, -1, -1):
             if table[block_idx] == NULL_BLOCK:
                 break  # freed by an earlier step, and so is everything before it

@@ -10,6 +10,8 @@ A prefix hit must be one length in every group: the full groups need every block
 prefix, a sliding group only those inside the window of its end (vLLM's
 find_longest_cache_hit). Starting from the full groups' hit, each sliding group shortens it
 to the longest end it can serve, until all agree; shorter is always served by full groups.
+A chunked group (window -C, Llama 4) takes a sliding group's part: it needs only the blocks
+of the chunk the prefix ends in.
 """
 
 from kvpager.engine.kv.block_manager import BlockManager, BlockOps

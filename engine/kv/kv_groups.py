@@ -8,6 +8,11 @@ shared pool, a block holds `num_slots` layers of one group, and layer `l` reads 
 so one cache tensor [num_slots, 2, blocks, ...] serves every group, and a block id belongs to
 one group at a time. A group smaller than the others (the kinds' counts do not divide)
 leaves its last slots unused: the size is picked to waste at most about a tenth of the cache.
+
+A group's `window` is one signed int, its layers' attention span: 0 full attention, w > 0 a
+sliding window (position p sees keys p - w < j <= p), -C chunked local attention (Llama 4:
+p sees its own chunk of C tokens, C * (p // C) <= j <= p). Either kind frees the blocks wholly
+before the first key of the next token to compute (`num_skipped_blocks`).
 """
 
 from dataclasses import dataclass
@@ -17,7 +22,7 @@ MAX_PADDING = 0.1  # the share of the cache a group size may leave unused for fe
 
 @dataclass(frozen=True)
 class KvGroups:
-    windows: tuple[int, ...]  # per group: its layers' sliding window, 0 = full attention
+    windows: tuple[int, ...]  # per group: its layers' span (module docstring), 0 = full
     layer_group: tuple[int, ...]  # per layer: its group
     layer_slot: tuple[int, ...]  # per layer: its slot inside its group's blocks
     num_slots: int  # layers of K/V one block holds
@@ -28,9 +33,9 @@ class KvGroups:
 
 
 def kv_groups(layer_windows: tuple[int, ...], num_layers: int) -> KvGroups:
-    """Group layers by window (full first, then windows ascending)."""
+    """Group layers by span (full first, then windows ascending, then chunks ascending)."""
     windows = layer_windows or (0,) * num_layers
-    kinds = sorted(set(windows))
+    kinds = sorted(set(windows), key=lambda w: (w < 0, abs(w)))
     if len(kinds) == 1:
         return KvGroups((kinds[0],), (0,) * num_layers, tuple(range(num_layers)), num_layers)
     members = [[i for i, w in enumerate(windows) if w == kind] for kind in kinds]
@@ -58,10 +63,28 @@ def max_blocks_per_seq(
 ) -> int:
     """Blocks one sequence of `num_tokens` holds at its peak across all groups: a full group
     every block; a sliding group only its window's blocks plus those of the chunk being
-    computed (at most `max_chunk` tokens a step)."""
+    computed (at most `max_chunk` tokens a step); a chunked group its chunk's blocks and the
+    step's (a chunk starts on a block edge: CacheConfig checks)."""
     total = 0
     for window in windows or (0,):
         full = -(-num_tokens // block_size)
-        sliding = -(-(window - 1 + max_chunk) // block_size) + 1 if window else full
-        total += min(full, sliding)
+        if window < 0:
+            held = -(-(-window - 1 + max_chunk) // block_size)
+        else:
+            held = -(-(window - 1 + max_chunk) // block_size) + 1 if window else full
+        total += min(full, held)
     return total
+
+
+def first_visible(position: int, window: int) -> int:
+    """The first key position the query at `position` sees under `window` (see the module
+    docstring)."""
+    if window < 0:
+        return position - position % -window
+    return max(0, position - window + 1) if window else 0
+
+
+def num_skipped_blocks(num_computed: int, window: int, block_size: int) -> int:
+    """Blocks wholly before the first key the next token to compute (at `num_computed`) sees:
+    no later query reads them, so a sliding or chunked group frees them."""
+    return first_visible(num_computed, window) // block_size if window else 0

@@ -40,6 +40,7 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     if config.gpt_oss_experts:  # router, gate_up and down biases
         experts += config.num_experts * (1 + 2 * expert_rows + hidden)
     attention += hidden if config.o_proj_bias else 0
+    experts += 3 * hidden * config.shared_expert_intermediate_size  # Llama 4's (one rank)
     layers = sum(
         attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
     )
@@ -75,7 +76,8 @@ class KvSizeReport:
     dtype: str = ""  # the KV cache's, by name
     tensor_parallel_size: int = 1
     replicas: int = 1  # groups of tensor_parallel_size GPUs, each serving its own sequences
-    # at max_tokens, paged, sliding layers capped at their window; None: no sliding layers
+    # at max_tokens, paged, sliding layers capped at their window, chunked ones (Llama 4) at
+    # their chunk; None: no sliding or chunked layers
     windowed_bytes_per_sequence: int | None = None
 
     def _window_lines(self, per: str) -> list[str]:
@@ -85,7 +87,8 @@ class KvSizeReport:
         share = windowed / self.bytes_per_sequence
         return [
             f"  paged, windows freeing:  {windowed:,}{per} ({windowed / gib:.2f} GiB, "
-            f"{share:.0%}: sliding layers hold only their window's blocks)"
+            f"{share:.0%}: sliding layers hold only their window's blocks, chunked layers "
+            "their chunk's)"
         ]
 
     def lines(self) -> list[str]:
@@ -155,9 +158,17 @@ def paged_bytes_per_sequence(
     config: ModelConfig, dtype: object, num_tokens: int, block_size: int, size: int = 1
 ) -> int:
     """KV bytes one paged sequence of `num_tokens` holds on one rank while it decodes: a full
-    layer every block, a sliding layer at most ceil((window - 1) / block_size) + 1."""
+    layer every block, a sliding layer at most ceil((window - 1) / block_size) + 1, a chunked
+    one its chunk's ceil(C / block_size)."""
     per_layer_slot = config.kv_bytes_per_token(dtype, size) // config.num_layers
     blocks = -(-num_tokens // block_size)
     windows = config.layer_windows or (0,) * config.num_layers
-    held = sum(min(blocks, -(-(w - 1) // block_size) + 1) if w else blocks for w in windows)
+    held = sum(min(blocks, _blocks_held(w, block_size)) if w else blocks for w in windows)
     return held * block_size * per_layer_slot
+
+
+def _blocks_held(window: int, block_size: int) -> int:
+    """Blocks a decoding sequence holds in a layer of this sliding window or chunk (-C)."""
+    if window < 0:
+        return -(window // block_size)  # ceil(C / block_size)
+    return -(-(window - 1) // block_size) + 1

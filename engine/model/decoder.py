@@ -1,6 +1,8 @@
 """One decoder for every supported family; they differ only by config switches
 (engine/model_families.py): q/k norms, Gemma's sandwich norms and GeGLU, a window and a
-soft-cap per layer, a second RoPE table for sliding layers, routed experts for MoE layers.
+soft-cap per layer, a second RoPE table for sliding layers, routed experts for MoE layers;
+Llama 4's NoPE layers (no rotary, a temperature on q), its weightless q/k norm after RoPE and
+its shared expert beside the routed ones (engine/llama4_family.py).
 
 Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls. Under
 tensor parallelism each rank holds its Shard (engine/model/sharding.py) and the decoder adds
@@ -73,6 +75,14 @@ class DecoderLayer(nn.Module):
         self.softcap = config.attn_logit_softcapping or 0.0
         self.k_scale = self.v_scale = 1.0  # an fp8 cache's: the loader sets them (kv_scales.py)
         self.local_rope = self.window > 0 and config.local_rope_theta is not None
+        self.rope = config.uses_rope(layer_idx)
+        # Llama 4: a NoPE layer's q takes the position's temperature; a RoPE layer's q and k
+        # a weightless norm after the rotation (a weight of ones)
+        self.temperature = not self.rope and config.attn_temperature is not None
+        if config.qk_l2_norm and self.rope:
+            self.register_buffer("unit_norm", torch.ones(self.head_dim, dtype=dtype), False)
+        else:
+            self.unit_norm = None
         self.activation = (
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         )
@@ -103,7 +113,10 @@ class DecoderLayer(nn.Module):
             self.experts = RoutedExperts(
                 config, shard.expert_intermediate_size, dtype, add_down_bias=shard.rank == 0
             )
-        else:
+            intermediate = config.shared_expert_intermediate_size  # 0: none (one rank only)
+        # the dense MLP, or a MoE layer's shared expert (Llama 4)
+        self.has_mlp = intermediate > 0
+        if self.has_mlp:
             self.gate_up_weight = param(2 * intermediate, hidden)
             self.down_weight = param(hidden, intermediate)
         self.build_matmuls(pack=False)
@@ -113,10 +126,10 @@ class DecoderLayer(nn.Module):
         plain weights are released (they are copies)."""
         self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
         self.o_proj = _matmul(self.o_weight, None, pack)
-        if self.experts is None:
+        if self.has_mlp:
             self.gate_up = _matmul(self.gate_up_weight, None, pack)
             self.down = _matmul(self.down_weight, None, pack)
-        else:
+        if self.experts is not None:
             self.experts.build_matmuls(pack and self.ops.pack_experts)
 
     def forward(
@@ -136,7 +149,12 @@ class DecoderLayer(nn.Module):
         q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self._head_norm(q.view(num_tokens, self.num_heads, self.head_dim), self.q_norm)
         k = self._head_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm)
-        q, k = ops.rotary(q, k, *(rope.local if self.local_rope else rope.full))
+        if self.rope:
+            q, k = ops.rotary(q, k, *(rope.local if self.local_rope else rope.full))
+        if self.unit_norm is not None:
+            q, k = self._head_norm(q, self.unit_norm), self._head_norm(k, self.unit_norm)
+        if self.temperature:  # [T] fp32 scales (as transformers multiplies, then rounds)
+            q = (q * rope.temperature[:, None, None]).to(q.dtype)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attention(
             q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale,
@@ -166,9 +184,12 @@ class DecoderLayer(nn.Module):
         return x if weight is None else self.ops.add_rms_norm(x, None, weight, self.eps)[0]
 
     def _mlp(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        if self.experts is not None:
-            return self.experts(h, ops.fused_moe, self.activation)
-        return self.down(self.activation(self.gate_up(h)))
+        if self.experts is None:
+            return self.down(self.activation(self.gate_up(h)))
+        routed = self.experts(h, ops.fused_moe, self.activation)
+        if not self.has_mlp:
+            return routed
+        return self.down(self.activation(self.gate_up(h))) + routed  # Llama 4's shared expert
 
 
 class RopeRows(NamedTuple):
@@ -176,6 +197,7 @@ class RopeRows(NamedTuple):
 
     full: tuple[torch.Tensor, torch.Tensor]
     local: tuple[torch.Tensor, torch.Tensor] | None
+    temperature: torch.Tensor | None = None  # Llama 4's NoPE layers': fp32 [T] scales of q
 
 
 class Decoder(nn.Module):
@@ -254,6 +276,8 @@ class Decoder(nn.Module):
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
         metas = meta if isinstance(meta, tuple) else (meta,)
         delta, rope = None, self._rope_rows(positions, metas[0], dtype)
+        if self.config.attn_temperature is not None:
+            rope = rope._replace(temperature=self._temperature(positions))
         for layer, group, slot in zip(self.layers, self.kv.layer_group, self.kv.layer_slot):
             x, delta = layer(x, delta, rope, attention, kv_cache[slot], metas[group])
         return self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
@@ -277,6 +301,12 @@ class Decoder(nn.Module):
         return RopeRows(
             full, (self.local_cos[positions].to(dtype), self.local_sin[positions].to(dtype))
         )
+
+    def _temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's attention temperature of each token's position, as transformers computes
+        it: log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, in fp32."""
+        floor_scale, attn_scale = self.config.attn_temperature
+        return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:

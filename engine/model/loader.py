@@ -56,13 +56,14 @@ def _reader(tensor_slice) -> Callable[[Part], torch.Tensor]:
 class Target(NamedTuple):
     """Where (part of) a checkpoint tensor goes: `param` rows from `offset` (of `expert`'s
     slice of a stacked expert parameter), read as `part` of the checkpoint tensor, then
-    `transform`ed to the param's layout (gpt-oss's stacked experts)."""
+    `transform`ed where the checkpoint's layout is not the parameter's (gpt-oss's stacked
+    experts, Llama 4's)."""
 
     param: torch.Tensor | None
     offset: int
     part: Part
     expert: int | None = None
-    transform: gpt_oss.Transform = None
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
@@ -139,6 +140,41 @@ def _norm_targets(layer, kind: str, gemma: bool) -> list[Target] | None:
     return None if param is None else [Target(param, 0, None)]
 
 
+def _feed_forward_targets(layer, kind: str) -> list[Target] | None:
+    """Llama 4's `feed_forward.*` (one rank): a dense MLP's gate / up / down, or a MoE layer's
+    router, stacked experts ([E, H, 2I] and [E, I, H], transposed to the engine's [E, 2I, H]
+    and [E, H, I]) and shared expert."""
+    experts = layer.experts
+    if experts is not None:
+        stacked = {"router.weight": experts.router, "experts.gate_up_proj": experts.gate_up,
+                   "experts.down_proj": experts.down}  # fmt: skip
+        if kind in stacked:
+            transpose = None if kind == "router.weight" else _transpose
+            return [Target(stacked[kind], 0, None, transform=transpose)]
+        kind = kind.removeprefix("shared_expert.")
+    half = layer.gate_up_weight.shape[0] // 2
+    rows = {"gate_proj.weight": (layer.gate_up_weight, 0),
+            "up_proj.weight": (layer.gate_up_weight, half),
+            "down_proj.weight": (layer.down_weight, 0)}  # fmt: skip
+    return [Target(*rows[kind], None)] if kind in rows else None
+
+
+def _transpose(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.transpose(-1, -2)
+
+
+def _pairs_to_halves(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """q / k rows of a RoPE on adjacent pairs (Llama 4) reordered per head, evens then odds,
+    so the rotate-half kernels rotate the same pairs; q . k is unchanged (both reordered)."""
+    order = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+    def reorder(tensor: torch.Tensor) -> torch.Tensor:
+        heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
+        return heads[:, order].reshape(tensor.shape)
+
+    return reorder
+
+
 def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] | None:
     """Targets of a per-layer HF weight name (after `layers.<i>.`), or None if it is not ours."""
     group, _, kind = name.partition(".")
@@ -146,12 +182,22 @@ def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] 
         return _attention_targets(layer, kind, shard)
     if group in ("mlp", "block_sparse_moe"):
         return _mlp_targets(layer, kind, shard)
+    if group == "feed_forward":
+        return _feed_forward_targets(layer, kind)
     return _norm_targets(layer, name, gemma)
+
+
+def _rope_rows_reordered(model: Decoder, name: str, targets: list[Target]) -> list[Target]:
+    """Llama 4's q_proj / k_proj rows (weight and bias) reordered for rotate-half RoPE."""
+    if not model.config.rope_interleaved or name.split(".")[-2] not in ("q_proj", "k_proj"):
+        return targets
+    reorder = _pairs_to_halves(model.config.head_dim)
+    return [target._replace(transform=reorder) for target in targets]
 
 
 def _targets(model: Decoder, name: str) -> list[Target] | None:
     """Where a checkpoint tensor goes (this rank's parts of it); None: not one of ours."""
-    name = name.removeprefix("model.")
+    name = name.removeprefix("language_model.").removeprefix("model.")  # Llama 4's text part
     shard = model.shard
     vocab = shard.vocab_part(model.config.vocab_size) if shard.is_sharded else None
     if name == "embed_tokens.weight":
@@ -162,7 +208,8 @@ def _targets(model: Decoder, name: str) -> list[Target] | None:
         return [Target(None if model.config.tie_word_embeddings else model.lm_head, 0, vocab)]
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
-        return _layer_targets(model.layers[int(idx)], rest, shard, model.config.gemma_norms)
+        targets = _layer_targets(model.layers[int(idx)], rest, shard, model.config.gemma_norms)
+        return None if targets is None else _rope_rows_reordered(model, rest, targets)
     return None
 
 

@@ -1,12 +1,16 @@
-"""Routed experts (Mixtral, Qwen3-MoE, gpt-oss: engine/model/gpt_oss.py): a router picks
-each token's top-k experts, the backend's `fused_moe` runs them (kernels/reference.py's twin:
-one matmul pair per expert over the tokens routed to it; kernels/moe.py on CUDA). Once the
+"""Routed experts (Mixtral, Qwen3-MoE, gpt-oss: engine/model/gpt_oss.py, Llama 4): a router
+picks each token's top-k experts, the backend's `fused_moe` runs them (kernels/reference.py's
+twin: one matmul pair per expert over the tokens routed to it; kernels/moe.py on CUDA). Once the
 decoder packs its weights on CPU, in bf16, engine/model/packed_experts.py runs them instead:
 the twin's loop on oneDNN-packed matmuls.
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
 (engine/model/sharding.py) and the whole router, so the routing is the same on every rank and
 the decoder all-reduces the output as it does a dense MLP's.
+
+Llama 4 routes otherwise (`moe_router` "llama4"): the sigmoid of each chosen expert's logit
+scales that expert's input, not its output, so each top-k slot runs as its own pass with
+weight 1 (Llama 4 itself routes top 1: one pass).
 """
 
 from functools import partial
@@ -46,6 +50,7 @@ class RoutedExperts(nn.Module):
         self.renormalise = config.norm_topk_prob
         self.gpt_oss = config.gpt_oss_experts
         self.add_down_bias = add_down_bias
+        self.scales_inputs = config.moe_router == "llama4"
         num_experts, hidden = config.num_experts, config.hidden_size
 
         def param(*shape: int, on: bool = True) -> nn.Parameter | None:
@@ -82,7 +87,13 @@ class RoutedExperts(nn.Module):
         """h [T, H] -> [T, H] (this rank's partial sum under tensor parallelism)."""
         if self.gpt_oss:
             return self._gpt_oss(h)
-        weights, ids = route(F.linear(h, self.router), self.top_k, self.renormalise)
+        logits = F.linear(h, self.router)
+        if self.scales_inputs:
+            return self._scaled_inputs(h, logits, fused_moe, activation)
+        weights, ids = route(logits, self.top_k, self.renormalise)
+        return self._run(h, weights, ids, fused_moe, activation)
+
+    def _run(self, h, weights, ids, fused_moe, activation) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(h, weights, ids, activation)
         return fused_moe(h, self.gate_up, self.down, weights, ids, activation)
@@ -94,3 +105,16 @@ class RoutedExperts(nn.Module):
             h, self.gate_up, self.down, weights, ids, self.gpt_oss_activation,
             gate_up_bias=self.gate_up_bias, down_bias=down_bias,
         )  # fmt: skip
+
+    def _scaled_inputs(self, h, logits, fused_moe, activation) -> torch.Tensor:
+        """Llama 4: sum over the top-k slots of expert(h * sigmoid(logit)), as transformers'
+        Llama4TextMoe computes it (the sigmoid in fp32, rounded to h's dtype)."""
+        values, ids = torch.topk(logits, self.top_k, dim=-1)
+        scores = torch.sigmoid(values.float()).to(h.dtype)  # [T, k]
+        ones = torch.ones_like(scores[:, :1])
+        out = None
+        for slot in range(self.top_k):
+            scaled = h * scores[:, slot : slot + 1]
+            part = self._run(scaled, ones, ids[:, slot : slot + 1], fused_moe, activation)
+            out = part if out is None else out + part
+        return out

@@ -11,6 +11,7 @@ every id at once (numpy), the rest is a few integer comparisons per request.
 from dataclasses import dataclass
 
 import numpy as np
+from kvpager.engine.kv.kv_groups import num_skipped_blocks
 from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.schemas.errors import InvalidStepError
 from kvpager.schemas.executor import CachedRequest, NewRequest, ScheduledStep
@@ -184,7 +185,7 @@ class StepCheck:
         if -1 not in ids:
             return
         block_size = self.capacity.block_size
-        num_skipped = max(0, num_computed - window + 1) // block_size if window else 0
+        num_skipped = num_skipped_blocks(num_computed, window, block_size)
         last_null = start + max(i for i, block_id in enumerate(ids) if block_id == -1)
         _require(last_null < num_skipped, f"{name}: a null block inside the attended context")
 

@@ -19,8 +19,9 @@
 // (locality 2): blocks sit anywhere, so the hardware prefetcher never sees them coming. Into
 // L1 the prefetches stall on its few fill buffers; L2 keeps more misses in flight.
 // `window` > 0 keeps the keys j with seq_len - 1 - window < j (the sliding window of the query
-// at position seq_len - 1): the loop starts at the block holding the first of them and zeroes
-// the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
+// at position seq_len - 1), `window` < 0 the keys of that query's chunk of -window tokens
+// (Llama 4's chunked attention): the loop starts at the block holding the first of them and
+// zeroes the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
 // `sinks` (NULL: none) holds a logit per query head (gpt-oss) that joins the softmax's
 // denominator and adds no value: each head's running max starts at its sink, the sum at 1.
 // An fp8 cache's scales are the caller's: it folds k_scale into `scale` and multiplies the
@@ -88,7 +89,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         running_max[g] = sinks ? sinks[g] : -INFINITY; /* the sink: exp(sink - max) = 1 */    \
         running_sum[g] = sinks ? 1.0f : 0.0f;                                                  \
     }                                                                                          \
-    const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0;               \
+    const int64_t first = window < 0 ? (seq_len - 1) / -window * -window                      \
+                          : window > 0 && seq_len > window ? seq_len - window : 0;              \
     for (int64_t start = first / block_size * block_size; start < seq_len;                     \
          start += block_size) {                                                                \
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;         \

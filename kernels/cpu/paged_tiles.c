@@ -169,7 +169,8 @@ typedef struct {  // what every unit of a call shares
 
 static inline int64_t row_last(const unit *u, int64_t r) { return u->last + r * u->causal; }
 
-static inline int64_t row_first(const shape *s, int64_t last) {
+static inline int64_t row_first(const shape *s, int64_t last) {  // window < 0: its chunk's
+    if (s->window < 0) return (last - 1) / -s->window * -s->window;
     return s->window > 0 && last > s->window ? last - s->window : 0;
 }
 

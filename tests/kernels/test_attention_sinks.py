@@ -3,7 +3,8 @@ denominator and adds no value) in every attention path: the torch twin against d
 attention written as transformers' eager gpt-oss writes it (a sink column, softmax, column
 dropped), and the C kernels (token-major decode rows, SDPA chunks in fp32 and bf16, the tile
 layout), the Triton kernel (TRITON_INTERPRET=1 on CPU; single pass and split-KV) against the
-twin: decode, prefill and mixed batches, with sliding windows, and over fp8 caches."""
+twin: decode, prefill and mixed batches, with sliding windows, beside Llama 4's chunked
+attention (window -16: sinks and chunk masks together), and over fp8 caches."""
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from tests.kernels.test_paged_attention import (
 needs_c = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
 LONG_PREFILL = ([130, 1, 20], [150, 40, 20])  # a chunk past SDPA_MIN_CHUNK: the SDPA path
 CASES = [DECODE, MIXED, PREFILL, CHUNKED]
-WINDOWS = [0, 5, 16]
+WINDOWS = [0, 5, 16, -16]  # -16: chunks of 16 tokens
 
 
 def sinks_for(num_heads: int) -> torch.Tensor:
@@ -35,7 +36,8 @@ def sinks_for(num_heads: int) -> torch.Tensor:
 
 
 def dense_with_sinks(batch: Batch, scale: float, window: int, sinks: torch.Tensor):
-    """fp64 causal attention within `window`, each head's sink as one more logit."""
+    """fp64 causal attention within `window` (< 0: the query's chunk of -window keys), each
+    head's sink as one more logit."""
     out = torch.empty(batch.query.shape, dtype=torch.float64)
     starts = batch.cu_seqlens_q.tolist()
     group = batch.query.shape[1] // batch.key_cache.shape[2]
@@ -46,7 +48,10 @@ def dense_with_sinks(batch: Batch, scale: float, window: int, sinks: torch.Tenso
         q = batch.query[start:end].double().transpose(0, 1)  # [heads, q_len, d]
         q_pos = torch.arange(len(keys) - (end - start), len(keys))[:, None]
         k_pos = torch.arange(len(keys))[None, :]
-        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
+        if window < 0:
+            hidden = (k_pos > q_pos) | (k_pos // -window != q_pos // -window)
+        else:
+            hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
         scores = (q @ k.transpose(1, 2) * scale).masked_fill(hidden, float("-inf"))
         sink = sinks.double().view(-1, 1, 1).expand(-1, end - start, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
@@ -66,7 +71,7 @@ def test_twin_matches_dense(case, window):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("window", [0, 16, -16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_twin(case, window, dtype):
     batch = make_batch(*case, 8, 2, 64, 8, dtype, "cpu")
@@ -113,7 +118,7 @@ tiles = pytest.mark.skipif(not cpu_tiles.available(), reason="no AMX or AVX512-B
 
 @tiles
 @pytest.mark.parametrize("case", [DECODE, MIXED, CHUNKED, LONG_PREFILL])
-@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("window", [0, 21, -16])
 def test_tile_layout_matches_twin(case, window):
     """The tile kernel's decode units (a kv head's group of query heads: a sink each row) and
     prefill units (16 tokens under one head: one sink for all rows)."""

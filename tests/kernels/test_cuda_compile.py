@@ -1,8 +1,9 @@
-"""The fp8 paths of the Triton kernels compile for CUDA (sm_90, PTX through the wheel's own
-ptxas) on a machine without a GPU: the interpreter the other kernel tests run on executes
-Python, so it accepts what the compiler refuses (a kernel reading a plain global compiled
-only in the interpreter until this test). The compile runs in a child process, since
-TRITON_INTERPRET=1 (set for this session) turns every @triton.jit into an interpreted one."""
+"""The fp8 paths of the Triton kernels, the chunked mask and the sinks compile for CUDA
+(sm_90, PTX through the wheel's own ptxas) on a machine without a GPU: the interpreter the
+other kernel tests run on executes Python, so it accepts what the compiler refuses (a kernel
+reading a plain global compiled only in the interpreter until this test). The compile runs in
+a child process, since TRITON_INTERPRET=1 (set for this session) turns every @triton.jit into
+an interpreted one."""
 
 import os
 import subprocess
@@ -12,11 +13,15 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
+BOTH = {"SINKS": True, "CHUNKED": True}  # gpt-oss's sinks beside Llama 4's chunks
 # (kernel, cache pointer type, constexprs beyond the shared ones); query and out are bf16
 ATTENTION_CASES = [
     ("*fp8e4nv", {"SPLIT": True, "SOFTCAP": True, "WINDOW": True, "BLOCK_Q": 4}),
     ("*fp8e5", {"SPLIT": False, "SOFTCAP": True, "WINDOW": True, "BLOCK_Q": 16}),
     ("*bf16", {"SPLIT": False, "SOFTCAP": True, "WINDOW": False, "BLOCK_Q": 16}),
+    ("*bf16", {"SPLIT": True, "SOFTCAP": False, "WINDOW": False, "BLOCK_Q": 16, "CHUNKED": True}),
+    ("*bf16", {"SPLIT": False, "SOFTCAP": False, "WINDOW": True, "BLOCK_Q": 16, "SINKS": True}),
+    ("*fp8e4nv", {"SPLIT": False, "SOFTCAP": False, "WINDOW": False, "BLOCK_Q": 4, **BOTH}),
 ]
 
 
@@ -36,11 +41,13 @@ def _compile_all() -> None:
         _compile(triton, ASTSource, kv_write._reshape_and_cache_kernel, pointers, const, target)
     for cache, case in ATTENTION_CASES:
         const = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_N=64)
-        const.update(BLOCK_SIZE=16, DOT_FP32=False, WIDEN_KV=cache != "*bf16", **case)
+        const.update(BLOCK_SIZE=16, DOT_FP32=False, WIDEN_KV=cache != "*bf16", CHUNKED=False)
+        const.update(SINKS=False)
+        const.update(case)
         pointers = {"query_ptr": "*bf16", "out_ptr": "*bf16", "key_cache_ptr": cache}
         pointers.update(value_cache_ptr=cache, block_tables_ptr="*i32", seq_lens_ptr="*i32")
         pointers.update(cu_seqlens_q_ptr="*i32", partial_out_ptr="*fp32")
-        pointers.update(partial_m_ptr="*fp32", partial_l_ptr="*fp32")
+        pointers.update(partial_m_ptr="*fp32", partial_l_ptr="*fp32", sinks_ptr="*fp32")
         kernel = paged_attention._paged_attention_kernel
         _compile(triton, ASTSource, kernel, pointers, const, target)
 
