@@ -10,6 +10,7 @@ from kvpager.engine.config import EngineConfig
 from kvpager.engine.kv.block_hash import prompt_block_hashes
 from kvpager.engine.kv.block_manager import BlockManager, CachedBlock
 from kvpager.engine.request import Request
+from kvpager.kernels.cpu_block_ops import swap_blocks_cpu
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.scheduler import StepOutput
 
@@ -164,3 +165,22 @@ async def _until_idle(engine: AsyncEngine) -> None:
     assert not engine.core.has_work
     engine.scheduler.check_invariants()
     assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_early_reads_on_the_cpu_backend_come_back_exact(tiny_llama, tmp_path):
+    """The cpu backend swaps with kernels/cpu_block_ops.py: the returning round, read early from
+    disk and swapped in as runs of blocks, gives the torch backend's fresh tokens."""
+    torch_backend = disk_llm(tiny_llama, tmp_path / "kv-torch", swap_space=8 * BLOCK_BYTES)
+    with torch_backend as llm:
+        fresh = run_one_by_one(llm, PROMPTS)
+    with disk_llm(
+        tiny_llama, tmp_path / "kv-cpu", max_num_seqs=1, swap_space=8 * BLOCK_BYTES,
+        attention_backend="cpu",
+    ) as llm:  # fmt: skip
+        assert llm.executor.ops.swap_blocks is swap_blocks_cpu
+        assert run_one_by_one(llm, PROMPTS) == fresh
+        outputs = returning_round(llm)
+        assert [o.outputs[0].token_ids for o in outputs] == fresh[:4]
+        assert llm.scheduler.block_manager.disk.num_prefetched_blocks > 0
+        assert llm.stats()["num_swapped_in_blocks"] > 0
+        assert_all_free(llm)
