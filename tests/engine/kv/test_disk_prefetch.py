@@ -103,7 +103,7 @@ def test_early_reads_give_the_outputs_and_accounting_of_reads_at_the_turn(tiny_l
             outputs = returning_round(llm)
             assert [o.outputs[0].token_ids for o in outputs] == fresh[:4]
             assert_all_free(llm)
-            assert (disk.num_prefetched_blocks > 0) == bool(depth)
+            assert (llm.stats()["num_disk_prefetched_blocks"] > 0) == bool(depth)
             results[depth] = (
                 [o.outputs[0].token_ids for o in outputs],
                 sum(o.num_cached_tokens for o in outputs),
