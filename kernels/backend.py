@@ -47,8 +47,10 @@ def _torch_ops() -> KernelOps:
 
 def _cpu_ops() -> KernelOps:
     """The torch twins, with decode attention (kernels/cpu_decode.py) and the per-layer ops
-    (kernels/cpu_layer_ops.py) on C kernels, and bf16 routed experts on packed matmuls."""
+    (kernels/cpu_layer_ops.py) on C kernels, block swaps as runs of copies
+    (kernels/cpu_block_ops.py), and bf16 routed experts on packed matmuls."""
     from kvpager.kernels import cpu_layer_ops
+    from kvpager.kernels.cpu_block_ops import swap_blocks_cpu
     from kvpager.kernels.cpu_decode import paged_attention_cpu
 
     return dataclasses.replace(
@@ -58,6 +60,7 @@ def _cpu_ops() -> KernelOps:
         rotary=cpu_layer_ops.rotary,
         add_rms_norm=cpu_layer_ops.add_rms_norm,
         silu_and_mul=cpu_layer_ops.silu_and_mul,
+        swap_blocks=swap_blocks_cpu,
         pack_experts=True,
     )
 

@@ -246,6 +246,9 @@ class Stats(msgspec.Struct, kw_only=True):
     num_disk_failed_loads: Annotated[
         int, Meta(description="disk reads that missed: vanished, torn or corrupt files")
     ] = 0
+    num_disk_prefetched_blocks: Annotated[
+        int, Meta(description="disk reads issued while their request was still queued")
+    ] = 0
     num_disk_rejected_files: Annotated[
         int, Meta(description="disk-tier files that failed their MAC (forged or altered): deleted")
     ] = 0

@@ -14,6 +14,12 @@ waiting queue while CPU blocks it reserved are filled (`StepOutput.disk_loaded`)
 back to the queue's head and is admitted with those blocks as CPU hits. A failed read is a miss:
 the request computes from there (a file failing its MAC too, also counted apart). Each request
 tries the disk once per admission.
+
+Reads start early: the first `prefetch_depth` queued requests have theirs issued as soon as the
+scheduler sees them queued (`prefetch`), into at most half the CPU pool, without leaving the
+queue. The reads overlap the steps before their turn; at its turn a request finds the blocks
+read as CPU hits and waits, as above, only for those still being read. A request finished or
+aborted meanwhile leaves its reads to finish into the CPU pool's cache, as any read.
 """
 
 from collections import OrderedDict
@@ -26,6 +32,7 @@ from kvpager.schemas.tokenizer import BlockRemoved, BlockStored, KvEvent
 
 # A shorter run computes in about the step the request would wait for its read.
 MIN_DISK_LOAD_BLOCKS = 2
+PREFETCH_DEPTH = 8  # queued requests whose reads start before their turn (0: at their turn)
 
 
 class DiskTier:
@@ -38,6 +45,9 @@ class DiskTier:
         self.loading: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # hash -> cpu block, tokens
         self.waiting: dict[str, tuple[Request, set[bytes]]] = {}  # seq id -> hashes awaited
         self.tried: set[str] = set()  # requests that had their read this admission
+        self.prefetched: set[str] = set()  # queued requests whose reads started early
+        self.prefetch_depth = PREFETCH_DEPTH
+        self.num_prefetched_blocks = 0
         self.stores: list[DiskBlock] = []
         self.loads: list[DiskBlock] = []
         self.kv_events: list[KvEvent] | None = None
@@ -59,9 +69,7 @@ class DiskTier:
         run = self._disk_run(request, num_hits)
         if len(run) < MIN_DISK_LOAD_BLOCKS:
             return False
-        for block_hash in request.block_hashes[:num_hits]:  # the request's CPU hits go last
-            if block_hash in self.cpu.cached:
-                self.cpu.cached.move_to_end(block_hash)
+        self._keep_cpu_hits(request, num_hits)
         room = self.cpu.num_available - num_cpu_hits  # so the reads never evict them
         awaited = set()
         for block_idx, block_hash in run:
@@ -77,6 +85,43 @@ class DiskTier:
         self.tried.add(request.seq_id)
         self.waiting[request.seq_id] = (request, awaited)
         return True
+
+    def wants_prefetch(self, request: Request) -> bool:
+        """A queued request whose early reads have not been tried (a query)."""
+        return self.enabled and not (
+            request.seq_id in self.prefetched or request.seq_id in self.tried
+        )
+
+    def prefetch(self, request: Request, num_hits: int, num_cpu_hits: int) -> int:
+        """Start reading a queued request's disk run (after its `num_hits` cached blocks) into
+        the CPU pool ahead of its turn; it stays queued. Returns the blocks newly reserved."""
+        if not self.wants_prefetch(request):
+            return 0
+        self.prefetched.add(request.seq_id)
+        run = self._disk_run(request, num_hits)
+        if len(run) < MIN_DISK_LOAD_BLOCKS:
+            return 0
+        self._keep_cpu_hits(request, num_hits)
+        room = min(
+            self.cpu.num_available - num_cpu_hits,  # its CPU hits are never evicted for it
+            self.cpu.num_blocks // 2 - len(self.loading),  # the rest of the pool serves others
+        )
+        num_reserved = 0
+        for block_idx, block_hash in run:
+            if block_hash in self.loading:
+                continue
+            if num_reserved >= room:
+                break
+            self._reserve(request, block_idx, block_hash)
+            num_reserved += 1
+        self.num_prefetched_blocks += num_reserved
+        return num_reserved
+
+    def _keep_cpu_hits(self, request: Request, num_hits: int) -> None:
+        """The request's CPU hits go last in the pool's LRU order."""
+        for block_hash in request.block_hashes[:num_hits]:
+            if block_hash in self.cpu.cached:
+                self.cpu.cached.move_to_end(block_hash)
 
     def _disk_run(self, request: Request, num_hits: int) -> list[tuple[int, bytes]]:
         """(block index, hash) of the blocks after the hits that are on disk or being read."""
@@ -101,12 +146,14 @@ class DiskTier:
 
     def admitted(self, request: Request) -> None:
         self.tried.discard(request.seq_id)
+        self.prefetched.discard(request.seq_id)
 
     def forget(self, request: Request) -> None:
         """The request finished or was aborted: it waits no more (its reads go on, into the
         CPU pool's cache)."""
         self.waiting.pop(request.seq_id, None)
         self.tried.discard(request.seq_id)
+        self.prefetched.discard(request.seq_id)
 
     def take_ops(self) -> tuple[list[DiskBlock], list[DiskBlock]]:
         """This step's writes and reads."""

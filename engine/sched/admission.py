@@ -5,6 +5,7 @@ Mixed into Scheduler (engine/sched/scheduler.py), whose queues and block manager
 """
 
 from collections import deque
+from itertools import islice
 
 from kvpager.engine.config import CacheConfig, SchedulerConfig
 from kvpager.engine.kv.block_manager import BlockManager
@@ -57,6 +58,23 @@ class Admission:
             # blocks. Let them recompute instead, so the head always fits.
             for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
                 self._free_to_recompute(request)  # its CPU and shared device blocks
+        self._prefetch_from_disk()
+
+    def _prefetch_from_disk(self) -> None:
+        """Issue the disk reads of the first queued requests now, so they overlap the steps
+        before their turn (engine/kv/disk_index.py)."""
+        disk = self.block_manager.disk
+        if not disk.enabled:
+            return
+        for request in islice(self.waiting, disk.prefetch_depth):
+            if (
+                request.status is RequestStatus.SWAPPED
+                or request.sampling_params.prompt_logprobs is not None
+                or not disk.wants_prefetch(request)
+            ):
+                continue
+            hits = self._prefix_hits(request)
+            disk.prefetch(request, len(hits), sum(hit.on_cpu for hit in hits))
 
     def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
         if request.num_output_placeholders:

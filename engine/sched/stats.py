@@ -23,6 +23,7 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         num_disk_stored_blocks=manager.disk.num_stored_blocks,
         num_disk_loaded_blocks=manager.disk.num_loaded_blocks,
         num_disk_failed_loads=manager.disk.num_failed_loads,
+        num_disk_prefetched_blocks=manager.disk.num_prefetched_blocks,
         num_disk_rejected_files=manager.disk.num_rejected_files,
         num_blocks=manager.num_blocks,
         block_size=manager.block_size,

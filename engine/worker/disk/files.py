@@ -174,21 +174,27 @@ def write_block(
 
 
 def read_block(
-    folder: Path, layout: BlockLayout, key: bytes, block_hash: bytes, token_ids: list[int]
+    folder: Path,
+    layout: BlockLayout,
+    key: bytes,
+    block_hash: bytes,
+    token_ids: list[int],
+    buffer: bytearray | None = None,
 ) -> torch.Tensor | None:
     """The block stored under `block_hash` for exactly `token_ids`, or None: missing, torn,
-    of another layout or of other tokens. ForgedBlockError: a whole file failing its MAC."""
+    of another layout or of other tokens. ForgedBlockError: a whole file failing its MAC.
+    `buffer`: bytes to read into, reused from call to call (a reader thread's; it must hold
+    a whole file), so a read allocates nothing; the block returned views it."""
+    expected = HEADER.size + 8 * len(token_ids) + layout.num_bytes
+    data = bytearray(expected) if buffer is None else buffer
+    assert len(data) >= expected, "the read buffer is smaller than a file"
+    view = memoryview(data)[:expected]
     try:
-        with open(folder / file_name(block_hash), "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            if f.readinto(data) != len(data):
-                return None
+        with open(folder / file_name(block_hash), "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != expected or f.readinto(view) != expected:
+                return None  # short, long or torn
     except OSError:
         return None  # vanished (evicted by a sharing instance), unreadable
-    expected = HEADER.size + 8 * len(token_ids) + layout.num_bytes
-    if len(data) != expected:
-        return None
-    view = memoryview(data)
     header = bytearray(view[: HEADER.size])
     header[MAC_OFFSET:] = bytes(32)
     if not hmac.compare_digest(

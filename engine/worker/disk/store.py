@@ -3,7 +3,7 @@
     step N:  save(blocks_to_disk)    snapshot the CPU blocks (one index_select) before the
                                      step's swap-outs reuse them; a writer thread writes them
              swap-outs, swap-ins, copies
-             load(blocks_from_disk)  a reader thread fills the reserved CPU blocks
+             load(blocks_from_disk)  reader threads fill the reserved CPU blocks
              forward pass
              report(output)          the reads finished so far (all of them, bounded, when the
                                      step computed nothing), and what the listing found
@@ -31,6 +31,7 @@ import torch
 from kvpager.engine.config import ExecutorConfig
 from kvpager.engine.paths import kv_disk_key_file
 from kvpager.engine.worker.disk.files import (
+    HEADER,
     BlockLayout,
     ForgedBlockError,
     block_layout,
@@ -50,6 +51,9 @@ log = structlog.get_logger(__name__)
 RESCAN_S = 5.0  # an idle writer lists the folder this often (other instances' files)
 MAX_LISTED_PER_STEP = 8192  # hashes a step output carries (~300 kB)
 LOAD_WAIT_S = 5.0  # an idle step waits at most this long for reads in flight
+# reader threads: a read is bound by its HMAC (~1 GB/s a core), which hashlib computes
+# without the GIL, so a step's reads split over several threads go at several cores' pace
+NUM_READERS = max(1, min(4, os.cpu_count() or 1))
 # snapshots waiting for the writer; past this (a slow disk), new blocks are not kept
 MAX_PENDING_BYTES = 1 << 30
 
@@ -100,7 +104,8 @@ class DiskStore:
         self._removed: list[bytes] = []
         self._listed = False
         self._loads: list[Future] = []
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvpager-disk-read")
+        self._reader = ThreadPoolExecutor(NUM_READERS, thread_name_prefix="kvpager-disk-read")
+        self._buffers = threading.local()  # each reader's file buffer, reused
         self._writes: queue.Queue = queue.Queue()
         self.rescan()
         self._report_all()
@@ -127,7 +132,10 @@ class DiskStore:
         )  # [layers, 2, n, bs, kvh, d]
         for on_device, cache in ((False, cpu_cache), (True, kv_cache)):
             rows = [i for i, b in enumerate(blocks) if b.on_device == on_device]
-            if rows:
+            if len(rows) == len(blocks) and cache.device.type == "cpu":
+                ids = torch.tensor([block.block_id for block in blocks])
+                torch.index_select(cache, 2, ids, out=snapshot)  # all from here: one gather
+            elif rows:
                 ids = torch.tensor([blocks[i].block_id for i in rows], device=cache.device)
                 snapshot[:, :, rows] = torch.index_select(cache, 2, ids).cpu()
         with self._lock:
@@ -136,9 +144,12 @@ class DiskStore:
         self._writes.put((blocks, snapshot))
 
     def load(self, blocks: list[DiskBlock], cpu_cache: torch.Tensor) -> None:
-        """Start reading the blocks into their CPU blocks (reported once done)."""
-        if blocks:
-            self._loads.append(self._reader.submit(self._read_all, blocks, cpu_cache))
+        """Start reading the blocks into their CPU blocks (reported once done), split over
+        the reader threads in runs of consecutive blocks."""
+        num_parts = min(NUM_READERS, len(blocks))
+        for part in range(num_parts):
+            start, end = part * len(blocks) // num_parts, (part + 1) * len(blocks) // num_parts
+            self._loads.append(self._reader.submit(self._read_all, blocks[start:end], cpu_cache))
 
     def report(self, output: StepOutput, wait: bool) -> None:
         """Put the finished reads and the listing's news into the step's output."""
@@ -204,8 +215,9 @@ class DiskStore:
             return pending
         try:
             content = read_block(
-                self.folder, self.layout, self.key, block.block_hash, block.token_ids
-            )
+                self.folder, self.layout, self.key, block.block_hash, block.token_ids,
+                self._buffer(len(block.token_ids)),
+            )  # fmt: skip
         except ForgedBlockError:
             log.warning("disk tier file failed its MAC: deleted", block_hash=block.block_hash.hex())
             _unlink(self.folder / file_name(block.block_hash))
@@ -220,6 +232,14 @@ class DiskStore:
         if content is not None:
             _touch(self.folder / file_name(block.block_hash))
         return content
+
+    def _buffer(self, num_tokens: int) -> bytearray:
+        """This reader thread's file buffer (allocated once: every file has one size)."""
+        size = HEADER.size + 8 * num_tokens + self.layout.num_bytes
+        buffer = getattr(self._buffers, "data", None)
+        if buffer is None or len(buffer) < size:
+            buffer = self._buffers.data = bytearray(size)
+        return buffer
 
     # --- writes and listing (the writer thread) ---------------------------------------------
 

@@ -1,0 +1,53 @@
+"""A step's disk reads split over the reader threads, into reused buffers, land byte for byte
+as one-file-at-a-time reads (files.read_block) do, misses included."""
+
+import torch
+from kvpager.engine.worker.disk import store as store_module
+from kvpager.engine.worker.disk.files import read_block
+from kvpager.engine.worker.disk.store import DiskStore
+from kvpager.schemas.executor import DiskBlock
+
+from tests.engine.worker.disk.test_disk_store import KEY, LAYOUT, block_hash, blocks, cpu_cache
+from tests.engine.worker.disk.test_disk_store import report as step_report
+
+
+def test_reads_over_several_threads_equal_reads_one_block_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "NUM_READERS", 3)  # whatever the host's cores
+    cache = cpu_cache(12, seed=3)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
+    step_report(store)
+    store.save(blocks(range(11)), cache, cache)
+    store.flush()
+    # into other CPU blocks, scattered, with block 4's file gone: a miss among hits
+    (store.folder / f"{block_hash(4).hex()}.kvb").unlink()
+    wanted = [DiskBlock(block_hash(i), 11 - i, [i, i + 1, i + 2, i + 3]) for i in range(11)]
+    batched = torch.zeros_like(cache)
+    store.load(wanted, batched)
+    assert len(store._loads) == 3  # one read job a thread
+    output = step_report(store)
+    one_by_one = torch.zeros_like(cache)
+    for block in wanted:
+        content = read_block(store.folder, LAYOUT, KEY, block.block_hash, block.token_ids)
+        if content is not None:
+            one_by_one[:, :, block.block_id] = content
+    assert torch.equal(batched.view(torch.uint8), one_by_one.view(torch.uint8))
+    assert output.disk_loaded == [block_hash(i) for i in range(11) if i != 4]  # in order
+    assert output.disk_failed == [block_hash(4)]
+    for i in range(11):
+        if i != 4:
+            assert torch.equal(batched[:, :, 11 - i], cache[:, :, i])
+    assert not batched[:, :, 7].any()  # the miss wrote nothing
+    store.close()
+
+
+def test_a_reused_buffer_never_leaks_one_file_into_the_next(tmp_path):
+    cache = cpu_cache(2, seed=4)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
+    store.save(blocks(range(2)), cache, cache)
+    store.flush()
+    buffer = bytearray(4096)
+    first = read_block(store.folder, LAYOUT, KEY, block_hash(0), [0, 1, 2, 3], buffer).clone()
+    second = read_block(store.folder, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4], buffer)
+    assert torch.equal(first, cache[:, :, 0]) and torch.equal(second, cache[:, :, 1])
+    assert read_block(store.folder, LAYOUT, KEY, block_hash(0), [0, 1, 2, 5], buffer) is None
+    store.close()
