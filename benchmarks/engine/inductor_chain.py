@@ -62,7 +62,7 @@ class TorchChain(nn.Module):
 
 
 def _query_as_output(
-    q, k, v, layer_cache, meta, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0
+    q, k, v, layer_cache, meta, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None
 ) -> torch.Tensor:
     """Stands in for paged attention: q, rotated, as the layer's attention output."""
     return q
