@@ -78,7 +78,7 @@ async def import_kv(payload: dict, request: Request, moves: AsyncKvMoves) -> boo
     except (KvTransferError, msgspec.ValidationError, TypeError, ValueError) as exc:
         log.warning("disaggregated params refused: recomputing", error=str(exc))
         return False
-    request.kv_import = _all_but_last(handoff, moves.engine.block_size)
+    request.kv_import = all_but_last(handoff, moves.engine.block_size)
     return request.kv_import is not None
 
 
@@ -94,7 +94,7 @@ def _parse(params: Any, request: Request) -> tuple[KvAgent, KvHandoff]:
     return card, handoff
 
 
-def _all_but_last(handoff: KvHandoff, block_size: int) -> KvHandoff | None:
+def all_but_last(handoff: KvHandoff, block_size: int) -> KvHandoff | None:
     """The prompt's K/V but its last token's, which this side computes for the first token."""
     num_tokens = handoff.num_computed_tokens - 1
     if num_tokens <= 0:

@@ -23,13 +23,14 @@ pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed")
 pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
 
 from tests.services.test_dynamo import (  # noqa: E402  (after the skips)
+    PREFIXES,
     PROMPTS,
     WORKER_FLAGS,
     Deployment,
     _complete,
+    _context_id,
     _launch,
     _lists_model,
-    _wait_for,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,27 +110,42 @@ def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
 def test_disaggregated_completions_equal_offline_greedy_and_free_every_block(
     deployment, tiny_llama
 ):
+    prompts = [*PROMPTS, PREFIXES[0]]  # the last one 5+ blocks long
     params = SamplingParams(temperature=0.0, max_tokens=16)
     with LLM(str(tiny_llama), block_size=16, num_blocks=64) as offline:
-        expected = offline.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, want in zip(PROMPTS, expected):
+        expected = offline.generate(prompts, params, use_tqdm=False)
+    num_transferred = 0  # the decode worker's count so far
+    for prompt, want in zip(prompts, expected):
         reply = _complete(deployment, prompt, 16)
         choice = reply["choices"][0]
         assert choice["text"] == want.outputs[0].text, prompt
         assert choice["finish_reason"] == want.outputs[0].finish_reason
         # the prompt went through the prefill worker, which held its blocks for the decode side
-        prefill, held = _wait_for(deployment, "dynamo prefill held", reply["id"])
-        decode, done = _wait_for(deployment, "dynamo request finished", reply["id"])
-        assert (prefill, decode) == ("worker-p", "worker-d"), (prefill, decode)
+        held = _line(deployment, "worker-p", "dynamo prefill held", reply["id"])
+        done = _line(deployment, "worker-d", "dynamo request finished", reply["id"])
         # the decode side read them (its count grows) and freed its own at the end
-        assert done["kv_transfer_blocks"] > 0, done
+        num_read = done["kv_transfer_blocks"] - num_transferred
+        assert 0 < num_read <= held["num_blocks"], (held, done)  # the last token's: recomputed
+        num_transferred = done["kv_transfer_blocks"]
         assert done["num_used_blocks"] == 0, done
         # its read notified the prefill worker, which freed the held blocks
         released = _released(deployment, held["transfer_id"])
         assert released["num_used_blocks"] == 0, released
     lines = deployment.worker_lines("worker-d")
     pulled = [line for line in lines if line.get("event") == "kv pulled"]
-    assert len(pulled) >= len(PROMPTS) and all(line["num_bytes"] > 0 for line in pulled)
+    assert len(pulled) == len(prompts) and all(line["num_bytes"] > 0 for line in pulled)
+
+
+def _line(deployment: Deployment, worker: str, event: str, completion_id: str) -> dict:
+    """The line `worker` logged for `event` of the request Dynamo calls `completion_id`."""
+    request_id = _context_id(completion_id)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        for line in deployment.worker_lines(worker):
+            if line.get("event") == event and line["request_id"].startswith(request_id):
+                return line
+        time.sleep(0.2)
+    raise AssertionError(f"{worker} logged no {event!r} for {completion_id}")
 
 
 def _released(deployment: Deployment, transfer_id: str) -> dict:
