@@ -36,14 +36,23 @@ class AsyncKvMoves:
         self._pulls: dict[int, list[KvPull]] = {}  # step id -> its pulls, started after it
         self._tasks: set[asyncio.Task] = set()
         self._poll_task: asyncio.Task | None = None
+        self._connecting = asyncio.Lock()
 
     def start(self) -> None:
         self._poll_task = asyncio.get_running_loop().create_task(self._poll())
 
     async def connect(self, card: KvAgent) -> None:
-        """Know a peer (KvTransferError if its cache differs from ours)."""
-        if card.name != self.transfer.name and card.name not in self.transfer.peers:
-            await asyncio.to_thread(self.transfer.add_peer, card)  # NIXL's connect blocks
+        """Know a peer: KvTransferError if its cache differs from ours or its card is bad
+        (it came from the wire: NIXL's own errors on it are ours too)."""
+        async with self._connecting:  # one connect at a time: a peer is added once
+            if card.name == self.transfer.name or card.name in self.transfer.peers:
+                return
+            try:
+                await asyncio.to_thread(self.transfer.add_peer, card)  # NIXL's connect blocks
+            except KvTransferError:
+                raise
+            except Exception as exc:
+                raise KvTransferError(f"KV peer {card.name!r} refused: {exc}") from exc
 
     # --- the runner, with pulls after their step ------------------------------------------
 

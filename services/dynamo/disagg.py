@@ -73,16 +73,16 @@ async def import_kv(payload: dict, request: Request, moves: AsyncKvMoves) -> boo
     if params is None:
         return False
     try:
-        card, handoff = _parse(params, request)
+        card, handoff = parse_params(params, request)
         await moves.connect(card)
-    except (KvTransferError, msgspec.ValidationError, TypeError, ValueError) as exc:
+    except (KvTransferError, msgspec.ValidationError, TypeError, ValueError) as exc:  # recompute
         log.warning("disaggregated params refused: recomputing", error=str(exc))
         return False
     request.kv_import = all_but_last(handoff, moves.engine.block_size)
     return request.kv_import is not None
 
 
-def _parse(params: Any, request: Request) -> tuple[KvAgent, KvHandoff]:
+def parse_params(params: Any, request: Request) -> tuple[KvAgent, KvHandoff]:
     if not isinstance(params, dict):
         raise TypeError("disaggregated_params.kvpager: must be an object")
     card = msgspec.convert(params.get("agent"), KvAgent)
