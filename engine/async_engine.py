@@ -95,6 +95,10 @@ class AsyncEngine:
             await core.publish()
             raise
 
+    def wake(self) -> None:
+        """Work came from elsewhere (a KV pull ended): step again."""
+        self._work.set()
+
     def stop(self) -> None:
         self._stopped = True
         self._work.set()

@@ -67,6 +67,9 @@ class Request:
     num_disk_hit_blocks: int = 0  # prompt blocks its admission read from the disk tier
     # a drained stream's continuation: its blocks come from another instance (kv_moves.py)
     kv_import: KvHandoff | None = None
+    # the prefill half of a disaggregated pair: at its max_tokens its blocks stay held for the
+    # decode side to read (KvMoves.hold_at_finish), not freed
+    hold_kv: bool = False
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

@@ -5,6 +5,8 @@ sides; the executors move the bytes (engine/worker/kv_transfer/).
 
     source  hold(request) -> KvHandoff   the request leaves the batch, its blocks stay held
             release(transfer_id)         the peer read them (KvSent), or the hold expired
+            hold_at_finish(request)      a prefill (`hold_kv`) ends at its max_tokens with its
+                                         blocks held the same way; take_hold() hands them on
     target  a waiting request with `kv_import`: at admission its blocks are allocated as
             a swapped-out request's (device entries, NULL where a window let one go) and a
             KvPull rides on the step, after the step's swap-outs;
@@ -57,6 +59,7 @@ class KvMoves:
         self.importing: dict[str, Request] = {}  # transfer id -> request
         self.kv_pulls: list[KvPull] = []  # for the next step
         self.kv_stats = KvMoveStats()
+        self.finished_holds: dict[str, KvHandoff] = {}  # request id -> its held prefill
 
     @property
     def _group_managers(self) -> list[BlockManager]:
@@ -93,6 +96,31 @@ class KvMoves:
         transfer_id = uuid.uuid4().hex
         self.held[transfer_id] = (request, time.monotonic() + HOLD_S)
         return KvHandoff(transfer_id, instance, agent, tables, request.num_computed_tokens)
+
+    def hold_at_finish(self, request: Request, status: RequestStatus) -> bool:
+        """A prefill (`hold_kv`, one sample) that reached its max_tokens keeps its blocks
+        for the decode side (take_hold), as hold() keeps a drained stream's. False: free them."""
+        if not (
+            request.hold_kv
+            and status is RequestStatus.FINISHED_LENGTH
+            and len(self.groups.get(request.request_id, ())) == 1
+            and request.num_computed_tokens > 0
+        ):
+            return False
+        num_blocks = -(-request.num_computed_tokens // self.cache_config.block_size)
+        tables = []
+        for manager in self._group_managers:
+            manager.trim(request, request.num_computed_tokens)
+            tables.append(list(manager.get_block_table(request.seq_id)[:num_blocks]))
+        transfer_id = uuid.uuid4().hex
+        self.held[transfer_id] = (request, time.monotonic() + HOLD_S)
+        handoff = KvHandoff(transfer_id, "", "", tables, request.num_computed_tokens)
+        self.finished_holds[request.request_id] = handoff
+        return True
+
+    def take_hold(self, request_id: str) -> KvHandoff | None:
+        """The held prefill of `request_id` (its instance and agent for the caller to fill)."""
+        return self.finished_holds.pop(request_id, None)
 
     def release(self, transfer_id: str) -> bool:
         """The peer read the blocks: free them. False for an unknown id."""

@@ -275,7 +275,8 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
         self.block_manager.disk.forget(request)
         request.status = status
         request.num_pending_forks = 0
-        if not self._import_in_flight(request):  # else freed when the pull ends (pulled)
+        # an import in flight is freed when its pull ends (pulled); a held prefill on release
+        if not self._import_in_flight(request) and not self.hold_at_finish(request, status):
             self.block_manager.free(request)
         self.forget_at_executor(request.seq_id)
         self.lookahead.forget(request.seq_id)

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
         "--disaggregation-mode",
         choices=DISAGGREGATION_MODES,
         default=None,
-        help="prefill or decode worker of a disaggregated deployment (not built yet)",
+        help="prefill or decode worker of a disaggregated deployment: KV blocks move "
+        "from prefill to decode over NIXL (pip install 'kvpager[nixl]')",
     )
 
 
@@ -45,8 +46,6 @@ def engine_flags() -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.disaggregation_mode is not None:
-        raise ConfigError("--disaggregation-mode: not built yet; run aggregated workers")
     try:
         from kvpager.services.dynamo.worker import DynamoOptions, serve
     except ImportError as exc:
@@ -55,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     configure_logging(args.log_level)
     settings = Settings.from_args(args)
-    options = DynamoOptions(args.namespace, args.component, args.endpoint, args.served_model_name)
+    options = DynamoOptions(
+        args.namespace,
+        args.component,
+        args.endpoint,
+        args.served_model_name,
+        args.disaggregation_mode,
+    )
     path, config = resolve_model(settings.model), EngineConfig.pick(settings)
     asyncio.run(serve(path, settings.model, config, options, settings.check_invariants))
     return 0

@@ -247,8 +247,12 @@ def test_build_arguments_exist_and_the_gpu_goes_to_the_executor():
     dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
     declared = {line.split()[1].split("=")[0] for line in dockerfile if line.startswith("ARG ")}
     assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile  # users' default base
-    dynamo = yaml.safe_load((ROOT / "compose.dynamo.yaml").read_text())["services"]
-    for spec in [*SERVICES.values(), *CUDA["services"].values(), *dynamo.values()]:
+    dynamo = [
+        spec
+        for name in ("compose.dynamo.yaml", "compose.dynamo-disagg.yaml")
+        for spec in yaml.safe_load((ROOT / name).read_text())["services"].values()
+    ]
+    for spec in [*SERVICES.values(), *CUDA["services"].values(), *dynamo]:
         assert set(spec.get("build", {}).get("args", {})) <= declared
     base_image = interpolate(SERVICES["model"]["build"]["args"]["BASE_IMAGE"], {})
     assert base_image == "python:3.11-slim"

@@ -85,11 +85,35 @@ def test_outputs_in_dynamo_words():
         to_output(SampleDelta("r", 0, [], finish_reason="error", error=ErrorInfo("x", "boom")))
 
 
-def test_cli_refuses_disaggregation_until_built(capsys):
-    from kvpager.services.cli import main
+def _held(num_prompt_tokens: int = 3, agent: str = "peer") -> dict:
+    from kvpager.schemas.kv_transfer import KvAgent, KvHandoff
 
-    assert main(["dynamo", "--model", "x", "--disaggregation-mode", "prefill"]) == 2
-    assert "--disaggregation-mode: not built yet" in capsys.readouterr().err
+    card = KvAgent(agent, "i", "nixl", b"md", "DRAM", 0, 4096, 8, 64, 512, "f32", 16, "t")
+    handoff = KvHandoff("t1", "i", agent, [[4]], 3)
+    return {"agent": card, "handoff": handoff, "num_prompt_tokens": num_prompt_tokens}
+
+
+def test_disaggregated_params_round_trip_and_bad_ones_are_refused():
+    import msgspec
+    from kvpager.schemas.kv_transfer import KvHandoff
+    from kvpager.services.dynamo.disagg import all_but_last, parse_params
+
+    request = to_request(payload(), "r", EOS, 64)
+    wire = msgspec.json.decode(msgspec.json.encode(msgspec.to_builtins(_held())))  # JSON-safe
+    card, handoff = parse_params(wire, request)
+    assert card.metadata == b"md" and handoff.block_tables == [[4]]
+    for bad, match in (
+        (_held(num_prompt_tokens=4), "another prompt"),
+        ({**_held(), "handoff": KvHandoff("t1", "i", "other", [[4]], 3)}, "does not match"),
+        ({**_held(), "agent": "card"}, "Expected"),
+    ):
+        with pytest.raises((ValueError, msgspec.ValidationError), match=match):
+            parse_params(msgspec.to_builtins(bad), request)
+    with pytest.raises(TypeError):
+        parse_params([1], request)
+    # the decode side reads all but the last prompt token's K/V; a one-token prompt recomputes
+    assert all_but_last(KvHandoff("t", "i", "a", [[4, 5]], 17), 16).block_tables == [[4]]
+    assert all_but_last(KvHandoff("t", "i", "a", [[4]], 1), 16) is None
 
 
 def test_cli_says_how_to_install_dynamo(monkeypatch, capsys):
