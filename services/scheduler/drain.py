@@ -12,7 +12,7 @@ import json
 import time
 
 import structlog
-from kvpager.engine.core import EngineCore
+from kvpager.engine.core import PREFILLED, EngineCore
 from kvpager.engine.frontend.migration import can_move
 from kvpager.engine.request import Request
 from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
@@ -32,6 +32,11 @@ STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (servi
 
 def movable(request: Request) -> bool:
     return can_move(request.sampling_params)
+
+
+def prefilled(request: Request) -> bool:
+    """Its prompt is computed and its first token out: a decode instance takes it on."""
+    return movable(request) and request.num_output_tokens >= 1
 
 
 async def other_instances(nc: NATS, prefix: str, instance: str) -> set[str]:
@@ -145,6 +150,19 @@ class KvMovesService:
         prefix, instance = self.settings.prefix, self.settings.instance
         if await other_instances(self.nc, prefix, instance):
             await self._drain("shutting down")
+
+    async def _hand_on_prefilled(self) -> None:
+        """A prefill instance (--role prefill): every stream whose prompt and first token are
+        computed goes on to a decode instance with its blocks (disaggregation); streams that
+        cannot move (parallel samples, beams, penalties) finish here."""
+        core = self.core
+        if self.settings.role != "prefill" or core is None or core.num_in_flight:
+            return
+        if self.executor is None or not self.executor.kv_agent:
+            return
+        agent = self.executor.kv_agent
+        if core.hand_off(self.settings.instance, agent, prefilled, PREFILLED):
+            await core.publish()
 
     @property
     def _busy_stopping(self) -> bool:

@@ -64,7 +64,7 @@ class SchedulerService(KvMovesService):
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
         self.kv_events = KvEventPublisher(
-            nc, self.subjects.kv_events, settings.instance, self.scheduler_id
+            nc, self.subjects.kv_events, settings.instance, self.scheduler_id, settings.role
         )
         # a dead tokenizer's orphaned pieces go after a while
         self._pieces = Pieces(
@@ -145,7 +145,7 @@ class SchedulerService(KvMovesService):
             build_scheduler(self.config, ready),
             self.link,
             self._publish,
-            self.config.plan_ahead,
+            0 if self.settings.role == "prefill" else self.config.plan_ahead,  # hand on at once
             check_invariants=self.settings.check_invariants,
             plan_ahead_with_room=False,  # served: a new arrival joins the next step
         )
@@ -154,7 +154,7 @@ class SchedulerService(KvMovesService):
 
     def _load(self) -> dict:
         """The instance's load, for discovery ($SRV.STATS endpoint data)."""
-        load = instance_load(self.core, self.executor)
+        load = instance_load(self.core, self.executor, self.settings.role)
         return msgspec.to_builtins(msgspec.structs.replace(load, closing=self._closing))
 
     def _lose_executor(self, error: ErrorInfo) -> None:
@@ -273,6 +273,7 @@ class SchedulerService(KvMovesService):
             if self.executor is None or not await core.run_step():
                 await self._wait_for_work(core)
                 continue
+            await self._hand_on_prefilled()
             if core.is_spinning:
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
 
