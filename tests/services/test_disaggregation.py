@@ -1,0 +1,112 @@
+"""Prefill/decode disaggregation on `kvpager serve --prefill-replicas 1 --decode-replicas 1`:
+the prefill instance computes every prompt and the first token, then hands the stream with
+its KV blocks to the decode instance, which reads them and streams the rest. The client sees
+one gap-free stream, token for token the offline engine's (greedy and seeded), over NIXL (when
+installed) and over the NATS fallback; the decode instance computed no prompt of its own (its
+prompt tokens all came as blocks) and every block is free on both instances after."""
+
+import asyncio
+import signal
+import time
+
+import pytest
+from kvpager.engine.llm import LLM
+from kvpager.engine.worker.kv_transfer import nixl
+from kvpager.schemas.sampling import SamplingParams
+from kvpager.services.client import Client
+from kvpager.services.http.metrics import gather_stats
+
+from tests.nats_server import free_port
+from tests.services.kvpager_cli import start, wait_for_line
+
+NUM_STREAMS, NUM_TOKENS = 6, 24
+
+
+@pytest.fixture(params=["auto", "nats"])
+def served(tiny_llama, tmp_path, request):
+    port = free_port()
+    process = start(
+        "serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "256",
+        "--no-http", "--prefill-replicas", "1", "--decode-replicas", "1",
+        "--kv-transfer", request.param, log_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
+        yield f"nats://127.0.0.1:{port}"
+        fallback = "kv transfer over NATS" in (tmp_path / "err.txt").read_text()
+        assert fallback == (request.param == "nats" or not nixl.available())
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except Exception:
+                process.kill()
+        process.wait()
+
+
+def _prompt(i: int) -> list[int]:
+    return [10 + i, 20 + i, 30 + i, 40 + i, 50 + i, 60 + i, 70 + i] * 5  # 35: 3 blocks
+
+
+def _sampling(i: int) -> dict:
+    return dict(temperature=0.0) if i % 2 else dict(temperature=1.0, top_p=0.9, seed=100 + i)
+
+
+async def _stream(client: Client, i: int) -> list[int]:
+    tokens, seqs, final = [], [], None
+    fields = dict(max_tokens=NUM_TOKENS, ignore_eos=True, **_sampling(i))
+    async for event in client.generate(prompt_token_ids=_prompt(i), **fields):
+        tokens += event.token_ids
+        seqs.append(event.seq)
+        final = event
+    assert final.finish_reason == "length" and final.error is None, final
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # gap-free
+    return tokens
+
+
+async def _wait_idle(client: Client, timeout_s: float = 20.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await gather_stats(client.nc, "llm.stats", 1.0)
+        idle = all(s.num_used_blocks == 0 and not s.num_running for s in stats)
+        if (idle and len(stats) == 2) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
+async def _served(url: str) -> tuple[list[list[int]], list]:
+    client = await Client.connect(url, "llm")
+    try:
+        outputs = await asyncio.gather(*(_stream(client, i) for i in range(NUM_STREAMS)))
+        await _wait_idle(client)  # the handed-on blocks read and freed: cached on prefill
+        assert await _stream(client, 1) == outputs[1]  # again: the prefill's cache serves it
+        return list(outputs), await _wait_idle(client)
+    finally:
+        await client.close()
+
+
+def test_prefill_hands_streams_to_decode_with_their_blocks(served, tiny_llama):
+    outputs, stats = asyncio.run(_served(served))
+    with LLM(str(tiny_llama), num_blocks=256) as llm:
+        params = [
+            SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, **_sampling(i))
+            for i in range(NUM_STREAMS)
+        ]
+        offline = llm.generate([_prompt(i) for i in range(NUM_STREAMS)], params, use_tqdm=False)
+    assert outputs == [o.outputs[0].token_ids for o in offline]
+    by_role = {s.instance.split("-")[-2]: s for s in stats}
+    prefill, decode = by_role["prefill"], by_role["decode"]
+    assert prefill.kv_handoffs == NUM_STREAMS + 1, prefill  # each left after its 1st token
+    num_blocks = -(-len(_prompt(0)) // decode.block_size)
+    assert decode.kv_transfer_blocks == num_blocks * (NUM_STREAMS + 1), decode
+    assert decode.kv_transfer_failed == 0, decode
+    assert prefill.num_prompt_tokens == sum(len(_prompt(i)) for i in range(NUM_STREAMS + 1))
+    # the decode instance computed only each continuation's first token (its prompt's last,
+    # the prefill's sampled token): the blocks brought the rest
+    assert decode.num_generated_tokens == (NUM_STREAMS + 1) * (NUM_TOKENS - 1), decode
+    assert prefill.num_generated_tokens == NUM_STREAMS + 1, prefill
+    assert prefill.prefix_cache_hit_tokens >= 32, prefill  # the repeated prompt's full blocks
+    assert decode.prefix_cache_hit_tokens == 0, decode  # imports are no cache hits
+    for s in stats:
+        assert s.num_used_blocks == 0 and s.num_running == s.num_waiting == 0, s
