@@ -12,9 +12,12 @@ import time
 import pytest
 from kvpager.engine.llm import LLM
 from kvpager.engine.worker.kv_transfer import nixl
+from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.services.client import Client
 from kvpager.services.http.metrics import gather_stats
+from kvpager.services.serve.launcher import instance_roles
+from kvpager.services.settings import ServeSettings, Settings
 
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import start, wait_for_line
@@ -110,3 +113,13 @@ def test_prefill_hands_streams_to_decode_with_their_blocks(served, tiny_llama):
     assert decode.prefix_cache_hit_tokens == 0, decode  # imports are no cache hits
     for s in stats:
         assert s.num_used_blocks == 0 and s.num_running == s.num_waiting == 0, s
+
+
+def test_roles_are_checked_and_named():
+    with pytest.raises(ConfigError, match="role"):
+        Settings(role="decoder")
+    with pytest.raises(ConfigError, match="give both"):
+        ServeSettings(prefill_replicas=1)
+    roles = instance_roles(ServeSettings(prefill_replicas=1, decode_replicas=2))
+    assert roles == ["prefill", "decode", "decode"]
+    assert instance_roles(ServeSettings(replicas=2)) == ["both", "both"]
