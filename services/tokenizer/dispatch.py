@@ -227,10 +227,9 @@ class Dispatch:
         failure: no migration is counted and the prefill instance stays routable."""
         if self.streams.get(stream.request_id) is not stream or not stream.submitted:
             return
-        moved = stream.continuation() if not stream.aborting else None
-        if moved is None:  # aborted meanwhile: the held blocks go free when their hold expires
-            error = stream.abort_error or ErrorInfo("aborted", "the request was aborted")
-            await self.lose(stream, error)
+        moved = stream.continuation()
+        if moved is None:  # nothing left to generate: the prefill instance would have ended it
+            await self.lose(stream, ErrorInfo("internal_error", "a handed-on stream had no rest"))
             return
         log.debug("stream to decode", request_id=stream.request_id, prefill=stream.instance)
         stream.handed_on()

@@ -68,6 +68,16 @@ async def _stream(client: Client, i: int) -> list[int]:
     return tokens
 
 
+async def _parallel_samples(client: Client) -> dict[int, list[int]]:
+    """n = 2 cannot move: it finishes on the prefill instance."""
+    by_index: dict[int, list[int]] = {0: [], 1: []}
+    fields = dict(n=2, max_tokens=8, ignore_eos=True, temperature=1.0, seed=3)
+    async for event in client.generate(prompt_token_ids=_prompt(9), **fields):
+        assert event.error is None, event
+        by_index[event.index] += event.token_ids
+    return by_index
+
+
 async def _wait_idle(client: Client, timeout_s: float = 20.0) -> list:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -84,6 +94,7 @@ async def _served(url: str) -> tuple[list[list[int]], list]:
         outputs = await asyncio.gather(*(_stream(client, i) for i in range(NUM_STREAMS)))
         await _wait_idle(client)  # the handed-on blocks read and freed: cached on prefill
         assert await _stream(client, 1) == outputs[1]  # again: the prefill's cache serves it
+        assert list(map(len, (await _parallel_samples(client)).values())) == [8, 8]
         return list(outputs), await _wait_idle(client)
     finally:
         await client.close()
@@ -104,11 +115,12 @@ def test_prefill_hands_streams_to_decode_with_their_blocks(served, tiny_llama):
     num_blocks = -(-len(_prompt(0)) // decode.block_size)
     assert decode.kv_transfer_blocks == num_blocks * (NUM_STREAMS + 1), decode
     assert decode.kv_transfer_failed == 0, decode
-    assert prefill.num_prompt_tokens == sum(len(_prompt(i)) for i in range(NUM_STREAMS + 1))
+    num_prompt = sum(len(_prompt(i)) for i in range(NUM_STREAMS + 1)) + len(_prompt(9))
+    assert prefill.num_prompt_tokens == num_prompt, prefill
     # the decode instance computed only each continuation's first token (its prompt's last,
     # the prefill's sampled token): the blocks brought the rest
     assert decode.num_generated_tokens == (NUM_STREAMS + 1) * (NUM_TOKENS - 1), decode
-    assert prefill.num_generated_tokens == NUM_STREAMS + 1, prefill
+    assert prefill.num_generated_tokens == NUM_STREAMS + 1 + 2 * 8, prefill  # n=2 stayed
     assert prefill.prefix_cache_hit_tokens >= 32, prefill  # the repeated prompt's full blocks
     assert decode.prefix_cache_hit_tokens == 0, decode  # imports are no cache hits
     for s in stats:
