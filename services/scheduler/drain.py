@@ -15,6 +15,7 @@ import structlog
 from kvpager.engine.core import PREFILLED, EngineCore
 from kvpager.engine.frontend.migration import can_move
 from kvpager.engine.request import Request
+from kvpager.engine.router.routing import ROLES
 from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
 from kvpager.schemas.scheduler import ExecutorReady
 from kvpager.services.settings import Settings
@@ -28,6 +29,7 @@ log = structlog.get_logger(__name__)
 GATHER_S = 0.25
 STOP_SETTLE_S = 0.5  # a signal to every instance at once reaches them all within this
 STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
+DECODE_ROLES = ("decode", "both")  # who takes a prefill instance's streams
 
 
 def movable(request: Request) -> bool:
@@ -39,8 +41,10 @@ def prefilled(request: Request) -> bool:
     return movable(request) and request.num_output_tokens >= 1
 
 
-async def other_instances(nc: NATS, prefix: str, instance: str) -> set[str]:
-    """The other instances under `prefix` that answer discovery now."""
+async def other_instances(
+    nc: NATS, prefix: str, instance: str, roles: tuple[str, ...] = ROLES
+) -> set[str]:
+    """The other instances under `prefix` (of one of `roles`) that answer discovery now."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     found: set[str] = set()
@@ -49,13 +53,13 @@ async def other_instances(nc: NATS, prefix: str, instance: str) -> set[str]:
         await asyncio.sleep(GATHER_S)
         while sub.pending_msgs:
             msg = await sub.next_msg(timeout=0.01)
-            found |= _instance_of(msg.data, prefix)
+            found |= _instance_of(msg.data, prefix, roles)
     finally:
         await sub.unsubscribe()
     return found - {instance, ""}
 
 
-def _instance_of(data: bytes, prefix: str) -> set[str]:
+def _instance_of(data: bytes, prefix: str, roles: tuple[str, ...] = ROLES) -> set[str]:
     try:
         stats = json.loads(data) if data else {}
     except ValueError:
@@ -66,6 +70,8 @@ def _instance_of(data: bytes, prefix: str) -> set[str]:
     load = stats["endpoints"][0].get("data") or {}
     if not isinstance(load, dict) or load.get("closing") or not load.get("model"):
         return set()  # shutting down too, or no executor: it would refuse the streams
+    if load.get("role", "both") not in roles:
+        return set()
     return {str(metadata.get("instance", ""))}
 
 
@@ -80,6 +86,7 @@ class KvMovesService:
     outbox: object
     _work: asyncio.Event
     _closing: bool
+    _decode_up: bool = False  # a prefill instance's: a decode instance answered lately
 
     def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
         """A handoff our executor can read (another instance's, a transfer id fit for a
@@ -158,11 +165,22 @@ class KvMovesService:
         core = self.core
         if self.settings.role != "prefill" or core is None or core.num_in_flight:
             return
+        if not self._decode_up:  # none to take them: they finish here
+            return
         if self.executor is None or not self.executor.kv_agent:
             return
         agent = self.executor.kv_agent
         if core.hand_off(self.settings.instance, agent, prefilled, PREFILLED):
             await core.publish()
+
+    async def _look_for_decode(self) -> None:
+        """A prefill instance hands streams on only while a decode instance (another, with an
+        executor, not closing) answers discovery; else they finish here."""
+        prefix, instance = self.settings.prefix, self.settings.instance
+        found = await other_instances(self.nc, prefix, instance, DECODE_ROLES)
+        if bool(found) != self._decode_up:
+            log.info("decode instances", found=sorted(found))
+        self._decode_up = bool(found)
 
     @property
     def _busy_stopping(self) -> bool:

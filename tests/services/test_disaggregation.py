@@ -32,9 +32,11 @@ def served(tiny_llama, tmp_path, request):
         "serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "256",
         "--no-http", "--prefill-replicas", "1", "--decode-replicas", "1",
         "--kv-transfer", request.param, log_dir=tmp_path,
+        env={"KVPAGER_LOG_LEVEL": "info"},  # to see the prefill find the decode instance
     )  # fmt: skip
     try:
         wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
+        _wait_for_log(tmp_path / "err.txt", "decode instances")  # the prefill found decode
         yield f"nats://127.0.0.1:{port}"
         fallback = "kv transfer over NATS" in (tmp_path / "err.txt").read_text()
         assert fallback == (request.param == "nats" or not nixl.available())
@@ -46,6 +48,13 @@ def served(tiny_llama, tmp_path, request):
             except Exception:
                 process.kill()
         process.wait()
+
+
+def _wait_for_log(path, text: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text():
+        assert time.monotonic() < deadline, f"no {text} in the log"
+        time.sleep(0.1)
 
 
 def _prompt(i: int) -> list[int]:
