@@ -99,6 +99,14 @@ class KvMovesService:
             return None
         return source
 
+    def _take_back(self, source: KvHandoff | None) -> None:
+        """A stream we handed on came back (no decode instance took it): it recomputes here,
+        from its blocks, which the prefix cache still has once freed."""
+        if source is None or source.instance != self.settings.instance or self.core is None:
+            return
+        if self.core.scheduler.take_back(source.transfer_id):
+            log.info("handed-on stream came back", transfer_id=source.transfer_id)
+
     def _on_kv(self, message: KvPulled | KvSent) -> None:
         """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
         if self.core is None:

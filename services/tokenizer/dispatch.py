@@ -108,6 +108,10 @@ class Dispatch:
                 await self.end(stream, typed_error(exc))
                 return
             except NoInstanceError as exc:
+                if phase == "decode":  # no decode instance took it: back to a prefill one
+                    phase = "prefill"  # (its own: it frees the blocks and finishes the stream)
+                    tried.discard(kv_source.instance)
+                    continue
                 await self.end(stream, fallback or typed_error(exc))
                 return
             self.instances.router.routed(stream.request_id, stream.instance, ids)

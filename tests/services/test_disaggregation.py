@@ -21,6 +21,7 @@ from kvpager.services.settings import ServeSettings, Settings
 
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import start, wait_for_line
+from tests.services.test_drain_migration import _drain_request
 
 NUM_STREAMS, NUM_TOKENS = 6, 24
 
@@ -144,3 +145,39 @@ def test_roles_are_checked_and_named():
     roles = instance_roles(ServeSettings(prefill_replicas=1, decode_replicas=2))
     assert roles == ["prefill", "decode", "decode"]
     assert instance_roles(ServeSettings(replicas=2)) == ["both", "both"]
+
+
+async def _prefill_stats(client: Client):
+    stats = await gather_stats(client.nc, "llm.stats", 1.0)
+    return next(s for s in stats if "-prefill-" in s.instance)
+
+
+async def _one(client: Client, i: int) -> tuple[list[int], bool]:
+    """A stream's tokens, and whether the prefill instance handed it on."""
+    before = (await _prefill_stats(client)).kv_handoffs
+    tokens = []
+    async for event in client.generate(prompt_token_ids=_prompt(i), max_tokens=6, ignore_eos=True):
+        assert event.error is None, event  # handed on as decode closed: it came back
+        tokens += event.token_ids
+    return tokens, (await _prefill_stats(client)).kv_handoffs > before
+
+
+@pytest.mark.parametrize("served", ["nats"], indirect=True)
+def test_with_the_decode_instance_drained_streams_finish_on_prefill(served):
+    async def run() -> None:
+        client = await Client.connect(served, "llm")
+        try:
+            assert (await _one(client, 0))[1]  # handed on while decode is up
+            assert (await _drain_request(served, "default-decode-0")).num_moved == 0
+            deadline = time.monotonic() + 15.0
+            while (await _one(client, 1))[1]:  # until the prefill's look sees it closing
+                assert time.monotonic() < deadline, "the prefill kept handing streams on"
+            for i in range(3):
+                tokens, handed_on = await _one(client, 2 + i)
+                assert len(tokens) == 6 and not handed_on
+            stats = await _wait_idle(client)
+            assert all(s.num_used_blocks == 0 for s in stats), stats
+        finally:
+            await client.close()
+
+    asyncio.run(run())
