@@ -88,3 +88,25 @@ def test_parallel_samples_finish_on_the_prefill_engine(tiny_llama):
     assert not any(d.kv_handoff for d in engine.deltas)
     assert len(engine.tokens("r")) == 2 * params.max_tokens
     assert_all_free(engine.llm)
+
+
+def test_a_stream_taken_back_frees_its_blocks_into_the_prefix_cache(tiny_llama):
+    """No decode instance took it: the prefill engine frees the held blocks (uncounted as a
+    read handoff) and the stream, admitted again there, finds its prompt cached."""
+    prompt = random_prompts([40], seed=3)[0]
+    engine = Engine(tiny_llama)
+    engine.add(_request(prompt, GREEDY))
+    engine.run_until(lambda: len(engine.tokens("r")) >= 1)
+    assert engine.core.hand_off("p", "prefill-agent", prefilled, PREFILLED) == 1
+    engine.llm.run_async(engine.core.publish())
+    handoff = next(d.kv_handoff for d in engine.deltas if d.kv_handoff is not None)
+    assert engine.core.scheduler.take_back(handoff.transfer_id)
+    assert not engine.core.scheduler.take_back(handoff.transfer_id)  # once
+    assert engine.core.stats("p").kv_handoffs == 0
+    assert_all_free(engine.llm)
+    ids, moved = continuation(prompt, engine.tokens("r"), GREEDY)
+    engine.deltas.clear()
+    engine.add(_request(ids, moved))
+    engine.run_until(lambda: engine.finished("r"))
+    assert engine.core.stats("p").prefix_cache_hit_tokens >= 32  # its full blocks
+    assert_all_free(engine.llm)
