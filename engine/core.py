@@ -30,6 +30,9 @@ from kvpager.schemas.tokenizer import SampleDelta
 Publish = Callable[[list[SampleDelta], int], Awaitable[None]]
 # a drained stream's final delta: "unavailable" moves it (services/tokenizer/dispatch.py)
 DRAINED = ErrorInfo("unavailable", "the instance drains: the stream moves with its KV blocks")
+# a prefill instance's hand-off (disaggregation): the tokenizer sends the stream on to a decode
+# instance; not a failure, so not a migration either
+PREFILLED = ErrorInfo("unavailable", "prompt computed: the stream goes on on a decode instance")
 
 
 class StepRunner(Protocol):
@@ -102,17 +105,25 @@ class EngineCore:
             self.deltas.add_finals(request_id, "abort", request=group[0])
         return bool(group)
 
-    def hand_off(self, instance: str, agent: str, movable: Callable[[Request], bool]) -> int:
-        """Drain: every running stream that `movable` lets go ends here with a final delta
-        carrying its KvHandoff (its tokenizer moves it on); its blocks stay held until the
-        next instance read them (Scheduler.release). No step may be in flight."""
+    def hand_off(
+        self,
+        instance: str,
+        agent: str,
+        movable: Callable[[Request], bool],
+        why: ErrorInfo = DRAINED,
+    ) -> int:
+        """Drain (or a prefill instance's hand-off: `why` PREFILLED): every running stream
+        that `movable` lets go ends here with a final delta carrying its KvHandoff (its
+        tokenizer moves it on); its blocks stay held until the next instance read them
+        (Scheduler.release). No step may be in flight."""
         assert not self.num_in_flight, "hand_off with steps in flight"
         scheduler, num_moved = self.scheduler, 0
         for request in list(scheduler.running):
             if not (movable(request) and scheduler.can_hand_off(request)):
                 continue
             handoff = scheduler.hold(request, instance, agent)
-            self.deltas.add_finals(request.request_id, "error", error=DRAINED, kv_handoff=handoff)
+            handoff.prefilled = why is PREFILLED
+            self.deltas.add_finals(request.request_id, "error", error=why, kv_handoff=handoff)
             num_moved += 1
         return num_moved
 

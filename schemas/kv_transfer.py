@@ -86,6 +86,9 @@ class KvHandoff(msgspec.Struct, array_like=True):
     agent: str  # its executor's KvAgent name
     block_tables: list[list[int]]
     num_computed_tokens: int
+    # a prefill instance's hand-off (disaggregation), not a drain: the stream goes on on a
+    # decode instance, and the one it leaves stays up (no migration is counted)
+    prefilled: bool = False
 
 
 class KvPull(msgspec.Struct, array_like=True):

@@ -92,6 +92,7 @@ class InstanceLoad(msgspec.Struct, kw_only=True):
     # free block, so they count as in use for the router's cost
     num_pinned_free_blocks: int = 0
     closing: bool = False  # refusing new requests (shutting down or drained)
+    role: str = "both"  # prefill | decode | both (disaggregation: engine/router/routing.py)
 
     @property
     def num_used_blocks(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from kvpager.engine.router.routing import ROUTERS, RouterConfig
+from kvpager.engine.router.routing import ROLES, ROUTERS, RouterConfig
 from kvpager.schemas.errors import ConfigError
 from kvpager.services import options
 from kvpager.services.caps import RequestCaps
@@ -125,6 +125,11 @@ class Settings(RequestCaps):
         "NATS) | nixl | nats",
         default="auto",
     )
+    role: str = option(
+        "what this instance does under disaggregation: prefill (computes prompts and first "
+        "tokens, then hands each stream with its KV blocks to a decode instance) | decode | both",
+        default="both",
+    )
     log_level: str = option("debug | info | warning | error", default="info")
     log_json: bool | None = option("JSON log lines (default: when not a tty)", default=None)
     nats_token: str | None = option("NATS authentication token", default=None, secret=True)
@@ -205,6 +210,8 @@ class Settings(RequestCaps):
             raise ConfigError("migration_limit: must be at least 0")
         if self.kv_transfer not in ("auto", "nixl", "nats"):
             raise ConfigError(f"kv_transfer: {self.kv_transfer!r} is not auto, nixl or nats")
+        if self.role not in ROLES:
+            raise ConfigError(f"role: {self.role!r} is not prefill, decode or both")
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization: {utilization} is not in (0, 1]")
@@ -300,6 +307,11 @@ class ServeSettings:
     )
     ready_timeout: float = option("seconds to wait for the services to answer", default=600.0)
     replicas: int = option("scheduler-and-executor instances to start", default=1)
+    prefill_replicas: int = option(
+        "disaggregation: prefill instances to start (with --decode-replicas; replaces --replicas)",
+        default=0,
+    )
+    decode_replicas: int = option("disaggregation: decode instances to start", default=0)
 
     def __post_init__(self) -> None:
         if not 0 < self.nats_port < 65536:
@@ -310,6 +322,10 @@ class ServeSettings:
             raise ConfigError("ready_timeout: must be positive")
         if self.replicas < 1:
             raise ConfigError("replicas: must be at least 1")
+        if min(self.prefill_replicas, self.decode_replicas) < 0:
+            raise ConfigError("prefill_replicas, decode_replicas: must be at least 0")
+        if bool(self.prefill_replicas) != bool(self.decode_replicas):
+            raise ConfigError("prefill_replicas and decode_replicas: give both, or neither")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeSettings":

@@ -17,6 +17,12 @@ kv (Dynamo's cost): overlap_weight x blocks to prefill + decode blocks, the lowe
   every other free block, so memory a request cannot count on) less those it would read.
 least-loaded: fewest requests running and waiting, then fewest decode blocks.
 round-robin: every instance in turn.
+
+Disaggregation (docs/user/disaggregation.md): instances have roles. A new request goes to a
+prefill instance (role "prefill" or "both"), by the router's mode; a stream a prefill instance
+handed on goes to a decode instance (role "decode" or "both") with the fewest requests, then
+decode blocks: its prompt's blocks arrive with it, so prefix overlap saves nothing there.
+With no instance of the role up, any instance serves (it computes what it must).
 """
 
 import itertools
@@ -29,6 +35,7 @@ from kvpager.schemas.errors import ConfigError, ModelNotFoundError, NoInstanceEr
 from kvpager.schemas.tokenizer import InstanceLoad, KvEvents
 
 ROUTERS = ("kv", "least-loaded", "round-robin")
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -121,10 +128,17 @@ class Router:
     # --- choosing --------------------------------------------------------------------------
 
     def pick(
-        self, token_ids: list[int], model: str | None = None, exclude: frozenset[str] = frozenset()
+        self,
+        token_ids: list[int],
+        model: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+        phase: str = "prefill",
     ) -> str:
-        """The instance for a request; raises NoInstanceError or ModelNotFoundError."""
-        candidates = self._candidates(model, exclude)
+        """The instance for a request (`phase` "decode": a stream handed on with its blocks);
+        raises NoInstanceError or ModelNotFoundError."""
+        candidates = self._for_phase(self._candidates(model, exclude), phase)
+        if phase == "decode":
+            return min(candidates, key=lambda i: (i.num_requests, i.decode_blocks, i.name)).name
         if self.config.mode == "round-robin":
             self._turn += 1
             return candidates[self._turn % len(candidates)].name
@@ -149,6 +163,12 @@ class Router:
         if not candidates:
             raise NoInstanceError("no instance is up to take the request; retry soon")
         return candidates
+
+    @staticmethod
+    def _for_phase(candidates: list[Instance], phase: str) -> list[Instance]:
+        """The candidates whose role does `phase`; all of them when none does."""
+        fit = [i for i in candidates if i.load.role in (phase, "both")]
+        return fit or candidates
 
     def costs(self, instances: list[Instance], token_ids: list[int]) -> dict[str, float]:
         """Dynamo's cost of running the request on each instance."""

@@ -131,6 +131,14 @@ class KvMoves:
         self.kv_stats.num_held += 1
         return True
 
+    def take_back(self, transfer_id: str) -> bool:
+        """No peer will read the blocks (disaggregation: no decode instance took the stream,
+        which came back here): free them, uncounted. False for an unknown id."""
+        held = self.held.pop(transfer_id, None)
+        if held is not None:
+            self.block_manager.free(held[0])
+        return held is not None
+
     def expire_holds(self, now: float) -> list[str]:
         """Free the blocks of handoffs no peer read in time."""
         expired = [tid for tid, (_, deadline) in self.held.items() if deadline <= now]

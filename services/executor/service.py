@@ -298,9 +298,13 @@ class ExecutorService:
             reply = await ping(self.nc, self.subjects.scheduler_info, 0.5)
         except PeerGone:
             return False
-        if reply is None:
+        if reply is None or not reply.data:  # empty: NATS's "no responders", the scheduler gone
             return False
-        return msgspec.msgpack.decode(reply.data, type=SchedulerInfo).num_kv_held > 0
+        try:
+            return msgspec.msgpack.decode(reply.data, type=SchedulerInfo).num_kv_held > 0
+        except msgspec.DecodeError:
+            log.warning("bad scheduler info ignored at stop")
+            return False
 
     async def _exit_lost(self, reason: str) -> None:
         """A tensor-parallel rank is gone: no step can run again. Exit now (the ranks started

@@ -12,9 +12,10 @@ import json
 import time
 
 import structlog
-from kvpager.engine.core import EngineCore
+from kvpager.engine.core import PREFILLED, EngineCore
 from kvpager.engine.frontend.migration import can_move
 from kvpager.engine.request import Request
+from kvpager.engine.router.routing import ROLES
 from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
 from kvpager.schemas.scheduler import ExecutorReady
 from kvpager.services.settings import Settings
@@ -28,14 +29,22 @@ log = structlog.get_logger(__name__)
 GATHER_S = 0.25
 STOP_SETTLE_S = 0.5  # a signal to every instance at once reaches them all within this
 STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
+DECODE_ROLES = ("decode", "both")  # who takes a prefill instance's streams
 
 
 def movable(request: Request) -> bool:
     return can_move(request.sampling_params)
 
 
-async def other_instances(nc: NATS, prefix: str, instance: str) -> set[str]:
-    """The other instances under `prefix` that answer discovery now."""
+def prefilled(request: Request) -> bool:
+    """Its prompt is computed and its first token out: a decode instance takes it on."""
+    return movable(request) and request.num_output_tokens >= 1
+
+
+async def other_instances(
+    nc: NATS, prefix: str, instance: str, roles: tuple[str, ...] = ROLES
+) -> set[str]:
+    """The other instances under `prefix` (of one of `roles`) that answer discovery now."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     found: set[str] = set()
@@ -44,13 +53,13 @@ async def other_instances(nc: NATS, prefix: str, instance: str) -> set[str]:
         await asyncio.sleep(GATHER_S)
         while sub.pending_msgs:
             msg = await sub.next_msg(timeout=0.01)
-            found |= _instance_of(msg.data, prefix)
+            found |= _instance_of(msg.data, prefix, roles)
     finally:
         await sub.unsubscribe()
     return found - {instance, ""}
 
 
-def _instance_of(data: bytes, prefix: str) -> set[str]:
+def _instance_of(data: bytes, prefix: str, roles: tuple[str, ...] = ROLES) -> set[str]:
     try:
         stats = json.loads(data) if data else {}
     except ValueError:
@@ -61,6 +70,8 @@ def _instance_of(data: bytes, prefix: str) -> set[str]:
     load = stats["endpoints"][0].get("data") or {}
     if not isinstance(load, dict) or load.get("closing") or not load.get("model"):
         return set()  # shutting down too, or no executor: it would refuse the streams
+    if load.get("role", "both") not in roles:
+        return set()
     return {str(metadata.get("instance", ""))}
 
 
@@ -75,6 +86,7 @@ class KvMovesService:
     outbox: object
     _work: asyncio.Event
     _closing: bool
+    _decode_up: bool = False  # a prefill instance's: a decode instance answered lately
 
     def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
         """A handoff our executor can read (another instance's, a transfer id fit for a
@@ -86,6 +98,14 @@ class KvMovesService:
         ):
             return None
         return source
+
+    def _take_back(self, source: KvHandoff | None) -> None:
+        """A stream we handed on came back (no decode instance took it): it recomputes here,
+        from its blocks, which the prefix cache still has once freed."""
+        if source is None or source.instance != self.settings.instance or self.core is None:
+            return
+        if self.core.scheduler.take_back(source.transfer_id):
+            log.info("handed-on stream came back", transfer_id=source.transfer_id)
 
     def _on_kv(self, message: KvPulled | KvSent) -> None:
         """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
@@ -145,6 +165,30 @@ class KvMovesService:
         prefix, instance = self.settings.prefix, self.settings.instance
         if await other_instances(self.nc, prefix, instance):
             await self._drain("shutting down")
+
+    async def _hand_on_prefilled(self) -> None:
+        """A prefill instance (--role prefill): every stream whose prompt and first token are
+        computed goes on to a decode instance with its blocks (disaggregation); streams that
+        cannot move (parallel samples, beams, penalties) finish here."""
+        core = self.core
+        if self.settings.role != "prefill" or core is None or core.num_in_flight:
+            return
+        if not self._decode_up:  # none to take them: they finish here
+            return
+        if self.executor is None or not self.executor.kv_agent:
+            return
+        agent = self.executor.kv_agent
+        if core.hand_off(self.settings.instance, agent, prefilled, PREFILLED):
+            await core.publish()
+
+    async def _look_for_decode(self) -> None:
+        """A prefill instance hands streams on only while a decode instance (another, with an
+        executor, not closing) answers discovery; else they finish here."""
+        prefix, instance = self.settings.prefix, self.settings.instance
+        found = await other_instances(self.nc, prefix, instance, DECODE_ROLES)
+        if bool(found) != self._decode_up:
+            log.info("decode instances", found=sorted(found))
+        self._decode_up = bool(found)
 
     @property
     def _busy_stopping(self) -> bool:

@@ -14,9 +14,11 @@ from kvpager.services.wire import pack, pack_within, payload_budget
 from nats.aio.client import Client as NATS
 
 
-def instance_load(core: EngineCore | None, ready: ExecutorReady | None) -> InstanceLoad:
+def instance_load(
+    core: EngineCore | None, ready: ExecutorReady | None, role: str = "both"
+) -> InstanceLoad:
     if core is None or ready is None:
-        return InstanceLoad()
+        return InstanceLoad(role=role)
     scheduler = core.scheduler
     return InstanceLoad(
         model=ready.model,
@@ -26,12 +28,16 @@ def instance_load(core: EngineCore | None, ready: ExecutorReady | None) -> Insta
         num_blocks=scheduler.block_manager.num_blocks,
         block_size=scheduler.block_manager.block_size,
         num_pinned_free_blocks=len(scheduler.block_manager.pool.pinned_free),
+        role=role,
     )
 
 
 class KvEventPublisher:
-    def __init__(self, nc: NATS, subject: str, instance: str, scheduler_id: str) -> None:
+    def __init__(
+        self, nc: NATS, subject: str, instance: str, scheduler_id: str, role: str = "both"
+    ) -> None:
         self.nc = nc
+        self.role = role
         self.subject = subject
         self.instance = instance
         self.scheduler_id = scheduler_id
@@ -48,7 +54,7 @@ class KvEventPublisher:
         """What changed since the last publish, if anything did."""
         if core is not None:
             self._pending += core.scheduler.block_manager.take_kv_events()
-        load = instance_load(core, ready)
+        load = instance_load(core, ready, self.role)
         if not self._pending and load == self._last_load:
             return
         runs = pack_within(self._pending, payload_budget(self.nc) - len(pack(load))) or [[]]

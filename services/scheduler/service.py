@@ -64,7 +64,7 @@ class SchedulerService(KvMovesService):
         self.executor: ExecutorReady | None = None
         self.outbox = Outbox(nc)
         self.kv_events = KvEventPublisher(
-            nc, self.subjects.kv_events, settings.instance, self.scheduler_id
+            nc, self.subjects.kv_events, settings.instance, self.scheduler_id, settings.role
         )
         # a dead tokenizer's orphaned pieces go after a while
         self._pieces = Pieces(
@@ -104,6 +104,10 @@ class SchedulerService(KvMovesService):
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         self._expire_task = repeat(HOLD_CHECK_S, self._expire_holds)
+        self._decode_task = None
+        if self.settings.role == "prefill":
+            interval = self.settings.heartbeat_interval
+            self._decode_task = repeat(interval, self._look_for_decode)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
 
     # --- the executor attaches ---------------------------------------------------------
@@ -145,7 +149,7 @@ class SchedulerService(KvMovesService):
             build_scheduler(self.config, ready),
             self.link,
             self._publish,
-            self.config.plan_ahead,
+            0 if self.settings.role == "prefill" else self.config.plan_ahead,  # hand on at once
             check_invariants=self.settings.check_invariants,
             plan_ahead_with_room=False,  # served: a new arrival joins the next step
         )
@@ -154,7 +158,7 @@ class SchedulerService(KvMovesService):
 
     def _load(self) -> dict:
         """The instance's load, for discovery ($SRV.STATS endpoint data)."""
-        load = instance_load(self.core, self.executor)
+        load = instance_load(self.core, self.executor, self.settings.role)
         return msgspec.to_builtins(msgspec.structs.replace(load, closing=self._closing))
 
     def _lose_executor(self, error: ErrorInfo) -> None:
@@ -207,6 +211,7 @@ class SchedulerService(KvMovesService):
             log.info("request refused", request_id=add.request_id, error=exc.type)
             return ErrorInfo(exc.type, str(exc), getattr(exc, "param", None))
         self.outbox.routes[add.request_id] = add.reply_to
+        self._take_back(add.kv_source)
         log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
         self._work.set()
         return None
@@ -273,6 +278,7 @@ class SchedulerService(KvMovesService):
             if self.executor is None or not await core.run_step():
                 await self._wait_for_work(core)
                 continue
+            await self._hand_on_prefilled()
             if core.is_spinning:
                 await self._idle_briefly()  # nothing could be scheduled: do not spin
 
@@ -327,6 +333,8 @@ class SchedulerService(KvMovesService):
         if self._watch_task is not None:
             self._watch_task.cancel()
             self._expire_task.cancel()
+            if self._decode_task is not None:
+                self._decode_task.cancel()
         self.link.cancel()  # do not wait for a step the executor may never answer
         self._work.set()
         if self._loop_task is not None:

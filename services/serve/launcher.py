@@ -155,7 +155,7 @@ async def _serve(
             settings, gateway = _start_server(server, settings, options)
         client = Client(await open_connection(settings, "kvpager-serve"), settings.prefix)
         _say(*starting_lines(settings, server.process.pid if server else None))
-        children = _start_services(settings, http, options.replicas, gateway)
+        children = _start_services(settings, http, instance_roles(options), gateway)
         ready = await _wait_ready(client, children, signals, options.ready_timeout)
         if ready and await _wait_listening(http, children, signals, options.ready_timeout):
             stats, max_model_len = await client.stats(), await _max_model_len(client)
@@ -196,39 +196,61 @@ def _warn_insecure(url: str) -> None:
     )
 
 
+def instance_roles(options: ServeSettings) -> list[str]:
+    """Each instance's role: --prefill-replicas prefill and --decode-replicas decode ones
+    (disaggregation), else --replicas that do both."""
+    if options.prefill_replicas:
+        return ["prefill"] * options.prefill_replicas + ["decode"] * options.decode_replicas
+    return ["both"] * options.replicas
+
+
 def _start_services(
-    settings: Settings, http: HttpSettings, replicas: int = 1, gateway: Settings | None = None
+    settings: Settings,
+    http: HttpSettings,
+    roles: list[str] | None = None,
+    gateway: Settings | None = None,
 ) -> dict[str, Child]:
-    """The services; with `replicas` > 1, that many executor + scheduler instances, named
-    `<instance>-0`, `<instance>-1`... (children `executor-<name>`, `scheduler-<name>`).
+    """The services; with several instances (`roles`, default one that does both), each
+    named `<instance>-0`, `<instance>-1`... or, with roles, `<instance>-prefill-0`,
+    `<instance>-decode-0`... (children `executor-<name>`, `scheduler-<name>`).
     The HTTP children connect with `gateway`'s settings (default: `settings`)."""
-    spawns = _spawns(settings, http, replicas, gateway or settings)
+    spawns = _spawns(settings, http, roles or ["both"], gateway or settings)
     return {name: Child(name, spawn, spawn()) for name, spawn in spawns.items()}
 
 
 def _spawns(
-    settings: Settings, http: HttpSettings, replicas: int, gateway: Settings
+    settings: Settings, http: HttpSettings, roles: list[str], gateway: Settings
 ) -> dict[str, Spawn]:
     """How to start (and restart) each child."""
     env = {**os.environ, **environment(settings), **environment(http)}
     gateway_env = {**os.environ, **environment(gateway), **environment(http)}
     spawns = {}
-    for child, command, instance in _commands(settings, http, replicas):
+    for child, command, instance, role in _commands(settings, http, roles):
         child_env = gateway_env if command in HTTP_COMMANDS else env
         if instance is not None:
-            child_env = {**child_env, "KVPAGER_INSTANCE": instance}
+            child_env = {**child_env, "KVPAGER_INSTANCE": instance, "KVPAGER_ROLE": role}
         argv = processes.python_module("kvpager.services.cli", command)  # never the caller's folder
         spawns[child] = functools.partial(processes.spawn, argv, env=child_env)
     return spawns
 
 
-def _commands(settings: Settings, http: HttpSettings, replicas: int):
-    """(child name, kvpager command, instance or None) for every child, slowest first."""
-    if replicas == 1:
-        return [(name, name, None) for name in (*SERVICE_NAMES, *_http_ports(http))]
-    instances = [f"{settings.instance}-{i}" for i in range(replicas)]
-    pairs = [(f"{kind}-{i}", kind, i) for i in instances for kind in ("executor", "scheduler")]
-    return [*pairs, *((name, name, None) for name in ("tokenizer", *_http_ports(http)))]
+def _commands(settings: Settings, http: HttpSettings, roles: list[str]):
+    """(child name, kvpager command, instance or None, role) for every child, slowest first."""
+    if roles == ["both"]:
+        return [(name, name, None, "both") for name in (*SERVICE_NAMES, *_http_ports(http))]
+    counts: dict[str, int] = {}
+    instances = []
+    for role in roles:
+        number = counts[role] = counts.get(role, -1) + 1
+        infix = "" if role == "both" else f"{role}-"
+        instances.append((f"{settings.instance}-{infix}{number}", role))
+    pairs = [
+        (f"{kind}-{name}", kind, name, role)
+        for name, role in instances
+        for kind in ("executor", "scheduler")
+    ]
+    others = ("tokenizer", *_http_ports(http))
+    return [*pairs, *((name, name, None, "both") for name in others)]
 
 
 async def _wait_listening(http: HttpSettings, children, signals: _Signals, timeout_s: float):

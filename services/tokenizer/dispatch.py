@@ -77,9 +77,10 @@ class Dispatch:
         params,
         fallback: ErrorInfo | None = None,
         kv_source: KvHandoff | None = None,
+        phase: str = "prefill",
     ) -> None:
         try:
-            await self._add(stream, ids, params, fallback, kv_source)
+            await self._add(stream, ids, params, fallback, kv_source, phase)
         except Exception as exc:  # a bug, or no connection: end the stream, do not leave it
             log.exception("request submission failed", request_id=stream.request_id)
             error = ErrorInfo("internal_error", f"the request could not be queued: {exc!r}")
@@ -92,17 +93,25 @@ class Dispatch:
         params,
         fallback: ErrorInfo | None = None,
         kv_source: KvHandoff | None = None,
+        phase: str = "prefill",
     ) -> None:
         """Route the request, then send it; an instance gone meanwhile makes it route again.
-        With no instance left, the stream ends with `fallback` (why it moved), if given."""
+        With no instance left, the stream ends with `fallback` (why it moved), if given.
+        `phase` "decode": a stream a prefill instance handed on (never back to it)."""
         tried = set(stream.failed_instances)
+        if phase == "decode" and kv_source is not None:
+            tried.add(kv_source.instance)
         while True:
             try:
-                stream.instance = await self._pick(ids, stream.model, frozenset(tried))
+                stream.instance = await self._pick(ids, stream.model, frozenset(tried), phase)
             except ModelNotFoundError as exc:
                 await self.end(stream, typed_error(exc))
                 return
             except NoInstanceError as exc:
+                if phase == "decode":  # no decode instance took it: back to a prefill one
+                    phase = "prefill"  # (its own: it frees the blocks and finishes the stream)
+                    tried.discard(kv_source.instance)
+                    continue
                 await self.end(stream, fallback or typed_error(exc))
                 return
             self.instances.router.routed(stream.request_id, stream.instance, ids)
@@ -113,15 +122,17 @@ class Dispatch:
             tried.add(stream.instance)
         await self._added(stream, result, len(ids), params.max_tokens)
 
-    async def _pick(self, token_ids: list[int], model: str | None, exclude: frozenset) -> str:
+    async def _pick(
+        self, token_ids: list[int], model: str | None, exclude: frozenset, phase: str = "prefill"
+    ) -> str:
         router = self.instances.router
         try:
-            return router.pick(token_ids, model, exclude)
+            return router.pick(token_ids, model, exclude, phase)
         except NoInstanceError:  # just started, or every instance moved: look again
             await self.instances.discover()
         if not router.instances and self.settings.instance not in exclude:
             return self.settings.instance  # discovery found nothing: our own --instance
-        return router.pick(token_ids, model, exclude)
+        return router.pick(token_ids, model, exclude, phase)
 
     async def _send_add(
         self, stream: Stream, ids: list[int], params, kv_source: KvHandoff | None = None
@@ -213,6 +224,20 @@ class Dispatch:
         self.instances.router.drop(stream.instance)
         stream.moving_from(stream.instance)
         self.spawn(self.route(stream, *moved, fallback=error, kv_source=kv_handoff))
+
+    async def hand_on(self, stream: Stream, handoff: KvHandoff) -> None:
+        """Disaggregation: the prefill instance computed the prompt and the first token and
+        holds the blocks; the stream goes on on a decode instance, which reads them. Not a
+        failure: no migration is counted and the prefill instance stays routable."""
+        if self.streams.get(stream.request_id) is not stream or not stream.submitted:
+            return
+        moved = stream.continuation()
+        if moved is None:  # nothing left to generate: the prefill instance would have ended it
+            await self.lose(stream, ErrorInfo("internal_error", "a handed-on stream had no rest"))
+            return
+        log.debug("stream to decode", request_id=stream.request_id, prefill=stream.instance)
+        stream.handed_on()
+        self.spawn(self.route(stream, *moved, kv_source=handoff, phase="decode"))
 
     def requests_subject(self, stream: Stream) -> str:
         return self.subjects.for_instance(stream.instance).scheduler_requests

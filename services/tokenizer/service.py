@@ -205,6 +205,12 @@ class TokenizerService:
                 await self._lose(stream, ErrorInfo("internal_error", f"the stream failed: {exc!r}"))
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
+        if delta.kv_handoff is not None and delta.kv_handoff.prefilled:  # disaggregation
+            if not stream.aborting:
+                await self.dispatch.hand_on(stream, delta.kv_handoff)
+                return
+            # aborted meanwhile: it ends here (its held blocks go free when the hold expires)
+            delta = msgspec.structs.replace(delta, finish_reason="abort", error=None)
         if delta.error is not None and movable(delta.error):
             # the instance failed or drains, not the request; a drain hands on its blocks
             await self.dispatch.move(stream, delta.error, delta.kv_handoff)

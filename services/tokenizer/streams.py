@@ -64,6 +64,7 @@ class Stream:
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.generated: list[int] = []
         self.num_migrations = 0
+        self.num_handoffs = 0  # prefill -> decode (disaggregation): its prompt holds outputs too
         self.failed_instances: set[str] = set()
         self.aborting = False
         # what an llm.abort must carry; one made here goes to the client in the first event
@@ -120,7 +121,7 @@ class Stream:
         output = sample.output
         sample.finish_reason = output.finish_reason
         cached = output.num_cached_tokens
-        if self.num_migrations:  # the moved request's prompt held outputs too: not the client's
+        if self.num_migrations or self.num_handoffs:  # its prompt held outputs: not the client's
             cached = min(cached, self.num_prompt_tokens)
         if cached >= self.num_cached_tokens:
             self.cached_tokens_by_tier = dict(output.cached_tokens_by_tier)
@@ -207,6 +208,11 @@ class Stream:
         """Its instance failed: deltas from there are late from now on."""
         self.failed_instances.add(instance)
         self.num_migrations += 1
+        self.instance, self.submitted, self.scheduler_id = "", False, ""
+
+    def handed_on(self) -> None:
+        """A prefill instance handed it on: it goes on elsewhere (no failure)."""
+        self.num_handoffs += 1
         self.instance, self.submitted, self.scheduler_id = "", False, ""
 
     def usage(self) -> Usage:

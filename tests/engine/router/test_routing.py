@@ -2,6 +2,7 @@
 
 import time
 
+import msgspec
 import pytest
 from kvpager.engine.kv.block_hash import prompt_block_hashes
 from kvpager.engine.router.routing import Router, RouterConfig
@@ -147,3 +148,19 @@ def test_pinned_blocks_count_in_the_cost_except_the_requests_own():
     assert costs == {"a": w * 0 + 2 + 4, "b": w * 3 + 4}
     r.apply(KvEvents("a", "s", 1, [BlockRemoved(pinned[0].block_hash)], held))
     assert r.index.num_pinned("a", prompt_block_hashes(PROMPT, BLOCK), time.time()) == 2
+
+
+def test_roles_new_requests_go_to_prefill_and_handed_on_streams_to_the_least_loaded_decode():
+    r = Router(RouterConfig(mode="kv", predict_s=0.0))
+    prefill = InstanceLoad(model="m", num_blocks=100, num_free_blocks=100, block_size=BLOCK)
+    r.observe("p", msgspec.structs.replace(prefill, role="prefill"))
+    r.observe("d0", msgspec.structs.replace(LOAD, role="decode", num_running=3))
+    r.observe("d1", msgspec.structs.replace(LOAD, role="decode", num_running=1))
+    r.apply(KvEvents("d1", "s1", 0, stored(PROMPT), msgspec.structs.replace(LOAD, role="decode")))
+    assert r.pick(PROMPT) == "p"  # d1 caches the prompt, but computes no prompt
+    assert r.pick(PROMPT, phase="decode") == "d1"  # fewest requests
+    r.observe("d1", msgspec.structs.replace(LOAD, role="decode", num_running=5))
+    assert r.pick(PROMPT, phase="decode") == "d0"
+    assert r.pick(PROMPT, phase="decode", exclude=frozenset({"d0", "d1"})) == "p"  # none left
+    both = router("kv", "a")
+    assert both.pick(PROMPT) == both.pick(PROMPT, phase="decode") == "a"  # no roles: as before
