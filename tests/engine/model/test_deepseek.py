@@ -1,0 +1,105 @@
+"""DeepSeek V3 greedy-equal to transformers' `generate` in fp32, token for token
+(tests/model_families.py: build_deepseek_v3): multi-head latent attention over latent pages
+(one latent and one rotary key per token, nothing per head), grouped sigmoid MoE with a
+shared expert; a second config with one q_proj, rotate-half RoPE, YaRN with mscale_all_dim,
+no renormalisation, two shared experts. Roomy, under preemption, in small prefill chunks;
+the absorbed decode against the up-projected reference; every run ends all free."""
+
+import pytest
+import torch
+from kvpager.engine import SamplingParams
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.reference import mla_decode_ref, mla_prefill_ref
+from kvpager.schemas.errors import ConfigError
+
+from tests.engine.helpers import assert_all_free, make_llm, random_prompts
+from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
+from tests.model_families import build_deepseek_v3
+
+
+def greedy(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    path = build_deepseek_v3(tmp_path_factory.mktemp("deepseek-v3"))
+    prompts = make_prompts()
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def deepseek_variant(tmp_path_factory):
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "original_max_position_embeddings": 64}  # fmt: skip
+    path = build_deepseek_v3(
+        tmp_path_factory.mktemp("deepseek-v3-variant"), seed=13, q_lora_rank=None,
+        rope_interleave=False, rope_parameters=rope, norm_topk_prob=False, n_group=2,
+        topk_group=1, n_shared_experts=2, first_k_dense_replace=0, num_experts_per_tok=3,
+    )  # fmt: skip
+    prompts = random_prompts([3, 17, 30, 45], seed=4)
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_config_reads_latent_attention(deepseek):
+    config = ModelConfig.from_path(deepseek[0])
+    assert config.mla and config.num_kv_heads == 1 and config.head_dim == 8
+    assert config.cache_head_dim == (24 + 8) // 2
+    assert config.sparse_layers == (False, True, True) and config.expert_groups == (4, 2)
+    assert config.kv_bytes_per_token("float32") == 3 * (24 + 8) * 4  # one row a layer
+    with pytest.raises(ConfigError, match="deepseek_v3 is served on one rank"):
+        config.check_tensor_parallel(2)
+
+
+def test_greedy_matches_transformers(deepseek):
+    path, prompts, expected = deepseek
+    with make_llm(path) as llm:
+        assert greedy(llm, prompts) == expected
+        assert_all_free(llm)
+
+
+def test_preemption_and_small_chunks_stay_exact(deepseek):
+    path, prompts, expected = deepseek
+    with make_llm(
+        path, num_blocks=16, max_num_batched_tokens=5, enable_prefix_caching=False
+    ) as llm:
+        assert greedy(llm, prompts) == expected
+        assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
+
+
+def test_a_second_config_matches_transformers(deepseek_variant):
+    path, prompts, expected = deepseek_variant
+    config = ModelConfig.from_path(path)
+    assert config.q_lora_rank == 0 and not config.rope_interleaved and all(config.sparse_layers)
+    with make_llm(path, attention_backend="cpu") as llm:
+        assert greedy(llm, prompts) == expected
+        assert_all_free(llm)
+    with make_llm(path, num_blocks=14, max_num_batched_tokens=7) as llm:
+        assert greedy(llm, prompts) == expected
+        assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
+
+
+def test_absorbed_decode_equals_the_up_projected_reference():
+    """Every query of a 37-token context (one at a time, as decode, and all together as a
+    chunk) attends the same through the absorbed W_UK / W_UV as through per-head K / V."""
+    gen = torch.Generator().manual_seed(0)
+    heads, nope, rope, latent_rank, v_dim, num_keys = 4, 16, 8, 24, 16, 37
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q_nope, q_pe = rand(num_keys, heads, nope), rand(num_keys, heads, rope)
+    latent, k_pe = rand(num_keys, latent_rank), rand(num_keys, rope)
+    w_uk, w_uv = rand(heads, nope, latent_rank), rand(heads, v_dim, latent_rank)
+    args = (w_uk, w_uv, 0.2)
+    whole = mla_prefill_ref(q_nope, q_pe, latent, k_pe, *args)
+    for t in (0, 1, 20, num_keys - 1):
+        one = slice(t, t + 1)
+        keys = slice(0, t + 1)
+        absorbed = mla_decode_ref(q_nope[one], q_pe[one], latent[keys], k_pe[keys], *args)
+        up = mla_prefill_ref(q_nope[one], q_pe[one], latent[keys], k_pe[keys], *args)
+        torch.testing.assert_close(absorbed, up, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(absorbed, whole[one], rtol=1e-5, atol=1e-5)
