@@ -5,10 +5,16 @@ shared expert; a second config with one q_proj, rotate-half RoPE, YaRN with msca
 no renormalisation, two shared experts. Roomy, under preemption, in small prefill chunks;
 the absorbed decode against the up-projected reference; every run ends all free."""
 
+import json
+
 import pytest
 import torch
 from kvpager.engine import SamplingParams
+from kvpager.engine.kv.kv_size import weight_bytes_per_rank
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
 from kvpager.kernels.reference import mla_decode_ref, mla_prefill_ref
 from kvpager.schemas.errors import ConfigError
 
@@ -103,3 +109,48 @@ def test_absorbed_decode_equals_the_up_projected_reference():
         up = mla_prefill_ref(q_nope[one], q_pe[one], latent[keys], k_pe[keys], *args)
         torch.testing.assert_close(absorbed, up, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(absorbed, whole[one], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["deepseek", "deepseek_variant"])
+def test_weights_are_what_kv_size_counts(fixture, request):
+    path = request.getfixturevalue(fixture)[0]
+    config = ModelConfig.from_path(path)
+    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
+    read = load_weights(decoder, path)
+    held = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    assert read == held == weight_bytes_per_rank(config, torch.float32)
+
+
+# DeepSeek-V3's config.json (671B), its architecture fields
+V3_SHAPE = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+                intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+                q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+                norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000,
+                rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                              "type": "yarn"},
+                torch_dtype="bfloat16")  # fmt: skip
+
+
+def test_latent_pages_are_what_kv_size_counts(tmp_path, capsys):
+    """A DeepSeek-V3-shaped config holds 61 layers x (512 + 64) bf16 per token: 70,272
+    bytes, against 4,997,120 for its per-head K (192) and V (128) of 128 heads (71x) and
+    249,856 for a GQA cache of 8 KV heads of 128 (3.6x). Its softmax scale is transformers'
+    (YaRN's mscale_all_dim folded in)."""
+    from kvpager.services.cli import main
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    config = ModelConfig.from_dict(V3_SHAPE)
+    assert config.kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2 == 70_272
+    per_head = {**V3_SHAPE, "model_type": "llama", "head_dim": (192 + 128) // 2}
+    assert ModelConfig.from_dict(per_head).kv_bytes_per_token("bf16") == 4_997_120
+    gqa = {**V3_SHAPE, "model_type": "llama", "head_dim": 128, "num_key_value_heads": 8}
+    assert ModelConfig.from_dict(gqa).kv_bytes_per_token("bf16") == 249_856
+    want = yarn_apply_mscale({**V3_SHAPE["rope_scaling"], "rope_type": "yarn"}, 192**-0.5)
+    assert config.attention_scale == pytest.approx(want, rel=1e-12)
+    (tmp_path / "config.json").write_text(json.dumps(V3_SHAPE))
+    assert main(["kv-size", str(tmp_path), "--tokens", "65536", "--dtype", "bf16"]) == 0
+    assert "KV bytes per token:        70,272 (bfloat16)" in capsys.readouterr().out
