@@ -16,13 +16,14 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
                             MoE with a shared expert (engine/llama4_family.py)
     deepseek_v3             multi-head latent attention on latent pages, grouped sigmoid MoE
                             with shared experts (engine/deepseek_family.py)
+    deepseek_v2             the same attention, softmax (optionally group-limited) routing
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
 
 from typing import Any
 
-from kvpager.engine.deepseek_family import DEEPSEEK_V3, deepseek_fields
+from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 
 SUPPORTED_MODEL_TYPES = (
@@ -38,6 +39,7 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss",
     LLAMA4_TEXT,
     DEEPSEEK_V3,
+    DEEPSEEK_V2,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -67,7 +69,7 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         **_moe_fields(raw, model_type, num_layers),
         **_gpt_oss_fields(raw, model_type),
     )
-    if model_type == DEEPSEEK_V3:
+    if model_type in DEEPSEEK:
         return {**fields, **deepseek_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 

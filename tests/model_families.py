@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Gemma2Config,
@@ -194,10 +196,31 @@ def build_deepseek_v3(path: Path, seed: int = 11, **overrides) -> Path:
                   n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                   tie_word_embeddings=False)  # fmt: skip
+    return _build_deepseek(path, seed, DeepseekV3Config, DeepseekV3ForCausalLM,
+                           {**fields, **overrides})  # fmt: skip
+
+
+def build_deepseek_v2(path: Path, seed: int = 12, **overrides) -> Path:
+    """DeepSeek V2: build_deepseek_v3's attention (RoPE always on adjacent pairs, complex in
+    transformers), a softmax router: group-limited greedy (12 experts in 4 groups, the best
+    2 by their best expert kept, top 3, times 1.5, not renormalised), two shared experts."""
+    fields = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, first_k_dense_replace=1, n_routed_experts=12, n_group=4,
+                  topk_group=2, num_experts_per_tok=3, moe_intermediate_size=32,
+                  n_shared_experts=2, routed_scaling_factor=1.5,
+                  topk_method="group_limited_greedy",
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                  tie_word_embeddings=False)  # fmt: skip
+    return _build_deepseek(path, seed, DeepseekV2Config, DeepseekV2ForCausalLM,
+                           {**fields, **overrides})  # fmt: skip
+
+
+def _build_deepseek(path: Path, seed: int, config_cls, model_cls, fields: dict) -> Path:
     tokenizer = train_tokenizer(path)
-    config = DeepseekV3Config(**{**_common(tokenizer), **fields, **overrides})
+    config = config_cls(**{**_common(tokenizer), **fields})
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

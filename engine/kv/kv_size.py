@@ -55,10 +55,11 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     float32_norms = config.gemma_norms or config.float32_norms
     norm_element = dtype_bytes("float32") if float32_norms else element
     sinks = config.num_layers * config.num_heads // size if config.attention_sinks else 0
-    if config.moe_router == "deepseek":  # fp32 routers and correction biases, not counted above
+    if config.moe_router in ("deepseek", "deepseek_v2"):  # fp32 routers (V3: and biases)
         moe_layers = sum(config.sparse_layers)
         layers -= moe_layers * config.num_experts * hidden
-        sinks += moe_layers * config.num_experts * (hidden + 1)
+        bias = 1 if config.moe_router == "deepseek" else 0
+        sinks += moe_layers * config.num_experts * (hidden + bias)
     return (layers + embeddings) * element + norms * norm_element + sinks * dtype_bytes("float32")
 
 

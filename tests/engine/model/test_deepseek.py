@@ -20,7 +20,7 @@ from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
-from tests.model_families import build_deepseek_v3
+from tests.model_families import build_deepseek_v2, build_deepseek_v3
 
 
 def greedy(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -46,6 +46,33 @@ def deepseek_variant(tmp_path_factory):
     )  # fmt: skip
     prompts = random_prompts([3, 17, 30, 45], seed=4)
     return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module", params=["group_limited_greedy", "greedy"])
+def deepseek_v2(tmp_path_factory, request):
+    overrides = {} if request.param == "group_limited_greedy" else dict(
+        topk_method="greedy", q_lora_rank=None, num_experts_per_tok=3, first_k_dense_replace=0
+    )  # fmt: skip
+    path = build_deepseek_v2(tmp_path_factory.mktemp("deepseek-v2"), **overrides)
+    prompts = random_prompts([2, 11, 26, 40], seed=6)
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_deepseek_v2_matches_transformers(deepseek_v2):
+    """V2: its softmax router, group-limited or greedy, and its complex (adjacent-pair) RoPE;
+    roomy and preempted with 6-token chunks."""
+    path, prompts, expected = deepseek_v2
+    config = ModelConfig.from_path(path)
+    assert config.mla and config.moe_router == "deepseek_v2" and config.rope_interleaved
+    with make_llm(path) as llm:
+        assert greedy(llm, prompts) == expected
+        assert_all_free(llm)
+    with make_llm(path, num_blocks=12, max_num_batched_tokens=6) as llm:
+        assert greedy(llm, prompts) == expected
+        assert llm.stats()["num_preemptions"] > 0
+        assert_all_free(llm)
+    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
+    assert load_weights(decoder, path) == weight_bytes_per_rank(config, torch.float32)
 
 
 def test_config_reads_latent_attention(deepseek):
