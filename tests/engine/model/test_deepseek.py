@@ -102,6 +102,32 @@ def test_preemption_and_small_chunks_stay_exact(deepseek):
         assert_all_free(llm)
 
 
+def test_latent_blocks_swap_fork_and_hit_the_prefix_cache(deepseek):
+    """Latent pages move as any block: swap preemption copies them out and back, a second
+    run of the prompts hits their full blocks, n = 3 greedy samples fork the table
+    (copy-on-write of the shared tail); all equal to transformers."""
+    path, prompts, expected = deepseek
+    with make_llm(
+        path, num_blocks=16, max_num_batched_tokens=6, max_num_seqs=4, preemption_mode="swap",
+        swap_space=1 << 20, enable_prefix_caching=False,
+    ) as llm:  # fmt: skip
+        assert greedy(llm, prompts) == expected
+        stats = llm.stats()
+        assert stats["num_swap_preemptions"] > 0 and stats["num_swapped_in_blocks"] > 0
+        assert_all_free(llm)
+    with make_llm(path, num_blocks=256) as llm:
+        assert greedy(llm, prompts) == expected
+        hits_before = llm.stats()["prefix_cache_hit_tokens"]
+        assert greedy(llm, prompts[-3:]) == expected[-3:]
+        assert llm.stats()["prefix_cache_hit_tokens"] > hits_before
+        out = llm.generate(
+            [prompts[-2]], SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS)
+        )[0]
+        assert [c.token_ids for c in out.outputs] == [expected[-2]] * 3
+        assert llm.stats()["num_block_copies"] > 0
+        assert_all_free(llm)
+
+
 def test_a_second_config_matches_transformers(deepseek_variant):
     path, prompts, expected = deepseek_variant
     config = ModelConfig.from_path(path)
