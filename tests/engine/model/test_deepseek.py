@@ -19,6 +19,8 @@ from kvpager.kernels.reference import mla_decode_ref, mla_prefill_ref
 from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
+from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
+from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import build_deepseek_v2, build_deepseek_v3
 
@@ -234,3 +236,16 @@ def _agreed(expected: list[int], got: list[int]) -> int:
     """Tokens equal before the first difference."""
     same = [a == b for a, b in zip(expected, got)]
     return same.index(False) if False in same else len(same)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bf16_greedy_follows_transformers(deepseek, backend):
+    """bf16 (routers in fp32, as transformers keeps them): each greedy token within
+    test_bf16.py's tie margin of transformers' bf16 best, up to the first near tie."""
+    path = deepseek[0]
+    prompts = random_prompts([1, 6, 17, 33], seed=5)
+    with make_llm(path, dtype="bfloat16", attention_backend=backend) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert_follows_transformers(path, prompts, outputs)
+        assert_all_free(llm)
