@@ -3,10 +3,12 @@ and dtypes by name: everything the engine knows of a model before any weight is 
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpager.engine.deepseek_family import DEEPSEEK, deepseek_config
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from kvpager.schemas.errors import CheckpointError, ConfigError
@@ -111,6 +113,13 @@ class ModelConfig:
     attn_temperature: tuple[float, float] | None = None  # NoPE layers' (floor_scale, attn_scale)
     shared_expert_intermediate_size: int = 0  # a dense MLP beside a MoE layer's experts
     moe_router: str = "softmax"  # "llama4": sigmoid top-k scores scale the experts' inputs
+    # DeepSeek V3 (engine/deepseek_family.py): latent attention where kv_lora_rank > 0
+    kv_lora_rank: int = 0  # the per-token latent the cache holds (beside the rotary key)
+    q_lora_rank: int = 0  # 0: one q_proj
+    qk_nope_head_dim: int = 0  # each head's q / k part without RoPE (head_dim: the RoPE part)
+    v_head_dim: int = 0
+    expert_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the "deepseek" router
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -124,6 +133,8 @@ class ModelConfig:
             raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
         if self.partial_rotary_factor != 1.0:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
+        if self.mla and (self.kv_lora_rank + self.head_dim) % 2:
+            raise CheckpointError("kv_lora_rank + qk_rope_head_dim must be even (latent pages)")
         for name in ("layer_windows", "sparse_layers", "nope_layers"):
             if len(getattr(self, name)) not in (0, self.num_layers):
                 raise CheckpointError(f"{name}: one entry per layer ({self.num_layers})")
@@ -139,12 +150,30 @@ class ModelConfig:
         return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek): a latent per token, not K / V per head."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The cache's last dim. MLA's row, the latent and the rotary key, is split in two
+        halves over the cache's K and V planes (one head each): a token holds that row once."""
+        return (self.kv_lora_rank + self.head_dim) // 2 if self.mla else self.head_dim
+
+    @property
     def attention_scale(self) -> float:
+        if self.mla:  # qk_head_dim^-0.5, times YaRN's mscale(mscale_all_dim)^2 (transformers')
+            scale = (self.qk_nope_head_dim + self.head_dim) ** -0.5
+            scaling = self.rope_scaling or {}
+            if scaling.get("mscale_all_dim"):
+                mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
+                scale = scale * (mscale * mscale if scaling["factor"] > 1 else 1.0)
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        raw = llama4_text_config(raw)
+        raw = deepseek_config(llama4_text_config(raw))
         model_type = raw.get("model_type", "")
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
@@ -191,7 +220,7 @@ class ModelConfig:
         by name or as a torch.dtype."""
         element = dtype_bytes(dtype)
         num_kv_heads = self.kv_heads_per_rank(tensor_parallel_size)
-        return 2 * self.num_layers * num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * num_kv_heads * self.cache_head_dim * element
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads split across the ranks, or one replicated head each when ranks outnumber
@@ -201,8 +230,8 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        if size > 1 and self.model_type == LLAMA4_TEXT:
-            raise ConfigError("tensor_parallel_size: llama4_text is served on one rank only")
+        if size > 1 and self.model_type in (LLAMA4_TEXT, *DEEPSEEK):
+            raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")
         if self.num_kv_heads % size and size % self.num_kv_heads:

@@ -14,12 +14,16 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
                             experts with a clamped SwiGLU (engine/model/gpt_oss.py)
     llama4_text             chunked local attention and NoPE layers, QK L2 norm, interleaved
                             MoE with a shared expert (engine/llama4_family.py)
+    deepseek_v3             multi-head latent attention on latent pages, grouped sigmoid MoE
+                            with shared experts (engine/deepseek_family.py)
+    deepseek_v2             the same attention, softmax (optionally group-limited) routing
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
 
 from typing import Any
 
+from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 
 SUPPORTED_MODEL_TYPES = (
@@ -34,6 +38,8 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "gpt_oss",
     LLAMA4_TEXT,
+    DEEPSEEK_V3,
+    DEEPSEEK_V2,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -63,6 +69,8 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         **_moe_fields(raw, model_type, num_layers),
         **_gpt_oss_fields(raw, model_type),
     )
+    if model_type in DEEPSEEK:
+        return {**fields, **deepseek_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -177,4 +181,48 @@ def build_llama4_multimodal(path: Path, seed: int = 10) -> Path:
                   projector_input_dim=32, projector_output_dim=32)  # fmt: skip
     torch.manual_seed(seed)
     model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision))
+    return _save(model, path, 1.0)
+
+
+def build_deepseek_v3(path: Path, seed: int = 11, **overrides) -> Path:
+    """DeepSeek V3: latent attention (q_lora_rank 32, kv_lora_rank 24, 16 + 8 (RoPE on
+    adjacent pairs) q/k dims per head, values 16), layer 0 dense, layers 1-2 MoE: 8 experts in
+    4 groups, the best 2 groups kept, top 2, one shared expert; a random
+    e_score_correction_bias so the groups' choice depends on it."""
+    fields = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
+                  topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32,
+                  n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                  tie_word_embeddings=False)  # fmt: skip
+    return _build_deepseek(path, seed, DeepseekV3Config, DeepseekV3ForCausalLM,
+                           {**fields, **overrides})  # fmt: skip
+
+
+def build_deepseek_v2(path: Path, seed: int = 12, **overrides) -> Path:
+    """DeepSeek V2: build_deepseek_v3's attention (RoPE always on adjacent pairs, complex in
+    transformers), a softmax router: group-limited greedy (12 experts in 4 groups, the best
+    2 by their best expert kept, top 3, times 1.5, not renormalised), two shared experts."""
+    fields = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, first_k_dense_replace=1, n_routed_experts=12, n_group=4,
+                  topk_group=2, num_experts_per_tok=3, moe_intermediate_size=32,
+                  n_shared_experts=2, routed_scaling_factor=1.5,
+                  topk_method="group_limited_greedy",
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                  tie_word_embeddings=False)  # fmt: skip
+    return _build_deepseek(path, seed, DeepseekV2Config, DeepseekV2ForCausalLM,
+                           {**fields, **overrides})  # fmt: skip
+
+
+def _build_deepseek(path: Path, seed: int, config_cls, model_cls, fields: dict) -> Path:
+    tokenizer = train_tokenizer(path)
+    config = config_cls(**{**_common(tokenizer), **fields})
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn_like(buffer))
     return _save(model, path, 1.0)

@@ -34,6 +34,8 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     hidden, head_dim = config.hidden_size, config.head_dim
     q, kv = config.num_heads // size * head_dim, config.kv_heads_per_rank(size) * head_dim
     attention = (q + 2 * kv) * hidden + hidden * q + ((q + 2 * kv) if config.attention_bias else 0)
+    if config.mla:
+        attention = _mla_weights(config)
     dense = 3 * hidden * (config.intermediate_size // size)
     expert_rows = config.moe_intermediate_size // size
     experts = config.num_experts * (3 * hidden * expert_rows + hidden)
@@ -53,7 +55,27 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     float32_norms = config.gemma_norms or config.float32_norms
     norm_element = dtype_bytes("float32") if float32_norms else element
     sinks = config.num_layers * config.num_heads // size if config.attention_sinks else 0
+    if config.moe_router in ("deepseek", "deepseek_v2"):  # fp32 routers (V3: and biases)
+        moe_layers = sum(config.sparse_layers)
+        layers -= moe_layers * config.num_experts * hidden
+        bias = 1 if config.moe_router == "deepseek" else 0
+        sinks += moe_layers * config.num_experts * (hidden + bias)
     return (layers + embeddings) * element + norms * norm_element + sinks * dtype_bytes("float32")
+
+
+def _mla_weights(config: ModelConfig) -> int:
+    """Elements of a latent-attention layer (engine/model/mla.py; one rank), its norms too."""
+    hidden, heads, latent = config.hidden_size, config.num_heads, config.kv_lora_rank
+    q_rows = heads * (config.qk_nope_head_dim + config.head_dim)
+    q_rank = config.q_lora_rank
+    q = q_rank * hidden + q_rank + q_rows * q_rank if q_rank else q_rows * hidden
+    kv = (latent + config.head_dim) * hidden + latent
+    return (
+        q
+        + kv
+        + heads * (config.qk_nope_head_dim + config.v_head_dim) * latent
+        + (hidden * heads * config.v_head_dim)
+    )
 
 
 def gpu_kv_budget(

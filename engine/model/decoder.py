@@ -2,7 +2,9 @@
 (engine/model_families.py): q/k norms, Gemma's sandwich norms and GeGLU, a window and a
 soft-cap per layer, a second RoPE table for sliding layers, routed experts for MoE layers;
 Llama 4's NoPE layers (no rotary, a temperature on q), its weightless q/k norm after RoPE and
-its shared expert beside the routed ones (engine/llama4_family.py).
+its shared expert beside the routed ones (engine/llama4_family.py); DeepSeek V3's latent
+attention (engine/model/mla.py) in place of q|k|v and o, its grouped router
+(engine/model/deepseek_router.py).
 
 Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls. Under
 tensor parallelism each rank holds its Shard (engine/model/sharding.py) and the decoder adds
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from kvpager.engine.kv.kv_groups import kv_groups
 from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
 from kvpager.engine.model.linear import make_linear, release
+from kvpager.engine.model.mla import MlaAttention
 from kvpager.engine.model.moe import RoutedExperts
 from kvpager.engine.model.rope import cos_sin_table, longrope_original_length
 from kvpager.engine.model.sharding import Shard
@@ -96,11 +99,14 @@ class DecoderLayer(nn.Module):
             return param(*shape, dtype=dtype) if on else None
 
         self.input_norm = param(hidden, dtype=norm)
-        self.qkv_weight = param(self.q_size + 2 * self.kv_size, hidden)
-        self.qkv_bias = optional(config.attention_bias, self.q_size + 2 * self.kv_size)
+        # DeepSeek's latent attention (engine/model/mla.py) instead of q|k|v and o
+        self.mla = MlaAttention(config, dtype, norm) if config.mla else None
+        regular = self.mla is None
+        self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
+        self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
         self.q_norm = optional(config.qk_norm, self.head_dim, dtype=norm)  # one for every head
         self.k_norm = optional(config.qk_norm, self.head_dim, dtype=norm)
-        self.o_weight = param(hidden, self.q_size)
+        self.o_weight = optional(regular, hidden, self.q_size)
         # gpt-oss: o's bias (added once, after the all-reduce) and a sink logit per head
         self.o_bias = optional(config.o_proj_bias, hidden)
         self.sinks = optional(config.attention_sinks, self.num_heads, dtype=torch.float32)
@@ -124,8 +130,11 @@ class DecoderLayer(nn.Module):
     def build_matmuls(self, pack: bool) -> None:
         """The four matmuls (a MoE layer: attention's two, and its experts'); once packed, the
         plain weights are released (they are copies)."""
-        self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
-        self.o_proj = _matmul(self.o_weight, None, pack)
+        if self.mla is not None:
+            self.mla.build_matmuls(pack)
+        else:
+            self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
+            self.o_proj = _matmul(self.o_weight, None, pack)
         if self.has_mlp:
             self.gate_up = _matmul(self.gate_up_weight, None, pack)
             self.down = _matmul(self.down_weight, None, pack)
@@ -146,6 +155,25 @@ class DecoderLayer(nn.Module):
         ops = self.ops
         num_tokens = x.shape[0]
         h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
+        if self.mla is not None:
+            attn = self.mla(h, rope.full, layer_cache, meta, ops, attention.scale,
+                            (self.k_scale, self.v_scale))  # fmt: skip
+        else:
+            attn = self._attention(h, rope, attention, layer_cache, meta)
+        if self.o_bias is not None:
+            attn = attn + self.o_bias
+        h, x = ops.add_rms_norm(
+            x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps
+        )
+        if num_tokens <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
+            mlp = self._mlp(h, ops)
+        else:
+            mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
+        return x, self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm)
+
+    def _attention(self, h, rope: "RopeRows", attention, layer_cache, meta) -> torch.Tensor:
+        """q|k|v, norms and RoPE, paged attention, o (all-reduced): [T, hidden]."""
+        ops, num_tokens = self.ops, h.shape[0]
         q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self._head_norm(q.view(num_tokens, self.num_heads, self.head_dim), self.q_norm)
         k = self._head_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), self.k_norm)
@@ -160,17 +188,7 @@ class DecoderLayer(nn.Module):
             q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale,
             self.sinks,
         )  # fmt: skip
-        attn = _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
-        if self.o_bias is not None:
-            attn = attn + self.o_bias
-        h, x = ops.add_rms_norm(
-            x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps
-        )
-        if num_tokens <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
-            mlp = self._mlp(h, ops)
-        else:
-            mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
-        return x, self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm)
+        return _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
 
     def _head_norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
         """Per-head RMSNorm of [T, heads, d] (Qwen3, Gemma 3), as rows of head_dim."""

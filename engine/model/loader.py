@@ -67,6 +67,9 @@ class Target(NamedTuple):
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
+    if layer.mla is not None:  # DeepSeek's latent attention (one rank): its own names
+        param, transform = layer.mla.checkpoint_params().get(kind, (None, None))
+        return None if param is None else [Target(param, 0, None, transform=transform)]
     q, kv = layer.q_size, layer.kv_size
     if kind == "qkv_proj.weight":  # Phi-3's fused q|k|v
         return [Target(layer.qkv_weight, row, shard.fused_part("qkv_proj", i))
@@ -88,8 +91,9 @@ def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
 
 
 def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
-    if layer.experts is not None:
+    if layer.experts is not None and not kind.startswith("shared_experts."):
         return _expert_targets(layer.experts, kind, shard)
+    kind = kind.removeprefix("shared_experts.")  # DeepSeek's, beside its routed ones
     half = layer.gate_up_weight.shape[0] // 2
     if kind == "gate_up_proj.weight":  # Phi-3's fused gate|up
         return [Target(layer.gate_up_weight, i * half, shard.fused_part("gate_up_proj", i))
@@ -109,6 +113,8 @@ def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
         return _gpt_oss_expert_targets(experts, kind, shard)
     if kind == "gate.weight":
         return [Target(experts.router, 0, None)]
+    if kind == "gate.e_score_correction_bias" and experts.correction_bias is not None:
+        return [Target(experts.correction_bias, 0, None)]
     parts = kind.split(".")
     if len(parts) != 4 or parts[0] != "experts":
         return None
@@ -189,6 +195,8 @@ def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] 
 
 def _rope_rows_reordered(model: Decoder, name: str, targets: list[Target]) -> list[Target]:
     """Llama 4's q_proj / k_proj rows (weight and bias) reordered for rotate-half RoPE."""
+    if model.config.mla:  # its rotary rows are its own (engine/model/mla.py)
+        return targets
     if not model.config.rope_interleaved or name.split(".")[-2] not in ("q_proj", "k_proj"):
         return targets
     reorder = _pairs_to_halves(model.config.head_dim)

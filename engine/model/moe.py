@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from kvpager.engine.model.deepseek_router import route_grouped, route_softmax_grouped
 from kvpager.engine.model.gpt_oss import route_top_logits
 from kvpager.engine.model.linear import release
 from kvpager.engine.model.packed_experts import PACKED_DTYPES, PackedExperts
@@ -51,6 +52,10 @@ class RoutedExperts(nn.Module):
         self.gpt_oss = config.gpt_oss_experts
         self.add_down_bias = add_down_bias
         self.scales_inputs = config.moe_router == "llama4"
+        # DeepSeek V3's and V2's routers (deepseek_router.py)
+        self.grouped = config.moe_router in ("deepseek", "deepseek_v2")
+        self.v2_router = config.moe_router == "deepseek_v2"
+        self.expert_groups, self.scaling = config.expert_groups, config.routed_scaling_factor
         num_experts, hidden = config.num_experts, config.hidden_size
 
         def param(*shape: int, on: bool = True) -> nn.Parameter | None:
@@ -58,6 +63,12 @@ class RoutedExperts(nn.Module):
             return nn.Parameter(empty, requires_grad=False) if on else None
 
         self.router = param(num_experts, hidden)
+        if self.grouped:  # fp32, as transformers keeps them
+            self.router = nn.Parameter(self.router.float(), requires_grad=False)
+        self.correction_bias = None
+        if self.grouped and not self.v2_router:
+            bias = torch.empty(num_experts, dtype=torch.float32)
+            self.correction_bias = nn.Parameter(bias, requires_grad=False)
         self.gate_up = param(num_experts, 2 * intermediate, hidden)
         self.down = param(num_experts, hidden, intermediate)
         self.router_bias = param(num_experts, on=self.gpt_oss)
@@ -87,6 +98,17 @@ class RoutedExperts(nn.Module):
         """h [T, H] -> [T, H] (this rank's partial sum under tensor parallelism)."""
         if self.gpt_oss:
             return self._gpt_oss(h)
+        if self.v2_router:
+            weights, ids = route_softmax_grouped(
+                h, self.router, self.top_k, self.expert_groups, self.scaling
+            )
+            return self._run(h, weights, ids, fused_moe, activation)
+        if self.grouped:
+            weights, ids = route_grouped(
+                h, self.router, self.correction_bias, self.top_k, self.expert_groups,
+                self.renormalise, self.scaling,
+            )  # fmt: skip
+            return self._run(h, weights, ids, fused_moe, activation)
         logits = F.linear(h, self.router)
         if self.scales_inputs:
             return self._scaled_inputs(h, logits, fused_moe, activation)

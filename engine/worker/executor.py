@@ -112,7 +112,8 @@ class Executor:
         check_backend_device(self.backend, self.device)
         self.kv_dtype = kv_cache_dtype(config, self.dtype, self.backend)
         shard, model_config = self.shard, self.model_config
-        cache_shape = (shard.num_heads, shard.num_kv_heads, shard.head_dim, config.block_size)
+        head_dim = model_config.cache_head_dim  # MLA: half its latent row
+        cache_shape = (shard.num_heads, shard.num_kv_heads, head_dim, config.block_size)
         self.ops = with_cache_layout(
             get_kernel_ops(self.backend), self.dtype, self.kv_dtype, cache_shape,
             model_config.attn_logit_softcapping or 0.0, config.kv_layout,

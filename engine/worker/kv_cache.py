@@ -49,7 +49,7 @@ def allocate_kv_caches(
             num_blocks,
             config.block_size,
             shard.num_kv_heads,
-            model_config.head_dim,
+            model_config.cache_head_dim,  # MLA: half its latent row (model_config.py)
         ),
         dtype=kv_dtype,
         device=device,
