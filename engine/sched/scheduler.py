@@ -49,8 +49,10 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
             cache_config.num_cpu_blocks,
             cache_config.group_windows,
             cache_config.enable_disk,
+            cache_config.num_state_slots,
         )
-        self.grouped = isinstance(self.block_manager, HybridBlockManager)
+        inner = getattr(self.block_manager, "inner", self.block_manager)  # recurrent: state_slots
+        self.grouped = isinstance(inner, HybridBlockManager)
         self.block_manager.pool.set_pin_limits(
             cache_config.max_pinned_blocks, cache_config.max_pinned_blocks_per_key
         )
