@@ -15,8 +15,9 @@ group or a HybridBlockManager for the attention layers), with its interface:
 - swap preemption is refused (can_swap_out is False: the scheduler then recomputes). A state
   is megabytes per sequence for Granite-4-sized models; carrying it through the CPU pool is
   left for later (docs/user/models.md says so);
-- fork (n > 1, beams) gives the child a slot of its own and copies the parent's state into
-  it: `take_state_ops` hands the executor (slots to zero, (source, destination) copies);
+- fork (n > 1, beams) gives the child a slot of its own, not zeroed: the executor copies the
+  parent's state into it as it applies the fork (ScheduledStep.state_slots names both);
+  `take_state_ops` hands over the slots to zero;
 - prefix caching is off: a hit would need the state at the hit's end (snapshots at block
   boundaries, not built yet); the manager logs why once.
 The pool holds `num_slots` slots; sized to at least max_num_seqs, a fork always finds one.
@@ -36,7 +37,6 @@ class StateOps:
     """What the executor does to the state tensors before a step, in this order."""
 
     reset: list[int] = field(default_factory=list)  # slots new to a sequence: zeroed
-    copy: list[tuple[int, int]] = field(default_factory=list)  # forks: (source, destination)
 
 
 class StateSlots:
@@ -122,10 +122,8 @@ class RecurrentBlockManager:
         self.inner.fork(parent, child)
         if not self.slots.num_free:
             raise ConfigError("num_state_slots: fewer state slots than running sequences")
-        source = self.slots.owner[parent.seq_id]
         destination = self.slots.take(child.seq_id)
-        self.slots.ops.reset.remove(destination)  # copied over, not zeroed
-        self.slots.ops.copy.append((source, destination))
+        self.slots.ops.reset.remove(destination)  # the executor copies the parent's over it
 
     def free(self, request: Request) -> None:
         self.inner.free(request)
