@@ -16,6 +16,7 @@ engine/model/mamba2.py holds them (the scan accumulates in float32).
 from dataclasses import dataclass
 from typing import Any
 
+from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
 
 RECURRENT_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next")
@@ -56,40 +57,25 @@ class HybridSize:
 def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
     """The sizes of a recurrent hybrid's config.json; None for other model types."""
     model_type = raw.get("model_type", "")
-    if model_type == "granitemoehybrid":
-        kinds = raw.get("layer_types") or raw.get("layers_block_type")
-        kinds = kinds or ["mamba"] * raw["num_hidden_layers"]
-        recurrent = sum(kind == "mamba" for kind in kinds)
-        heads = raw.get("mamba_n_heads", 128)
-        head_dim = raw.get("mamba_d_head", "auto")
-        if head_dim == "auto":
-            head_dim = raw.get("mamba_expand", 2) * raw["hidden_size"] // heads
-        return _mamba2(
-            raw, model_type, recurrent, len(kinds) - recurrent, heads, head_dim, "mamba_"
+    if model_type in ("granitemoehybrid", "nemotron_h"):
+        dims, layers = mamba2_dims(raw), mamba_layers(raw)
+        recurrent = sum(layers)
+        attention = (
+            raw["hybrid_override_pattern"].count("*")
+            if model_type == "nemotron_h"
+            else len(layers) - recurrent
         )
-    if model_type == "nemotron_h":
-        pattern = raw["hybrid_override_pattern"]
-        recurrent, attention = pattern.count("M"), pattern.count("*")
-        heads, head_dim = raw["mamba_num_heads"], raw["mamba_head_dim"]
-        return _mamba2(raw, model_type, recurrent, attention, heads, head_dim, "")
+        return HybridSize(
+            model_type,
+            recurrent,
+            attention,
+            recurrent * dims.conv_dim * (dims.conv_kernel - 1),
+            recurrent * dims.num_heads * dims.head_dim * dims.state_size,
+            attention * _kv_per_layer(raw),
+        )
     if model_type == "qwen3_next":
         return _deltanet(raw)
     return None
-
-
-def _mamba2(raw, model_type, recurrent, attention, heads, head_dim, prefix) -> HybridSize:
-    groups = raw.get(f"{prefix}n_groups", 1)
-    state = raw.get("mamba_d_state" if prefix else "ssm_state_size", 128)
-    kernel = raw.get("mamba_d_conv" if prefix else "conv_kernel", 4)
-    conv_dim = heads * head_dim + 2 * groups * state
-    return HybridSize(
-        model_type,
-        recurrent,
-        attention,
-        recurrent * conv_dim * (kernel - 1),
-        recurrent * heads * head_dim * state,
-        attention * _kv_per_layer(raw),
-    )
 
 
 def _deltanet(raw: dict[str, Any]) -> HybridSize:

@@ -17,33 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvpager.engine.mamba2_config import Mamba2Dims
 from kvpager.kernels.mamba2_scan import causal_conv1d, ssm_scan_chunked, ssm_step
 
-
-@dataclass(frozen=True)
-class Mamba2Dims:
-    hidden_size: int
-    num_heads: int  # mamba_n_heads
-    head_dim: int  # mamba_d_head
-    num_groups: int  # mamba_n_groups: B and C are shared by num_heads / num_groups heads
-    state_size: int  # mamba_d_state
-    conv_kernel: int  # mamba_d_conv
-    chunk_size: int  # mamba_chunk_size: the prefill scan's chunk
-    eps: float = 1e-6
-    time_step_limit: tuple[float, float] = (0.0, float("inf"))
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.intermediate_size + 2 * self.num_groups * self.state_size
-
-    def state_elements(self) -> int:
-        """Elements of one sequence's state in one layer: conv plus SSM."""
-        conv = self.conv_dim * (self.conv_kernel - 1)
-        return conv + self.num_heads * self.head_dim * self.state_size
+__all__ = ["Mamba2Dims", "Mamba2Mixer", "RecurrentStates"]
 
 
 @dataclass

@@ -120,3 +120,22 @@ def test_fork_copies_state():
     torch.testing.assert_close(child, expected, rtol=1e-4, atol=1e-4)
     states.reset([1])
     assert not states.conv[:, 1].any() and not states.ssm[:, 1].any()
+
+
+def test_dims_read_from_the_config_are_the_layers():
+    """engine/mamba2_config.py reads transformers' own config as its layer does."""
+    from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
+
+    config = GraniteMoeHybridConfig(
+        hidden_size=HIDDEN,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=6,
+        mamba_chunk_size=4,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+    )
+    raw = {**config.to_dict(), "model_type": "granitemoehybrid"}
+    layer = GraniteMoeHybridMambaLayer(config, 0)
+    assert mamba2_dims(raw) == ours(layer).dims
+    assert mamba_layers(raw) == [True, False, True]
