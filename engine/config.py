@@ -152,6 +152,9 @@ class CacheConfig:
     # per key but the fraction)
     max_pinned_fraction: float = 0.5
     max_pinned_blocks_per_key: int = 0
+    # recurrent layers (Mamba2): per-sequence state slots beside the blocks
+    # (engine/kv/state_slots.py); 0: the model has none
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:

@@ -91,6 +91,12 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_from_disk: list[DiskBlock] = []
     # KV blocks to read from another executor once this step ran (KvPulled says when)
     kv_pulls: list[KvPull] = []
+    # recurrent layers (engine/kv/state_slots.py): the state slot of each scheduled sequence
+    # and each fork's child, and the slots new to a sequence (zeroed before the forward pass).
+    # A fork copies its parent's slot into its child's when the executor applies the fork
+    # (before the forward pass, or after it for `sample`: the state then holds the prompt)
+    state_slots: dict[str, int] = {}
+    state_resets: list[int] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

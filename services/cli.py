@@ -267,6 +267,8 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
     from kvpager.engine.kv.kv_size import gpu_kv_budget, kv_size, weight_bytes_per_rank
     from kvpager.engine.model_config import ModelConfig, dtype_name, kv_cache_dtype_name
 
+    if _kv_size_recurrent(args):
+        return 0
     config = ModelConfig.from_path(args.model)
     dtype = kv_cache_dtype_name(args.kv_cache_dtype or args.dtype or config.checkpoint_dtype)
     weight_dtype = dtype_name(config.checkpoint_dtype)
@@ -293,6 +295,34 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
     )
     print("\n".join(report.lines()))
     return 0
+
+
+def _kv_size_recurrent(args: argparse.Namespace) -> bool:
+    """Recurrent hybrids (Mamba2, gated DeltaNet): their state bytes per sequence beside the
+    attention layers' KV bytes per token (engine/kv/recurrent_size.py); False for others."""
+    import json
+    from pathlib import Path
+
+    from kvpager.engine.kv.recurrent_size import hybrid_size
+    from kvpager.engine.model_config import kv_cache_dtype_name
+
+    path = Path(args.model)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        return False  # ModelConfig.from_path says why
+    raw = json.loads(config_file.read_text())
+    size = hybrid_size(raw)
+    if size is None:
+        return False
+    dtype = kv_cache_dtype_name(
+        args.kv_cache_dtype
+        or args.dtype
+        or raw.get("torch_dtype")
+        or raw.get("dtype")
+        or "bfloat16"
+    )
+    print("\n".join(size.lines(dtype, args.tokens, int(args.budget_gib * 1024**3))))
+    return True
 
 
 def _kv_size_ranks(args: argparse.Namespace, config) -> tuple[int, int]:

@@ -16,6 +16,7 @@ of the chunk the prefix ends in.
 
 from kvpager.engine.kv.block_manager import BlockManager, BlockOps
 from kvpager.engine.kv.block_pool import CachedBlock
+from kvpager.engine.kv.state_slots import RecurrentBlockManager
 from kvpager.engine.request import Request
 from kvpager.schemas.tokenizer import KvEvent
 
@@ -29,9 +30,16 @@ def make_block_manager(
     num_cpu_blocks: int = 0,
     windows: tuple[int, ...] = (),
     enable_disk: bool = False,
-) -> "BlockManager | HybridBlockManager":
+    num_state_slots: int = 0,
+) -> "BlockManager | HybridBlockManager | RecurrentBlockManager":
     """One group (every model whose layers attend alike): today's BlockManager, with its
-    window if every layer slides. Several: a HybridBlockManager."""
+    window if every layer slides. Several: a HybridBlockManager. With recurrent layers
+    (`num_state_slots` > 0), either inside a RecurrentBlockManager."""
+    if num_state_slots:
+        inner = make_block_manager(
+            num_blocks, block_size, enable_prefix_caching, num_cpu_blocks, windows, enable_disk
+        )
+        return RecurrentBlockManager(inner, num_state_slots)
     if len(windows) <= 1:
         window = windows[0] if windows else 0
         return BlockManager(

@@ -49,8 +49,10 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
             cache_config.num_cpu_blocks,
             cache_config.group_windows,
             cache_config.enable_disk,
+            cache_config.num_state_slots,
         )
-        self.grouped = isinstance(self.block_manager, HybridBlockManager)
+        inner = getattr(self.block_manager, "inner", self.block_manager)  # recurrent: state_slots
+        self.grouped = isinstance(inner, HybridBlockManager)
         self.block_manager.pool.set_pin_limits(
             cache_config.max_pinned_blocks, cache_config.max_pinned_blocks_per_key
         )
@@ -158,6 +160,8 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
             num_spec_tokens=asks,
             kv_pulls=self.take_kv_pulls(),
         )
+        if hasattr(self.block_manager, "take_state_ops"):  # recurrent layers: state slots
+            self._add_state_ops(step)
         self.finished_seq_ids = []
         return step
 
@@ -299,6 +303,11 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
         for request in list(group):
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def _add_state_ops(self, step: ScheduledStep) -> None:
+        step.state_resets = self.block_manager.take_state_ops().reset
+        seq_ids = [*step.num_scheduled_tokens, *(fork.child_id for fork in step.forks)]
+        step.state_slots = {seq_id: self.block_manager.state_slot(seq_id) for seq_id in seq_ids}
 
     def check_invariants(self) -> None:
         manager = self.block_manager

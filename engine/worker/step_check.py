@@ -30,6 +30,7 @@ class Capacity:
     # per KV group (engine/kv/kv_groups.py): its window, 0 = full; each group has its own
     # table per request
     group_windows: tuple[int, ...] = (0,)
+    num_state_slots: int = 0  # recurrent layers' per-sequence state slots (0: none)
 
     @property
     def num_groups(self) -> int:
@@ -122,6 +123,27 @@ class StepCheck:
         token_ids += [t for cached in step.cached_requests for t in cached.spec_token_ids]
         token_ids += [t for block in disk_blocks for t in block.token_ids]
         _in_range(token_ids, cap.vocab_size, "token ids")
+        self._check_state(step)
+
+    def _check_state(self, step: ScheduledStep) -> None:
+        """State slot ids inside the executor's slots, for scheduled sequences and fork
+        children only, never two sequences in one; a fork with a parent's slot names its
+        child's too (the copy's destination), which is not also zeroed."""
+        owners = step.state_slots
+        _in_range(
+            [*owners.values(), *step.state_resets], self.capacity.num_state_slots, "state slots"
+        )
+        children = {fork.child_id for fork in step.forks}
+        known = owners.keys() <= step.num_scheduled_tokens.keys() | children
+        _require(known, "state slot: for a sequence neither scheduled nor forked")
+        _require(len(set(owners.values())) == len(owners), "state slot: two sequences in one")
+        for fork in step.forks:
+            if fork.parent_id in owners:
+                _require(fork.child_id in owners, f"state slot: none for {fork.child_id!r}")
+        copied = {owners[child] for child in children if child in owners}
+        resets = step.state_resets
+        _require(len(set(resets)) == len(resets), "state slot: zeroed twice in a step")
+        _require(not copied & set(resets), "state slot: a fork's copy also zeroed")
 
     def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:
         cap, num_tokens = self.capacity, len(new.token_ids)

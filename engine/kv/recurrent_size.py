@@ -1,0 +1,105 @@
+"""Sizes of hybrid recurrent models' caches, read from config.json: the per-sequence state of
+their recurrent layers and the per-token K/V of their attention layers.
+
+A recurrent layer's state does not grow with the sequence (engine/kv/state_slots.py):
+- Mamba2 (`granitemoehybrid`, `nemotron_h`): a conv state [conv_dim, d_conv - 1], conv_dim =
+  heads * head_dim + 2 * n_groups * d_state, and an SSM state [heads, head_dim, d_state];
+- gated DeltaNet (`qwen3_next`): a conv state [2 * k_heads * k_dim + v_heads * v_dim,
+  kernel - 1] and a recurrent state [v_heads, k_dim, v_dim].
+The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
+engine/model/mamba2.py holds them (the scan accumulates in float32).
+
+`kvpager kv-size` uses this for these model types: kvpager serves none of them end to end yet
+(docs/user/models.md), but sizing them is what plans a deployment.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
+from kvpager.engine.model_config import dtype_bytes
+
+RECURRENT_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class HybridSize:
+    model_type: str
+    num_recurrent_layers: int
+    num_attention_layers: int
+    conv_elements: int  # per sequence, all recurrent layers
+    ssm_elements: int  # per sequence, all recurrent layers
+    kv_elements_per_token: int  # K and V, all attention layers
+
+    def state_bytes(self, dtype: object) -> int:
+        """One sequence's recurrent state: conv in `dtype`, SSM in float32."""
+        return self.conv_elements * dtype_bytes(dtype) + self.ssm_elements * 4
+
+    def kv_bytes_per_token(self, dtype: object) -> int:
+        return self.kv_elements_per_token * dtype_bytes(dtype)
+
+    def lines(self, dtype: object, tokens: int, budget_bytes: int) -> list[str]:
+        state, per_token = self.state_bytes(dtype), self.kv_bytes_per_token(dtype)
+        per_seq = state + per_token * tokens
+        mib, gib = 1024**2, 1024**3
+        return [
+            f"{self.model_type}: {self.num_recurrent_layers} recurrent layers, "
+            f"{self.num_attention_layers} attention layers",
+            f"state bytes per sequence:  {state:,} ({state / mib:.2f} MiB; conv in "
+            f"{str(dtype).removeprefix('torch.')}, SSM in float32; any length)",
+            f"KV bytes per token:        {per_token:,} (attention layers only)",
+            f"bytes per sequence:        {per_seq:,} ({per_seq / gib:.3f} GiB at {tokens} tokens)",
+            f"sequences that fit:        {budget_bytes // per_seq if per_seq else 0} "
+            f"in {budget_bytes / gib:.2f} GiB",
+        ]
+
+
+def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
+    """The sizes of a recurrent hybrid's config.json; None for other model types."""
+    model_type = raw.get("model_type", "")
+    if model_type in ("granitemoehybrid", "nemotron_h"):
+        dims, layers = mamba2_dims(raw), mamba_layers(raw)
+        recurrent = sum(layers)
+        attention = (
+            raw["hybrid_override_pattern"].count("*")
+            if model_type == "nemotron_h"
+            else len(layers) - recurrent
+        )
+        return HybridSize(
+            model_type,
+            recurrent,
+            attention,
+            recurrent * dims.conv_dim * (dims.conv_kernel - 1),
+            recurrent * dims.num_heads * dims.head_dim * dims.state_size,
+            attention * _kv_per_layer(raw),
+        )
+    if model_type == "qwen3_next":
+        return _deltanet(raw)
+    return None
+
+
+def _deltanet(raw: dict[str, Any]) -> HybridSize:
+    num_layers = raw["num_hidden_layers"]
+    kinds = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % raw.get("full_attention_interval", 4) == 0 else "linear"
+        for i in range(num_layers)
+    ]
+    attention = sum(kind == "full_attention" for kind in kinds)
+    recurrent = num_layers - attention
+    k_heads, v_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+    k_dim, v_dim = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    return HybridSize(
+        "qwen3_next",
+        recurrent,
+        attention,
+        recurrent * conv_dim * (raw.get("linear_conv_kernel_dim", 4) - 1),
+        recurrent * v_heads * k_dim * v_dim,
+        attention * _kv_per_layer(raw),
+    )
+
+
+def _kv_per_layer(raw: dict[str, Any]) -> int:
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    return 2 * raw.get("num_key_value_heads", heads) * head_dim

@@ -1,0 +1,142 @@
+"""Recurrent state as a per-sequence page: a KV-group kind whose "blocks" are state slots.
+
+A Mamba2 (or gated DeltaNet) layer keeps a state that does not grow with the sequence: for
+Mamba2 a conv1d state [conv_dim, d_conv - 1] and an SSM state [heads, head_dim, d_state] per
+layer (engine/model/mamba2.py). Every recurrent layer of a model forms one group, and a
+sequence holds exactly one slot of it from its first scheduled token to its end: slot s is
+row s of every recurrent layer's state tensors, which the executor owns
+(engine/model/mamba2.py: RecurrentStates). Only slot ids and operations cross to it.
+
+`RecurrentBlockManager` puts the slots beside the block tables of any block manager (one
+group or a HybridBlockManager for the attention layers), with its interface:
+- admission: a request that holds no slot takes one with its first blocks, or none is taken
+  and it waits (allocate_slots returns None), as when blocks run out;
+- finish, abort and recompute preemption free the slot (a recompute restarts from zeros);
+- swap preemption is refused (can_swap_out is False: the scheduler then recomputes). A state
+  is megabytes per sequence for Granite-4-sized models; carrying it through the CPU pool is
+  left for later (docs/user/models.md says so);
+- fork (n > 1, beams) gives the child a slot of its own, not zeroed: the executor copies the
+  parent's state into it as it applies the fork (ScheduledStep.state_slots names both);
+  `take_state_ops` hands over the slots to zero;
+- prefix caching is off: a hit would need the state at the hit's end (snapshots at block
+  boundaries, not built yet); the manager logs why once.
+The pool holds `num_slots` slots; sized to at least max_num_seqs, a fork always finds one.
+"""
+
+from dataclasses import dataclass, field
+
+import structlog
+from kvpager.engine.request import Request
+from kvpager.schemas.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class StateOps:
+    """What the executor does to the state tensors before a step, in this order."""
+
+    reset: list[int] = field(default_factory=list)  # slots new to a sequence: zeroed
+
+
+class StateSlots:
+    """Slot ids 0..num_slots-1, each owned by at most one sequence."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ConfigError(f"num_state_slots: must be at least 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest
+        self.owner: dict[str, int] = {}  # seq id -> slot
+        self.ops = StateOps()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def take(self, seq_id: str) -> int:
+        slot = self.free_slots.pop()
+        self.owner[seq_id] = slot
+        self.ops.reset.append(slot)
+        return slot
+
+    def release(self, seq_id: str) -> None:
+        slot = self.owner.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def take_ops(self) -> StateOps:
+        ops, self.ops = self.ops, StateOps()
+        return ops
+
+    def check_invariants(self) -> None:
+        held = sorted(self.owner.values())
+        assert len(set(held)) == len(held), "a state slot owned twice"
+        assert sorted(held + self.free_slots) == list(range(self.num_slots)), "a slot lost"
+
+
+class RecurrentBlockManager:
+    """A block manager for the attention layers plus the recurrent layers' state slots (see
+    the module docstring). Everything not about slots is the inner manager's."""
+
+    def __init__(self, inner, num_slots: int) -> None:
+        self.inner = inner
+        self.slots = StateSlots(num_slots)
+        if inner.enable_prefix_caching:
+            log.info(
+                "prefix caching off",
+                reason="recurrent layers: a hit needs the state at its end (no snapshots yet)",
+            )
+            inner.enable_prefix_caching = False
+            for group in getattr(inner, "groups", [inner]):
+                group.enable_prefix_caching = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return False
+
+    def state_slot(self, seq_id: str) -> int:
+        return self.slots.owner[seq_id]
+
+    def find_cached_prefix(self, request: Request, max_blocks: int | None = None):
+        return self.inner.find_cached_prefix(request, 0)  # no hits (see the docstring)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hits=None):
+        """The inner manager's, plus a state slot for a request without one: both or none."""
+        needs_slot = request.seq_id not in self.slots.owner
+        if needs_slot and not self.slots.num_free:
+            return None
+        new_ids = (
+            self.inner.allocate_slots(request, num_new_tokens, hits)
+            if hits is not None
+            else self.inner.allocate_slots(request, num_new_tokens)
+        )
+        if new_ids is not None and needs_slot:
+            self.slots.take(request.seq_id)
+        return new_ids
+
+    def fork(self, parent: Request, child: Request) -> None:
+        self.inner.fork(parent, child)
+        if not self.slots.num_free:
+            raise ConfigError("num_state_slots: fewer state slots than running sequences")
+        destination = self.slots.take(child.seq_id)
+        self.slots.ops.reset.remove(destination)  # the executor copies the parent's over it
+
+    def free(self, request: Request) -> None:
+        self.inner.free(request)
+        self.slots.release(request.seq_id)
+
+    def can_swap_out(self, request: Request) -> bool:
+        return False  # the state does not travel through the CPU pool yet: recompute
+
+    def take_state_ops(self) -> StateOps:
+        return self.slots.take_ops()
+
+    def check_invariants(self) -> None:
+        self.inner.check_invariants()
+        self.slots.check_invariants()
+        tables = self.inner.block_tables
+        assert set(self.slots.owner) <= set(tables), "a state slot without blocks"

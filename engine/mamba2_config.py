@@ -1,0 +1,82 @@
+"""Mamba2 layer geometry read from config.json, without torch: the scheduler's side sizes
+states with it (engine/kv/recurrent_size.py), the model builds its mixers with it
+(engine/model/mamba2.py).
+
+- `granitemoehybrid`: `mamba_n_heads`, `mamba_d_head` ("auto": mamba_expand * hidden /
+  heads), `mamba_n_groups`, `mamba_d_state`, `mamba_d_conv`, `mamba_chunk_size`; the Mamba
+  layers are those `layer_types` (or the older `layers_block_type`) names "mamba", or
+  "linear_attention" as transformers 5 writes them back.
+- `nemotron_h`: `mamba_num_heads`, `mamba_head_dim`, `n_groups`, `ssm_state_size`,
+  `conv_kernel`, `chunk_size`; the Mamba layers are the "M"s of `hybrid_override_pattern`
+  ("*" attention, "-" MLP, "E" MoE).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    hidden_size: int
+    num_heads: int  # mamba_n_heads
+    head_dim: int  # mamba_d_head
+    num_groups: int  # mamba_n_groups: B and C are shared by num_heads / num_groups heads
+    state_size: int  # mamba_d_state
+    conv_kernel: int  # mamba_d_conv
+    chunk_size: int  # mamba_chunk_size: the prefill scan's chunk
+    eps: float = 1e-6
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    def state_elements(self) -> int:
+        """Elements of one sequence's state in one layer: conv plus SSM."""
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        return conv + self.num_heads * self.head_dim * self.state_size
+
+
+def mamba2_dims(raw: dict[str, Any]) -> Mamba2Dims:
+    """A granitemoehybrid or nemotron_h config's Mamba2 geometry."""
+    limit = tuple(raw.get("time_step_limit") or (0.0, float("inf")))
+    if raw.get("model_type") == "nemotron_h":
+        return Mamba2Dims(
+            raw["hidden_size"],
+            raw["mamba_num_heads"],
+            raw["mamba_head_dim"],
+            raw.get("n_groups", 1),
+            raw.get("ssm_state_size", 128),
+            raw.get("conv_kernel", 4),
+            raw.get("chunk_size", 256),
+            raw.get("layer_norm_epsilon", 1e-5),
+            limit,
+        )
+    heads = raw.get("mamba_n_heads", 128)
+    head_dim = raw.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = raw.get("mamba_expand", 2) * raw["hidden_size"] // heads
+    return Mamba2Dims(
+        raw["hidden_size"],
+        heads,
+        head_dim,
+        raw.get("mamba_n_groups", 1),
+        raw.get("mamba_d_state", 256),
+        raw.get("mamba_d_conv", 4),
+        raw.get("mamba_chunk_size", 256),
+        raw.get("rms_norm_eps", 1e-6),
+        limit,
+    )
+
+
+def mamba_layers(raw: dict[str, Any]) -> list[bool]:
+    """Per layer: whether it is a Mamba2 layer."""
+    if raw.get("model_type") == "nemotron_h":
+        return [kind == "M" for kind in raw["hybrid_override_pattern"]]
+    kinds = raw.get("layer_types") or raw.get("layers_block_type")
+    kinds = kinds or ["mamba"] * raw["num_hidden_layers"]
+    return [kind in ("mamba", "linear_attention") for kind in kinds]

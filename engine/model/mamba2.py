@@ -1,0 +1,144 @@
+"""The Mamba2 mixer (Granite 4's `granitemoehybrid`, Nemotron-H, Falcon-H1 layers) over a
+batch of sequences, each reading and updating its own recurrent state slot.
+
+A mixer computes, per token: in_proj -> (gate z, conv input xBC, dt); a causal depthwise
+conv1d with SiLU over xBC (state: the last d_conv - 1 inputs); x, B, C split from it;
+dt = clamp(softplus(dt + dt_bias), time_step_limit); the selective scan with A = -exp(A_log)
+and the D skip (state: [heads, head_dim, d_state]); a gated RMSNorm (y * silu(z), normalised
+per group of intermediate / n_groups channels, times its weight); out_proj.
+
+The state does not grow with the sequence: a sequence holds one slot of `RecurrentStates`
+(engine/kv/state_slots.py hands the slot ids out; the executor owns the tensors). A prefill
+chunk runs the chunked scan from the slot's state, a decode token one step: chunked prefill
+and decode compose into the same result as one pass (tests/engine/model/test_mamba2.py).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from kvpager.engine.mamba2_config import Mamba2Dims
+from kvpager.kernels.mamba2_scan import causal_conv1d, ssm_scan_chunked, ssm_step
+
+__all__ = ["Mamba2Dims", "Mamba2Mixer", "RecurrentStates"]
+
+
+@dataclass
+class RecurrentStates:
+    """Every Mamba layer's state slots: conv [layers, slots, conv_dim, d_conv - 1] and
+    ssm [layers, slots, heads, head_dim, d_state], the SSM state in float32 (the scan's)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, dims: Mamba2Dims, num_layers: int, num_slots: int, dtype, device
+    ) -> "RecurrentStates":
+        conv = (num_layers, num_slots, dims.conv_dim, dims.conv_kernel - 1)
+        ssm = (num_layers, num_slots, dims.num_heads, dims.head_dim, dims.state_size)
+        return cls(
+            torch.zeros(conv, dtype=dtype, device=device),
+            torch.zeros(ssm, dtype=torch.float32, device=device),
+        )
+
+    def reset(self, slots: list[int]) -> None:
+        """A new sequence starts from zeros (a slot is reused after its last owner)."""
+        self.conv[:, slots] = 0
+        self.ssm[:, slots] = 0
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Forks (n > 1, beams): each (source, destination) slot copied in every layer."""
+        for src, dst in pairs:
+            self.conv[:, dst] = self.conv[:, src]
+            self.ssm[:, dst] = self.ssm[:, src]
+
+
+class Mamba2Mixer(torch.nn.Module):
+    def __init__(self, dims: Mamba2Dims, dtype: torch.dtype, bias: bool, conv_bias: bool) -> None:
+        super().__init__()
+        self.dims = dims
+        proj = dims.intermediate_size + dims.conv_dim + dims.num_heads
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+
+        self.in_proj = param(proj, dims.hidden_size)
+        self.in_proj_bias = param(proj) if bias else None
+        self.conv_weight = param(dims.conv_dim, dims.conv_kernel)
+        self.conv_bias = param(dims.conv_dim) if conv_bias else None
+        self.dt_bias, self.A_log, self.D = (
+            param(dims.num_heads),
+            param(dims.num_heads),
+            param(dims.num_heads),
+        )
+        self.norm_weight = param(dims.intermediate_size)
+        self.out_proj = param(dims.hidden_size, dims.intermediate_size)
+        self.out_proj_bias = param(dims.hidden_size) if bias else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        seq_lens: list[int],
+        slots: list[int],
+        conv_states: torch.Tensor,
+        ssm_states: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [T, hidden]: the sequences' tokens back to back, `seq_lens` each, sequence i
+        in state slot `slots[i]` of this layer's conv_states [slots, ...] / ssm_states."""
+        d = self.dims
+        proj = F.linear(hidden, self.in_proj, self.in_proj_bias)
+        gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32)
+        starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+        steps = [i for i, n in enumerate(seq_lens) if n == 1]
+        for i, (start, n) in enumerate(zip(starts, seq_lens)):
+            if n == 1:
+                continue
+            rows = slice(start, start + n)
+            conv = causal_conv1d(xbc[rows], conv_states[slots[i]], self.conv_weight, self.conv_bias)
+            x, B, C = self._split(conv)
+            state = ssm_states[slots[i]]
+            y[rows] = ssm_scan_chunked(x, dt[rows], A, B, C, self.D, state, d.chunk_size)
+        if steps:
+            y[[starts[i] for i in steps]] = self._step(
+                xbc, dt, A, starts, slots, steps, conv_states, ssm_states
+            )
+        return self._out(y.reshape(hidden.shape[0], -1), gate, hidden.dtype)
+
+    def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.dims
+        groups = d.num_groups * d.state_size
+        x, B, C = conv.split([d.intermediate_size, groups, groups], dim=-1)
+        n = conv.shape[0]
+        return (
+            x.reshape(n, d.num_heads, d.head_dim),
+            B.reshape(n, d.num_groups, d.state_size),
+            C.reshape(n, d.num_groups, d.state_size),
+        )
+
+    def _step(self, xbc, dt, A, starts, slots, steps, conv_states, ssm_states) -> torch.Tensor:
+        """Decode: every one-token sequence in one batched conv and scan step."""
+        rows = [starts[i] for i in steps]
+        seq_slots = torch.tensor([slots[i] for i in steps])
+        window = torch.cat([conv_states[seq_slots], xbc[rows][:, :, None]], dim=-1)  # [S, C, K]
+        conv_states[seq_slots] = window[:, :, 1:].to(conv_states.dtype)
+        conv = (window.to(self.conv_weight.dtype) * self.conv_weight).sum(-1)
+        if self.conv_bias is not None:
+            conv = conv + self.conv_bias
+        x, B, C = self._split(F.silu(conv).to(xbc.dtype))
+        states = ssm_states[seq_slots]
+        out = ssm_step(x, dt[rows], A, B, C, self.D, states)
+        ssm_states[seq_slots] = states
+        return out
+
+    def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The gated RMSNorm (per group of channels) and out_proj."""
+        d = self.dims
+        y = y * F.silu(gate.float())
+        grouped = y.view(y.shape[0], d.num_groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
+        y = self.norm_weight * grouped.view_as(y).to(dtype)
+        return F.linear(y.to(dtype), self.out_proj, self.out_proj_bias)
