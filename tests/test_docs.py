@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-INSTALL = 'pip install torch==2.13.0 -e ".[test,nixl,dynamo]" && pip install --no-deps ai-dynamo==1.6.1'
+INSTALL = (
+    'pip install torch==2.13.0 -e ".[test,nixl,dynamo]" && pip install --no-deps ai-dynamo==1.6.1'
+)
 TEST = "pytest -q"
 
 
