@@ -323,6 +323,23 @@ def _tile_sizes(group: int, max_seqlen_q: int) -> tuple[int, int]:
     return group_pad, max(1, rows // group_pad)
 
 
+def _partials(query: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
+    """Split-KV's per-partition outputs, running maxima and sums, reduced afterwards."""
+    num_tokens, num_heads, head_dim = query.shape
+    partial_m = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+    partial_l = torch.empty_like(partial_m)
+    partial_out = partial_m.new_empty((*partial_m.shape, head_dim))
+    return partial_out, partial_m, partial_l
+
+
+def _sinks_on(query: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """sinks as the kernel reads them: fp32, contiguous, on query's device; one a head."""
+    if sinks is None:
+        return None
+    assert sinks.shape == (query.shape[1],), f"sinks {tuple(sinks.shape)}: one a head"
+    return sinks.to(device=query.device, dtype=torch.float32).contiguous()
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -363,18 +380,12 @@ def paged_attention(
         num_splits = _auto_num_splits(query, key_cache, block_tables, max_seqlen_q)
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
     unused = torch.empty(0, dtype=torch.float32, device=query.device)
-    if sinks is not None:
-        assert sinks.shape == (query.shape[1],), f"sinks {tuple(sinks.shape)}: one a head"
-        sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+    sinks = _sinks_on(query, sinks)
     masking = (window or 0, softcap or 0.0, k_scale, v_scale, sinks)
     if num_splits == 1:
         _launch_attention(*args, (unused, unused, unused), 1, scale, max_seqlen_q, masking)
         return out
-    num_tokens, num_heads, head_dim = query.shape
-    partial_m = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
-    partial_l = torch.empty_like(partial_m)
-    partial_out = partial_m.new_empty((*partial_m.shape, head_dim))
-    partials = (partial_out, partial_m, partial_l)
+    partials = _partials(query, num_splits)
     _launch_attention(*args, partials, num_splits, scale, max_seqlen_q, masking)
     _launch_reduce(out, partials, unused if sinks is None else sinks)
     return out

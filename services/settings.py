@@ -196,22 +196,11 @@ class Settings(RequestCaps):
         for name in (*timeouts, "heartbeat_interval", "liveness_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
-        if self.router not in ROUTERS:
-            raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
-        if self.router_overlap_weight < 0:
-            raise ConfigError("router_overlap_weight: must be at least 0")
-        if not 0.0 <= self.router_disk_hit_cost <= 1.0:
-            raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
+        self._check_routing()
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ConfigError("max_pinned_fraction: must be in [0, 1]")
         if self.max_pinned_blocks_per_key < 0:
             raise ConfigError("max_pinned_blocks_per_key: must be at least 0")
-        if self.migration_limit < 0:
-            raise ConfigError("migration_limit: must be at least 0")
-        if self.kv_transfer not in ("auto", "nixl", "nats"):
-            raise ConfigError(f"kv_transfer: {self.kv_transfer!r} is not auto, nixl or nats")
-        if self.role not in ROLES:
-            raise ConfigError(f"role: {self.role!r} is not prefill, decode or both")
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0.0 < utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization: {utilization} is not in (0, 1]")
@@ -223,6 +212,21 @@ class Settings(RequestCaps):
         from kvpager.engine.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # a bad field, before any starts
+
+    def _check_routing(self) -> None:
+        """The router's, migration's and disaggregation's settings."""
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router: {self.router!r} is not kv, least-loaded or round-robin")
+        if self.router_overlap_weight < 0:
+            raise ConfigError("router_overlap_weight: must be at least 0")
+        if not 0.0 <= self.router_disk_hit_cost <= 1.0:
+            raise ConfigError("router_disk_hit_cost: must be in [0, 1]")
+        if self.migration_limit < 0:
+            raise ConfigError("migration_limit: must be at least 0")
+        if self.kv_transfer not in ("auto", "nixl", "nats"):
+            raise ConfigError(f"kv_transfer: {self.kv_transfer!r} is not auto, nixl or nats")
+        if self.role not in ROLES:
+            raise ConfigError(f"role: {self.role!r} is not prefill, decode or both")
 
     def _check_nats_auth(self) -> None:
         if (self.nats_user is None) != (self.nats_password is None):

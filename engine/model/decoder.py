@@ -56,6 +56,19 @@ def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
     return x if group is None else group.all_reduce(x)
 
 
+def _param_makers(dtype: torch.dtype):
+    """param(*shape): an uninitialised weight the loader fills; optional(on, *shape): the
+    same, or None where the family has no such weight."""
+
+    def param(*shape: int, dtype: torch.dtype = dtype) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+    def optional(on: bool, *shape: int, dtype: torch.dtype = dtype) -> nn.Parameter | None:
+        return param(*shape, dtype=dtype) if on else None
+
+    return param, optional
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -90,14 +103,13 @@ class DecoderLayer(nn.Module):
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         )
 
+        self._attention_params(config, dtype, hidden)
+        self._mlp_params(config, layer_idx, dtype, shard, hidden, intermediate)
+        self.build_matmuls(pack=False)
+
+    def _attention_params(self, config: ModelConfig, dtype: torch.dtype, hidden: int) -> None:
         norm = norm_dtype(config, dtype)
-
-        def param(*shape: int, dtype: torch.dtype = dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-        def optional(on: bool, *shape: int, dtype: torch.dtype = dtype) -> nn.Parameter | None:
-            return param(*shape, dtype=dtype) if on else None
-
+        param, optional = _param_makers(dtype)
         self.input_norm = param(hidden, dtype=norm)
         # DeepSeek's latent attention (engine/model/mla.py) instead of q|k|v and o
         self.mla = MlaAttention(config, dtype, norm) if config.mla else None
@@ -114,6 +126,12 @@ class DecoderLayer(nn.Module):
         self.attn_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
         self.post_attention_norm = param(hidden, dtype=norm)  # the MLP's input norm
         self.mlp_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
+
+    def _mlp_params(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, shard: Shard, hidden: int,
+        intermediate: int,
+    ) -> None:  # fmt: skip
+        param, _ = _param_makers(dtype)
         self.experts = None
         if config.is_sparse(layer_idx):
             self.experts = RoutedExperts(
@@ -125,7 +143,6 @@ class DecoderLayer(nn.Module):
         if self.has_mlp:
             self.gate_up_weight = param(2 * intermediate, hidden)
             self.down_weight = param(hidden, intermediate)
-        self.build_matmuls(pack=False)
 
     def build_matmuls(self, pack: bool) -> None:
         """The four matmuls (a MoE layer: attention's two, and its experts'); once packed, the

@@ -7,13 +7,35 @@ from kvpager.schemas.public import Stats
 
 
 def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats:
-    manager, stats = core.block_manager, core.stats
+    stats = core.stats
     queried = stats.prefix_queried_tokens
     return Stats(
         instance=instance,
         peak_used_blocks=stats.peak_used_blocks,
         peak_running=stats.peak_running,
         peak_waiting=stats.peak_waiting,
+        num_running=len(core.running),
+        num_waiting=len(core.waiting),
+        num_preemptions=stats.num_preemptions,
+        num_swap_preemptions=stats.num_swap_preemptions,
+        num_steps=stats.num_steps,
+        num_finished=dict(stats.finished),
+        prefix_cache_queried_tokens=queried,
+        prefix_cache_hit_tokens=stats.prefix_hit_tokens,
+        prefix_cache_hit_rate=round(stats.prefix_hit_tokens / queried, 4) if queried else 0.0,
+        spec_decode_num_drafts=core.lookahead.stats.num_drafts,
+        spec_decode_num_draft_tokens=core.lookahead.stats.num_draft_tokens,
+        spec_decode_num_accepted_tokens=core.lookahead.stats.num_accepted_tokens,
+        **_block_fields(core),
+        **_transfer_fields(core),
+        **_timing_fields(metrics),
+    )
+
+
+def _block_fields(core: Scheduler) -> dict:
+    """The device pool and the tiers under it."""
+    manager = core.block_manager
+    return dict(
         num_cpu_blocks=manager.cpu.num_blocks,
         num_swapped_out_blocks=manager.num_swapped_out_blocks,
         num_swapped_in_blocks=manager.num_swapped_in_blocks,
@@ -32,20 +54,23 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         num_cached_blocks=manager.num_cached_blocks,
         num_pinned_blocks=manager.pool.pins.num_pinned,
         num_pinned_evictions=manager.pool.pins.num_pinned_evictions,
-        num_running=len(core.running),
-        num_waiting=len(core.waiting),
-        num_preemptions=stats.num_preemptions,
-        num_swap_preemptions=stats.num_swap_preemptions,
-        num_steps=stats.num_steps,
-        kv_transfer_blocks=core.kv_stats.num_blocks,
-        kv_transfer_bytes=core.kv_stats.num_bytes,
-        kv_transfer_mean_ms=core.kv_stats.mean_ms,
-        kv_transfer_failed=core.kv_stats.num_failed,
-        kv_handoffs=core.kv_stats.num_held,
-        num_finished=dict(stats.finished),
-        prefix_cache_queried_tokens=queried,
-        prefix_cache_hit_tokens=stats.prefix_hit_tokens,
-        prefix_cache_hit_rate=round(stats.prefix_hit_tokens / queried, 4) if queried else 0.0,
+    )
+
+
+def _transfer_fields(core: Scheduler) -> dict:
+    """KV blocks moved between instances (engine/sched/kv_moves.py)."""
+    kv = core.kv_stats
+    return dict(
+        kv_transfer_blocks=kv.num_blocks,
+        kv_transfer_bytes=kv.num_bytes,
+        kv_transfer_mean_ms=kv.mean_ms,
+        kv_transfer_failed=kv.num_failed,
+        kv_handoffs=kv.num_held,
+    )
+
+
+def _timing_fields(metrics: EngineMetrics) -> dict:
+    return dict(
         num_generated_tokens=metrics.throughput.total,
         tokens_per_s=metrics.throughput.per_second(),
         ttft_ms=metrics.ttft.percentiles(),
@@ -57,7 +82,4 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         itl_s=metrics.itl.buckets.histogram(),
         e2e_s=metrics.e2e.histogram(),
         queue_s=metrics.queue.histogram(),
-        spec_decode_num_drafts=core.lookahead.stats.num_drafts,
-        spec_decode_num_draft_tokens=core.lookahead.stats.num_draft_tokens,
-        spec_decode_num_accepted_tokens=core.lookahead.stats.num_accepted_tokens,
     )

@@ -73,19 +73,23 @@ class Stream:
         self.last_sent_at = time.monotonic()  # an event or keepalive went to the client
         self._seq = 0
         # fields for the next event: the echoed prompt (first event), the prompt's logprobs
-        self._pending: dict = {}
         self._texts = TokenTexts(tokenizer)
-        if prepared.prompt_text is not None:
-            self._pending = {
-                "prompt_token_ids": prepared.prompt_token_ids,
-                "prompt_text": prepared.prompt_text,
-                "prompt_tokens": self._texts.of(prepared.prompt_token_ids),
-            }
+        self._pending: dict = self._echoed_prompt(prepared)
         self._samples = [
             _Sample(SampleOutput(tokenizer, prepared.prompt_token_ids, prepared.params))
             for _ in range(prepared.params.n)
         ]
         self._prompt_logprob_rows = prompt_logprob_rows(prepared.params, max_event_bytes)
+
+    def _echoed_prompt(self, prepared: Prepared) -> dict:
+        """The first event's echo of the prompt, when the request asked for it."""
+        if prepared.prompt_text is None:
+            return {}
+        return {
+            "prompt_token_ids": prepared.prompt_token_ids,
+            "prompt_text": prepared.prompt_text,
+            "prompt_tokens": self._texts.of(prepared.prompt_token_ids),
+        }
 
     def may_abort(self, abort_token: str | None) -> bool:
         """An abort comes from the stream's owner: it carries the stream's token."""
