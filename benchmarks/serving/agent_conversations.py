@@ -312,12 +312,13 @@ def vllm_server(args, model: str, port: int) -> subprocess.Popen:
         "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1",
         "--served-model-name", NAME, "--max-model-len", str(args.max_model_len),
         "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+        # the same KV budget as kvpager's (VLLM_CPU_KVCACHE_SPACE counts whole GiB)
+        "--kv-cache-memory-bytes", str(parse_bytes(args.kv_cache_memory)),
     ]  # fmt: skip
     env = {
         **os.environ,
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, parse_bytes(args.kv_cache_memory) >> 30)),
         "OMP_NUM_THREADS": str(args.threads),
     }
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
