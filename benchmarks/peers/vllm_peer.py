@@ -6,7 +6,6 @@ with benchmarks/peers/setup_vllm.sh; without it the peer is skipped and the repo
 """
 
 import json
-import math
 import os
 import subprocess
 import tempfile
@@ -26,12 +25,12 @@ RESULT_MARKER = "KVPAGER_BENCH_RESULT "
 
 
 def worker_env(cfg: BenchConfig) -> dict[str, str]:
-    """vLLM's CPU settings: OpenMP threads bound to the first cores, the KV budget in GiB."""
+    """vLLM's CPU settings: OpenMP threads bound to the first cores. The KV budget goes in
+    worker_config as bytes (VLLM_CPU_KVCACHE_SPACE counts whole GiB)."""
     env = dict(os.environ)
     env.update(
         VLLM_CPU_OMP_THREADS_BIND=f"0-{cfg.num_threads - 1}",
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(cfg.kv_cache_gib))),
         OMP_NUM_THREADS=str(cfg.num_threads),
     )
     return env
@@ -47,6 +46,7 @@ def worker_config(cfg: BenchConfig, plain_generate: bool, eager: bool) -> dict:
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "seed": cfg.seed,
+        "kv_cache_memory_bytes": cfg.kv_cache_bytes,
         "num_threads": cfg.num_threads,
         "plain_generate": plain_generate,
     }

@@ -52,6 +52,7 @@ def build_llm(config: dict):
         enable_prefix_caching=config["enable_prefix_caching"],
         enforce_eager=config.get("enforce_eager", False),  # default: vLLM's compiled mode
         seed=config["seed"],
+        kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),  # kvpager's budget, exactly
     )
 
 
