@@ -14,13 +14,14 @@ import structlog
 from kvpager.schemas.errors import PoisonedRequestError
 from kvpager.schemas.public import ModelCard
 from kvpager.services.http import messages, metrics, responses_api, tokenize
-from kvpager.services.http.completions import as_http_error, respond
+from kvpager.services.http.completions import respond
 from kvpager.services.http.decoding import read_body
 from kvpager.services.http.errors import HttpError, error_body
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.guard import Guard
 from kvpager.services.http.request_id import REQUEST_ID, EchoRequestId
 from kvpager.services.http.requests import COMPLETION_MAX_TOKENS, Kind, build_job, decode
+from kvpager.services.http.stream_waits import as_http_error
 from kvpager.services.http.structured import ToolSettings, check_compiles
 from kvpager.services.inflight import request_key
 from prometheus_client import CONTENT_TYPE_LATEST

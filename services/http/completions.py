@@ -2,40 +2,30 @@
 
 A stream's status is decided by its first event: a request the tokenizer or the scheduler
 refuses (bad input, overloaded, no executor) gets its 4xx/5xx error object, as a whole
-response would. If nothing comes within ADMISSION_S the 200 goes out, and a later failure is
-an SSE error event followed by `data: [DONE]`, as in vLLM. A client that disconnects has its
-requests aborted (`Streams.close`).
+response would. If nothing comes within ADMISSION_S (stream_waits.py) the 200 goes out, and a
+later failure is an SSE error event followed by `data: [DONE]`, as in vLLM. A client that
+disconnects has its requests aborted (`Streams.close`).
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from kvpager.schemas.public import GenerateEvent, Usage
-from kvpager.services.client import NoKvpagerError, StreamGapError
 from kvpager.services.http import echo, responses
 from kvpager.services.http.errors import HttpError
 from kvpager.services.http.requests import Job
+from kvpager.services.http.stream_waits import (
+    CLIENT_CLOSED,
+    collect_unless_gone,
+    events_after,
+    first_event,
+)
 from kvpager.services.http.streams import CutOffResponse, Streams
 from kvpager.services.http.tokens import TokenTexts
 from kvpager.services.http.tool_output import ToolDeltas
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
-KEEPALIVE_S = 15.0  # an SSE comment when a stream is silent this long (proxies, load balancers)
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
-
-
-def as_http_error(exc: Exception) -> HttpError:
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, NoKvpagerError):
-        return HttpError(503, f"no kvpager tokenizer is running: {exc}", "unavailable")
-    if isinstance(exc, StreamGapError):
-        return HttpError(502, f"an event of the stream was lost: {exc}", "connection_lost")
-    return HttpError(502, f"the NATS stream failed: {exc!r}", "connection_lost")
 
 
 async def respond(client, job: Job, request: Request, max_buffered: int | None = None) -> Response:
@@ -48,7 +38,7 @@ async def respond(client, job: Job, request: Request, max_buffered: int | None =
         finally:
             streams.close()  # ended already, or the client left: its requests are aborted
     try:
-        first = await _first(streams)
+        first = await first_event(streams)
     except BaseException:
         streams.close()
         raise
@@ -57,42 +47,15 @@ async def respond(client, job: Job, request: Request, max_buffered: int | None =
     return CutOffResponse(events, streams, media_type="text/event-stream", headers=headers)
 
 
-async def _first(streams: Streams) -> tuple[int, GenerateEvent] | None:
-    """The first event, unless it is a refusal (raised); None if it has not come yet."""
-    try:
-        item = await streams.next(ADMISSION_S)
-    except TimeoutError:
-        return None
-    except Exception as exc:
-        raise as_http_error(exc) from exc
-    if item is None:
-        raise HttpError(502, "the stream ended without an event", "connection_lost")
-    if item[1].error is not None:
-        raise HttpError.from_info(item[1].error)
-    return item
-
-
 async def _whole(job: Job, streams: Streams, texts: TokenTexts, request: Request) -> Response:
-    collect = asyncio.ensure_future(_collect(job, streams, texts))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not collect.done():
-            collect.cancel()  # the client went away
-            # a cancel is only a request: until the task has unwound it is neither cancelled
-            # nor done, and asking for its exception raised InvalidStateError
-            await asyncio.wait({collect})
-    if collect.cancelled():
+    collected = await collect_unless_gone(collect_choices(job, streams, texts), request)
+    if collected is None:
         return Response(status_code=CLIENT_CLOSED)
-    if collect.exception() is not None:
-        raise as_http_error(collect.exception())
-    finals, usages, prompts = collect.result()
+    finals, usages, prompts = collected
     return JSONResponse(responses.whole(job, finals, usages, texts, prompts))
 
 
-async def _collect(job: Job, streams: Streams, texts: TokenTexts):
+async def collect_choices(job: Job, streams: Streams, texts: TokenTexts):
     """Every choice's final event, the usages, and what the streams said of their prompts
     and of their tokens' texts."""
     finals: dict[int, GenerateEvent] = {}
@@ -109,11 +72,6 @@ async def _collect(job: Job, streams: Streams, texts: TokenTexts):
         if event.usage is not None:
             usages[index] = event.usage
     return finals, list(usages.values()), prompts
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _data(body: Any) -> bytes:
@@ -138,7 +96,7 @@ async def _pieces(job: Job, streams: Streams, first, texts: TokenTexts) -> Async
         for index in range(len(job.requests) * job.n):
             yield _data(responses.role_chunk(job, index, chunks.running.of(index)))
     usages: dict[int, Usage] = {}  # per stream, the latest: each sample's end has the total
-    async for item in _items(streams, first):
+    async for item in events_after(streams, first):
         if item is None:
             yield b": keepalive\n\n"
         elif isinstance(item, HttpError):
@@ -182,25 +140,6 @@ class _Chunks:
         offset += responses.num_chars(event, texts, job)
         self.offsets[choice] = offset + echo.num_chars(shown, texts, job.top_logprobs is not None)
         return [] if chunk is None else [chunk]
-
-
-async def _items(streams: Streams, first) -> AsyncIterator:
-    """(request index, event)s; None after KEEPALIVE_S of silence; an HttpError last if the
-    stream failed."""
-    if first is not None:
-        yield first
-    while True:
-        try:
-            item = await streams.next(KEEPALIVE_S)
-        except TimeoutError:
-            yield None
-            continue
-        except Exception as exc:
-            yield as_http_error(exc)
-            return
-        if item is None:
-            return
-        yield item
 
 
 def _tool_chunks(

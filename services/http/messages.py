@@ -8,7 +8,6 @@ server-sent events (message_start, content_block_start/_delta/_stop, message_del
 message_stop); errors, the stream's first refusal included, in Anthropic's error shape.
 """
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,19 +19,18 @@ from kvpager.schemas.errors import PoisonedRequestError
 from kvpager.schemas.public import ChatMessage, GenerateEvent, TokenizeRequest, Usage
 from kvpager.services.http import anthropic_shapes as shapes
 from kvpager.services.http import tool_output
-from kvpager.services.http.completions import (
-    CLIENT_CLOSED,
-    _disconnected,
-    _first,
-    _items,
-    as_http_error,
-)
 from kvpager.services.http.decoding import decode, read_body
 from kvpager.services.http.errors import HttpError
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.messages_request import chat_request
 from kvpager.services.http.request_id import REQUEST_ID
 from kvpager.services.http.requests import Job, build_job, chat_messages
+from kvpager.services.http.stream_waits import (
+    CLIENT_CLOSED,
+    collect_unless_gone,
+    events_after,
+    first_event,
+)
 from kvpager.services.http.streams import CutOffResponse, Streams
 from kvpager.services.http.structured import ToolSettings, check_compiles, tool_definitions
 from kvpager.services.http.tokenize import QUERY_TIMEOUT_S, _ask
@@ -118,7 +116,7 @@ async def _respond(gateway: Gateway, job: Job, request: Request) -> Response:
         finally:
             streams.close()  # ended already, or the client left: its requests are aborted
     try:
-        first = await _first(streams)
+        first = await first_event(streams)
     except BaseException:
         streams.close()
         raise
@@ -132,20 +130,10 @@ def _head(job: Job) -> dict[str, Any]:
 
 
 async def _whole(job: Job, streams: Streams, request: Request) -> Response:
-    collect = asyncio.ensure_future(_collect(streams))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not collect.done():
-            collect.cancel()  # the client went away
-            await asyncio.wait({collect})
-    if collect.cancelled():
+    collected = await collect_unless_gone(_collect(streams), request)
+    if collected is None:
         return Response(status_code=CLIENT_CLOSED)
-    if collect.exception() is not None:
-        raise as_http_error(collect.exception())
-    final, found = collect.result()
+    final, found = collected
     message = {"role": "assistant", "content": final.text}
     if job.tool_mode is not None:
         message, _ = tool_output.message(job.tool_mode, final.text, final.finish_reason)
@@ -198,7 +186,7 @@ async def _pieces(job: Job, streams: Streams, first) -> AsyncIterator[bytes]:
     yield _event("message_start", {"type": "message_start", "message": start})
     blocks = shapes.BlockEvents()
     deltas = ToolDeltas(job.tool_mode) if job.tool_mode is not None else None
-    async for item in _items(streams, first):
+    async for item in events_after(streams, first):
         if item is None:
             yield _event("ping", {"type": "ping"})
             continue

@@ -9,7 +9,6 @@ the new input form the prompt, whose earlier part the prefix cache (and the kv r
 sends it to the instance holding that prefix) then serves.
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,14 +18,7 @@ from kvpager.schemas.errors import PoisonedRequestError
 from kvpager.schemas.openai import Message
 from kvpager.schemas.openai_responses import ResponsesRequest
 from kvpager.services.http import decoding
-from kvpager.services.http.completions import (
-    CLIENT_CLOSED,
-    _collect,
-    _disconnected,
-    _first,
-    _items,
-    as_http_error,
-)
+from kvpager.services.http.completions import collect_choices
 from kvpager.services.http.errors import HttpError
 from kvpager.services.http.gateway import Gateway
 from kvpager.services.http.requests import Job, build_job
@@ -34,6 +26,12 @@ from kvpager.services.http.response_store import ResponseStore, StoredResponse
 from kvpager.services.http.response_store_nats import NatsResponseStore
 from kvpager.services.http.responses_input import chat_request, input_messages, renamed
 from kvpager.services.http.responses_output import ResponseBuilder, new_id
+from kvpager.services.http.stream_waits import (
+    CLIENT_CLOSED,
+    collect_unless_gone,
+    events_after,
+    first_event,
+)
 from kvpager.services.http.streams import CutOffResponse, Streams
 from kvpager.services.http.structured import ToolSettings, check_compiles
 from kvpager.services.http.tokens import TokenTexts
@@ -186,21 +184,14 @@ async def _whole(
     streams: Streams, builder: ResponseBuilder, request: Request, keep: _Keeper | None
 ) -> Response:
     """The whole response; 499 if the client leaves first (its request is aborted)."""
-    collect = asyncio.ensure_future(_collect(builder.job, streams, TokenTexts()))
-    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        work = collect_choices(builder.job, streams, TokenTexts())
+        collected = await collect_unless_gone(work, request)
     finally:
-        gone.cancel()
-        if not collect.done():
-            collect.cancel()
-            await asyncio.wait({collect})  # until it has unwound (completions.py: _whole)
         streams.close()
-    if collect.cancelled():
+    if collected is None:
         return Response(status_code=CLIENT_CLOSED)
-    if collect.exception() is not None:
-        raise as_http_error(collect.exception())
-    finals, usages, _ = collect.result()
+    finals, usages, _ = collected
     builder.feed(finals[0])
     builder.usage = usages[0] if usages else builder.usage
     if keep is not None:
@@ -210,7 +201,7 @@ async def _whole(
 
 async def _stream(streams: Streams, builder: ResponseBuilder, keep: _Keeper | None) -> Response:
     try:
-        first = await _first(streams)  # a refusal is the response's status, as on chat
+        first = await first_event(streams)  # a refusal is the response's status, as on chat
     except BaseException:
         streams.close()
         raise
@@ -223,7 +214,7 @@ async def _sse(streams: Streams, builder: ResponseBuilder, first, keep) -> Async
     try:
         for event in builder.start():
             yield _data(event)
-        async for item in _items(streams, first):
+        async for item in events_after(streams, first):
             if item is None:
                 yield b": keepalive\n\n"
                 continue
