@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,31 @@ def _wait_ready(deployment: Deployment) -> None:
     raise TimeoutError(f"Dynamo deployment not ready in {START_TIMEOUT_S:.0f} s")
 
 
+@contextmanager
+def started(
+    deployment: Deployment, wait_ready: Callable[[Deployment], None]
+) -> Iterator[Deployment]:
+    """The deployment once ready; its workers must still be up when the `with` ends. Every
+    process gets SIGTERM after (Dynamo's graceful shutdown), or a kill after 30 s."""
+    processes = deployment.processes
+    try:
+        wait_ready(deployment)
+        yield deployment
+        for name in deployment.workers:  # alive to the end: no invariant failed in a step
+            assert processes[name].poll() is None, (
+                f"{name} died: see {deployment.log_dir}/{name}.log"
+            )
+    finally:
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def _lists_model(deployment: Deployment) -> bool:
     try:
         models = httpx.get(f"{deployment.url}/v1/models", timeout=5.0).json()["data"]
@@ -133,20 +159,8 @@ def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
         argv = compose_command(f"worker-{idx}", tiny_llama, port)
         processes[f"worker{idx}"] = _launch(log_dir, f"worker{idx}", argv, env)
     deployment = Deployment(f"http://127.0.0.1:{port}", COMPOSE_MODEL, log_dir, processes)
-    try:
-        _wait_ready(deployment)
+    with started(deployment, _wait_ready):
         yield deployment
-        for name in deployment.workers:  # alive to the end: no invariant failed in a step
-            assert processes[name].poll() is None, f"{name} died: see {log_dir}/{name}.log"
-    finally:
-        for process in processes.values():
-            process.send_signal(signal.SIGTERM)
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
     for name in deployment.workers:  # SIGTERM: Dynamo's graceful shutdown, then the engine's
         assert processes[name].returncode == 0, f"{name}: see {log_dir}/{name}.log"
         assert any(

@@ -6,8 +6,6 @@ decode worker counts the blocks it received, and every block is free on both aft
 Skipped only when the `kvpager[dynamo]` or `kvpager[nixl]` extra is not installed."""
 
 import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +29,7 @@ from tests.services.test_dynamo import (  # noqa: E402  (after the skips)
     _context_id,
     _launch,
     _lists_model,
+    started,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,20 +90,8 @@ def deployment(tiny_llama, tmp_path_factory) -> Iterator[Deployment]:
         argv = compose_command(service, tiny_llama, port)
         processes[name] = _launch(log_dir, name, argv, env)
     deployment = Deployment(f"http://127.0.0.1:{port}", COMPOSE_MODEL, log_dir, processes)
-    try:
-        _wait_ready(deployment)
+    with started(deployment, _wait_ready):
         yield deployment
-        for name in deployment.workers:
-            assert processes[name].poll() is None, f"{name} died: see {log_dir}/{name}.log"
-    finally:
-        for process in processes.values():
-            process.send_signal(signal.SIGTERM)
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def test_disaggregated_completions_equal_offline_greedy_and_free_every_block(
