@@ -1,0 +1,103 @@
+"""Which matmul a linear runs, chosen once per weight shape at load by timing both: plain
+`F.linear` or the oneDNN-packed linear (engine/model/linear.py), for decode-sized row counts
+and for larger ones apart.
+
+Why measure rather than fix a rule: on AVX512-BF16 (AMD EPYC Zen 4, no AMX) packed bf16 won at
+every SmolLM2 shape and M (1.0-2.3x), but in float32 at M = 1 MKL's plain sgemv beat oneDNN's
+packed linear on the 576x576 o_proj (0.7-0.8x) while packed won there from M = 4 on; on an AMX
+host the split is again different (docs/design/packed-linears.md has the tables). A choice is
+timed once per (out, in, dtype, bias, threads) in a process and cached, in about 0.5 s for the
+largest shape (a 49152x576 lm_head in float32); small weights skip the timing and pack, as a
+fixed rule, so the choice on them is the same in every process.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+# rows up to this count are "small" (one or two decoding sequences), timed at the first M;
+# larger batches are timed at the second
+SMALL_ROWS = 2
+TIMED_ROWS = (1, 32)
+# weights under this many elements are packed without timing: a few µs either way, and a fixed
+# choice keeps tiny test models identical across processes
+MIN_TIMED_ELEMENTS = 1 << 16
+# plain must beat packed by this factor to be chosen: packed is the default, and timings on a
+# shared host are noisy
+PLAIN_MARGIN = 1.1
+ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """Whether the packed linear runs for small (<= SMALL_ROWS) and for larger row counts."""
+
+    packed_small: bool
+    packed_large: bool
+
+    @property
+    def mixed(self) -> bool:
+        """Both paths run, so both the plain and the packed weight stay."""
+        return self.packed_small != self.packed_large
+
+
+ALWAYS_PACKED = LinearChoice(True, True)
+_cache: dict[tuple, LinearChoice] = {}
+
+
+def _best_us(fns: list[LinearFn], x: torch.Tensor, min_calls_us: float = 2_000.0) -> list[float]:
+    """Each fn(x)'s best µs per call over ROUNDS rounds, the fns taking turns in every round."""
+    for fn in fns:  # warm: primitives created, pages touched
+        fn(x)
+    start = time.perf_counter()
+    fns[0](x)
+    once_us = (time.perf_counter() - start) * 1e6
+    calls = max(1, min(50, int(min_calls_us / max(once_us, 1.0))))
+    best = [float("inf")] * len(fns)
+    for _ in range(ROUNDS):
+        for idx, fn in enumerate(fns):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            best[idx] = min(best[idx], (time.perf_counter() - start) * 1e6 / calls)
+    return best
+
+
+def choose_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    plain: LinearFn,
+    packed: LinearFn,
+) -> LinearChoice:
+    """The faster of `plain` and `packed` (both x [M, in] -> [M, out]) per row bucket, timed on
+    zero rows of `weight`'s shape and dtype once per shape in this process."""
+    if weight.numel() < MIN_TIMED_ELEMENTS:
+        return ALWAYS_PACKED
+    out_f, in_f = weight.shape
+    key = (out_f, in_f, weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _cache:
+        _cache[key] = _measure(in_f, weight.dtype, plain, packed, key)
+    return _cache[key]
+
+
+def _measure(
+    in_f: int, dtype: torch.dtype, plain: LinearFn, packed: LinearFn, key: tuple
+) -> LinearChoice:
+    wins = []
+    timings = {}
+    with torch.inference_mode():
+        for rows in TIMED_ROWS:
+            x = torch.zeros(rows, in_f, dtype=dtype)
+            plain_us, packed_us = _best_us([plain, packed], x)
+            wins.append(plain_us * PLAIN_MARGIN >= packed_us)
+            timings[f"M={rows}"] = f"plain {plain_us:.0f} us, packed {packed_us:.0f} us"
+    choice = LinearChoice(packed_small=wins[0], packed_large=wins[1])
+    log.info("linear choice", shape=key[:2], dtype=str(dtype), choice=choice, **timings)
+    return choice
