@@ -42,7 +42,8 @@ def onednn_packing_supported(weight: torch.Tensor) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] reordered once into oneDNN's blocked layout, or None where this build
     or CPU has no packed path. No batch-size hint: on AVX512-BF16 the hint inductor passes
-    (64) gave the same `AB16b64a2b` layout for every SmolLM2 shape (docs/packed_linears.md)."""
+    (64) gave the same `AB16b64a2b` layout for every SmolLM2 shape
+    (docs/design/packed-linears.md)."""
     if not onednn_packing_supported(weight):
         return None
     try:

@@ -6,9 +6,9 @@ Why measure rather than fix a rule: on AVX512-BF16 (AMD EPYC Zen 4, no AMX) pack
 every SmolLM2 shape and M (1.0-2.3x), but in float32 at M = 1 MKL's plain sgemv beat oneDNN's
 packed linear on the 576x576 o_proj (0.7-0.8x) while packed won there from M = 4 on; on an AMX
 host the split is again different (docs/design/packed-linears.md has the tables). A choice is
-timed once per (out, in, dtype, bias, threads) in a process and cached, in about 0.5 s for the
-largest shape (a 49152x576 lm_head in float32); small weights skip the timing and pack, as a
-fixed rule, so the choice on them is the same in every process.
+timed once per (out, in, dtype, bias) in a process and cached, on one thread, in 0.2-0.6 s a
+shape for SmolLM2's layers; small and very large weights (an lm_head) skip the timing and
+pack, a fixed rule (so tiny test models also choose the same in every process).
 """
 
 import time
@@ -26,13 +26,17 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 # larger batches are timed at the second
 SMALL_ROWS = 2
 TIMED_ROWS = (1, 32)
-# weights under this many elements are packed without timing: a few µs either way, and a fixed
-# choice keeps tiny test models identical across processes
-MIN_TIMED_ELEMENTS = 1 << 16
+# weights under MIN are packed without timing: a few µs either way, and a fixed choice keeps
+# tiny test models identical across processes. Weights over MAX too, which bounds the time
+# at load: timing SmolLM2's 49152x576 lm_head took 2 s in float32, and at M = 1 reading the
+# weight is the whole cost, so plain and packed were within 10% (at M = 16-64 packed won
+# 1.2-3.6x); so 4096x4096 is the largest shape timed (a few 0.1 s).
+MIN_TIMED_ELEMENTS, MAX_TIMED_ELEMENTS = 1 << 16, 1 << 24
 # plain must beat packed by this factor to be chosen: packed is the default, and timings on a
 # shared host are noisy
 PLAIN_MARGIN = 1.1
-ROUNDS = 3
+# single calls timed per bucket: as many as BUDGET_S allows, within these bounds
+MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 40, 0.1
 
 
 @dataclass(frozen=True)
@@ -52,21 +56,22 @@ ALWAYS_PACKED = LinearChoice(True, True)
 _cache: dict[tuple, LinearChoice] = {}
 
 
-def _best_us(fns: list[LinearFn], x: torch.Tensor, min_calls_us: float = 2_000.0) -> list[float]:
-    """Each fn(x)'s best µs per call over ROUNDS rounds, the fns taking turns in every round."""
+def _best_us(fns: list[LinearFn], x: torch.Tensor) -> list[float]:
+    """Each fn(x)'s fastest single call in µs, the fns taking turns. The minimum of single
+    calls, not the mean of a batch: on a shared host a call that waited at a thread barrier
+    for another program is slower, never faster, so the fastest one is the uncontended cost."""
     for fn in fns:  # warm: primitives created, pages touched
         fn(x)
     start = time.perf_counter()
     fns[0](x)
-    once_us = (time.perf_counter() - start) * 1e6
-    calls = max(1, min(50, int(min_calls_us / max(once_us, 1.0))))
+    once_s = time.perf_counter() - start
+    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(BUDGET_S / max(len(fns) * once_s, 1e-6))))
     best = [float("inf")] * len(fns)
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for idx, fn in enumerate(fns):
             start = time.perf_counter()
-            for _ in range(calls):
-                fn(x)
-            best[idx] = min(best[idx], (time.perf_counter() - start) * 1e6 / calls)
+            fn(x)
+            best[idx] = min(best[idx], (time.perf_counter() - start) * 1e6)
     return best
 
 
@@ -78,10 +83,10 @@ def choose_linear(
 ) -> LinearChoice:
     """The faster of `plain` and `packed` (both x [M, in] -> [M, out]) per row bucket, timed on
     zero rows of `weight`'s shape and dtype once per shape in this process."""
-    if weight.numel() < MIN_TIMED_ELEMENTS:
+    if not MIN_TIMED_ELEMENTS <= weight.numel() <= MAX_TIMED_ELEMENTS:
         return ALWAYS_PACKED
     out_f, in_f = weight.shape
-    key = (out_f, in_f, weight.dtype, bias is not None, torch.get_num_threads())
+    key = (out_f, in_f, weight.dtype, bias is not None)
     if key not in _cache:
         _cache[key] = _measure(in_f, weight.dtype, plain, packed, key)
     return _cache[key]
@@ -90,14 +95,21 @@ def choose_linear(
 def _measure(
     in_f: int, dtype: torch.dtype, plain: LinearFn, packed: LinearFn, key: tuple
 ) -> LinearChoice:
-    wins = []
-    timings = {}
-    with torch.inference_mode():
-        for rows in TIMED_ROWS:
-            x = torch.zeros(rows, in_f, dtype=dtype)
-            plain_us, packed_us = _best_us([plain, packed], x)
-            wins.append(plain_us * PLAIN_MARGIN >= packed_us)
-            timings[f"M={rows}"] = f"plain {plain_us:.0f} us, packed {packed_us:.0f} us"
+    wins, timings = [], {}
+    threads = torch.get_num_threads()
+    # one thread: with two, a call whose second thread is descheduled waits at oneDNN's or
+    # MKL's barrier for a whole time slice; on a busy 2-core host every call did (20 ms for a
+    # 30 µs matmul), and the choice was noise. One thread has no barrier to wait at.
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in TIMED_ROWS:
+                x = torch.zeros(rows, in_f, dtype=dtype)
+                plain_us, packed_us = _best_us([plain, packed], x)
+                wins.append(plain_us * PLAIN_MARGIN >= packed_us)
+                timings[f"M={rows}"] = f"plain {plain_us:.0f} us, packed {packed_us:.0f} us"
+    finally:
+        torch.set_num_threads(threads)
     choice = LinearChoice(packed_small=wins[0], packed_large=wins[1])
     log.info("linear choice", shape=key[:2], dtype=str(dtype), choice=choice, **timings)
     return choice

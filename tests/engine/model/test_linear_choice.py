@@ -62,7 +62,9 @@ def test_measured_once_per_shape(monkeypatch, dtype):
     monkeypatch.setattr(linear_choice, "_cache", {})
     monkeypatch.setattr(linear_choice, "_measure", lambda *a: calls.append(a) or real(*a))
     weight, _ = weights(512, 256, dtype)
+    threads = torch.get_num_threads()
     first, _ = make_linear(weight, None)
+    assert torch.get_num_threads() == threads  # timed on one thread, then put back
     second, _ = make_linear(weights(512, 256, dtype)[0] + 1, None)  # same shape, other values
     assert len(calls) == 1
     assert_matches_plain(first, weight, None)
