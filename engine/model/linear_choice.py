@@ -56,7 +56,9 @@ ALWAYS_PACKED = LinearChoice(True, True)
 _cache: dict[tuple, LinearChoice] = {}
 
 
-def _best_us(fns: list[LinearFn], x: torch.Tensor) -> list[float]:
+def fastest_call_us(
+    fns: list[LinearFn], x: torch.Tensor, budget_s: float = BUDGET_S
+) -> list[float]:
     """Each fn(x)'s fastest single call in µs, the fns taking turns. The minimum of single
     calls, not the mean of a batch: on a shared host a call that waited at a thread barrier
     for another program is slower, never faster, so the fastest one is the uncontended cost."""
@@ -65,7 +67,7 @@ def _best_us(fns: list[LinearFn], x: torch.Tensor) -> list[float]:
     start = time.perf_counter()
     fns[0](x)
     once_s = time.perf_counter() - start
-    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(BUDGET_S / max(len(fns) * once_s, 1e-6))))
+    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget_s / max(len(fns) * once_s, 1e-6))))
     best = [float("inf")] * len(fns)
     for _ in range(rounds):
         for idx, fn in enumerate(fns):
@@ -105,7 +107,7 @@ def _measure(
         with torch.inference_mode():
             for rows in TIMED_ROWS:
                 x = torch.zeros(rows, in_f, dtype=dtype)
-                plain_us, packed_us = _best_us([plain, packed], x)
+                plain_us, packed_us = fastest_call_us([plain, packed], x)
                 wins.append(plain_us * PLAIN_MARGIN >= packed_us)
                 timings[f"M={rows}"] = f"plain {plain_us:.0f} us, packed {packed_us:.0f} us"
     finally:
