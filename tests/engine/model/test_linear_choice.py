@@ -49,10 +49,18 @@ def test_every_choice_gives_plain_outputs(monkeypatch, dtype, choice):
     forced = LinearChoice(*choice)
     monkeypatch.setattr(linear_choice, "_measure", lambda *args: forced)
     monkeypatch.setattr(linear_choice, "_cache", {})
+    calls = []
+    packed_linear = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda *a: calls.append(a) or packed_linear(*a))
     fn, unused = make_linear(weight, bias)
     # the plain weight may go only where every row count runs packed
     assert unused == (forced.packed_small and forced.packed_large)
     assert_matches_plain(fn, weight, bias)
+    # each row count took its bucket's path
+    ran_packed = [len(x) for x, *_ in calls]
+    packed_at = {True: forced.packed_small, False: forced.packed_large}
+    expected = [m for m in ROWS if packed_at[m <= SMALL_ROWS]]
+    assert ran_packed == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
