@@ -3,20 +3,26 @@
 On CPU, `F.linear` goes to MKL's sgemm, which re-blocks the weight on every call. oneDNN's
 linear takes a weight reordered once into its blocked layout, so the cost of blocking is paid
 at load, not every step (benchmarks/reports/2026-11-29-cpu-2core-avx2/). The packed weight
-lives in place of the checkpoint weight, which the decoder then releases.
+lives in place of the checkpoint weight, which the decoder then releases, unless plain
+`F.linear` was timed faster at some row count (engine/model/linear_choice.py): then that row
+count runs plain and both weights stay. `ONEDNN_VERBOSE=1` shows what runs: no weight reorder
+after load, and the blocked weight (`AB16b64a2b` in bf16 on AVX512-BF16) on every call
+(tests/engine/model/test_onednn_verbose.py).
 """
-
-from collections.abc import Callable
 
 import structlog
 import torch
 import torch.nn.functional as F
 from kvpager.engine.memory import cpu_has_native_bf16
+from kvpager.engine.model.linear_choice import (
+    ALWAYS_PACKED,
+    SMALL_ROWS,
+    LinearFn,
+    choose_linear,
+)
 from torch import nn
 
 log = structlog.get_logger(__name__)
-
-LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def onednn_packing_supported(weight: torch.Tensor) -> bool:
@@ -33,19 +39,48 @@ def onednn_packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout, or None where this build
+    or CPU has no packed path. No batch-size hint: on AVX512-BF16 the hint inductor passes
+    (64) gave the same `AB16b64a2b` layout for every SmolLM2 shape
+    (docs/design/packed-linears.md)."""
+    if not onednn_packing_supported(weight):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError as error:  # a build or CPU without the packed path
+        log.warning("oneDNN weight packing unavailable, using F.linear", error=str(error))
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [tokens, in] @ packed.T (+ bias) -> [tokens, out], reading the weight as packed."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True
+    weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True, measure: bool = True
 ) -> tuple[LinearFn, bool]:
-    """x [tokens, in] -> [tokens, out], and whether `weight` was packed (then it is unused)."""
-    if pack and onednn_packing_supported(weight):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        except RuntimeError as error:  # a build or CPU without the packed path
-            log.warning("oneDNN weight packing unavailable, using F.linear", error=str(error))
-        else:
-            matmul = torch.ops.mkldnn._linear_pointwise
-            return lambda x: matmul(x.contiguous(), packed, bias, "none", [], ""), True
-    return lambda x: F.linear(x, weight, bias), False
+    """x [tokens, in] -> [tokens, out], and whether `weight` is unused (then the caller may
+    release it). With `measure`, plain and packed are timed once per shape
+    (engine/model/linear_choice.py) and each row count runs the faster; where both win at
+    some row count both weights stay. Without it a packable weight always runs packed."""
+    packed = pack_weight(weight) if pack else None
+
+    def plain_fn(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    if packed is None:
+        return plain_fn, False
+
+    def packed_fn(x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, packed, bias)
+
+    choice = choose_linear(weight, bias, plain_fn, packed_fn) if measure else ALWAYS_PACKED
+    if not choice.mixed:
+        return (packed_fn, True) if choice.packed_small else (plain_fn, False)
+    small_fn, large_fn = (packed_fn, plain_fn) if choice.packed_small else (plain_fn, packed_fn)
+    return lambda x: small_fn(x) if x.shape[0] <= SMALL_ROWS else large_fn(x), False
 
 
 def release(weight: nn.Parameter) -> None:

@@ -34,8 +34,8 @@ class PackedExperts:
         cannot pack them (another device or dtype, or a build without it)."""
         if not onednn_packing_supported(gate_up):
             return None
-        gate_up_fns = [make_linear(weight, None) for weight in gate_up]
-        down_fns = [make_linear(weight, None) for weight in down]
+        gate_up_fns = [make_linear(weight, None, measure=False) for weight in gate_up]
+        down_fns = [make_linear(weight, None, measure=False) for weight in down]
         if not all(packed for _, packed in gate_up_fns + down_fns):
             return None
         intermediate = down.shape[2]

@@ -1,0 +1,117 @@
+"""Which matmul a linear runs, chosen once per weight shape at load by timing both: plain
+`F.linear` or the oneDNN-packed linear (engine/model/linear.py), for decode-sized row counts
+and for larger ones apart.
+
+Why measure rather than fix a rule: on AVX512-BF16 (AMD EPYC Zen 4, no AMX) packed bf16 won at
+every SmolLM2 shape and M (1.0-2.3x), but in float32 at M = 1 MKL's plain sgemv beat oneDNN's
+packed linear on the 576x576 o_proj (0.7-0.8x) while packed won there from M = 4 on; on an AMX
+host the split is again different (docs/design/packed-linears.md has the tables). A choice is
+timed once per (out, in, dtype, bias) in a process and cached, on one thread, in 0.2-0.6 s a
+shape for SmolLM2's layers; small and very large weights (an lm_head) skip the timing and
+pack, a fixed rule (so tiny test models also choose the same in every process).
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+# rows up to this count are "small" (one or two decoding sequences), timed at the first M;
+# larger batches are timed at the second
+SMALL_ROWS = 2
+TIMED_ROWS = (1, 32)
+# weights under MIN are packed without timing: a few µs either way, and a fixed choice keeps
+# tiny test models identical across processes. Weights over MAX too, which bounds the time
+# at load: timing SmolLM2's 49152x576 lm_head took 2 s in float32, and at M = 1 reading the
+# weight is the whole cost, so plain and packed were within 10% (at M = 16-64 packed won
+# 1.2-3.6x); so 4096x4096 is the largest shape timed (a few 0.1 s).
+MIN_TIMED_ELEMENTS, MAX_TIMED_ELEMENTS = 1 << 16, 1 << 24
+# plain must beat packed by this factor to be chosen: packed is the default, and timings on a
+# shared host are noisy
+PLAIN_MARGIN = 1.1
+# single calls timed per bucket: as many as BUDGET_S allows, within these bounds
+MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 40, 0.1
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """Whether the packed linear runs for small (<= SMALL_ROWS) and for larger row counts."""
+
+    packed_small: bool
+    packed_large: bool
+
+    @property
+    def mixed(self) -> bool:
+        """Both paths run, so both the plain and the packed weight stay."""
+        return self.packed_small != self.packed_large
+
+
+ALWAYS_PACKED = LinearChoice(True, True)
+_cache: dict[tuple, LinearChoice] = {}
+
+
+def fastest_call_us(
+    fns: list[LinearFn], x: torch.Tensor, budget_s: float = BUDGET_S
+) -> list[float]:
+    """Each fn(x)'s fastest single call in µs, the fns taking turns. The minimum of single
+    calls, not the mean of a batch: on a shared host a call that waited at a thread barrier
+    for another program is slower, never faster, so the fastest one is the uncontended cost."""
+    for fn in fns:  # warm: primitives created, pages touched
+        fn(x)
+    start = time.perf_counter()
+    fns[0](x)
+    once_s = time.perf_counter() - start
+    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget_s / max(len(fns) * once_s, 1e-6))))
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for idx, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn(x)
+            best[idx] = min(best[idx], (time.perf_counter() - start) * 1e6)
+    return best
+
+
+def choose_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    plain: LinearFn,
+    packed: LinearFn,
+) -> LinearChoice:
+    """The faster of `plain` and `packed` (both x [M, in] -> [M, out]) per row bucket, timed on
+    zero rows of `weight`'s shape and dtype once per shape in this process."""
+    if not MIN_TIMED_ELEMENTS <= weight.numel() <= MAX_TIMED_ELEMENTS:
+        return ALWAYS_PACKED
+    out_f, in_f = weight.shape
+    key = (out_f, in_f, weight.dtype, bias is not None)
+    if key not in _cache:
+        _cache[key] = _measure(in_f, weight.dtype, plain, packed, key)
+    return _cache[key]
+
+
+def _measure(
+    in_f: int, dtype: torch.dtype, plain: LinearFn, packed: LinearFn, key: tuple
+) -> LinearChoice:
+    wins, timings = [], {}
+    threads = torch.get_num_threads()
+    # one thread: with two, a call whose second thread is descheduled waits at oneDNN's or
+    # MKL's barrier for a whole time slice; on a busy 2-core host every call did (20 ms for a
+    # 30 µs matmul), and the choice was noise. One thread has no barrier to wait at.
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in TIMED_ROWS:
+                x = torch.zeros(rows, in_f, dtype=dtype)
+                plain_us, packed_us = fastest_call_us([plain, packed], x)
+                wins.append(plain_us * PLAIN_MARGIN >= packed_us)
+                timings[f"M={rows}"] = f"plain {plain_us:.0f} us, packed {packed_us:.0f} us"
+    finally:
+        torch.set_num_threads(threads)
+    choice = LinearChoice(packed_small=wins[0], packed_large=wins[1])
+    log.info("linear choice", shape=key[:2], dtype=str(dtype), choice=choice, **timings)
+    return choice

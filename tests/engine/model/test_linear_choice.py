@@ -1,0 +1,115 @@
+"""Linears that pack once (engine/model/linear.py, engine/model/linear_choice.py): whatever
+path a row count takes, the output is F.linear's (fp32 tightly, bf16 within a few ulps); a
+mixed choice keeps the plain weight and runs each side; the timing runs once per shape;
+small weights pack without timing; a tied lm_head packs a copy and leaves the embedding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvpager.engine.memory import cpu_has_native_bf16
+from kvpager.engine.model import linear, linear_choice
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.linear import make_linear, onednn_packing_supported
+from kvpager.engine.model.linear_choice import SMALL_ROWS, LinearChoice
+from kvpager.engine.model.loader import load_weights
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
+
+pytestmark = pytest.mark.skipif(
+    not onednn_packing_supported(torch.empty(1)), reason="no oneDNN packed linear in this build"
+)
+BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bf16: not packed"),
+)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+ROWS = (1, SMALL_ROWS, SMALL_ROWS + 1, 37)
+
+
+def weights(out_f: int, in_f: int, dtype: torch.dtype, bias: bool = False):
+    gen = torch.Generator().manual_seed(out_f + in_f)
+    weight = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype)
+    return weight, (torch.randn(out_f, generator=gen).to(dtype) if bias else None)
+
+
+def assert_matches_plain(fn, weight, bias) -> None:
+    tol = TOLERANCE[weight.dtype]
+    for rows in ROWS:
+        x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
+        out = fn(x)
+        assert out.dtype == weight.dtype and out.shape == (rows, weight.shape[0])
+        expected = F.linear(x, weight, bias).float()
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("choice", [(True, True), (False, True), (True, False), (False, False)])
+def test_every_choice_gives_plain_outputs(monkeypatch, dtype, choice):
+    weight, bias = weights(320, 256, dtype, bias=True)
+    forced = LinearChoice(*choice)
+    monkeypatch.setattr(linear_choice, "_measure", lambda *args: forced)
+    monkeypatch.setattr(linear_choice, "_cache", {})
+    calls = []
+    packed_linear = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda *a: calls.append(a) or packed_linear(*a))
+    fn, unused = make_linear(weight, bias)
+    # the plain weight may go only where every row count runs packed
+    assert unused == (forced.packed_small and forced.packed_large)
+    assert_matches_plain(fn, weight, bias)
+    # each row count took its bucket's path
+    ran_packed = [len(x) for x, *_ in calls]
+    packed_at = {True: forced.packed_small, False: forced.packed_large}
+    expected = [m for m in ROWS if packed_at[m <= SMALL_ROWS]]
+    assert ran_packed == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_measured_once_per_shape(monkeypatch, dtype):
+    calls = []
+    real = linear_choice._measure
+    monkeypatch.setattr(linear_choice, "_cache", {})
+    monkeypatch.setattr(linear_choice, "_measure", lambda *a: calls.append(a) or real(*a))
+    weight, _ = weights(512, 256, dtype)
+    threads = torch.get_num_threads()
+    first, _ = make_linear(weight, None)
+    assert torch.get_num_threads() == threads  # timed on one thread, then put back
+    second, _ = make_linear(weights(512, 256, dtype)[0] + 1, None)  # same shape, other values
+    assert len(calls) == 1
+    assert_matches_plain(first, weight, None)
+
+
+def test_small_weights_pack_without_timing(monkeypatch):
+    monkeypatch.setattr(linear_choice, "_measure", lambda *a: pytest.fail("timed a small weight"))
+    weight, bias = weights(64, 64, torch.float32, bias=True)
+    fn, unused = make_linear(weight, bias)
+    assert unused
+    assert_matches_plain(fn, weight, bias)
+
+
+def test_unmeasured_packs_and_unpacked_stays_plain(monkeypatch):
+    monkeypatch.setattr(linear_choice, "_measure", lambda *a: pytest.fail("measure=False timed"))
+    weight, _ = weights(512, 256, torch.float32)
+    assert make_linear(weight, None, measure=False)[1]
+    fn, unused = make_linear(weight, None, pack=False)
+    assert not unused
+    assert_matches_plain(fn, weight, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_a_tied_lm_head_packs_a_copy_and_keeps_the_embedding(monkeypatch, tiny_qwen2, dtype):
+    config = ModelConfig.from_path(tiny_qwen2)
+    assert config.tie_word_embeddings
+    decoder = Decoder(config, dtype, 64, get_kernel_ops("torch"))
+    load_weights(decoder, tiny_qwen2)
+    embedding = decoder.embed_tokens.detach().clone()
+    calls = []
+    packed_linear = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda *a: calls.append(a) or packed_linear(*a))
+    decoder.build_matmuls(pack=True)
+    assert decoder.lm_head is decoder.embed_tokens
+    assert torch.equal(decoder.embed_tokens, embedding)  # the table stays plain, unreleased
+    hidden = torch.randn(5, config.hidden_size).to(dtype)
+    tol = TOLERANCE[dtype]
+    logits = decoder.compute_logits(hidden)
+    assert len(calls) == 1  # the lm_head ran on its packed copy
+    torch.testing.assert_close(logits, F.linear(hidden, embedding).float(), rtol=tol, atol=tol)
