@@ -27,25 +27,27 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvpager.engine.config import CacheConfig, SchedulerConfig
-from kvpager.engine.request import Request
+from kvpager.engine.request import Request, RequestStatus
 from kvpager.engine.sched.scheduler import Scheduler
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.scheduler import StepOutput
 
 SAMPLED_TOKEN = 7
+FINISHED = (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)  # not aborted
 UNLIMITED = 1 << 20
 POLICIES: dict[str, dict] = {
     # `kvpager serve` before: every prompt capped at 512 a step, all prefilling at once
-    "capped-all": dict(long_prefill_token_threshold=512, max_num_partial_prefills=UNLIMITED,
+    "serve-before": dict(long_prefill_token_threshold=512, max_num_partial_prefills=UNLIMITED,
                        max_long_partial_prefills=UNLIMITED, reserve_prompt_blocks=False),
     # vLLM v1's defaults: no cap, first come first served at the whole budget
     "vllm-fcfs": dict(long_prefill_token_threshold=0, max_num_partial_prefills=1,
                       max_long_partial_prefills=1, reserve_prompt_blocks=False),
-    # capped, but one long prompt prefilling at a time (short ones beside it)
-    "one-long": dict(long_prefill_token_threshold=512, max_num_partial_prefills=4,
+    # `kvpager serve` now: capped, but one long prompt prefilling at a time (a short one
+    # starts beside it)
+    "serve": dict(long_prefill_token_threshold=512, max_num_partial_prefills=4,
                      max_long_partial_prefills=1, reserve_prompt_blocks=False),
-    # `kvpager serve` now: one-long, and no admission that finishing would preempt for
-    "served": dict(long_prefill_token_threshold=512, max_num_partial_prefills=4,
+    # and no admission that finishing would preempt for (--reserve-prompt-blocks)
+    "serve+reserve": dict(long_prefill_token_threshold=512, max_num_partial_prefills=4,
                    max_long_partial_prefills=1, reserve_prompt_blocks=True),
     "vllm-fcfs+reserve": dict(long_prefill_token_threshold=0, max_num_partial_prefills=1,
                               max_long_partial_prefills=1, reserve_prompt_blocks=True),
@@ -215,6 +217,9 @@ def replay(policy: dict, work: Workload, seed: int = 0) -> Replay:
     while not run.conversations_done:
         assert run.num_steps < work.max_steps, "the workload did not finish"
         run.step()
+    for seq_id in list(run.scheduler.seqs):  # the flood and short requests still in flight
+        run.scheduler.abort(seq_id)
+    run.scheduler.check_invariants()
     return run
 
 
@@ -233,7 +238,7 @@ def summary(runs: list[Replay]) -> dict[str, object]:
         ttfts = [t.ttft for t in tracks if t.kind == kind and t.first]
         row[f"{kind}_steps"] = percentiles([ttft[0] for ttft in ttfts])
         row[f"{kind}_cost"] = percentiles([ttft[1] for ttft in ttfts])
-    done = [t for t in tracks if t.request.is_finished]
+    done = [t for t in tracks if t.request.status in FINISHED]
     row["flood_done"] = sum(t.kind == "flood" for t in done)
     row["preemptions"] = sum(run.scheduler.stats.num_preemptions for run in runs)
     row["recomputed"] = sum(t.num_recomputed for t in done)

@@ -11,10 +11,10 @@ from kvpager.engine.config import CacheConfig, SchedulerConfig
 from kvpager.engine.kv.block_manager import BlockManager
 from kvpager.engine.kv.hybrid_manager import HybridBlockManager
 from kvpager.engine.request import Request, RequestStatus
-from kvpager.engine.sched.prefill_limits import PrefillSlot, is_long, prefill_slot, prompt_fits
+from kvpager.engine.sched.prefill_limits import PrefillSlot, prefill_slot, prompt_fits
 from kvpager.engine.sched.step_plan import SchedulerStats, StepPlan
 
-SHORT_JUMP_SCAN = 64  # waiting requests looked at for a short prompt behind a held long one
+SHORT_JUMP_SCAN = 64  # waiting requests looked at for a short prompt behind a held one
 
 
 class Admission:
@@ -55,7 +55,7 @@ class Admission:
         while self.waiting and plan.budget > 0:
             if self._resume_or_admit(self.waiting[0], plan):
                 continue
-            if plan.held_long and self._admit_short_behind(plan):
+            if plan.held_by_limits and self._admit_short_behind(plan):
                 continue
             if self.running or plan.num_scheduled or not self.num_swapped:
                 break
@@ -66,14 +66,15 @@ class Admission:
         self._prefetch_from_disk()
 
     def _admit_short_behind(self, plan: StepPlan) -> bool:
-        """The head is a long prompt held by max_long_partial_prefills: the first fresh prompt
-        behind it short enough to finish in one chunk starts instead (vLLM's queue jump)."""
-        plan.held_long = False
+        """The head waits for a partial-prefill slot: the first fresh prompt behind it that
+        finishes in one chunk (so takes no slot) starts instead (vLLM's queue jump)."""
+        plan.held_by_limits = False
         for request in islice(self.waiting, 1, SHORT_JUMP_SCAN):
+            num_tokens = request.num_tokens
             if (
                 request.status is RequestStatus.WAITING
                 and request.kv_import is None
-                and not is_long(request.num_tokens, self.config)
+                and self._chunk(request, num_tokens, plan.budget) >= num_tokens
             ):
                 return self._resume_or_admit(request, plan)
         return False
@@ -151,7 +152,7 @@ class Admission:
         if request.num_pending_forks:
             return True
         slot = prefill_slot(self.running, plan.num_scheduled, self.config, num_new, num_chunk)
-        plan.held_long = slot is PrefillSlot.LONG_HELD
+        plan.held_by_limits = slot is not PrefillSlot.FREE
         if slot is not PrefillSlot.FREE:
             return False
         if not self.config.reserve_prompt_blocks:

@@ -13,8 +13,9 @@ from kvpager.engine.request import Request
 
 class PrefillSlot(enum.Enum):
     FREE = "free"
+    # either way a prompt finishing in its first chunk may start in its place
     FULL = "full"  # max_num_partial_prefills prompts are prefilling
-    LONG_HELD = "long_held"  # max_long_partial_prefills long prompts are: a short one may start
+    LONG_HELD = "long_held"  # max_long_partial_prefills long prompts are
 
 
 def remaining_prefill(request: Request) -> int:
