@@ -21,11 +21,9 @@ Tokens computed stand in for time: on a CPU a step costs about its tokens.
 import argparse
 import logging
 import random
-import statistics
 from dataclasses import dataclass, field
 
 import structlog
-
 from kvpager.engine.config import CacheConfig, SchedulerConfig
 from kvpager.engine.request import Request, RequestStatus
 from kvpager.engine.sched.scheduler import Scheduler
