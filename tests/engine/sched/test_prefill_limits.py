@@ -2,10 +2,12 @@
 driven by hand-made step outputs."""
 
 import pytest
+from kvpager.engine import SamplingParams
 from kvpager.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvpager.engine.sched.scheduler import Scheduler
 from kvpager.schemas.errors import ConfigError
 
+from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.engine.sched.test_scheduler import add, run_step
 
 
@@ -110,3 +112,23 @@ def test_partial_prefill_limits_are_checked():
     scheduler_config = limits.scheduler_config(8, 256)
     assert scheduler_config.max_num_partial_prefills == 3
     assert scheduler_config.reserve_prompt_blocks
+
+
+def test_served_limits_keep_greedy_outputs_under_pressure(tiny_llama):
+    """A model run: long prompts one at a time, a short one jumping, prompts held for blocks
+    in a small cache; every output equals the unpressured offline run's."""
+    prompts = random_prompts([70, 60, 50, 5, 40], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_llama).generate(prompts, params)]
+    pressured = make_llm(
+        tiny_llama,
+        num_blocks=24,  # 192 tokens: the five prompts' 225 do not fit at once
+        long_prefill_token_threshold=16,
+        max_num_partial_prefills=4,
+        max_long_partial_prefills=1,
+        reserve_prompt_blocks=True,
+    )
+    got = [o.outputs[0].token_ids for o in pressured.generate(prompts, params)]
+    assert got == expected
+    assert pressured.stats()["num_preemptions"] == 0
+    assert_all_free(pressured)
