@@ -1,5 +1,7 @@
 """Admission: the waiting queue's head starts (prefix hits, disk loads, chunked prefill) or a
-swapped-out request comes back, while the step's token budget and blocks last.
+swapped-out request comes back, while the step's token budget and blocks last. A head held by
+the partial-prefill limits lets a prompt behind it that finishes in one chunk start instead
+(engine/sched/prefill_limits.py).
 
 Mixed into Scheduler (engine/sched/scheduler.py), whose queues and block manager it works on.
 """
