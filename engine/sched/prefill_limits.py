@@ -73,7 +73,8 @@ def prompt_fits(
 ) -> bool:
     """Whether the request's whole remaining prompt (`num_new` tokens past its prefix `hits`)
     fits beside what the running requests will take (reserve_prompt_blocks). With nothing
-    running there is nothing to preempt: allocation alone decides."""
+    running there is nothing to preempt: allocation alone decides. Cached hits sitting free
+    count as free here too (a block of slack); allocate_slots still checks them exactly."""
     if not running:
         return True
     needed = block_manager.num_blocks_needed(request, num_new, hits)
