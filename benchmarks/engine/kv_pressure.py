@@ -44,6 +44,9 @@ POLICIES: dict[str, dict] = {
     # starts beside it)
     "serve": dict(long_prefill_token_threshold=512, max_num_partial_prefills=4,
                      max_long_partial_prefills=1, reserve_prompt_blocks=False),
+    # the same with a 1,024-token threshold: ~900-token prompts are short
+    "serve-1024": dict(long_prefill_token_threshold=1024, max_num_partial_prefills=4,
+                       max_long_partial_prefills=1, reserve_prompt_blocks=False),
     # and no admission that finishing would preempt for (--reserve-prompt-blocks)
     "serve+reserve": dict(long_prefill_token_threshold=512, max_num_partial_prefills=4,
                    max_long_partial_prefills=1, reserve_prompt_blocks=True),
