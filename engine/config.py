@@ -198,8 +198,20 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap"
     max_waiting: int = 100_000
     vocab_size: int = 0  # the executor's; 0: token ids are not checked
-    # a prefill chunk's most tokens a step (vLLM's); 0: the whole budget
+    # a prefill chunk's most tokens a step, and the length past which a prompt's remaining
+    # prefill counts as long (vLLM's); 0: the whole budget, no prompt long
     long_prefill_token_threshold: int = 0
+    # prompts whose prefill spans steps at once (vLLM's); a prompt finishing in its first
+    # chunk never counts, so with the threshold off (chunks of the whole budget) 1 is FCFS
+    max_num_partial_prefills: int = 1
+    # of those, most that are long: a long prompt waits for the one before it (FCFS, first
+    # finished first) while shorter prompts still start beside it (vLLM's)
+    max_long_partial_prefills: int = 1
+    # admit a prompt only while the blocks its whole prompt, the prompts still prefilling and
+    # one block per running request need are free now (evictable cached blocks count), so
+    # finishing it does not preempt (and recompute) the requests already running; off as in
+    # vLLM (python -m benchmarks.engine.kv_pressure: no preemptions, but later first tokens)
+    reserve_prompt_blocks: bool = False
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -215,8 +227,18 @@ class SchedulerConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold: must be >= 0 (0: off)")
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError("preemption_mode: must be 'auto', 'recompute' or 'swap'")
+
+
+def check_partial_prefills(max_num: int, max_long: int) -> None:
+    if max_num < 1:
+        raise ConfigError("max_num_partial_prefills: must be at least 1")
+    if not 1 <= max_long <= max_num:
+        raise ConfigError(
+            "max_long_partial_prefills: must be at least 1 and at most max_num_partial_prefills"
+        )
 
 
 def host_memory_bytes() -> int:
@@ -338,6 +360,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # vLLM's: 0 is off offline; `kvpager serve`: 512
+    max_num_partial_prefills: int = 1  # SchedulerConfig's; `kvpager serve`: 4
+    max_long_partial_prefills: int = 1
+    reserve_prompt_blocks: bool = False
     preemption_mode: str = "auto"
     seed: int = 0
     plan_ahead: int = 1  # steps planned beyond the one the executor runs (0: lockstep)
@@ -367,6 +392,7 @@ class EngineConfig:
             self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
         )
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_kv_layout(self.kv_layout)
 
@@ -403,5 +429,8 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             max_waiting=self.max_waiting,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            reserve_prompt_blocks=self.reserve_prompt_blocks,
             speculative_config=self.speculative_config,
         )

@@ -85,8 +85,22 @@ class Settings(RequestCaps):
     enable_prefix_caching: bool = option("share full prompt blocks", default=True)
     enable_chunked_prefill: bool = option("split long prompts across steps", default=True)
     long_prefill_token_threshold: int = option(
-        "most tokens of one prompt's prefill a step (0: the whole budget)",
+        "most tokens of one prompt's prefill a step, and past which a prompt is long "
+        "(0: the whole budget)",
         default=512,
+    )
+    max_num_partial_prefills: int = option(
+        "most prompts whose prefill spans steps at once (vLLM's)", default=4
+    )
+    max_long_partial_prefills: int = option(
+        "of those, most long ones: a long prompt waits for the one before it, a short one "
+        "starts beside it (vLLM's)",
+        default=1,
+    )
+    reserve_prompt_blocks: bool = option(
+        "start a prompt only when its whole prompt's blocks are free beside the running "
+        "requests' (no preempting them to finish it)",
+        default=False,
     )
     preemption_mode: str = option("auto | recompute | swap", default="auto")
     max_pinned_fraction: float = option(

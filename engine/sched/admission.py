@@ -1,5 +1,7 @@
 """Admission: the waiting queue's head starts (prefix hits, disk loads, chunked prefill) or a
-swapped-out request comes back, while the step's token budget and blocks last.
+swapped-out request comes back, while the step's token budget and blocks last. A head held by
+the partial-prefill limits lets a prompt behind it that finishes in one chunk start instead
+(engine/sched/prefill_limits.py).
 
 Mixed into Scheduler (engine/sched/scheduler.py), whose queues and block manager it works on.
 """
@@ -11,7 +13,10 @@ from kvpager.engine.config import CacheConfig, SchedulerConfig
 from kvpager.engine.kv.block_manager import BlockManager
 from kvpager.engine.kv.hybrid_manager import HybridBlockManager
 from kvpager.engine.request import Request, RequestStatus
+from kvpager.engine.sched.prefill_limits import PrefillSlot, prefill_slot, prompt_fits
 from kvpager.engine.sched.step_plan import SchedulerStats, StepPlan
+
+SHORT_JUMP_SCAN = 64  # waiting requests looked at for a short prompt behind a held one
 
 
 class Admission:
@@ -52,6 +57,8 @@ class Admission:
         while self.waiting and plan.budget > 0:
             if self._resume_or_admit(self.waiting[0], plan):
                 continue
+            if plan.held_by_limits and self._admit_short_behind(plan):
+                continue
             if self.running or plan.num_scheduled or not self.num_swapped:
                 break
             # Nothing runs, yet the head cannot start: swapped requests hold shared device
@@ -59,6 +66,20 @@ class Admission:
             for request in [r for r in self.waiting if r.status is RequestStatus.SWAPPED]:
                 self._free_to_recompute(request)  # its CPU and shared device blocks
         self._prefetch_from_disk()
+
+    def _admit_short_behind(self, plan: StepPlan) -> bool:
+        """The head waits for a partial-prefill slot: the first fresh prompt behind it that
+        finishes in one chunk (so takes no slot) starts instead (vLLM's queue jump)."""
+        plan.held_by_limits = False
+        for request in islice(self.waiting, 1, SHORT_JUMP_SCAN):
+            num_tokens = request.num_tokens
+            if (
+                request.status is RequestStatus.WAITING
+                and request.kv_import is None
+                and self._chunk(request, num_tokens, plan.budget) >= num_tokens
+            ):
+                return self._resume_or_admit(request, plan)
+        return False
 
     def _prefetch_from_disk(self) -> None:
         """Issue the disk reads of the first queued requests now, so they overlap the steps
@@ -104,16 +125,19 @@ class Admission:
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         hits = self._prefix_hits(request)
         if self._start_disk_load(request, hits):
-            self.waiting.popleft()  # back at the head once its blocks are read
+            self.waiting.remove(request)  # back at the head once its blocks are read
             return True
         num_hit_tokens = self.block_manager.num_hit_blocks(hits) * self.cache_config.block_size
         num_new = request.num_tokens - num_hit_tokens
         if num_new > plan.budget and not self.config.enable_chunked_prefill:
             return False
-        num_new = self._chunk(request, num_new, plan.budget)
+        num_chunk = self._chunk(request, num_new, plan.budget)
+        if not self._may_start(request, num_new, num_chunk, hits, plan):
+            return False
+        num_new = num_chunk
         if self.block_manager.allocate_slots(request, num_new, hits) is None:
             return False
-        self.waiting.popleft()
+        self.waiting.remove(request)
         self.block_manager.disk.admitted(request)
         self._note_prefix_hits(request, num_hit_tokens, hits)
         request.num_computed_tokens = num_hit_tokens
@@ -121,6 +145,21 @@ class Admission:
         self.running.append(request)
         self._note_running(request, num_new, [], plan)
         return True
+
+    def _may_start(
+        self, request: Request, num_new: int, num_chunk: int, hits: list, plan: StepPlan
+    ) -> bool:
+        """The partial-prefill limits and the block reservation (engine/sched/prefill_limits.py)
+        let the prompt start now; a parent whose samples fork from it is never held."""
+        if request.num_pending_forks:
+            return True
+        slot = prefill_slot(self.running, plan.num_scheduled, self.config, num_new, num_chunk)
+        plan.held_by_limits = slot is not PrefillSlot.FREE
+        if slot is not PrefillSlot.FREE:
+            return False
+        if not self.config.reserve_prompt_blocks:
+            return True
+        return prompt_fits(request, num_new, hits, self.running, self.block_manager)
 
     def _swap_in(self, request: Request, plan: StepPlan) -> bool:
         num_new = min(self._num_unscheduled(request), plan.budget)

@@ -195,7 +195,8 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
         request arriving just after it behind the steps already planned at full budget). A
         parent whose samples fork from it is not capped: its chunks take the budget until its
         prompt completes, so nothing admitted behind it can need the blocks of samples forked
-        in the same step (see _preempt)."""
+        in the same step (see _preempt). How many prompts prefill at once, long ones apart, is
+        decided at admission (engine/sched/prefill_limits.py)."""
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new and not request.num_pending_forks:
             num_new = threshold

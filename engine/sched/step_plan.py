@@ -38,6 +38,7 @@ class StepPlan:
     sampling: list[Request] = field(default_factory=list)  # get a token (beams: candidates)
     forked: set[str] = field(default_factory=set)  # samples forked in this step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals verified
+    held_by_limits: bool = False  # the last prompt tried waits for a partial-prefill slot
 
     def add_new(self, request: Request, block_table) -> None:
         """A request the executor does not hold: all its tokens and blocks."""
