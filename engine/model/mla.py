@@ -6,7 +6,7 @@ one-head cache (ModelConfig.cache_head_dim); nothing per head. kv_b_proj's rows 
 (each head's key without RoPE) and W_UV (its value): a prefill chunk up-projects the
 context's latents to per-head keys and values, a decode token absorbs W_UK into its query and
 W_UV after attention, attending over the latents (kernels/reference.py: mla_paged_attention_ref,
-the torch twin every backend runs).
+the torch twin; the backend's `mla_attention`: C on the cpu set, Triton on the triton set).
 
 RoPE on adjacent pairs (`rope_interleave`) is turned into rotate-half by reordering the rotary
 rows of q and of kv_a_proj_with_mqa at load (`rope_row_order`); q . k is unchanged.
@@ -18,7 +18,7 @@ import torch
 from kvpager.engine.model.linear import make_linear
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import KernelOps
-from kvpager.kernels.reference import mla_paged_attention_ref, reshape_and_cache_ref
+from kvpager.kernels.reference import reshape_and_cache_ref
 from kvpager.schemas.errors import CheckpointError
 from torch import nn
 
@@ -130,7 +130,7 @@ class MlaAttention(nn.Module):
             **scales,
         )  # fmt: skip
         w_ukv = self.kv_b.view(self.heads, self.nope + self.v_dim, self.latent_rank)
-        out = mla_paged_attention_ref(
+        out = ops.mla_attention(
             q_nope, q_pe, layer_cache[0], layer_cache[1], meta.block_tables, meta.cu_seqlens_q,
             meta.seq_lens, w_ukv[:, : self.nope], w_ukv[:, self.nope :], scale, **scales,
         )  # fmt: skip
