@@ -37,7 +37,8 @@ ROWS = 16  # rows of a query tile (tl.dot's minimum)
 @triton.jit
 def _load_halves(ptr, offs, mask, HALF: tl.constexpr):
     """A tile's two halves: columns [0, HALF) and [HALF, 2 * HALF) of rows at offs."""
-    return tl.load(ptr + offs, mask=mask, other=0.0), tl.load(ptr + offs + HALF, mask=mask, other=0.0)
+    first = tl.load(ptr + offs, mask=mask, other=0.0)
+    return first, tl.load(ptr + offs + HALF, mask=mask, other=0.0)
 
 
 @triton.jit
