@@ -247,3 +247,14 @@ def test_bf16_greedy_follows_transformers(deepseek, backend):
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert_follows_transformers(path, prompts, outputs)
         assert_all_free(llm)
+
+
+def test_triton_backend(deepseek):
+    """The Triton latent attention kernel (kernels/mla_attention.py), its grouped MoE and
+    cache write, interpreted on the CPU: decode tokens and 16-token prefill chunks."""
+    path = deepseek[0]
+    chosen = random_prompts([5, 21, 34], seed=9)
+    with make_llm(path, attention_backend="triton", max_num_batched_tokens=16) as llm:
+        assert llm.executor.ops.mla_attention.__module__.endswith("mla_attention")
+        assert greedy(llm, chosen, 6) == hf_greedy(path, chosen, 6)
+        assert_all_free(llm)
