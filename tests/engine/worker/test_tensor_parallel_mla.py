@@ -16,19 +16,15 @@ from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import assert_all_free, random_prompts
-from tests.engine.worker.test_tensor_parallel import greedy, hf_greedy, tp_llm
+from tests.engine.worker.test_tensor_parallel import (  # noqa: F401 (an autouse fixture)
+    greedy,
+    hf_greedy,
+    one_thread_per_rank,
+    tp_llm,
+)
 from tests.model_families import build_deepseek_v2, build_deepseek_v3
 
 PROMPTS = random_prompts([1, 4, 9, 17, 26, 38], seed=21)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank():
-    """Rank 0 (this process) and rank 1 split this process's threads: 2 -> 1 each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
