@@ -209,9 +209,11 @@ def test_latent_pages_are_what_kv_size_counts(tmp_path, capsys):
     assert "KV bytes per token:        70,272 (bfloat16)" in capsys.readouterr().out
 
 
-def test_latents_in_an_fp8_cache(deepseek):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_latents_in_an_fp8_cache(deepseek, backend):
     """kv_cache_dtype fp8: the latent pages hold e4m3 latents (4x a float32 cache's blocks in
-    the same bytes) and greedy follows the float32 cache for most tokens. Not vLLM's top-5
+    the same bytes) and greedy follows the float32 cache for most tokens (on the torch twin,
+    and on the C kernel reading the e4m3 pages in place). Not vLLM's top-5
     check: a latent's rounding reaches every head's key, and on this random model (top
     tokens within ~0.5 nats) the 3-token prompt's first token already differs (seen: 0, 0,
     5, 12 and 4 tokens agreed of 12); a misread cache agrees on none."""
@@ -219,7 +221,8 @@ def test_latents_in_an_fp8_cache(deepseek):
 
     path = deepseek[0]
     prompts = random_prompts([3, 9, 17, 30, 45], seed=11)
-    with make_llm(path, **BUDGET) as full, make_llm(path, kv_cache_dtype="fp8", **BUDGET) as fp8:
+    fp8_llm = make_llm(path, kv_cache_dtype="fp8", attention_backend=backend, **BUDGET)
+    with make_llm(path, **BUDGET) as full, fp8_llm as fp8:
         assert fp8.executor.kv_cache.dtype == torch.float8_e4m3fn
         assert fp8.executor.num_blocks // 4 == full.executor.num_blocks  # 1 MiB each
         expected, got = full.generate(prompts, PARAMS), fp8.generate(prompts, PARAMS)
