@@ -106,19 +106,6 @@ class FusedMoe(Protocol):
         """Routed experts: each token's top-k experts' MLPs, weighted and summed."""
 
 
-CONTRACTS: dict[str, type] = {
-    "reshape_and_cache": ReshapeAndCache,
-    "paged_attention": PagedAttention,
-    "copy_blocks": CopyBlocks,
-    "swap_blocks": SwapBlocks,
-    "rotary": Rotary,
-    "add_rms_norm": AddRmsNorm,
-    "silu_and_mul": SiluAndMul,
-    "gelu_tanh_and_mul": GeluTanhAndMul,
-    "fused_moe": FusedMoe,
-}
-
-
 class MlaAttention(Protocol):
     def __call__(
         self,
@@ -138,3 +125,17 @@ class MlaAttention(Protocol):
     ) -> torch.Tensor:
         """DeepSeek's latent attention over latent pages (engine/model/mla.py): causal, fp32
         [num_tokens, num_heads, v_head_dim], before o_proj."""
+
+
+CONTRACTS: dict[str, type] = {
+    "reshape_and_cache": ReshapeAndCache,
+    "paged_attention": PagedAttention,
+    "copy_blocks": CopyBlocks,
+    "swap_blocks": SwapBlocks,
+    "rotary": Rotary,
+    "add_rms_norm": AddRmsNorm,
+    "silu_and_mul": SiluAndMul,
+    "gelu_tanh_and_mul": GeluTanhAndMul,
+    "fused_moe": FusedMoe,
+    "mla_attention": MlaAttention,
+}
