@@ -135,9 +135,8 @@ def mla_paged_attention(
     assert key_cache.stride(-1) == 1 and block_tables.stride(1) == 1
     scales = (k_scale, v_scale) if key_cache.dtype in FP8_DTYPES else (1.0, 1.0)
     query = absorbed_query(q_nope, q_pe, w_uk, half, scales)
-    rows = torch.zeros_like(query)
-    num_tokens, num_heads = query.shape[:2]
-    if num_tokens:
+    rows = torch.zeros_like(query)  # [T, H, 2 * half]: the attended rows, stored values
+    if query.shape[0]:
         _launch(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, rows, scale)
     return latent_output(rows, w_uv, scales)
 
