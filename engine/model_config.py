@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpager.engine.deepseek_family import DEEPSEEK, deepseek_config
+from kvpager.engine.deepseek_family import deepseek_config
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from kvpager.schemas.errors import CheckpointError, ConfigError
@@ -230,7 +230,7 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        if size > 1 and self.model_type in (LLAMA4_TEXT, *DEEPSEEK):
+        if size > 1 and self.model_type == LLAMA4_TEXT:
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")
@@ -239,7 +239,8 @@ class ModelConfig:
                 f"tensor_parallel_size: {size} neither divides nor is a multiple of the KV "
                 f"heads ({heads})"
             )
-        for name in ("intermediate_size", "moe_intermediate_size"):
+        shared = "shared_expert_intermediate_size"  # DeepSeek's shared experts split too
+        for name in ("intermediate_size", "moe_intermediate_size", shared):
             if getattr(self, name) % size:
                 raise ConfigError(
                     f"tensor_parallel_size: {size} does not divide {name} {getattr(self, name)}"

@@ -1,6 +1,6 @@
 """Choice of kernel implementation: Triton kernels (CUDA), the CPU set (C kernels for decode
 attention, the cache write, rotary embedding, RMSNorm and the MLP activation, torch twins for
-the rest), or the pure-torch twins alone.
+the rest; C latent attention for DeepSeek's MLA), or the pure-torch twins alone.
 
 Every set satisfies the contracts of kernels/ops.py, so the engine holds one `KernelOps` and
 never branches on the backend. Triton is imported only when the "triton" set is asked for.
@@ -28,6 +28,7 @@ class KernelOps:
     silu_and_mul: ops.SiluAndMul = reference.silu_and_mul_ref
     gelu_tanh_and_mul: ops.GeluTanhAndMul = reference.gelu_tanh_and_mul_ref
     fused_moe: ops.FusedMoe = reference.fused_moe_ref
+    mla_attention: ops.MlaAttention = reference.mla_paged_attention_ref  # DeepSeek's latents
     # routed experts on oneDNN-packed matmuls where the decoder packs its weights and that pays
     # (bf16: engine/model/packed_experts.py, the twin's loop) instead of `fused_moe`
     pack_experts: bool = False
@@ -52,10 +53,12 @@ def _cpu_ops() -> KernelOps:
     from kvpager.kernels import cpu_layer_ops
     from kvpager.kernels.cpu_block_ops import swap_blocks_cpu
     from kvpager.kernels.cpu_decode import paged_attention_cpu
+    from kvpager.kernels.cpu_mla import mla_attention_cpu
 
     return dataclasses.replace(
         _torch_ops(),
         paged_attention=paged_attention_cpu,
+        mla_attention=mla_attention_cpu,
         reshape_and_cache=cpu_layer_ops.reshape_and_cache,
         rotary=cpu_layer_ops.rotary,
         add_rms_norm=cpu_layer_ops.add_rms_norm,
@@ -69,6 +72,7 @@ def _triton_ops() -> KernelOps:
     try:
         from kvpager.kernels.block_ops import copy_blocks, swap_blocks
         from kvpager.kernels.kv_write import reshape_and_cache
+        from kvpager.kernels.mla_attention import mla_paged_attention
         from kvpager.kernels.moe import fused_moe
         from kvpager.kernels.paged_attention import paged_attention
     except ImportError as error:
@@ -80,6 +84,7 @@ def _triton_ops() -> KernelOps:
         copy_blocks=copy_blocks,
         swap_blocks=swap_blocks,
         fused_moe=fused_moe,
+        mla_attention=mla_paged_attention,
     )
 
 

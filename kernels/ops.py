@@ -106,6 +106,27 @@ class FusedMoe(Protocol):
         """Routed experts: each token's top-k experts' MLPs, weighted and summed."""
 
 
+class MlaAttention(Protocol):
+    def __call__(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotated
+        key_cache: torch.Tensor,  # latent pages: [num_blocks, block_size, 1, (L + r) / 2]
+        value_cache: torch.Tensor,  # (a row [latent | rope key] split in halves over both)
+        block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+        cu_seqlens_q: torch.Tensor,  # int32 [num_seqs + 1]
+        seq_lens: torch.Tensor,  # int32 [num_seqs]: context lengths, new tokens included
+        w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, L]: kv_b_proj's key rows
+        w_uv: torch.Tensor,  # [num_heads, v_head_dim, L]: its value rows
+        scale: float,
+        *,
+        k_scale: float = 1.0,  # an fp8 page's halves' scales; other pages ignore them
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """DeepSeek's latent attention over latent pages (engine/model/mla.py): causal, fp32
+        [num_tokens, num_heads, v_head_dim], before o_proj."""
+
+
 CONTRACTS: dict[str, type] = {
     "reshape_and_cache": ReshapeAndCache,
     "paged_attention": PagedAttention,
@@ -116,4 +137,5 @@ CONTRACTS: dict[str, type] = {
     "silu_and_mul": SiluAndMul,
     "gelu_tanh_and_mul": GeluTanhAndMul,
     "fused_moe": FusedMoe,
+    "mla_attention": MlaAttention,
 }

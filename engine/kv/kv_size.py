@@ -35,14 +35,14 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     q, kv = config.num_heads // size * head_dim, config.kv_heads_per_rank(size) * head_dim
     attention = (q + 2 * kv) * hidden + hidden * q + ((q + 2 * kv) if config.attention_bias else 0)
     if config.mla:
-        attention = _mla_weights(config)
+        attention = _mla_weights(config, size)
     dense = 3 * hidden * (config.intermediate_size // size)
     expert_rows = config.moe_intermediate_size // size
     experts = config.num_experts * (3 * hidden * expert_rows + hidden)
     if config.gpt_oss_experts:  # router, gate_up and down biases
         experts += config.num_experts * (1 + 2 * expert_rows + hidden)
     attention += hidden if config.o_proj_bias else 0
-    experts += 3 * hidden * config.shared_expert_intermediate_size  # Llama 4's (one rank)
+    experts += 3 * hidden * (config.shared_expert_intermediate_size // size)  # Llama 4, DeepSeek
     layers = sum(
         attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
     )
@@ -63,9 +63,10 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     return (layers + embeddings) * element + norms * norm_element + sinks * dtype_bytes("float32")
 
 
-def _mla_weights(config: ModelConfig) -> int:
-    """Elements of a latent-attention layer (engine/model/mla.py; one rank), its norms too."""
-    hidden, heads, latent = config.hidden_size, config.num_heads, config.kv_lora_rank
+def _mla_weights(config: ModelConfig, size: int) -> int:
+    """Elements of a latent-attention layer on one of `size` ranks (engine/model/mla.py: the
+    heads split, the latent's projections whole), its norms too."""
+    hidden, heads, latent = config.hidden_size, config.num_heads // size, config.kv_lora_rank
     q_rows = heads * (config.qk_nope_head_dim + config.head_dim)
     q_rank = config.q_lora_rank
     q = q_rank * hidden + q_rank + q_rows * q_rank if q_rank else q_rows * hidden

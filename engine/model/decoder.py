@@ -81,7 +81,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops  # norm, rotary and activation kernels of the executor's backend
-        self.group = group
+        self.group, self.shard = group, shard
         hidden, intermediate = config.hidden_size, shard.intermediate_size
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
         param, optional = _param_makers(dtype)
         self.input_norm = param(hidden, dtype=norm)
         # DeepSeek's latent attention (engine/model/mla.py) instead of q|k|v and o
-        self.mla = MlaAttention(config, dtype, norm) if config.mla else None
+        self.mla = MlaAttention(config, dtype, norm, self.shard) if config.mla else None
         regular = self.mla is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
@@ -137,7 +137,8 @@ class DecoderLayer(nn.Module):
             self.experts = RoutedExperts(
                 config, shard.expert_intermediate_size, dtype, add_down_bias=shard.rank == 0
             )
-            intermediate = config.shared_expert_intermediate_size  # 0: none (one rank only)
+            # 0: none; DeepSeek's split over the ranks (Llama 4's: one rank only)
+            intermediate = shard.shared_expert_intermediate_size
         # the dense MLP, or a MoE layer's shared expert (Llama 4)
         self.has_mlp = intermediate > 0
         if self.has_mlp:
@@ -175,6 +176,7 @@ class DecoderLayer(nn.Module):
         if self.mla is not None:
             attn = self.mla(h, rope.full, layer_cache, meta, ops, attention.scale,
                             (self.k_scale, self.v_scale))  # fmt: skip
+            attn = _all_reduce(self.group, attn)  # o_proj's columns are this rank's heads'
         else:
             attn = self._attention(h, rope, attention, layer_cache, meta)
         if self.o_bias is not None:

@@ -67,9 +67,9 @@ class Target(NamedTuple):
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
-    if layer.mla is not None:  # DeepSeek's latent attention (one rank): its own names
-        param, transform = layer.mla.checkpoint_params().get(kind, (None, None))
-        return None if param is None else [Target(param, 0, None, transform=transform)]
+    if layer.mla is not None:  # DeepSeek's latent attention: its own names, split by heads
+        param, transform, part = layer.mla.checkpoint_params().get(kind, (None, None, None))
+        return None if param is None else [Target(param, 0, part, transform=transform)]
     q, kv = layer.q_size, layer.kv_size
     if kind == "qkv_proj.weight":  # Phi-3's fused q|k|v
         return [Target(layer.qkv_weight, row, shard.fused_part("qkv_proj", i))
@@ -93,6 +93,7 @@ def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
 def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
     if layer.experts is not None and not kind.startswith("shared_experts."):
         return _expert_targets(layer.experts, kind, shard)
+    name = f"mlp.{kind}"  # DeepSeek's shared experts split by their own width
     kind = kind.removeprefix("shared_experts.")  # DeepSeek's, beside its routed ones
     half = layer.gate_up_weight.shape[0] // 2
     if kind == "gate_up_proj.weight":  # Phi-3's fused gate|up
@@ -103,7 +104,7 @@ def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
             "down_proj.weight": (layer.down_weight, 0)}  # fmt: skip
     if kind not in rows:
         return None
-    return [Target(*rows[kind], shard.layer_part(f"mlp.{kind}"))]
+    return [Target(*rows[kind], shard.layer_part(name))]
 
 
 def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:

@@ -6,19 +6,25 @@ one-head cache (ModelConfig.cache_head_dim); nothing per head. kv_b_proj's rows 
 (each head's key without RoPE) and W_UV (its value): a prefill chunk up-projects the
 context's latents to per-head keys and values, a decode token absorbs W_UK into its query and
 W_UV after attention, attending over the latents (kernels/reference.py: mla_paged_attention_ref,
-the torch twin every backend runs).
+the torch twin; the backend's `mla_attention`: C on the cpu set, Triton on the triton set).
 
 RoPE on adjacent pairs (`rope_interleave`) is turned into rotate-half by reordering the rotary
 rows of q and of kv_a_proj_with_mqa at load (`rope_row_order`); q . k is unchanged.
+
+Under tensor parallelism the heads split over the ranks: each holds its heads' rows of
+q_b_proj (q_proj) and kv_b_proj and their columns of o_proj (all-reduced by the decoder);
+q_a_proj, kv_a_proj_with_mqa and their norms are every head's, so every rank computes the
+whole latent and keeps whole latent pages.
 """
 
 from collections.abc import Callable
 
 import torch
 from kvpager.engine.model.linear import make_linear
+from kvpager.engine.model.sharding import Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import KernelOps
-from kvpager.kernels.reference import mla_paged_attention_ref, reshape_and_cache_ref
+from kvpager.kernels.reference import reshape_and_cache_ref
 from kvpager.schemas.errors import CheckpointError
 from torch import nn
 
@@ -47,12 +53,14 @@ def rope_row_order(
 class MlaAttention(nn.Module):
     """One layer's latent attention: h [T, hidden] in, o_proj's output [T, hidden] out."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, norm_dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, norm_dtype: torch.dtype, shard: Shard
+    ) -> None:
         super().__init__()
         if config.attention_bias:
             raise CheckpointError("deepseek_v3: attention_bias is not supported")
-        hidden, heads = config.hidden_size, config.num_heads
-        self.heads, self.eps = heads, config.rms_norm_eps
+        hidden, heads = config.hidden_size, shard.num_heads  # this rank's heads
+        self.heads, self.eps, self.shard = heads, config.rms_norm_eps, shard
         self.nope, self.rope, self.v_dim = (
             config.qk_nope_head_dim,
             config.head_dim,
@@ -71,24 +79,26 @@ class MlaAttention(nn.Module):
         self.kv_b = _param(heads * (self.nope + self.v_dim), self.latent_rank, dtype=dtype)
         self.o = _param(hidden, heads * self.v_dim, dtype=dtype)
 
-    def checkpoint_params(self) -> dict[str, tuple[nn.Parameter, object]]:
-        """transformers' names (after `self_attn.`) -> (parameter, row transform or None)."""
-        interleaved = self.interleaved
+    def checkpoint_params(self) -> dict[str, tuple[nn.Parameter, object, object]]:
+        """transformers' names (after `self_attn.`) -> (parameter, row transform or None,
+        the rank's part of the checkpoint tensor: sharding.Part, None for all of it)."""
+        interleaved, heads_of = self.interleaved, self.shard.rows_of_heads
         q_order = rope_row_order(self.nope + self.rope, self.rope, interleaved)
         kv_order = rope_row_order(self.latent_rank + self.rope, self.rope, interleaved)
+        q_b = (self.q_b, q_order, heads_of(0, self.nope + self.rope))
         params = {
-            "kv_a_proj_with_mqa.weight": (self.kv_a, kv_order),
-            "kv_a_layernorm.weight": (self.kv_a_norm, None),
-            "kv_b_proj.weight": (self.kv_b, None),
-            "o_proj.weight": (self.o, None),
+            "kv_a_proj_with_mqa.weight": (self.kv_a, kv_order, None),
+            "kv_a_layernorm.weight": (self.kv_a_norm, None, None),
+            "kv_b_proj.weight": (self.kv_b, None, heads_of(0, self.nope + self.v_dim)),
+            "o_proj.weight": (self.o, None, heads_of(1, self.v_dim)),
         }
         if self.q_a is None:
-            return {**params, "q_proj.weight": (self.q_b, q_order)}
+            return {**params, "q_proj.weight": q_b}
         return {
             **params,
-            "q_a_proj.weight": (self.q_a, None),
-            "q_a_layernorm.weight": (self.q_a_norm, None),
-            "q_b_proj.weight": (self.q_b, q_order),
+            "q_a_proj.weight": (self.q_a, None, None),
+            "q_a_layernorm.weight": (self.q_a_norm, None, None),
+            "q_b_proj.weight": q_b,
         }
 
     def build_matmuls(self, pack: bool) -> None:
@@ -109,7 +119,8 @@ class MlaAttention(nn.Module):
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """h [T, hidden] (the normed input), the tokens' (cos, sin) rows, the layer's cache
-        [2, blocks, block_size, 1, cache_head_dim]; kv_scales: an fp8 cache's (k, v)."""
+        [2, blocks, block_size, 1, cache_head_dim]; kv_scales: an fp8 cache's (k, v). Under
+        tensor parallelism the output is this rank's heads' share (the caller all-reduces)."""
         num_tokens = h.shape[0]
         if self.q_a_proj is not None:
             h_q = ops.add_rms_norm(self.q_a_proj(h), None, self.q_a_norm, self.eps)[0]
@@ -130,7 +141,7 @@ class MlaAttention(nn.Module):
             **scales,
         )  # fmt: skip
         w_ukv = self.kv_b.view(self.heads, self.nope + self.v_dim, self.latent_rank)
-        out = mla_paged_attention_ref(
+        out = ops.mla_attention(
             q_nope, q_pe, layer_cache[0], layer_cache[1], meta.block_tables, meta.cu_seqlens_q,
             meta.seq_lens, w_ukv[:, : self.nope], w_ukv[:, self.nope :], scale, **scales,
         )  # fmt: skip

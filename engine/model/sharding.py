@@ -9,8 +9,10 @@ tensor that is (Megatron-style sharding, as vLLM and SGLang do it).
 KV heads split across the ranks; when the ranks outnumber them, rank r holds the one head its
 query heads use (head r // (N / num_kv_heads)), replicated on N / num_kv_heads ranks. Routed
 experts shard like the dense MLP, each expert's intermediate dimension split over the ranks
-(the router is replicated). Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are read
-as their q, k, v (gate, up) row ranges, so a rank still reads only its rows.
+(the router is replicated); DeepSeek's shared experts like the dense MLP, and its latent
+attention by heads (engine/model/mla.py: the latent is every head's, so each rank keeps it).
+Fused checkpoint tensors (Phi-3's qkv_proj, gate_up_proj) are read as their q, k, v (gate,
+up) row ranges, so a rank still reads only its rows.
 """
 
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ class Shard:
     first_kv_head: int
     total_kv_heads: int = 0  # the model's, for the row ranges inside a fused qkv_proj
     expert_intermediate_size: int = 0  # each routed expert's rows on this rank
+    shared_expert_intermediate_size: int = 0  # DeepSeek's shared experts' rows on this rank
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int = 0, world_size: int = 1) -> "Shard":
@@ -54,6 +57,7 @@ class Shard:
             first_kv_head=rank // replicas * num_kv_heads,
             total_kv_heads=config.num_kv_heads,
             expert_intermediate_size=config.moe_intermediate_size // world_size,
+            shared_expert_intermediate_size=config.shared_expert_intermediate_size // world_size,
         )
 
     @property
@@ -84,6 +88,8 @@ class Shard:
         if not self.is_sharded or "norm" in name or kind == "gate":
             return None
         width = self.expert_intermediate_size if ".experts." in name else self.intermediate_size
+        if ".shared_experts." in name:  # DeepSeek's, beside the routed ones
+            width = self.shared_expert_intermediate_size
         mlp_start = self.rank * width
         q_start, kv_start = self.rank * self.q_size, self.first_kv_head * self.head_dim
         parts = {
@@ -97,11 +103,17 @@ class Shard:
         }
         return parts[MIXTRAL_NAMES.get(kind, kind)]
 
-    def head_part(self) -> Part:
-        """The rank's rows of a per-query-head tensor (gpt-oss's sinks)."""
+    def rows_of_heads(self, dim: int, per_head: int) -> Part:
+        """The rank's span of `dim` in a tensor of `per_head` entries a query head, heads
+        in order (MLA's q_b_proj and kv_b_proj rows, o_proj's columns); None: one rank."""
         if not self.is_sharded:
             return None
-        return (0, self.rank * self.num_heads, (self.rank + 1) * self.num_heads)
+        width = self.num_heads * per_head
+        return (dim, self.rank * width, (self.rank + 1) * width)
+
+    def head_part(self) -> Part:
+        """The rank's rows of a per-query-head tensor (gpt-oss's sinks)."""
+        return self.rows_of_heads(0, 1)
 
     def expert_part(self, dim: int | None, columns: int) -> Part:
         """The rank's span of a stacked expert tensor's intermediate `dim` (None: replicated),

@@ -1,4 +1,5 @@
-"""The fp8 paths of the Triton kernels, the chunked mask and the sinks compile for CUDA
+"""The fp8 paths of the Triton kernels, the chunked mask, the sinks and the latent attention
+kernel (float32, bf16 and fp8 pages; the tiny models' rows and DeepSeek-V3's) compile for CUDA
 (sm_90, PTX through the wheel's own ptxas) on a machine without a GPU: the interpreter the
 other kernel tests run on executes Python, so it accepts what the compiler refuses (a kernel
 reading a plain global compiled only in the interpreter until this test). The compile runs in
@@ -22,6 +23,14 @@ ATTENTION_CASES = [
     ("*bf16", {"SPLIT": True, "SOFTCAP": False, "WINDOW": False, "BLOCK_Q": 16, "CHUNKED": True}),
     ("*bf16", {"SPLIT": False, "SOFTCAP": False, "WINDOW": True, "BLOCK_Q": 16, "SINKS": True}),
     ("*fp8e4nv", {"SPLIT": False, "SOFTCAP": False, "WINDOW": False, "BLOCK_Q": 4, **BOTH}),
+]
+# latent attention (kernels/mla_attention.py): (page pointer type, HALF, HALF_PAD, BLOCK_Q,
+# BLOCK_H); DeepSeek-V3's row (512 + 64) is two halves of 288
+MLA_CASES = [
+    ("*fp32", 16, 16, 4, 4),
+    ("*bf16", 16, 16, 1, 16),
+    ("*fp8e4nv", 288, 512, 1, 16),
+    ("*fp8e5", 288, 512, 1, 16),
 ]
 
 
@@ -50,6 +59,20 @@ def _compile_all() -> None:
         pointers.update(partial_m_ptr="*fp32", partial_l_ptr="*fp32", sinks_ptr="*fp32")
         kernel = paged_attention._paged_attention_kernel
         _compile(triton, ASTSource, kernel, pointers, const, target)
+    _compile_mla(triton, ASTSource, target)
+
+
+def _compile_mla(triton, source_cls, target) -> None:
+    from kvpager.kernels import mla_attention
+
+    for cache, half, half_pad, block_q, block_h in MLA_CASES:
+        const = dict(BLOCK_Q=block_q, BLOCK_H=block_h, HALF=half, HALF_PAD=half_pad)
+        const.update(BLOCK_N=mla_attention.BLOCK_N, BLOCK_SIZE=16)
+        pointers = {"query_ptr": "*fp32", "out_ptr": "*fp32", "key_cache_ptr": cache}
+        pointers.update(value_cache_ptr=cache, block_tables_ptr="*i32", seq_lens_ptr="*i32")
+        pointers.update(cu_seqlens_q_ptr="*i32")
+        kernel = mla_attention._mla_attention_kernel
+        _compile(triton, source_cls, kernel, pointers, const, target)
 
 
 def _compile(triton, source_cls, kernel, pointers, const, target) -> None:

@@ -9,8 +9,10 @@ from kvpager.kernels import (
     block_ops,
     cpu_decode,
     cpu_layer_ops,
+    cpu_mla,
     cpu_tiles,
     kv_write,
+    mla_attention,
     moe,
     ops,
     paged_attention,
@@ -39,6 +41,11 @@ IMPLEMENTATIONS = {
     "silu_and_mul": [reference.silu_and_mul_ref, cpu_layer_ops.silu_and_mul],
     "gelu_tanh_and_mul": [reference.gelu_tanh_and_mul_ref],
     "fused_moe": [reference.fused_moe_ref, moe.fused_moe],
+    "mla_attention": [
+        reference.mla_paged_attention_ref,
+        cpu_mla.mla_attention_cpu,
+        mla_attention.mla_paged_attention,
+    ],
 }
 
 

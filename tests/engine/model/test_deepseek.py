@@ -16,7 +16,6 @@ from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 from kvpager.kernels.reference import mla_decode_ref, mla_prefill_ref
-from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
@@ -83,8 +82,7 @@ def test_config_reads_latent_attention(deepseek):
     assert config.cache_head_dim == (24 + 8) // 2
     assert config.sparse_layers == (False, True, True) and config.expert_groups == (4, 2)
     assert config.kv_bytes_per_token("float32") == 3 * (24 + 8) * 4  # one row a layer
-    with pytest.raises(ConfigError, match="deepseek_v3 is served on one rank"):
-        config.check_tensor_parallel(2)
+    config.check_tensor_parallel(2)  # heads split: tests/engine/worker/test_tensor_parallel_mla.py
 
 
 def test_greedy_matches_transformers(deepseek):
@@ -211,9 +209,11 @@ def test_latent_pages_are_what_kv_size_counts(tmp_path, capsys):
     assert "KV bytes per token:        70,272 (bfloat16)" in capsys.readouterr().out
 
 
-def test_latents_in_an_fp8_cache(deepseek):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_latents_in_an_fp8_cache(deepseek, backend):
     """kv_cache_dtype fp8: the latent pages hold e4m3 latents (4x a float32 cache's blocks in
-    the same bytes) and greedy follows the float32 cache for most tokens. Not vLLM's top-5
+    the same bytes) and greedy follows the float32 cache for most tokens (on the torch twin,
+    and on the C kernel reading the e4m3 pages in place). Not vLLM's top-5
     check: a latent's rounding reaches every head's key, and on this random model (top
     tokens within ~0.5 nats) the 3-token prompt's first token already differs (seen: 0, 0,
     5, 12 and 4 tokens agreed of 12); a misread cache agrees on none."""
@@ -221,7 +221,8 @@ def test_latents_in_an_fp8_cache(deepseek):
 
     path = deepseek[0]
     prompts = random_prompts([3, 9, 17, 30, 45], seed=11)
-    with make_llm(path, **BUDGET) as full, make_llm(path, kv_cache_dtype="fp8", **BUDGET) as fp8:
+    fp8_llm = make_llm(path, kv_cache_dtype="fp8", attention_backend=backend, **BUDGET)
+    with make_llm(path, **BUDGET) as full, fp8_llm as fp8:
         assert fp8.executor.kv_cache.dtype == torch.float8_e4m3fn
         assert fp8.executor.num_blocks // 4 == full.executor.num_blocks  # 1 MiB each
         expected, got = full.generate(prompts, PARAMS), fp8.generate(prompts, PARAMS)
@@ -248,4 +249,15 @@ def test_bf16_greedy_follows_transformers(deepseek, backend):
         params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert_follows_transformers(path, prompts, outputs)
+        assert_all_free(llm)
+
+
+def test_triton_backend(deepseek):
+    """The Triton latent attention kernel (kernels/mla_attention.py), its grouped MoE and
+    cache write, interpreted on the CPU: decode tokens and 16-token prefill chunks."""
+    path = deepseek[0]
+    chosen = random_prompts([5, 21, 34], seed=9)
+    with make_llm(path, attention_backend="triton", max_num_batched_tokens=16) as llm:
+        assert llm.executor.ops.mla_attention.__module__.endswith("mla_attention")
+        assert greedy(llm, chosen, 6) == hf_greedy(path, chosen, 6)
         assert_all_free(llm)
