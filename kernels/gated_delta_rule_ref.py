@@ -60,5 +60,6 @@ def gated_delta_rule_varlen_ref(
     bounds = cu_seqlens.tolist()
     for i, slot in enumerate(slots.tolist()):
         rows = slice(bounds[i], bounds[i + 1])
-        out[rows] = gated_delta_rule_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], states[slot])
+        args = (q[rows], k[rows], v[rows], g[rows], beta[rows])
+        out[rows] = gated_delta_rule_ref(*args, states[slot])
     return out
