@@ -76,7 +76,8 @@ class GatedAttention(nn.Module):
         target = getattr(self, attr, None)
         if target is None or target.shape != tensor.shape:
             shape = None if target is None else tuple(target.shape)
-            raise CheckpointError(f"self_attn.{name}: shape {tuple(tensor.shape)}, expected {shape}")
+            got = tuple(tensor.shape)
+            raise CheckpointError(f"self_attn.{name}: shape {got}, expected {shape}")
         if module.endswith("norm"):
             tensor = tensor.float() + 1.0
         target.data.copy_(tensor)
