@@ -1,0 +1,59 @@
+"""Qwen3-Next's sparse MoE block (routed experts plus a sigmoid-gated shared expert) equals
+transformers' Qwen3NextSparseMoeBlock in fp32, renormalised over the top k or not."""
+
+import pytest
+import torch
+from kvpager.engine.model.shared_expert_moe import SharedExpertMoe
+from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
+from kvpager.schemas.errors import CheckpointError
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+HIDDEN = 16
+
+
+def hf_config(norm_topk_prob: bool) -> Qwen3NextConfig:
+    return Qwen3NextConfig(
+        hidden_size=HIDDEN, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, norm_topk_prob=norm_topk_prob, num_hidden_layers=1,
+        layer_types=["full_attention"],
+    )  # fmt: skip
+
+
+def expert_config(config: Qwen3NextConfig) -> ModelConfig:
+    """The routed experts' fields: Qwen3-Next routes as Qwen3-MoE does (its full rotary
+    parameters here only because ModelConfig does not take qwen3_next's partial one yet)."""
+    rope = {"rope_type": "default", "rope_theta": 1e4}
+    return ModelConfig.from_dict(
+        {**config.to_dict(), "model_type": "qwen3_moe", "rope_parameters": rope}
+    )
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_equals_transformers(norm_topk_prob):
+    config = hf_config(norm_topk_prob)
+    torch.manual_seed(int(norm_topk_prob))
+    block = Qwen3NextSparseMoeBlock(config).float().eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    moe = SharedExpertMoe(expert_config(config), 20, torch.float32)
+    for name, tensor in block.state_dict().items():
+        moe.load_tensor(name, tensor)
+    h = torch.randn(9, HIDDEN)
+    with torch.no_grad():
+        expected = block(h[None])[0]
+    out = moe(h, get_kernel_ops("torch"))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    ops = get_kernel_ops("torch")
+    routed = moe.experts(h, ops.fused_moe, ops.silu_and_mul)
+    assert (out - routed).abs().max() > 1e-2  # the gated shared expert counts
+
+
+def test_a_wrong_name_or_shape_is_refused():
+    moe = SharedExpertMoe(expert_config(hf_config(True)), 20, torch.float32)
+    with pytest.raises(CheckpointError, match="shared_expert_gate"):
+        moe.load_tensor("shared_expert_gate.weight", torch.zeros(2, HIDDEN))
+    with pytest.raises(CheckpointError, match="expected None"):
+        moe.load_tensor("experts.w1", torch.zeros(2))
