@@ -16,7 +16,7 @@ engine/model/mamba2.py holds them (the scan accumulates in float32).
 from dataclasses import dataclass
 from typing import Any
 
-from kvpager.engine.deltanet_config import deltanet_dims, deltanet_layers
+from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
 

@@ -1,15 +1,15 @@
 """A tiny Qwen3-Next causal LM assembled from kvpager's pieces, for tests: the gated DeltaNet
 mixer on state slots, gated attention on paged caches, the shared-expert MoE, (1 + w) norms.
-What the decoder does once it selects these pieces by config (engine/qwen3_next_family.py);
+What the decoder does once it selects these pieces by config (engine/families/qwen3_next.py);
 here a plain loop, one sequence, so the pieces' composition is checked against transformers."""
 
 import torch
 import torch.nn.functional as F
-from kvpager.engine.deltanet_config import DeltaNetDims, deltanet_dims
+from kvpager.engine.families.qwen3_next import DeltaNetDims, deltanet_dims
 from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
-from kvpager.engine.model.gated_attention import GatedAttention
-from kvpager.engine.model.gated_deltanet import GatedDeltaNet, allocate_states
-from kvpager.engine.model.shared_expert_moe import SharedExpertMoe
+from kvpager.engine.model.qwen3_next.gated_attention import GatedAttention
+from kvpager.engine.model.qwen3_next.gated_deltanet import GatedDeltaNet, allocate_states
+from kvpager.engine.model.qwen3_next.shared_expert_moe import SharedExpertMoe
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 

@@ -6,7 +6,7 @@ the cache's block table (blocks out of order)."""
 import pytest
 import torch
 from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
-from kvpager.engine.model.gated_attention import GatedAttention
+from kvpager.engine.model.qwen3_next.gated_attention import GatedAttention
 from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import CheckpointError
 from transformers import Qwen3NextConfig

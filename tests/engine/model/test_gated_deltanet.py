@@ -5,8 +5,8 @@ forked slot copied). The layer's output for each token is the same however it wa
 
 import pytest
 import torch
-from kvpager.engine.deltanet_config import DeltaNetDims, deltanet_dims, deltanet_layers
-from kvpager.engine.model.gated_deltanet import GatedDeltaNet, allocate_states
+from kvpager.engine.families.qwen3_next import DeltaNetDims, deltanet_dims, deltanet_layers
+from kvpager.engine.model.qwen3_next.gated_deltanet import GatedDeltaNet, allocate_states
 from kvpager.schemas.errors import CheckpointError
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet

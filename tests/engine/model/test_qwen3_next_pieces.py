@@ -6,8 +6,8 @@ from its config."""
 
 import pytest
 import torch
+from kvpager.engine.families.qwen3_next import qwen3_next_fields
 from kvpager.engine.model_families import family_fields
-from kvpager.engine.qwen3_next_family import qwen3_next_fields
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from tests.engine.model.qwen3_next_model import TinyQwen3Next

@@ -3,7 +3,7 @@ transformers' Qwen3NextSparseMoeBlock in fp32, renormalised over the top k or no
 
 import pytest
 import torch
-from kvpager.engine.model.shared_expert_moe import SharedExpertMoe
+from kvpager.engine.model.qwen3_next.shared_expert_moe import SharedExpertMoe
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import CheckpointError

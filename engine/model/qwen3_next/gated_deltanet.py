@@ -18,7 +18,7 @@ The states reuse `RecurrentStates` (conv [layers, slots, conv_dim, kernel - 1], 
 
 import torch
 import torch.nn.functional as F
-from kvpager.engine.deltanet_config import DeltaNetDims
+from kvpager.engine.families.qwen3_next import DeltaNetDims
 from kvpager.engine.model.mamba2 import RecurrentStates
 from kvpager.kernels.gated_delta_rule import (
     gated_delta_rule_chunked,
