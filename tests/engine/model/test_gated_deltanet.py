@@ -11,6 +11,8 @@ from kvpager.schemas.errors import CheckpointError
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from tests.engine.model.recurrent_steps import run_in_steps
+
 HIDDEN = 16
 
 
@@ -70,25 +72,9 @@ def test_chunked_prefill_and_decode_batched_equal_transformers():
     lengths, slots, prompt_lens = [14, 4, 9], [3, 0, 1], [7, 2, 1]
     seqs = [torch.randn(n, HIDDEN) for n in lengths]
     states = allocate_states(mixer.dims, 1, 4, torch.float32, "cpu")
-    done, outputs = [0, 0, 0], [[], [], []]
-    while any(d < n for d, n in zip(done, lengths)):
-        batch, lens, owners = [], [], []
-        for i, seq in enumerate(seqs):
-            if done[i] >= lengths[i]:
-                continue
-            take = min(3, prompt_lens[i] - done[i]) if done[i] < prompt_lens[i] else 1
-            batch.append(seq[done[i] : done[i] + take])
-            lens.append(take)
-            owners.append(i)
-        out = mixer(torch.cat(batch), lens, [slots[i] for i in owners], states.conv[0],
-                    states.ssm[0])  # fmt: skip
-        for piece, i, n in zip(out.split(lens), owners, lens):
-            outputs[i].append(piece)
-            done[i] += n
-    for i, seq in enumerate(seqs):
-        torch.testing.assert_close(
-            torch.cat(outputs[i]), reference(layer, seq), rtol=1e-4, atol=1e-4
-        )
+    outputs = run_in_steps(mixer, seqs, slots, prompt_lens, states)
+    for output, seq in zip(outputs, seqs):
+        torch.testing.assert_close(output, reference(layer, seq), rtol=1e-4, atol=1e-4)
 
 
 def test_fork_copies_state():
