@@ -127,10 +127,11 @@ def causal_conv1d_step(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """Decode: one token x [S, C] for each of S sequences, sequence i after the K - 1 inputs
-    in conv_states[slots[i]] ([slots, C, K - 1], updated), then SiLU. Returns [S, C]."""
+    in conv_states[slots[i]] ([slots, C, K - 1], updated), then SiLU. Returns [S, C]. As
+    F.conv1d: the K products summed in float32, rounded once to the weight's dtype."""
     window = torch.cat([conv_states[slots], x[:, :, None].to(conv_states.dtype)], dim=-1)
     conv_states[slots] = window[:, :, 1:]
-    out = (window.to(weight.dtype) * weight).sum(-1)
+    out = (window.float() * weight.float()).sum(-1)
     if bias is not None:
-        out = out + bias
-    return F.silu(out).to(x.dtype)
+        out = out + bias.float()
+    return F.silu(out.to(weight.dtype)).to(x.dtype)

@@ -55,9 +55,10 @@ def allocate_states(
 
 
 class GatedDeltaNet(torch.nn.Module):
-    def __init__(self, dims: DeltaNetDims, dtype: torch.dtype) -> None:
+    def __init__(self, dims: DeltaNetDims, dtype: torch.dtype, triton: bool | None = None) -> None:
+        """`triton`: run the rule on the Triton varlen kernel (None: on CUDA tensors)."""
         super().__init__()
-        self.dims = dims
+        self.dims, self.triton = dims, triton
 
         def param(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
@@ -132,7 +133,7 @@ class GatedDeltaNet(torch.nn.Module):
 
     def _rule(self, q, k, v, g, beta, batch: "_Batch", states) -> torch.Tensor:
         """The gated delta rule of every sequence: o [T, H, V] float32."""
-        if v.is_cuda:
+        if self.triton or (self.triton is None and v.is_cuda):
             from kvpager.kernels.gated_delta_rule_triton import gated_delta_rule_varlen
 
             return gated_delta_rule_varlen(q, k, v, g, beta, batch.cu_seqlens, batch.slots, states)

@@ -1,7 +1,8 @@
 """The gated DeltaNet mixer equals transformers' Qwen3NextGatedDeltaNet in fp32: over whole
 prompts, and over several sequences of different lengths batched together, each prefilled in
 small chunks and then decoded token by token in its own state slot (slots out of order, a
-forked slot copied). The layer's output for each token is the same however it was split."""
+forked slot copied), on the torch forms and on the Triton kernel (TRITON_INTERPRET=1 on CPU);
+in bf16 it follows transformers' bf16 layer. The layer's output for each token is the same however it was split."""
 
 import pytest
 import torch
@@ -36,11 +37,11 @@ def hf_layer(seed: int = 0) -> Qwen3NextGatedDeltaNet:
     return layer
 
 
-def ours(layer: Qwen3NextGatedDeltaNet, chunk_size: int = 4) -> GatedDeltaNet:
+def ours(layer: Qwen3NextGatedDeltaNet, chunk_size: int = 4, triton=None) -> GatedDeltaNet:
     raw = {**hf_config().to_dict(), "model_type": "qwen3_next"}
     dims = deltanet_dims(raw)
     dims = DeltaNetDims(**{**dims.__dict__, "chunk_size": chunk_size})
-    mixer = GatedDeltaNet(dims, torch.float32)
+    mixer = GatedDeltaNet(dims, torch.float32, triton)
     with torch.no_grad():
         for name, tensor in layer.state_dict().items():
             mixer.load_tensor(name, tensor)
@@ -64,17 +65,38 @@ def test_whole_prompts_equal_transformers(chunk_size):
     assert not states.ssm[0, 1].any() and not states.conv[0, 1].any()  # the free slot
 
 
-def test_chunked_prefill_and_decode_batched_equal_transformers():
+@pytest.mark.parametrize("triton", [False, True])
+def test_chunked_prefill_and_decode_batched_equal_transformers(triton):
     """Three sequences, different lengths: prefill in chunks of 3, then decode steps, all
     in one batch each step (some prefilling while others decode)."""
+    if triton:
+        pytest.importorskip("triton")
     layer = hf_layer(1)
-    mixer = ours(layer)
+    mixer = ours(layer, triton=triton)
     lengths, slots, prompt_lens = [14, 4, 9], [3, 0, 1], [7, 2, 1]
     seqs = [torch.randn(n, HIDDEN) for n in lengths]
     states = allocate_states(mixer.dims, 1, 4, torch.float32, "cpu")
     outputs = run_in_steps(mixer, seqs, slots, prompt_lens, states)
     for output, seq in zip(outputs, seqs):
         torch.testing.assert_close(output, reference(layer, seq), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_follows_transformers_bf16():
+    """In bf16 (conv state in bf16, the rule's in float32): chunked prefill and batched decode
+    follow transformers' bf16 layer over whole prompts within a bf16 step (on this host they
+    were equal bit for bit)."""
+    layer = hf_layer(1)
+    dims = ours(layer, chunk_size=64).dims
+    layer = layer.bfloat16()
+    mixer = GatedDeltaNet(dims, torch.bfloat16)
+    for name, tensor in layer.state_dict().items():
+        mixer.load_tensor(name, tensor)
+    seqs = [torch.randn(n, HIDDEN).bfloat16() for n in (14, 4, 9)]
+    states = allocate_states(dims, 1, 4, torch.bfloat16, "cpu")
+    outputs = run_in_steps(mixer, seqs, [3, 0, 1], [7, 2, 1], states)
+    for output, seq in zip(outputs, seqs):
+        assert output.dtype == torch.bfloat16
+        torch.testing.assert_close(output, reference(layer, seq), rtol=1.6e-2, atol=3e-2)
 
 
 def test_fork_copies_state():
