@@ -2,7 +2,8 @@
 prompts, and over several sequences of different lengths batched together, each prefilled in
 small chunks and then decoded token by token in its own state slot (slots out of order, a
 forked slot copied), on the torch forms and on the Triton kernel (TRITON_INTERPRET=1 on CPU);
-in bf16 it follows transformers' bf16 layer. The layer's output for each token is the same however it was split."""
+in bf16 it follows transformers' bf16 layer. Each token's output is the same however it was
+split."""
 
 import pytest
 import torch
