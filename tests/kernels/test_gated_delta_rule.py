@@ -3,7 +3,13 @@ and from a carried state, at chunk sizes that do and do not divide the length, a
 equals one pass; the decode step over several sequences equals each one's twin; the twin
 equals transformers' torch recurrence and chunked form (Qwen3-Next's, grouped value heads);
 the Triton varlen kernel (TRITON_INTERPRET=1 on CPU) equals the twin over a batch of prefill
-chunks and decode tokens in state slots out of order, with awkward head sizes."""
+chunks and decode tokens in state slots out of order, with awkward head sizes, and compiles
+for CUDA (sm_90, in a child process without the interpreter: tests/kernels/test_cuda_compile.py
+says why)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +107,33 @@ def test_triton_varlen_equals_twin(k_dim, v_dim):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states, ref_states, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states[2], start[2])  # the free slot untouched
+
+
+def _compile_for_cuda() -> None:
+    import triton
+    from kvpager.kernels import gated_delta_rule_triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tests.kernels.test_cuda_compile import _compile
+
+    pointers = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*bf16", g_ptr="*fp32")
+    pointers.update(beta_ptr="*bf16", out_ptr="*fp32", state_ptr="*fp32")
+    pointers.update(cu_seqlens_ptr="*i32", slots_ptr="*i64")
+    const = dict(HEADS_PER_KEY=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32)
+    kernel = gated_delta_rule_triton._gated_delta_rule_kernel
+    _compile(triton, ASTSource, kernel, pointers, const, GPUTarget("cuda", 90, 32))
+
+
+def test_triton_kernel_compiles_for_cuda():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2]))
+    _compile_for_cuda()
