@@ -109,6 +109,32 @@ def test_triton_varlen_equals_twin(k_dim, v_dim):
     torch.testing.assert_close(states[2], start[2])  # the free slot untouched
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_varlen_equals_twin_cuda():
+    """Qwen3-Next's head shape (128 x 128 state, 2 value heads a key head) on the device:
+    three prefill chunks and 61 decode tokens in one launch."""
+    from kvpager.kernels.gated_delta_rule_triton import gated_delta_rule_varlen
+
+    lengths = [300, 64, 7, *[1] * 61]
+    gen = torch.Generator().manual_seed(5)
+    total, heads, key_heads = sum(lengths), 8, 4
+    q, k = normalise_qk(torch.randn(total, key_heads, 128, generator=gen),
+                        torch.randn(total, key_heads, 128, generator=gen))  # fmt: skip
+    v = torch.randn(total, heads, 128, generator=gen).bfloat16()
+    g = -F.softplus(torch.randn(total, heads, generator=gen))
+    beta = torch.rand(total, heads, generator=gen).bfloat16()
+    args = [x.cuda() for x in (q, k, v, g, beta)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.randperm(80, generator=gen)[: len(lengths)]
+    start = torch.randn(80, heads, 128, 128, generator=gen).cuda() * 0.1
+    ref_states, states = start.clone(), start.clone()
+    ref = gated_delta_rule_varlen_ref(*args, cu_seqlens, slots, ref_states)
+    out = gated_delta_rule_varlen(*args, cu_seqlens.cuda(), slots.cuda(), states)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states, ref_states, rtol=1e-4, atol=1e-4)
+
+
 def _compile_for_cuda() -> None:
     import triton
     from kvpager.kernels import gated_delta_rule_triton
