@@ -72,11 +72,14 @@ class GatedDeltaNet(torch.nn.Module):
 
     def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """One checkpoint tensor (`linear_attn.` stripped; see CHECKPOINT_TENSORS)."""
+        if name not in CHECKPOINT_TENSORS:
+            raise CheckpointError(f"linear_attn.{name}: not a gated DeltaNet tensor")
         target = getattr(self, CHECKPOINT_TENSORS[name])
-        tensor = tensor.reshape(target.shape) if name == "conv1d.weight" else tensor
+        if name == "conv1d.weight" and tensor.numel() == target.numel():
+            tensor = tensor.reshape(target.shape)  # [C, 1, K] -> [C, K]
         if tensor.shape != target.shape:
-            raise CheckpointError(f"linear_attn.{name}: shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")  # fmt: skip
+            got, expected = tuple(tensor.shape), tuple(target.shape)
+            raise CheckpointError(f"linear_attn.{name}: shape {got}, expected {expected}")
         target.data.copy_(tensor)
 
     def forward(

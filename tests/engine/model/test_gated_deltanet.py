@@ -131,3 +131,7 @@ def test_a_wrong_shape_is_refused():
     mixer = ours(hf_layer())
     with pytest.raises(CheckpointError, match="in_proj_ba"):
         mixer.load_tensor("in_proj_ba.weight", torch.zeros(3, HIDDEN))
+    with pytest.raises(CheckpointError, match="conv1d"):
+        mixer.load_tensor("conv1d.weight", torch.zeros(5, 1, 4))
+    with pytest.raises(CheckpointError, match="not a gated DeltaNet tensor"):
+        mixer.load_tensor("q_proj.weight", torch.zeros(3, HIDDEN))
