@@ -2,12 +2,13 @@
 sequences, each reading and updating its own recurrent state slot, with the Mamba2 mixer's
 calling convention (engine/model/mamba2.py), so the decoder maps such layers to it alike.
 
-Per token: in_proj_qkvz -> q, k [Hk, K], v, z [H, V] and in_proj_ba -> b, a [H] (the checkpoint
-groups them per key head: q, k, then that head's H / Hk value heads of v and of z); a causal
-depthwise conv1d with SiLU over q | k | v (state: the last kernel - 1 inputs); q and k
-L2-normalised, q scaled by K^-0.5; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias);
-the gated delta rule (kernels/gated_delta_rule.py; state [H, K, V] float32); a gated RMSNorm
-per value head (normalise, times its weight, times silu(z)); out_proj.
+Per token: in_proj_qkvz -> q, k [Hk, K], v, z [H, V] and in_proj_ba -> b, a [H] (Qwen3-Next's
+checkpoint groups them per key head, Qwen3.5's (`qwen3_5` text) keeps them apart: both load
+into one flat layout); a causal depthwise conv1d with SiLU over q | k | v (state: the last
+kernel - 1 inputs); q and k L2-normalised, q scaled by K^-0.5; beta = sigmoid(b),
+g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (kernels/gated_delta_rule.py;
+state [H, K, V] float32); a gated RMSNorm per value head (normalise, times its weight, times
+silu(z)); out_proj.
 
 A prefill chunk runs the chunked rule from the slot's state, a decode token one step; on CUDA
 the whole batch goes through the Triton varlen kernel in one launch. Chunked prefill and
@@ -30,10 +31,16 @@ from kvpager.schemas.errors import CheckpointError
 
 __all__ = ["CHECKPOINT_TENSORS", "DeltaNetDims", "GatedDeltaNet", "allocate_states"]
 
-# checkpoint name after `linear_attn.` -> GatedDeltaNet attribute (conv1d.weight is [C, 1, K])
+# checkpoint name after `linear_attn.` -> GatedDeltaNet attribute (conv1d.weight is [C, 1, K]).
+# Qwen3-Next groups in_proj_qkvz / in_proj_ba per key head (regrouped at load: `_flat_rows`);
+# Qwen3.5 has them apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), already flat.
 CHECKPOINT_TENSORS = {
     "in_proj_qkvz.weight": "in_proj_qkvz",
     "in_proj_ba.weight": "in_proj_ba",
+    "in_proj_qkv.weight": "in_proj_qkvz",
+    "in_proj_z.weight": "in_proj_qkvz",
+    "in_proj_b.weight": "in_proj_ba",
+    "in_proj_a.weight": "in_proj_ba",
     "conv1d.weight": "conv_weight",
     "dt_bias": "dt_bias",
     "A_log": "A_log",
@@ -75,12 +82,31 @@ class GatedDeltaNet(torch.nn.Module):
         if name not in CHECKPOINT_TENSORS:
             raise CheckpointError(f"linear_attn.{name}: not a gated DeltaNet tensor")
         target = getattr(self, CHECKPOINT_TENSORS[name])
+        d = self.dims
+        rows = {
+            "in_proj_qkv.weight": slice(0, d.conv_dim),
+            "in_proj_z.weight": slice(d.conv_dim, None),
+            "in_proj_b.weight": slice(0, d.num_value_heads),
+            "in_proj_a.weight": slice(d.num_value_heads, None),
+        }
+        target = target[rows[name]] if name in rows else target
         if name == "conv1d.weight" and tensor.numel() == target.numel():
             tensor = tensor.reshape(target.shape)  # [C, 1, K] -> [C, K]
         if tensor.shape != target.shape:
             got, expected = tuple(tensor.shape), tuple(target.shape)
             raise CheckpointError(f"linear_attn.{name}: shape {got}, expected {expected}")
+        if name in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+            tensor = self._flat_rows(tensor, name == "in_proj_ba.weight")
         target.data.copy_(tensor)
+
+    def _flat_rows(self, weight: torch.Tensor, ba: bool) -> torch.Tensor:
+        """Qwen3-Next's rows, per key head [q, k, its value heads' v, their z] (or [b, a]), as
+        the flat [q | k | v | z] (or [b | a]) the forward splits."""
+        d = self.dims
+        per_key = d.num_value_heads // d.num_key_heads
+        sizes = [per_key] * 2 if ba else [d.key_head_dim] * 2 + [per_key * d.value_head_dim] * 2
+        parts = weight.view(d.num_key_heads, sum(sizes), -1).split(sizes, dim=1)
+        return torch.cat([part.reshape(-1, weight.shape[-1]) for part in parts])
 
     def forward(
         self,
@@ -109,19 +135,11 @@ class GatedDeltaNet(torch.nn.Module):
         return self._out(core.to(hidden.dtype), z)
 
     def _project(self, hidden: torch.Tensor):
-        """(q | k | v [T, conv_dim], z [T, H, V], b [T, H], a [T, H]) from the checkpoint's
-        per-key-head grouping."""
+        """(q | k | v [T, conv_dim], z [T, H, V], b [T, H], a [T, H])."""
         d, n = self.dims, hidden.shape[0]
-        per_key = d.num_value_heads // d.num_key_heads
-        qkvz = F.linear(hidden, self.in_proj_qkvz).view(n, d.num_key_heads, -1)
-        q, k, v, z = qkvz.split(
-            [d.key_head_dim, d.key_head_dim, per_key * d.value_head_dim,
-             per_key * d.value_head_dim], dim=-1,
-        )  # fmt: skip
-        b, a = F.linear(hidden, self.in_proj_ba).view(n, d.num_key_heads, -1).split(per_key, -1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        z = z.reshape(n, d.num_value_heads, d.value_head_dim)
-        return mixed, z, b.reshape(n, -1), a.reshape(n, -1)
+        mixed, z = F.linear(hidden, self.in_proj_qkvz).split([d.conv_dim, d.value_dim], dim=-1)
+        b, a = F.linear(hidden, self.in_proj_ba).split(d.num_value_heads, dim=-1)
+        return mixed, z.reshape(n, d.num_value_heads, d.value_head_dim), b, a
 
     def _conv(self, mixed, batch: "_Batch", conv_states) -> torch.Tensor:
         """The short convolution: each prefill chunk from its slot's state, every decode token

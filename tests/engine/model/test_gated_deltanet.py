@@ -100,6 +100,31 @@ def test_bf16_follows_transformers_bf16():
         torch.testing.assert_close(output, reference(layer, seq), rtol=1.6e-2, atol=3e-2)
 
 
+def test_qwen3_5_layer_equals_transformers():
+    """Qwen3.5's layer (`qwen3_5` text): the same mixer, its projections kept apart in the
+    checkpoint (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and loaded into the same rows."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    fields = {k: v for k, v in hf_config().to_dict().items() if k.startswith("linear_")}
+    config = Qwen3_5TextConfig(hidden_size=HIDDEN, num_hidden_layers=1,
+                               layer_types=["linear_attention"], **fields)  # fmt: skip
+    torch.manual_seed(4)
+    layer = Qwen3_5GatedDeltaNet(config, 0).float().eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+        layer.A_log.copy_(torch.rand(4).log())
+    mixer = ours(hf_layer())  # Qwen3-Next's geometry is the same: reload the weights
+    for name, tensor in layer.state_dict().items():
+        mixer.load_tensor(name, tensor)
+    seqs = [torch.randn(n, HIDDEN) for n in (11, 5)]
+    states = allocate_states(mixer.dims, 1, 2, torch.float32, "cpu")
+    outputs = run_in_steps(mixer, seqs, [1, 0], [8, 5], states)
+    for output, seq in zip(outputs, seqs):
+        torch.testing.assert_close(output, reference(layer, seq), rtol=1e-4, atol=1e-4)
+
+
 def test_fork_copies_state():
     layer = hf_layer(2)
     mixer = ours(layer)
