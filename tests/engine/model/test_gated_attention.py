@@ -1,7 +1,7 @@
 """Qwen3-Next's gated full attention on the paged cache equals transformers'
-Qwen3NextAttention in fp32 (output gate, partial rotary, (1 + w) q/k norms, GQA): over a whole
-prompt, and over the same prompt prefilled in chunks and then decoded token by token through
-the cache's block table (blocks out of order)."""
+Qwen3NextAttention (and Qwen3.5's) in fp32 (output gate, partial rotary, (1 + w) q/k norms,
+GQA): over a whole prompt, and over the same prompt prefilled in chunks and then decoded token
+by token through the cache's block table (blocks out of order)."""
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 4, 2, 16, 4
 BLOCK_TABLE = [3, 0, 5, 1, 4, 2]
 
 
-def hf_parts(seed: int, factor: float):
+def hf_parts(seed: int, factor: float, qwen3_5: bool = False):
     config = Qwen3NextConfig(
         hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM, num_hidden_layers=1, layer_types=["full_attention"],
@@ -28,7 +28,11 @@ def hf_parts(seed: int, factor: float):
     )  # fmt: skip
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    layer = Qwen3NextAttention(config, 0).float().eval()
+    if qwen3_5:  # Qwen3.5's attention is the same layer (its text RoPE aside)
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention as cls
+    else:
+        cls = Qwen3NextAttention
+    layer = cls(config, 0).float().eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
@@ -65,8 +69,9 @@ CHUNKED_THEN_DECODE = [(0, 5), (5, 9), *((i, i + 1) for i in range(9, 13))]
 
 @pytest.mark.parametrize("factor", [0.25, 1.0])
 @pytest.mark.parametrize("pieces", [[(0, 13)], CHUNKED_THEN_DECODE])
-def test_equals_transformers(factor, pieces):
-    layer, rotary = hf_parts(seed=int(factor * 4), factor=factor)
+@pytest.mark.parametrize("qwen3_5", [False, True])
+def test_equals_transformers(factor, pieces, qwen3_5):
+    layer, rotary = hf_parts(seed=int(factor * 4), factor=factor, qwen3_5=qwen3_5)
     prompt = torch.randn(13, HIDDEN)
     expected = reference(layer, rotary, prompt)
     ops = get_kernel_ops("torch")
