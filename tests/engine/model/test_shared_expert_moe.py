@@ -1,5 +1,6 @@
 """Qwen3-Next's sparse MoE block (routed experts plus a sigmoid-gated shared expert) equals
-transformers' Qwen3NextSparseMoeBlock in fp32, renormalised over the top k or not."""
+transformers' Qwen3NextSparseMoeBlock in fp32, renormalised over the top k or not, and
+Qwen3.5-MoE's block."""
 
 import pytest
 import torch
@@ -49,6 +50,29 @@ def test_equals_transformers(norm_topk_prob):
     ops = get_kernel_ops("torch")
     routed = moe.experts(h, ops.fused_moe, ops.silu_and_mul)
     assert (out - routed).abs().max() > 1e-2  # the gated shared expert counts
+
+
+def test_qwen3_5_moe_block_equals_transformers():
+    """Qwen3.5-MoE's block is the same, always renormalised over the top k."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    fields = dict(hidden_size=HIDDEN, num_experts=6, num_experts_per_tok=3,
+                  moe_intermediate_size=12, shared_expert_intermediate_size=20)  # fmt: skip
+    torch.manual_seed(7)
+    block = Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(**fields)).float().eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    config = hf_config(norm_topk_prob=True)
+    config.num_experts_per_tok = 3
+    moe = SharedExpertMoe(expert_config(config), 20, torch.float32)
+    for name, tensor in block.state_dict().items():
+        moe.load_tensor(name, tensor)
+    h = torch.randn(9, HIDDEN)
+    with torch.no_grad():
+        expected = block(h[None])[0]
+    torch.testing.assert_close(moe(h, get_kernel_ops("torch")), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_wrong_name_or_shape_is_refused():
