@@ -31,11 +31,8 @@ def expert_config(config: Qwen3NextConfig) -> ModelConfig:
     )
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_equals_transformers(norm_topk_prob):
-    config = hf_config(norm_topk_prob)
-    torch.manual_seed(int(norm_topk_prob))
-    block = Qwen3NextSparseMoeBlock(config).float().eval()
+def compare(block, config: Qwen3NextConfig) -> tuple[SharedExpertMoe, torch.Tensor, torch.Tensor]:
+    """(ours, h, its output) after checking it equals `block` (weights drawn at random)."""
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
@@ -44,9 +41,17 @@ def test_equals_transformers(norm_topk_prob):
         moe.load_tensor(name, tensor)
     h = torch.randn(9, HIDDEN)
     with torch.no_grad():
-        expected = block(h[None])[0]
+        expected = block.float().eval()(h[None])[0]
     out = moe(h, get_kernel_ops("torch"))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    return moe, h, out
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_equals_transformers(norm_topk_prob):
+    config = hf_config(norm_topk_prob)
+    torch.manual_seed(int(norm_topk_prob))
+    moe, h, out = compare(Qwen3NextSparseMoeBlock(config), config)
     ops = get_kernel_ops("torch")
     routed = moe.experts(h, ops.fused_moe, ops.silu_and_mul)
     assert (out - routed).abs().max() > 1e-2  # the gated shared expert counts
@@ -60,19 +65,9 @@ def test_qwen3_5_moe_block_equals_transformers():
     fields = dict(hidden_size=HIDDEN, num_experts=6, num_experts_per_tok=3,
                   moe_intermediate_size=12, shared_expert_intermediate_size=20)  # fmt: skip
     torch.manual_seed(7)
-    block = Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(**fields)).float().eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
     config = hf_config(norm_topk_prob=True)
     config.num_experts_per_tok = 3
-    moe = SharedExpertMoe(expert_config(config), 20, torch.float32)
-    for name, tensor in block.state_dict().items():
-        moe.load_tensor(name, tensor)
-    h = torch.randn(9, HIDDEN)
-    with torch.no_grad():
-        expected = block(h[None])[0]
-    torch.testing.assert_close(moe(h, get_kernel_ops("torch")), expected, rtol=1e-5, atol=1e-5)
+    compare(Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(**fields)), config)
 
 
 def test_a_wrong_name_or_shape_is_refused():
