@@ -42,8 +42,8 @@ SUPPORTED_MODEL_TYPES = (
     DEEPSEEK_V2,
 )
 GEMMA = ("gemma2", "gemma3_text")
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
-MOE = ("mixtral", "qwen3_moe", "gpt_oss")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")
 
 
 def family_fields(raw: dict[str, Any]) -> dict[str, Any]:

@@ -117,3 +117,21 @@ def ssm_step(
     h = decay * states.float() + (dt[..., None] * xf)[..., None] * B[:, :, None, :]
     states.copy_(h)
     return torch.einsum("shpn,shn->shp", h, C) + D.float()[:, None] * xf
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decode: one token x [S, C] for each of S sequences, sequence i after the K - 1 inputs
+    in conv_states[slots[i]] ([slots, C, K - 1], updated), then SiLU. Returns [S, C]. As
+    F.conv1d: the K products summed in float32, rounded once to the weight's dtype."""
+    window = torch.cat([conv_states[slots], x[:, :, None].to(conv_states.dtype)], dim=-1)
+    conv_states[slots] = window[:, :, 1:]
+    out = (window.float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return F.silu(out.to(weight.dtype)).to(x.dtype)

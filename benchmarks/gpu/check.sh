@@ -37,4 +37,5 @@ step engine_tests 180 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/worker/test_kv_cache_dtype.py tests/engine/kv/test_sliding_cache.py \
     tests/engine/model/test_parity.py
 step kernel_bench 100 python3 -m benchmarks.kernels.triton --out "$OUT/kernels.json"
+step deltanet_bench 60 python3 -m benchmarks.kernels.gated_delta_rule
 step throughput 120 python3 -m benchmarks.gpu.throughput --out "$OUT/gpu_throughput.json"

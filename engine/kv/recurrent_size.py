@@ -16,6 +16,7 @@ engine/model/mamba2.py holds them (the scan accumulates in float32).
 from dataclasses import dataclass
 from typing import Any
 
+from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
 
@@ -79,22 +80,15 @@ def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
 
 
 def _deltanet(raw: dict[str, Any]) -> HybridSize:
-    num_layers = raw["num_hidden_layers"]
-    kinds = raw.get("layer_types") or [
-        "full_attention" if (i + 1) % raw.get("full_attention_interval", 4) == 0 else "linear"
-        for i in range(num_layers)
-    ]
-    attention = sum(kind == "full_attention" for kind in kinds)
-    recurrent = num_layers - attention
-    k_heads, v_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
-    k_dim, v_dim = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
-    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    dims, layers = deltanet_dims(raw), deltanet_layers(raw)
+    recurrent = sum(layers)
+    attention = len(layers) - recurrent
     return HybridSize(
         "qwen3_next",
         recurrent,
         attention,
-        recurrent * conv_dim * (raw.get("linear_conv_kernel_dim", 4) - 1),
-        recurrent * v_heads * k_dim * v_dim,
+        recurrent * dims.conv_elements(),
+        recurrent * dims.recurrent_elements(),
         attention * _kv_per_layer(raw),
     )
 

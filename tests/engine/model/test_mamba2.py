@@ -10,6 +10,8 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     GraniteMoeHybridMambaLayer,
 )
 
+from tests.engine.model.recurrent_steps import run_in_steps
+
 HIDDEN = 16
 
 
@@ -81,29 +83,12 @@ def test_chunked_prefill_and_decode_batched_equal_transformers():
     in one batch each step (some prefilling while others decode)."""
     layer = hf_layer(1)
     mixer = ours(layer)
-    lengths, slots = [14, 4, 9], [3, 0, 1]
+    lengths, slots, prompt_lens = [14, 4, 9], [3, 0, 1], [7, 2, 1]
     seqs = [torch.randn(n, HIDDEN) for n in lengths]
-    prompt_lens = [7, 2, 1]
     states = RecurrentStates.allocate(mixer.dims, 1, 4, torch.float32, "cpu")
-    done, outputs = [0, 0, 0], [[], [], []]
-    while any(d < n for d, n in zip(done, lengths)):
-        batch, lens, batch_slots, owners = [], [], [], []
-        for i, seq in enumerate(seqs):
-            if done[i] >= lengths[i]:
-                continue
-            take = min(3, prompt_lens[i] - done[i]) if done[i] < prompt_lens[i] else 1
-            batch.append(seq[done[i] : done[i] + take])
-            lens.append(take)
-            batch_slots.append(slots[i])
-            owners.append(i)
-        out = mixer(torch.cat(batch), lens, batch_slots, states.conv[0], states.ssm[0])
-        for piece, i, n in zip(out.split(lens), owners, lens):
-            outputs[i].append(piece)
-            done[i] += n
-    for i, seq in enumerate(seqs):
-        torch.testing.assert_close(
-            torch.cat(outputs[i]), reference(layer, seq), rtol=1e-4, atol=1e-4
-        )
+    outputs = run_in_steps(mixer, seqs, slots, prompt_lens, states)
+    for output, seq in zip(outputs, seqs):
+        torch.testing.assert_close(output, reference(layer, seq), rtol=1e-4, atol=1e-4)
 
 
 def test_fork_copies_state():

@@ -1,0 +1,1 @@
+"""Model families read from config.json, without torch (one module a family)."""
