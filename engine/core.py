@@ -266,6 +266,7 @@ def check_ready(ready: ExecutorReady) -> None:
         "vocab_size": (ready.vocab_size, 1, 2**24),
         "world_size": (ready.world_size, 1, 1024),
         "len(kv_group_windows)": (len(ready.kv_group_windows), 0, 1024),
+        "num_state_slots": (ready.num_state_slots, 0, 65536),
     }
     for name, (value, low, high) in sizes.items():
         if not low <= value <= high:
@@ -285,6 +286,7 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         group_windows=tuple(ready.kv_group_windows),
         max_pinned_fraction=config.max_pinned_fraction,
         max_pinned_blocks_per_key=config.max_pinned_blocks_per_key,
+        num_state_slots=ready.num_state_slots,
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

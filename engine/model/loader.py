@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.granite_weights import granite_params
 from kvpager.engine.model.kv_scales import read_kv_scales
 from kvpager.engine.model.sharding import MIXTRAL_NAMES, Part, Shard
 from kvpager.engine.model_config import ModelConfig
@@ -184,6 +185,9 @@ def _pairs_to_halves(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
 def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] | None:
     """Targets of a per-layer HF weight name (after `layers.<i>.`), or None if it is not ours."""
     group, _, kind = name.partition(".")
+    granite = granite_params(layer, name)  # Granite 4 hybrids' own names, where they are
+    if granite is not None:
+        return [Target(param, 0, None, transform=transform) for param, transform in granite]
     if group == "self_attn":
         return _attention_targets(layer, kind, shard)
     if group in ("mlp", "block_sparse_moe"):

@@ -91,7 +91,9 @@ class Mamba2Mixer(torch.nn.Module):
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
         A = -torch.exp(self.A_log.float())
-        y = torch.empty(hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32)
+        y = torch.empty(
+            hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32, device=hidden.device
+        )
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
         steps = [i for i, n in enumerate(seq_lens) if n == 1]
         for i, (start, n) in enumerate(zip(starts, seq_lens)):

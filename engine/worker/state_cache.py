@@ -1,6 +1,7 @@
 """The executor's side of recurrent state slots: it owns the state tensors
-(engine/model/mamba2.py: RecurrentStates) and applies what a step says about them, by id
-alone (engine/kv/state_slots.py decides; ScheduledStep carries the ids, StepCheck checked them).
+(engine/model/recurrent.py: one kind's, RecurrentStates for Mamba2) and applies what a step
+says about them, by id alone (engine/kv/state_slots.py decides; ScheduledStep carries the ids,
+StepCheck checked them).
 
 Per step, around the forward pass: zero the slots new to a sequence and copy the state of each
 fork applied before the pass (a beam chosen twice); run the mixers on each scheduled
@@ -8,13 +9,32 @@ sequence's slot; after the pass copy the state of each fork that samples (a para
 forked as its parent's prompt completes: the state then holds the whole prompt).
 """
 
-from kvpager.engine.model.mamba2 import RecurrentStates
+import torch
+from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.model.recurrent import RecurrentBatch, allocate_states
+from kvpager.engine.model_config import ModelConfig
+from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import ScheduledStep
 
 
+def make_state_cache(
+    config: ExecutorConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> "StateCache | None":
+    """A slot per sequence that can run at once (a fork finds one: engine/kv/state_slots.py);
+    None for a model without recurrent layers."""
+    if not model_config.num_recurrent_layers:
+        return None
+    if config.speculative_config is not None:
+        # a rejected draft token would stay in the state: there is no rolling it back
+        raise ConfigError("speculative_config: not with recurrent (Mamba2) layers")
+    states = allocate_states(model_config, config.max_num_seqs, dtype, device)
+    return StateCache(states, config.max_num_seqs)
+
+
 class StateCache:
-    def __init__(self, states: RecurrentStates) -> None:
+    def __init__(self, states, num_slots: int) -> None:
         self.states = states
+        self.num_slots = num_slots
 
     def before_forward(self, step: ScheduledStep) -> None:
         if step.state_resets:
@@ -23,6 +43,12 @@ class StateCache:
 
     def after_forward(self, step: ScheduledStep) -> None:
         self._copy_forks(step, sample=True)
+
+    def batch(self, step: ScheduledStep) -> RecurrentBatch:
+        """The step's sequences' token counts and slots, in the batch's order."""
+        return RecurrentBatch(
+            self.states, list(step.num_scheduled_tokens.values()), self.slots(step)
+        )
 
     @staticmethod
     def slots(step: ScheduledStep) -> list[int]:

@@ -135,6 +135,9 @@ class StepCheck:
         )
         children = {fork.child_id for fork in step.forks}
         known = owners.keys() <= step.num_scheduled_tokens.keys() | children
+        if self.capacity.num_state_slots:  # every scheduled sequence's mixers read its slot
+            missing = step.num_scheduled_tokens.keys() - owners.keys()
+            _require(not missing, f"state slot: none for {sorted(missing)[:3]}")
         _require(known, "state slot: for a sequence neither scheduled nor forked")
         _require(len(set(owners.values())) == len(owners), "state slot: two sequences in one")
         for fork in step.forks:
