@@ -237,8 +237,9 @@ def build_granite_hybrid(path: Path, seed: int = 13, **overrides) -> Path:
     fields = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
                   num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba"],
-                  mamba_n_heads=4, mamba_d_head=16, mamba_expand=1, mamba_n_groups=2, mamba_d_state=8,
-                  mamba_d_conv=4, mamba_chunk_size=4, position_embedding_type="rope",
+                  mamba_n_heads=4, mamba_d_head=16, mamba_expand=1, mamba_n_groups=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4,
+                  position_embedding_type="rope",
                   embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=1.5,
                   attention_multiplier=0.2, tie_word_embeddings=False)  # fmt: skip
     tokenizer = train_tokenizer(path)
