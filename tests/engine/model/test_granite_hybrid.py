@@ -10,7 +10,7 @@ from kvpager.engine import SamplingParams
 from kvpager.engine.kv.state_slots import RecurrentBlockManager
 from kvpager.engine.model_config import ModelConfig
 
-from tests.engine.helpers import assert_all_free, make_llm
+from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import build_granite_hybrid
 
@@ -66,4 +66,57 @@ def test_recompute_preemption_with_small_chunks(granite):
     ) as llm:  # fmt: skip
         assert greedy(llm, prompts) == expected
         assert llm.stats()["num_preemptions"] > 0, llm.stats()
+        assert_slots_free(llm)
+
+
+def test_parallel_samples_copy_the_state(granite):
+    """n = 3 greedy samples fork as the prompt completes: each child's state is its parent's."""
+    path, prompts, expected = granite
+    with make_llm(path, max_num_batched_tokens=16) as llm:
+        params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS)
+        out = llm.generate([prompts[-2]], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [expected[-2]] * 3
+        assert_slots_free(llm)
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_equals_transformers(granite, width):
+    """Beams chosen twice fork before the pass: the state is copied, then advanced."""
+    path = granite[0]
+    prompts = random_prompts([1, 6, 17], seed=5)
+    with make_llm(path) as llm:
+        params = SamplingParams(beam_width=width, temperature=0.0, max_tokens=8)
+        got = [o.outputs[0].token_ids for o in llm.beam_search(prompts, params, use_tqdm=False)]
+        expected = hf_generate(path, prompts, max_new_tokens=8, num_beams=width, do_sample=False)
+        assert got == expected
+        assert_slots_free(llm)
+
+
+@pytest.fixture(scope="module")
+def granite_dense_nope(tmp_path_factory):
+    """A second config: no RoPE, no experts (the shared MLP alone), attention first, two
+    Mamba layers with one group and longer scan chunks, other multipliers."""
+    path = build_granite_hybrid(
+        tmp_path_factory.mktemp("granite_dense"), seed=21, num_local_experts=0,
+        position_embedding_type="nope", layer_types=["attention", "mamba", "mamba"],
+        mamba_n_groups=1, mamba_d_state=12, mamba_chunk_size=8, embedding_multiplier=0.7,
+        residual_multiplier=1.3, logits_scaling=0.8, attention_multiplier=0.3,
+    )  # fmt: skip
+    prompts = make_prompts(seed=3)
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_a_second_config_matches_transformers(granite_dense_nope):
+    path, prompts, expected = granite_dense_nope
+    config = ModelConfig.from_path(path)
+    assert config.nope_layers == (True,) * 3 and not any(config.sparse_layers)
+    with make_llm(path) as llm:
+        assert greedy(llm, prompts) == expected
+        assert_slots_free(llm)
+    with make_llm(
+        path, num_blocks=12, max_num_batched_tokens=5, max_num_seqs=3,
+        preemption_mode="recompute", enable_prefix_caching=False,
+    ) as llm:  # fmt: skip
+        assert greedy(llm, prompts) == expected
+        assert llm.stats()["num_preemptions"] > 0
         assert_slots_free(llm)
