@@ -83,9 +83,12 @@ class Mamba2Mixer(torch.nn.Module):
         slots: list[int],
         conv_states: torch.Tensor,
         ssm_states: torch.Tensor,
+        cuts: list[list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """hidden [T, hidden]: the sequences' tokens back to back, `seq_lens` each, sequence i
-        in state slot `slots[i]` of this layer's conv_states [slots, ...] / ssm_states."""
+        in state slot `slots[i]` of this layer's conv_states [slots, ...] / ssm_states.
+        `cuts[i]`: (offset, snapshot slot) pairs, the state after `offset` of sequence i's
+        tokens copied into that slot (prefix snapshots at block boundaries)."""
         d = self.dims
         proj = F.linear(hidden, self.in_proj, self.in_proj_bias)
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
@@ -96,19 +99,32 @@ class Mamba2Mixer(torch.nn.Module):
         )
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
         steps = [i for i, n in enumerate(seq_lens) if n == 1]
+        cuts = cuts or [[] for _ in seq_lens]
+        states = (conv_states, ssm_states)
         for i, (start, n) in enumerate(zip(starts, seq_lens)):
             if n == 1:
                 continue
-            rows = slice(start, start + n)
-            conv = causal_conv1d(xbc[rows], conv_states[slots[i]], self.conv_weight, self.conv_bias)
-            x, B, C = self._split(conv)
-            state = ssm_states[slots[i]]
-            y[rows] = ssm_scan_chunked(x, dt[rows], A, B, C, self.D, state, d.chunk_size)
+            # a piece per snapshot: the scan resumes from the state the last piece left
+            ends = [offset for offset, _ in cuts[i] if offset < n] + [n]
+            for lo, hi in zip([0, *ends[:-1]], ends):
+                self._scan(xbc, dt, A, slice(start + lo, start + hi), slots[i], states, y)
+                _snapshot(states, slots[i], [slot for offset, slot in cuts[i] if offset == hi])
         if steps:
             y[[starts[i] for i in steps]] = self._step(
                 xbc, dt, A, starts, slots, steps, conv_states, ssm_states
             )
+            for i in steps:
+                _snapshot(states, slots[i], [slot for _, slot in cuts[i]])
         return self._out(y.reshape(hidden.shape[0], -1), gate, hidden.dtype)
+
+    def _scan(self, xbc, dt, A, rows: slice, slot: int, states, y: torch.Tensor) -> None:
+        """One prefill piece of a sequence from its slot's state, which it advances."""
+        conv_states, ssm_states = states
+        conv = causal_conv1d(xbc[rows], conv_states[slot], self.conv_weight, self.conv_bias)
+        x, B, C = self._split(conv)
+        y[rows] = ssm_scan_chunked(
+            x, dt[rows], A, B, C, self.D, ssm_states[slot], self.dims.chunk_size
+        )
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims
@@ -144,3 +160,10 @@ class Mamba2Mixer(torch.nn.Module):
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
         y = self.norm_weight * grouped.view_as(y).to(dtype)
         return F.linear(y.to(dtype), self.out_proj, self.out_proj_bias)
+
+
+def _snapshot(states: tuple[torch.Tensor, torch.Tensor], slot: int, copies: list[int]) -> None:
+    """This layer's state of `slot` copied into each snapshot slot of `copies`."""
+    for state in states:
+        for copy in copies:
+            state[copy] = state[slot]

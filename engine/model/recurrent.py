@@ -25,6 +25,9 @@ class RecurrentBatch:
     states: Any  # RecurrentStates, or another kind's with its interface
     seq_lens: list[int]
     slots: list[int]
+    # per sequence: (offset in its tokens, snapshot slot), ascending; the state after that
+    # many of its tokens is copied into the snapshot slot (engine/kv/state_snapshots.py)
+    cuts: list[list[tuple[int, int]]] | None = None
 
     def layer(self, state_idx: int) -> "RecurrentLayerCache":
         return RecurrentLayerCache(self, state_idx)
@@ -56,7 +59,8 @@ def _allocate_mamba2(config: ModelConfig, num_slots: int, dtype, device) -> Recu
 
 def _run_mamba2(mixer, hidden: torch.Tensor, cache: RecurrentLayerCache) -> torch.Tensor:
     batch, idx = cache.batch, cache.state_idx
-    return mixer(hidden, batch.seq_lens, batch.slots, batch.states.conv[idx], batch.states.ssm[idx])
+    conv, ssm = batch.states.conv[idx], batch.states.ssm[idx]
+    return mixer(hidden, batch.seq_lens, batch.slots, conv, ssm, batch.cuts)
 
 
 MIXERS: dict[str, MixerKind] = {"mamba2": MixerKind(_build_mamba2, _allocate_mamba2, _run_mamba2)}

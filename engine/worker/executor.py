@@ -77,7 +77,9 @@ class Executor:
         )
         self._allocate_caches()
         # recurrent layers' states (engine/worker/state_cache.py); None for other models
-        self.state_cache = make_state_cache(config, model_config, self.dtype, self.device)
+        self.state_cache = make_state_cache(
+            config, model_config, self.dtype, self.device, self.kv_cache
+        )
         self.disk = open_disk(
             config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows,
             self.ops.kv_layout,
@@ -161,11 +163,16 @@ class Executor:
             vocab_size=self.model_config.vocab_size,
             group_windows=self.kv_groups.windows,
             num_state_slots=self.num_state_slots,
+            num_snapshot_slots=self.num_snapshot_slots,
         )
 
     @property
     def num_state_slots(self) -> int:
         return self.state_cache.num_slots if self.state_cache is not None else 0
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        return self.state_cache.num_snapshot_slots if self.state_cache is not None else 0
 
     def ready(self, executor_id: str, model: str) -> ExecutorReady:
         """What this executor holds, for the scheduler to be built with."""
@@ -185,6 +192,8 @@ class Executor:
             kv_disk=self.disk is not None,
             kv_group_windows=list(self.kv_groups.windows),
             num_state_slots=self.num_state_slots,
+            num_snapshot_slots=self.num_snapshot_slots,
+            state_slot_bytes=self.state_cache.slot_bytes if self.state_cache is not None else 0,
         )
 
     def reset(self) -> None:

@@ -120,3 +120,50 @@ def test_a_second_config_matches_transformers(granite_dense_nope):
         assert greedy(llm, prompts) == expected
         assert llm.stats()["num_preemptions"] > 0
         assert_slots_free(llm)
+
+
+def test_a_repeated_prompt_resumes_from_a_state_snapshot(granite):
+    """Done criterion of issue 46: a second request with the same 64-token prompt reports at
+    least 32 cached tokens (here 56: 7 of its 8 blocks, the last token is always computed)
+    and the same output; the snapshot hit and bytes are counted apart from blocks."""
+    path = granite[0]
+    prompt = random_prompts([64], seed=11)[0]
+    expected = hf_greedy(path, [prompt], MAX_TOKENS)
+    with make_llm(path, num_blocks=64) as llm:
+        assert greedy(llm, [prompt]) == expected
+        first = llm.stats()
+        assert first["num_state_snapshots"] > 0 and first["state_snapshot_bytes"] > 0
+        assert greedy(llm, [prompt]) == expected
+        stats = llm.stats()
+        hit_tokens = stats["prefix_cache_hit_tokens"] - first["prefix_cache_hit_tokens"]
+        assert hit_tokens >= 32 and hit_tokens == 56, stats
+        assert stats["state_snapshot_hits"] == 1 and stats["state_snapshot_hit_tokens"] == 56
+        assert_slots_free(llm)
+
+
+def test_snapshots_inside_prefill_chunks_serve_a_shared_prefix(granite):
+    """Chunks of 6 tokens cross block boundaries (8) inside the chunk: the mixer cuts its scan
+    there. A second prompt sharing the first 40 tokens resumes after 5 blocks, exactly."""
+    path = granite[0]
+    shared = random_prompts([40], seed=12)[0]
+    prompts = [shared + random_prompts([9], seed=13)[0], shared + random_prompts([17], seed=14)[0]]
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    with make_llm(path, num_blocks=64, max_num_batched_tokens=6) as llm:
+        assert greedy(llm, prompts[:1]) == expected[:1]
+        assert greedy(llm, prompts[1:]) == expected[1:]
+        stats = llm.stats()
+        assert stats["state_snapshot_hits"] == 1 and stats["state_snapshot_hit_tokens"] == 40
+        assert_slots_free(llm)
+
+
+def test_snapshots_go_with_their_evicted_blocks(granite):
+    """A small cache evicts prefix blocks: their snapshots go too, so the snapshots held never
+    outnumber the cached blocks; outputs stay exact, and a hit never outlives its state."""
+    path, prompts, expected = granite
+    with make_llm(path, num_blocks=20, max_num_seqs=2) as llm:
+        for _ in range(2):
+            assert greedy(llm, prompts) == expected
+            stats = llm.stats()
+            assert stats["num_evictions"] > 0 or stats["num_cached_blocks"] < 20
+            assert 0 < stats["num_state_snapshots"] <= stats["num_cached_blocks"], stats
+        assert_slots_free(llm)
