@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, deepseek_config
-from kvpager.engine.granite_family import GRANITE_HYBRID, granite_config
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
-from kvpager.engine.mamba2_config import Mamba2Dims
+from kvpager.engine.mamba2_config import GRANITE_HYBRID, Mamba2Dims, granite_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
@@ -122,7 +121,7 @@ class ModelConfig:
     v_head_dim: int = 0
     expert_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the "deepseek" router
     routed_scaling_factor: float = 1.0
-    # recurrent hybrids (engine/granite_family.py): Mamba2 layers on per-sequence state slots
+    # recurrent hybrids (engine/mamba2_config.py): Mamba2 layers on per-sequence state slots
     recurrent_layers: tuple[bool, ...] = ()  # per layer: a Mamba2 mixer instead of attention
     recurrent_mixer: str = ""  # the recurrent layers' kind (engine/model/recurrent.py: MIXERS)
     mamba_dims: Mamba2Dims | None = None

@@ -18,7 +18,7 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
                             with shared experts (engine/deepseek_family.py)
     deepseek_v2             the same attention, softmax (optionally group-limited) routing
     granitemoehybrid        Mamba2 layers on state slots beside attention layers (RoPE or
-                            none), MoE with a shared MLP, multipliers (engine/granite_family.py)
+                            none), MoE with a shared MLP, multipliers (engine/mamba2_config.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -26,8 +26,8 @@ Plain functions of the raw dict, so engine/config.py imports this and nothing im
 from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
-from kvpager.engine.granite_family import GRANITE_HYBRID, granite_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
+from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields
 
 SUPPORTED_MODEL_TYPES = (
     "llama",

@@ -117,6 +117,22 @@ class Mamba2Mixer(torch.nn.Module):
                 _snapshot(states, slots[i], [slot for _, slot in cuts[i]])
         return self._out(y.reshape(hidden.shape[0], -1), gate, hidden.dtype)
 
+    def checkpoint_params(self) -> dict[str, tuple[torch.Tensor | None, object]]:
+        """(parameter, transform) by checkpoint name after `mamba.` (None: no such weight)."""
+        squeeze = _squeeze_channel  # conv1d.weight is [conv_dim, 1, K] in the checkpoint
+        return {
+            "in_proj.weight": (self.in_proj, None),
+            "in_proj.bias": (self.in_proj_bias, None),
+            "conv1d.weight": (self.conv_weight, squeeze),
+            "conv1d.bias": (self.conv_bias, None),
+            "dt_bias": (self.dt_bias, None),
+            "A_log": (self.A_log, None),
+            "D": (self.D, None),
+            "norm.weight": (self.norm_weight, None),
+            "out_proj.weight": (self.out_proj, None),
+            "out_proj.bias": (self.out_proj_bias, None),
+        }
+
     def _scan(self, xbc, dt, A, rows: slice, slot: int, states, y: torch.Tensor) -> None:
         """One prefill piece of a sequence from its slot's state, which it advances."""
         conv_states, ssm_states = states
@@ -167,3 +183,7 @@ def _snapshot(states: tuple[torch.Tensor, torch.Tensor], slot: int, copies: list
     for state in states:
         for copy in copies:
             state[copy] = state[slot]
+
+
+def _squeeze_channel(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor[:, 0]

@@ -49,9 +49,13 @@ def make_state_cache(
 
 
 class StateCache:
-    def __init__(self, states, num_slots: int, num_snapshot_slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self, states, num_slots: int = 0, num_snapshot_slots: int = 0, slot_bytes: int = 0
+    ) -> None:
+        """`num_slots` 0: every row of `states` is a sequence's."""
         self.states = states
-        self.num_slots, self.num_snapshot_slots = num_slots, num_snapshot_slots
+        self.num_slots = num_slots or states.conv.shape[1] - num_snapshot_slots
+        self.num_snapshot_slots = num_snapshot_slots
         self.slot_bytes = slot_bytes  # one row of every recurrent layer
 
     def before_forward(self, step: ScheduledStep) -> None:
