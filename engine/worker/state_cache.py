@@ -11,8 +11,9 @@ fork that samples (a parallel sample forked as its parent's prompt completes: th
 holds the whole prompt).
 
 Rows 0..num_slots-1 are the sequences'; the `num_snapshot_slots` rows past them hold prefix
-snapshots (engine/kv/state_snapshots.py), as many as fit in SNAPSHOT_SHARE of the KV cache's
-bytes and at most one per block.
+snapshots (engine/kv/state_snapshots.py): as many as fit in SNAPSHOT_SHARE of the KV cache's
+bytes, but at least one per sequence slot (no more state than the sequences' own), and at
+most one per block.
 """
 
 import torch
@@ -43,7 +44,8 @@ def make_state_cache(
     one = allocate_states(model_config, 1, dtype, "meta")
     slot_bytes = sum(t.numel() * t.element_size() for t in (one.conv, one.ssm))
     kv_bytes = kv_cache.numel() * kv_cache.element_size()
-    num_snapshots = min(kv_cache.shape[2], int(SNAPSHOT_SHARE * kv_bytes) // slot_bytes)
+    by_bytes = max(int(SNAPSHOT_SHARE * kv_bytes) // slot_bytes, num_slots)
+    num_snapshots = min(kv_cache.shape[2], by_bytes)
     states = allocate_states(model_config, num_slots + num_snapshots, dtype, device)
     return StateCache(states, num_slots, num_snapshots, slot_bytes)
 

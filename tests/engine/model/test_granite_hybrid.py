@@ -167,3 +167,17 @@ def test_snapshots_go_with_their_evicted_blocks(granite):
             assert stats["num_evictions"] > 0 or stats["num_cached_blocks"] < 20
             assert 0 < stats["num_state_snapshots"] <= stats["num_cached_blocks"], stats
         assert_slots_free(llm)
+
+
+def test_recompute_preemption_resumes_from_snapshots(granite):
+    """With prefix caching on, a preempted request comes back through a prefix hit of its own
+    blocks and resumes from their snapshot: still exact."""
+    path, prompts, expected = granite
+    with make_llm(
+        path, num_blocks=16, max_num_batched_tokens=6, max_num_seqs=4,
+        preemption_mode="recompute",
+    ) as llm:  # fmt: skip
+        assert greedy(llm, prompts) == expected
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["state_snapshot_hits"] > 0, stats
+        assert_slots_free(llm)
