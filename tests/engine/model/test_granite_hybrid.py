@@ -6,9 +6,14 @@ preemption with small chunks, with n > 1 and beams (a fork copies its parent's s
 block and state slot is free after each run."""
 
 import pytest
+import torch
 from kvpager.engine import SamplingParams
+from kvpager.engine.kv.kv_size import weight_bytes_per_rank
 from kvpager.engine.kv.state_slots import RecurrentBlockManager
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
 
 from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
@@ -181,3 +186,15 @@ def test_recompute_preemption_resumes_from_snapshots(granite):
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and stats["state_snapshot_hits"] > 0, stats
         assert_slots_free(llm)
+
+
+@pytest.mark.parametrize("variant", ["granite", "granite_dense_nope"])
+def test_weights_are_what_kv_size_counts(request, variant):
+    """Every checkpoint tensor has its place (mixers, shared MLP, stacked experts), and the
+    memory budget counts what the decoder holds: a Mamba2 mixer in place of attention."""
+    path = request.getfixturevalue(variant)[0]
+    config = ModelConfig.from_path(path)
+    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
+    read = load_weights(decoder, path)
+    held = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    assert read == held == weight_bytes_per_rank(config, torch.float32)
