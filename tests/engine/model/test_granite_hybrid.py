@@ -138,7 +138,10 @@ def test_a_repeated_prompt_resumes_from_a_state_snapshot(granite):
         assert greedy(llm, [prompt]) == expected
         first = llm.stats()
         assert first["num_state_snapshots"] > 0 and first["state_snapshot_bytes"] > 0
-        assert greedy(llm, [prompt]) == expected
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        second = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert second.outputs[0].token_ids == expected[0]
+        assert second.num_cached_tokens == 56  # the request reports it too
         stats = llm.stats()
         hit_tokens = stats["prefix_cache_hit_tokens"] - first["prefix_cache_hit_tokens"]
         assert hit_tokens >= 32 and hit_tokens == 56, stats
