@@ -3,9 +3,10 @@ batch of sequences, each reading and updating its own recurrent state slot.
 
 A mixer computes, per token: in_proj -> (gate z, conv input xBC, dt); a causal depthwise
 conv1d with SiLU over xBC (state: the last d_conv - 1 inputs); x, B, C split from it;
-dt = clamp(softplus(dt + dt_bias), time_step_limit); the selective scan with A = -exp(A_log)
-and the D skip (state: [heads, head_dim, d_state]); a gated RMSNorm (y * silu(z), normalised
-per group of intermediate / n_groups channels, times its weight); out_proj.
+dt = clamp(softplus(dt + dt_bias), time_step_limit) (bias and softplus in the model's dtype);
+the selective scan with A = -exp(A_log) and the D skip (state: [heads, head_dim, d_state]); a
+gated RMSNorm (y * silu(z), normalised per group of intermediate / n_groups channels, times its
+weight, in fp32, rounded once); out_proj.
 
 The state does not grow with the sequence: a sequence holds one slot of `RecurrentStates`
 (engine/kv/state_slots.py hands the slot ids out; the executor owns the tensors). A prefill
@@ -92,7 +93,8 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.dims
         proj = F.linear(hidden, self.in_proj, self.in_proj_bias)
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
+        # dt's bias and softplus in the model's dtype, as transformers' layer computes them
+        dt = F.softplus(dt + self.dt_bias).float().clamp(*d.time_step_limit)
         A = -torch.exp(self.A_log.float())
         y = torch.empty(
             hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32, device=hidden.device
@@ -174,7 +176,7 @@ class Mamba2Mixer(torch.nn.Module):
         y = y * F.silu(gate.float())
         grouped = y.view(y.shape[0], d.num_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
-        y = self.norm_weight * grouped.view_as(y).to(dtype)
+        y = self.norm_weight * grouped.view_as(y)  # scaled in fp32, rounded once (as transformers)
         return F.linear(y.to(dtype), self.out_proj, self.out_proj_bias)
 
 
