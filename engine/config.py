@@ -155,6 +155,9 @@ class CacheConfig:
     # recurrent layers (Mamba2): per-sequence state slots beside the blocks
     # (engine/kv/state_slots.py); 0: the model has none
     num_state_slots: int = 0
+    # the state rows past those holding prefix snapshots (engine/kv/state_snapshots.py)
+    num_snapshot_slots: int = 0
+    state_slot_bytes: int = 0  # one state row's bytes (stats)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:

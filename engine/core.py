@@ -266,6 +266,9 @@ def check_ready(ready: ExecutorReady) -> None:
         "vocab_size": (ready.vocab_size, 1, 2**24),
         "world_size": (ready.world_size, 1, 1024),
         "len(kv_group_windows)": (len(ready.kv_group_windows), 0, 1024),
+        "num_state_slots": (ready.num_state_slots, 0, 65536),
+        "num_snapshot_slots": (ready.num_snapshot_slots, 0, MAX_BLOCKS),
+        "state_slot_bytes": (ready.state_slot_bytes, 0, 2**40),
     }
     for name, (value, low, high) in sizes.items():
         if not low <= value <= high:
@@ -285,6 +288,9 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         group_windows=tuple(ready.kv_group_windows),
         max_pinned_fraction=config.max_pinned_fraction,
         max_pinned_blocks_per_key=config.max_pinned_blocks_per_key,
+        num_state_slots=ready.num_state_slots,
+        num_snapshot_slots=ready.num_snapshot_slots,
+        state_slot_bytes=ready.state_slot_bytes,
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

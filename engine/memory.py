@@ -56,7 +56,9 @@ def blocks_that_fit(
     per_block = kv_bytes_per_block(config, model_config, kv_dtype)
     budget = _kv_budget(config, model_config, device)
     if budget is None:  # CPU default: never more than every sequence at full length needs
-        groups = kv_groups(model_config.layer_windows, model_config.num_layers).num_groups
+        groups = kv_groups(
+            model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
+        ).num_groups
         max_useful = groups * config.max_num_seqs * -(-config.max_model_len // config.block_size)
         return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
     if budget < per_block:
@@ -107,5 +109,7 @@ def kv_bytes_per_block(
     """One block on one rank (its share of the KV heads): every layer's K/V, or with several
     KV groups (engine/kv/kv_groups.py) a group's layers."""
     per_token = model_config.kv_bytes_per_token(kv_dtype, config.tensor_parallel_size)
-    groups = kv_groups(model_config.layer_windows, model_config.num_layers)
-    return per_token // model_config.num_layers * groups.num_slots * config.block_size
+    groups = kv_groups(
+        model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
+    )
+    return per_token // model_config.num_kv_layers * groups.num_slots * config.block_size

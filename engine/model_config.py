@@ -10,6 +10,7 @@ from typing import Any
 
 from kvpager.engine.deepseek_family import deepseek_config
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
+from kvpager.engine.mamba2_config import GRANITE_HYBRID, Mamba2Dims, granite_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
@@ -120,6 +121,16 @@ class ModelConfig:
     v_head_dim: int = 0
     expert_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the "deepseek" router
     routed_scaling_factor: float = 1.0
+    # recurrent hybrids (engine/mamba2_config.py): Mamba2 layers on per-sequence state slots
+    recurrent_layers: tuple[bool, ...] = ()  # per layer: a Mamba2 mixer instead of attention
+    recurrent_mixer: str = ""  # the recurrent layers' kind (engine/model/recurrent.py: MIXERS)
+    mamba_dims: Mamba2Dims | None = None
+    mamba_proj_bias: bool = False
+    mamba_conv_bias: bool = True
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # each branch's output, before its residual add
+    logits_scaling: float = 1.0  # the logits divided by it
+    attention_multiplier: float | None = None  # the attention scale, where it is not 1/sqrt(d)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -135,7 +146,9 @@ class ModelConfig:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
         if self.mla and (self.kv_lora_rank + self.head_dim) % 2:
             raise CheckpointError("kv_lora_rank + qk_rope_head_dim must be even (latent pages)")
-        for name in ("layer_windows", "sparse_layers", "nope_layers"):
+        if self.recurrent_layers and all(self.recurrent_layers):
+            raise CheckpointError("recurrent hybrids: at least one attention layer is needed")
+        for name in ("layer_windows", "sparse_layers", "nope_layers", "recurrent_layers"):
             if len(getattr(self, name)) not in (0, self.num_layers):
                 raise CheckpointError(f"{name}: one entry per layer ({self.num_layers})")
 
@@ -145,6 +158,18 @@ class ModelConfig:
 
     def uses_rope(self, layer_idx: int) -> bool:
         return not (self.nope_layers and self.nope_layers[layer_idx])
+
+    def is_recurrent(self, layer_idx: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer_idx]
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return sum(self.recurrent_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the paged cache holds (recurrent layers hold state slots)."""
+        return self.num_layers - self.num_recurrent_layers
 
     def is_sparse(self, layer_idx: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
@@ -169,11 +194,13 @@ class ModelConfig:
                 mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
                 scale = scale * (mscale * mscale if scaling["factor"] > 1 else 1.0)
             return scale
+        if self.attention_multiplier is not None:  # Granite's
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        raw = deepseek_config(llama4_text_config(raw))
+        raw = granite_config(deepseek_config(llama4_text_config(raw)))
         model_type = raw.get("model_type", "")
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
@@ -220,7 +247,7 @@ class ModelConfig:
         by name or as a torch.dtype."""
         element = dtype_bytes(dtype)
         num_kv_heads = self.kv_heads_per_rank(tensor_parallel_size)
-        return 2 * self.num_layers * num_kv_heads * self.cache_head_dim * element
+        return 2 * self.num_kv_layers * num_kv_heads * self.cache_head_dim * element
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads split across the ranks, or one replicated head each when ranks outnumber
@@ -230,7 +257,7 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        if size > 1 and self.model_type == LLAMA4_TEXT:
+        if size > 1 and self.model_type in (LLAMA4_TEXT, GRANITE_HYBRID):
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")

@@ -17,6 +17,8 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
     deepseek_v3             multi-head latent attention on latent pages, grouped sigmoid MoE
                             with shared experts (engine/deepseek_family.py)
     deepseek_v2             the same attention, softmax (optionally group-limited) routing
+    granitemoehybrid        Mamba2 layers on state slots beside attention layers (RoPE or
+                            none), MoE with a shared MLP, multipliers (engine/mamba2_config.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
+from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -40,6 +43,7 @@ SUPPORTED_MODEL_TYPES = (
     LLAMA4_TEXT,
     DEEPSEEK_V3,
     DEEPSEEK_V2,
+    GRANITE_HYBRID,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
@@ -71,6 +75,8 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
     if model_type in DEEPSEEK:
         return {**fields, **deepseek_fields(raw)}
+    if model_type == GRANITE_HYBRID:
+        return {**fields, **granite_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 

@@ -97,6 +97,10 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     # (before the forward pass, or after it for `sample`: the state then holds the prompt)
     state_slots: dict[str, int] = {}
     state_resets: list[int] = []
+    # prefix snapshots (engine/kv/state_snapshots.py): (snapshot slot, sequence slot) copied
+    # before the pass; (seq id, offset in its step tokens, snapshot slot) copied out during it
+    state_restores: list[tuple[int, int]] = []
+    state_snapshots: list[tuple[str, int, int]] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -269,6 +269,14 @@ class Stats(msgspec.Struct, kw_only=True):
     kv_handoffs: Annotated[
         int, Meta(description="streams handed on with their blocks, read by the next instance")
     ] = 0
+    state_snapshot_hits: Annotated[
+        int, Meta(description="recurrent models: prefix hits resumed from a state snapshot")
+    ] = 0
+    state_snapshot_hit_tokens: Annotated[int, Meta(description="the tokens they skipped")] = 0
+    num_state_snapshots: Annotated[
+        int, Meta(description="state snapshots held, one per cached block boundary")
+    ] = 0
+    state_snapshot_bytes: Annotated[int, Meta(description="their bytes on the executor")] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

@@ -142,6 +142,12 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     kv_group_windows: list[int] = []
     # its KV transfer endpoint (KvAgent.name; schemas/kv_transfer.py), "" without one
     kv_agent: str = ""
+    # recurrent layers' per-sequence state slots (engine/kv/state_slots.py); 0: none
+    num_state_slots: int = 0
+    # state rows past those for prefix-cache snapshots at block boundaries, and one row's
+    # bytes (engine/kv/state_snapshots.py)
+    num_snapshot_slots: int = 0
+    state_slot_bytes: int = 0
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):

@@ -15,6 +15,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     Llama4Config,
     Llama4ForCausalLM,
     Llama4ForConditionalGeneration,
@@ -225,4 +227,27 @@ def _build_deepseek(path: Path, seed: int, config_cls, model_cls, fields: dict) 
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.2 * torch.randn_like(buffer))
+    return _save(model, path, 1.0)
+
+
+def build_granite_hybrid(path: Path, seed: int = 13, **overrides) -> Path:
+    """Granite 4 hybrid: Mamba2 layers 0 and 2 (4 heads of 16, 2 groups, state 8, conv 4,
+    scan chunks of 4 tokens) around attention layer 1 with RoPE; MoE (4 experts of 32, top 2)
+    beside a shared MLP 48 wide; every multiplier away from 1; random dt_bias and A_log."""
+    fields = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
+                  num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba"],
+                  mamba_n_heads=4, mamba_d_head=16, mamba_expand=1, mamba_n_groups=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=4,
+                  position_embedding_type="rope",
+                  embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=1.5,
+                  attention_multiplier=0.2, tie_word_embeddings=False)  # fmt: skip
+    tokenizer = train_tokenizer(path)
+    config = GraniteMoeHybridConfig(**{**_common(tokenizer), **fields, **overrides})
+    torch.manual_seed(seed)
+    model = GraniteMoeHybridForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log", "mamba.D")):
+                param.copy_(torch.randn_like(param) * 0.5)
     return _save(model, path, 1.0)

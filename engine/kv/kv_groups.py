@@ -6,7 +6,9 @@ layers into groups of equal size, vLLM's hybrid layout: every group draws blocks
 shared pool, a block holds `num_slots` layers of one group, and layer `l` reads slot
 `layer_slot[l]` of its group's blocks. Equal sizes keep every block the same number of bytes,
 so one cache tensor [num_slots, 2, blocks, ...] serves every group, and a block id belongs to
-one group at a time. A group smaller than the others (the kinds' counts do not divide)
+one group at a time. Recurrent layers (Mamba2: engine/kv/state_slots.py) hold no K/V: the
+groups are those of the attention layers, and a recurrent layer's entries (group 0, slot 0)
+are never read. A group smaller than the others (the kinds' counts do not divide)
 leaves its last slots unused: the size is picked to waste at most about a tenth of the cache.
 
 A group's `window` is one signed int, its layers' attention span: 0 full attention, w > 0 a
@@ -32,9 +34,14 @@ class KvGroups:
         return len(self.windows)
 
 
-def kv_groups(layer_windows: tuple[int, ...], num_layers: int) -> KvGroups:
-    """Group layers by span (full first, then windows ascending, then chunks ascending)."""
+def kv_groups(
+    layer_windows: tuple[int, ...], num_layers: int, recurrent: tuple[bool, ...] = ()
+) -> KvGroups:
+    """Group layers by span (full first, then windows ascending, then chunks ascending); the
+    `recurrent` layers take no part (the module docstring)."""
     windows = layer_windows or (0,) * num_layers
+    if any(recurrent):
+        return _without_recurrent(windows, recurrent)
     kinds = sorted(set(windows), key=lambda w: (w < 0, abs(w)))
     if len(kinds) == 1:
         return KvGroups((kinds[0],), (0,) * num_layers, tuple(range(num_layers)), num_layers)
@@ -47,6 +54,15 @@ def kv_groups(layer_windows: tuple[int, ...], num_layers: int) -> KvGroups:
                 layer_group[layer], layer_slot[layer] = len(group_windows), slot
             group_windows.append(kind)
     return KvGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+
+
+def _without_recurrent(windows: tuple[int, ...], recurrent: tuple[bool, ...]) -> KvGroups:
+    attention = [i for i, is_recurrent in enumerate(recurrent) if not is_recurrent]
+    inner = kv_groups(tuple(windows[i] for i in attention), len(attention))
+    layer_group, layer_slot = [0] * len(recurrent), [0] * len(recurrent)
+    for idx, layer in enumerate(attention):
+        layer_group[layer], layer_slot[layer] = inner.layer_group[idx], inner.layer_slot[idx]
+    return KvGroups(inner.windows, tuple(layer_group), tuple(layer_slot), inner.num_slots)
 
 
 def _group_size(counts: list[int], num_layers: int) -> int:

@@ -43,8 +43,11 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
         experts += config.num_experts * (1 + 2 * expert_rows + hidden)
     attention += hidden if config.o_proj_bias else 0
     experts += 3 * hidden * (config.shared_expert_intermediate_size // size)  # Llama 4, DeepSeek
+    mixer = _mamba2_weights(config) if config.num_recurrent_layers else 0  # TP refused
     layers = sum(
-        attention + (experts if config.is_sparse(i) else dense) for i in range(config.num_layers)
+        (mixer if config.is_recurrent(i) else attention)
+        + (experts if config.is_sparse(i) else dense)
+        for i in range(config.num_layers)
     )
     vocab = -(-config.vocab_size // size) * hidden
     embeddings = vocab * (1 if config.tie_word_embeddings else 2)
@@ -61,6 +64,23 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
         bias = 1 if config.moe_router == "deepseek" else 0
         sinks += moe_layers * config.num_experts * (hidden + bias)
     return (layers + embeddings) * element + norms * norm_element + sinks * dtype_bytes("float32")
+
+
+def _mamba2_weights(config: ModelConfig) -> int:
+    """Elements of a Mamba2 mixer (engine/model/mamba2.py; one rank) in place of attention."""
+    d, hidden = config.mamba_dims, config.hidden_size
+    inner, conv = d.intermediate_size, d.conv_dim
+    proj = inner + conv + d.num_heads
+    bias = (proj + hidden) if config.mamba_proj_bias else 0
+    conv_bias = conv if config.mamba_conv_bias else 0
+    return (
+        proj * hidden
+        + conv * d.conv_kernel
+        + conv_bias
+        + 3 * d.num_heads
+        + inner * (1 + hidden)
+        + bias
+    )
 
 
 def _mla_weights(config: ModelConfig, size: int) -> int:

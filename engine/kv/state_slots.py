@@ -18,14 +18,17 @@ group or a HybridBlockManager for the attention layers), with its interface:
 - fork (n > 1, beams) gives the child a slot of its own, not zeroed: the executor copies the
   parent's state into it as it applies the fork (ScheduledStep.state_slots names both);
   `take_state_ops` hands over the slots to zero;
-- prefix caching is off: a hit would need the state at the hit's end (snapshots at block
-  boundaries, not built yet); the manager logs why once.
+- prefix caching keeps state snapshots at block boundaries (engine/kv/state_snapshots.py): a
+  hit is cut back to the deepest block with one, and the new slot is restored from it
+  (`StateOps.restore`) instead of zeroed. Without snapshot slots prefix caching is off; the
+  manager logs why once.
 The pool holds `num_slots` slots; sized to at least max_num_seqs, a fork always finds one.
 """
 
 from dataclasses import dataclass, field
 
 import structlog
+from kvpager.engine.kv.state_snapshots import StateSnapshots
 from kvpager.engine.request import Request
 from kvpager.schemas.errors import ConfigError
 
@@ -37,6 +40,9 @@ class StateOps:
     """What the executor does to the state tensors before a step, in this order."""
 
     reset: list[int] = field(default_factory=list)  # slots new to a sequence: zeroed
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, slot) copies
+    # (seq id, offset in its step tokens, snapshot slot): the state there copied out
+    snapshots: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class StateSlots:
@@ -79,13 +85,20 @@ class RecurrentBlockManager:
     """A block manager for the attention layers plus the recurrent layers' state slots (see
     the module docstring). Everything not about slots is the inner manager's."""
 
-    def __init__(self, inner, num_slots: int) -> None:
+    def __init__(
+        self, inner, num_slots: int, num_snapshot_slots: int = 0, slot_bytes: int = 0
+    ) -> None:
         self.inner = inner
         self.slots = StateSlots(num_slots)
-        if inner.enable_prefix_caching:
+        self.snapshots = None
+        if inner.enable_prefix_caching and num_snapshot_slots:
+            self.snapshots = StateSnapshots(
+                num_slots, num_snapshot_slots, inner.block_size, inner.pool, slot_bytes
+            )
+        elif inner.enable_prefix_caching:
             log.info(
                 "prefix caching off",
-                reason="recurrent layers: a hit needs the state at its end (no snapshots yet)",
+                reason="recurrent layers: a hit needs the state at its end (no snapshot slots)",
             )
             inner.enable_prefix_caching = False
             for group in getattr(inner, "groups", [inner]):
@@ -96,13 +109,19 @@ class RecurrentBlockManager:
 
     @property
     def enable_prefix_caching(self) -> bool:
-        return False
+        return self.snapshots is not None
 
     def state_slot(self, seq_id: str) -> int:
         return self.slots.owner[seq_id]
 
     def find_cached_prefix(self, request: Request, max_blocks: int | None = None):
-        return self.inner.find_cached_prefix(request, 0)  # no hits (see the docstring)
+        """The inner manager's hit, cut back to the deepest block with a state snapshot."""
+        if self.snapshots is None:
+            return self.inner.find_cached_prefix(request, 0)
+        hits = self.inner.find_cached_prefix(request, max_blocks)
+        num_blocks = self.inner.num_hit_blocks(hits)
+        deepest = self.snapshots.deepest(request, num_blocks)
+        return hits if deepest == num_blocks else self.inner.find_cached_prefix(request, deepest)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hits=None):
         """The inner manager's, plus a state slot for a request without one: both or none."""
@@ -115,7 +134,12 @@ class RecurrentBlockManager:
             else self.inner.allocate_slots(request, num_new_tokens)
         )
         if new_ids is not None and needs_slot:
-            self.slots.take(request.seq_id)
+            slot = self.slots.take(request.seq_id)
+            num_hit_blocks = self.inner.num_hit_blocks(hits) if hits else 0
+            if num_hit_blocks:  # resumes from the snapshot at the hit's end, not from zeros
+                self.slots.ops.reset.remove(slot)
+                source = self.snapshots.restore_source(request, num_hit_blocks)
+                self.slots.ops.restore.append((source, slot))
         return new_ids
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -132,11 +156,21 @@ class RecurrentBlockManager:
     def can_swap_out(self, request: Request) -> bool:
         return False  # the state does not travel through the CPU pool yet: recompute
 
-    def take_state_ops(self) -> StateOps:
-        return self.slots.take_ops()
+    def take_state_ops(self, scheduled: list[tuple[Request, int, int]] = ()) -> StateOps:
+        """The step's slot operations; with snapshots, those of the block boundaries the
+        `scheduled` (request, first computed token, token count) cross."""
+        ops = self.slots.take_ops()
+        if self.snapshots is not None:
+            self.snapshots.sweep()
+            for request, start, num_tokens in scheduled:
+                for offset, slot in self.snapshots.plan(request, start, num_tokens):
+                    ops.snapshots.append((request.seq_id, offset, slot))
+        return ops
 
     def check_invariants(self) -> None:
         self.inner.check_invariants()
         self.slots.check_invariants()
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
         tables = self.inner.block_tables
         assert set(self.slots.owner) <= set(tables), "a state slot without blocks"

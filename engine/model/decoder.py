@@ -21,6 +21,7 @@ from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
 from kvpager.engine.model.linear import make_linear, release
 from kvpager.engine.model.mla import MlaAttention
 from kvpager.engine.model.moe import RoutedExperts
+from kvpager.engine.model.recurrent import RecurrentBatch, mixer_kind, state_indices
 from kvpager.engine.model.rope import cos_sin_table, longrope_original_length
 from kvpager.engine.model.sharding import Shard
 from kvpager.engine.model_config import ModelConfig
@@ -103,17 +104,25 @@ class DecoderLayer(nn.Module):
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         )
 
-        self._attention_params(config, dtype, hidden)
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
+        self._attention_params(config, layer_idx, dtype, hidden)
         self._mlp_params(config, layer_idx, dtype, shard, hidden, intermediate)
         self.build_matmuls(pack=False)
 
-    def _attention_params(self, config: ModelConfig, dtype: torch.dtype, hidden: int) -> None:
+    def _attention_params(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, hidden: int
+    ) -> None:
         norm = norm_dtype(config, dtype)
         param, optional = _param_makers(dtype)
         self.input_norm = param(hidden, dtype=norm)
         # DeepSeek's latent attention (engine/model/mla.py) instead of q|k|v and o
         self.mla = MlaAttention(config, dtype, norm, self.shard) if config.mla else None
-        regular = self.mla is None
+        # a recurrent layer's mixer (engine/model/recurrent.py) instead of attention
+        self.mixer, self.run_mixer = None, None
+        if config.is_recurrent(layer_idx):
+            kind = mixer_kind(config)
+            self.mixer, self.run_mixer = kind.build(config, dtype), kind.run
+        regular = self.mla is None and self.mixer is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
         self.q_norm = optional(config.qk_norm, self.head_dim, dtype=norm)  # one for every head
@@ -150,7 +159,7 @@ class DecoderLayer(nn.Module):
         plain weights are released (they are copies)."""
         if self.mla is not None:
             self.mla.build_matmuls(pack)
-        else:
+        elif self.mixer is None:
             self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
             self.o_proj = _matmul(self.o_weight, None, pack)
         if self.has_mlp:
@@ -169,7 +178,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is x + delta (delta None at the first layer); returns the next
-        layer's (x, delta), so each residual add is fused into the norm that follows it."""
+        layer's (x, delta), so each residual add is fused into the norm that follows it. A
+        recurrent layer's `layer_cache` is its RecurrentLayerCache (engine/model/recurrent.py)."""
         ops = self.ops
         num_tokens = x.shape[0]
         h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
@@ -177,18 +187,26 @@ class DecoderLayer(nn.Module):
             attn = self.mla(h, rope.full, layer_cache, meta, ops, attention.scale,
                             (self.k_scale, self.v_scale))  # fmt: skip
             attn = _all_reduce(self.group, attn)  # o_proj's columns are this rank's heads'
+        elif self.mixer is not None:
+            attn = self.run_mixer(self.mixer, h, layer_cache)
         else:
             attn = self._attention(h, rope, attention, layer_cache, meta)
         if self.o_bias is not None:
             attn = attn + self.o_bias
         h, x = ops.add_rms_norm(
-            x, self._norm(attn, self.attn_output_norm), self.post_attention_norm, self.eps
-        )
+            x, self._scaled(self._norm(attn, self.attn_output_norm)), self.post_attention_norm,
+            self.eps,
+        )  # fmt: skip
         if num_tokens <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
             mlp = self._mlp(h, ops)
         else:
             mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
-        return x, self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm)
+        return x, self._scaled(self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output before its residual add: times Granite's residual_multiplier."""
+        m = self.residual_multiplier
+        return branch if m == 1.0 else branch * m
 
     def _attention(self, h, rope: "RopeRows", attention, layer_cache, meta) -> torch.Tensor:
         """q|k|v, norms and RoPE, paged attention, o (all-reduced): [T, hidden]."""
@@ -254,7 +272,10 @@ class Decoder(nn.Module):
         self.ops = ops
         self.shard = shard = shard or Shard.of(config)
         self.group = group
-        self.kv = kv_groups(config.layer_windows, config.num_layers)  # each layer's cache slot
+        self.kv = kv_groups(
+            config.layer_windows, config.num_layers, config.recurrent_layers
+        )  # each layer's cache slot
+        self.state_idx = state_indices(config)  # each recurrent layer's states
         # [vocab_per_rank, hidden]: the rank's rows of the vocab, padded to N * vocab_per_rank
         self.embed_tokens = nn.Parameter(
             torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype),
@@ -305,20 +326,25 @@ class Decoder(nn.Module):
         kv_cache: torch.Tensor,
         attention: PagedAttention,
         meta: AttentionMetadata,
+        recurrent: RecurrentBatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions int64 [T]; kv_cache [slots, 2, blocks, bs, kv_heads, d]: one
         slot per layer, or with several KV groups (engine/kv/kv_groups.py) one per layer of
-        a group, and `meta` one per group."""
+        a group, and `meta` one per group; `recurrent` the recurrent layers' states."""
         x = self._embed(input_ids)
         dtype = self.embed_tokens.dtype
+        if self.config.embedding_multiplier != 1.0:  # Granite's
+            x = x * self.config.embedding_multiplier
         if self.config.gemma_norms:  # the scale rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
         metas = meta if isinstance(meta, tuple) else (meta,)
         delta, rope = None, self._rope_rows(positions, metas[0], dtype)
         if self.config.attn_temperature is not None:
             rope = rope._replace(temperature=self._temperature(positions))
-        for layer, group, slot in zip(self.layers, self.kv.layer_group, self.kv.layer_slot):
-            x, delta = layer(x, delta, rope, attention, kv_cache[slot], metas[group])
+        layers = zip(self.layers, self.kv.layer_group, self.kv.layer_slot, self.state_idx)
+        for layer, group, slot, state_idx in layers:
+            cache = kv_cache[slot] if state_idx < 0 else recurrent.layer(state_idx)
+            x, delta = layer(x, delta, rope, attention, cache, metas[group])
         return self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0]
 
     def _rope_rows(
@@ -360,6 +386,8 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> fp32 [num_sampled, vocab] (gathered from every rank)."""
         logits = self.lm_head_matmul(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite's, in the model's dtype as transformers
+            logits = logits / self.config.logits_scaling
         if self.group is not None:
             logits = self.group.all_gather(logits)[:, : self.config.vocab_size]
         logits = logits.float()

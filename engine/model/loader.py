@@ -182,9 +182,36 @@ def _pairs_to_halves(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return reorder
 
 
+# Granite 4 hybrids' stacked experts, as the engine stacks them ([E, 2I, H] and [E, H, I])
+GRANITE_EXPERTS = {
+    "block_sparse_moe.router.layer.weight": "router",
+    "block_sparse_moe.input_linear.weight": "gate_up",
+    "block_sparse_moe.output_linear.weight": "down",
+}
+
+
+def _granite_targets(layer, group: str, kind: str) -> list[Target] | None:
+    """Granite 4 hybrids (one rank): a Mamba layer's `mamba.*` into its mixer, the shared
+    MLP's fused gate|up and down, the experts' stacked tensors."""
+    if group == "mamba":
+        if layer.mixer is None:
+            return None
+        param, transform = layer.mixer.checkpoint_params().get(kind, (None, None))
+        return None if param is None else [Target(param, 0, None, transform=transform)]
+    if group == "shared_mlp":
+        params = {"input_linear.weight": layer.gate_up_weight,
+                  "output_linear.weight": layer.down_weight}  # fmt: skip
+        return [Target(params[kind], 0, None)] if kind in params else None
+    if layer.experts is None:
+        return None
+    return [Target(getattr(layer.experts, GRANITE_EXPERTS[f"{group}.{kind}"]), 0, None)]
+
+
 def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] | None:
     """Targets of a per-layer HF weight name (after `layers.<i>.`), or None if it is not ours."""
     group, _, kind = name.partition(".")
+    if group in ("mamba", "shared_mlp") or name in GRANITE_EXPERTS:
+        return _granite_targets(layer, group, kind)
     if group == "self_attn":
         return _attention_targets(layer, kind, shard)
     if group in ("mlp", "block_sparse_moe"):

@@ -3,9 +3,10 @@ batch of sequences, each reading and updating its own recurrent state slot.
 
 A mixer computes, per token: in_proj -> (gate z, conv input xBC, dt); a causal depthwise
 conv1d with SiLU over xBC (state: the last d_conv - 1 inputs); x, B, C split from it;
-dt = clamp(softplus(dt + dt_bias), time_step_limit); the selective scan with A = -exp(A_log)
-and the D skip (state: [heads, head_dim, d_state]); a gated RMSNorm (y * silu(z), normalised
-per group of intermediate / n_groups channels, times its weight); out_proj.
+dt = clamp(softplus(dt + dt_bias), time_step_limit) (bias and softplus in the model's dtype);
+the selective scan with A = -exp(A_log) and the D skip (state: [heads, head_dim, d_state]); a
+gated RMSNorm (y * silu(z), normalised per group of intermediate / n_groups channels, times its
+weight, in fp32, rounded once); out_proj.
 
 The state does not grow with the sequence: a sequence holds one slot of `RecurrentStates`
 (engine/kv/state_slots.py hands the slot ids out; the executor owns the tensors). A prefill
@@ -83,30 +84,65 @@ class Mamba2Mixer(torch.nn.Module):
         slots: list[int],
         conv_states: torch.Tensor,
         ssm_states: torch.Tensor,
+        cuts: list[list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """hidden [T, hidden]: the sequences' tokens back to back, `seq_lens` each, sequence i
-        in state slot `slots[i]` of this layer's conv_states [slots, ...] / ssm_states."""
+        in state slot `slots[i]` of this layer's conv_states [slots, ...] / ssm_states.
+        `cuts[i]`: (offset, snapshot slot) pairs, the state after `offset` of sequence i's
+        tokens copied into that slot (prefix snapshots at block boundaries)."""
         d = self.dims
         proj = F.linear(hidden, self.in_proj, self.in_proj_bias)
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
+        # dt's bias and softplus in the model's dtype, as transformers' layer computes them
+        dt = F.softplus(dt + self.dt_bias).float().clamp(*d.time_step_limit)
         A = -torch.exp(self.A_log.float())
-        y = torch.empty(hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32)
+        y = torch.empty(
+            hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32, device=hidden.device
+        )
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
         steps = [i for i, n in enumerate(seq_lens) if n == 1]
+        cuts = cuts or [[] for _ in seq_lens]
+        states = (conv_states, ssm_states)
         for i, (start, n) in enumerate(zip(starts, seq_lens)):
             if n == 1:
                 continue
-            rows = slice(start, start + n)
-            conv = causal_conv1d(xbc[rows], conv_states[slots[i]], self.conv_weight, self.conv_bias)
-            x, B, C = self._split(conv)
-            state = ssm_states[slots[i]]
-            y[rows] = ssm_scan_chunked(x, dt[rows], A, B, C, self.D, state, d.chunk_size)
+            # a piece per snapshot: the scan resumes from the state the last piece left
+            ends = [offset for offset, _ in cuts[i] if offset < n] + [n]
+            for lo, hi in zip([0, *ends[:-1]], ends):
+                self._scan(xbc, dt, A, slice(start + lo, start + hi), slots[i], states, y)
+                _snapshot(states, slots[i], [slot for offset, slot in cuts[i] if offset == hi])
         if steps:
             y[[starts[i] for i in steps]] = self._step(
                 xbc, dt, A, starts, slots, steps, conv_states, ssm_states
             )
+            for i in steps:
+                _snapshot(states, slots[i], [slot for _, slot in cuts[i]])
         return self._out(y.reshape(hidden.shape[0], -1), gate, hidden.dtype)
+
+    def checkpoint_params(self) -> dict[str, tuple[torch.Tensor | None, object]]:
+        """(parameter, transform) by checkpoint name after `mamba.` (None: no such weight)."""
+        squeeze = _squeeze_channel  # conv1d.weight is [conv_dim, 1, K] in the checkpoint
+        return {
+            "in_proj.weight": (self.in_proj, None),
+            "in_proj.bias": (self.in_proj_bias, None),
+            "conv1d.weight": (self.conv_weight, squeeze),
+            "conv1d.bias": (self.conv_bias, None),
+            "dt_bias": (self.dt_bias, None),
+            "A_log": (self.A_log, None),
+            "D": (self.D, None),
+            "norm.weight": (self.norm_weight, None),
+            "out_proj.weight": (self.out_proj, None),
+            "out_proj.bias": (self.out_proj_bias, None),
+        }
+
+    def _scan(self, xbc, dt, A, rows: slice, slot: int, states, y: torch.Tensor) -> None:
+        """One prefill piece of a sequence from its slot's state, which it advances."""
+        conv_states, ssm_states = states
+        conv = causal_conv1d(xbc[rows], conv_states[slot], self.conv_weight, self.conv_bias)
+        x, B, C = self._split(conv)
+        y[rows] = ssm_scan_chunked(
+            x, dt[rows], A, B, C, self.D, ssm_states[slot], self.dims.chunk_size
+        )
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims
@@ -140,5 +176,16 @@ class Mamba2Mixer(torch.nn.Module):
         y = y * F.silu(gate.float())
         grouped = y.view(y.shape[0], d.num_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
-        y = self.norm_weight * grouped.view_as(y).to(dtype)
+        y = self.norm_weight * grouped.view_as(y)  # scaled in fp32, rounded once (as transformers)
         return F.linear(y.to(dtype), self.out_proj, self.out_proj_bias)
+
+
+def _snapshot(states: tuple[torch.Tensor, torch.Tensor], slot: int, copies: list[int]) -> None:
+    """This layer's state of `slot` copied into each snapshot slot of `copies`."""
+    for state in states:
+        for copy in copies:
+            state[copy] = state[slot]
+
+
+def _squeeze_channel(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor[:, 0]

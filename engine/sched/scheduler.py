@@ -50,6 +50,8 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
             cache_config.group_windows,
             cache_config.enable_disk,
             cache_config.num_state_slots,
+            cache_config.num_snapshot_slots,
+            cache_config.state_slot_bytes,
         )
         inner = getattr(self.block_manager, "inner", self.block_manager)  # recurrent: state_slots
         self.grouped = isinstance(inner, HybridBlockManager)
@@ -306,7 +308,13 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
         return True
 
     def _add_state_ops(self, step: ScheduledStep) -> None:
-        step.state_resets = self.block_manager.take_state_ops().reset
+        scheduled = step.num_scheduled_tokens
+        ops = self.block_manager.take_state_ops(
+            [(r, r.num_computed_tokens - scheduled[r.seq_id], scheduled[r.seq_id])
+             for r in self.running if r.seq_id in scheduled]
+        )  # fmt: skip
+        step.state_resets, step.state_restores = ops.reset, ops.restore
+        step.state_snapshots = ops.snapshots
         seq_ids = [*step.num_scheduled_tokens, *(fork.child_id for fork in step.forks)]
         step.state_slots = {seq_id: self.block_manager.state_slot(seq_id) for seq_id in seq_ids}
 

@@ -28,6 +28,7 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         spec_decode_num_accepted_tokens=core.lookahead.stats.num_accepted_tokens,
         **_block_fields(core),
         **_transfer_fields(core),
+        **_snapshot_fields(core),
         **_timing_fields(metrics),
     )
 
@@ -66,6 +67,19 @@ def _transfer_fields(core: Scheduler) -> dict:
         kv_transfer_mean_ms=kv.mean_ms,
         kv_transfer_failed=kv.num_failed,
         kv_handoffs=kv.num_held,
+    )
+
+
+def _snapshot_fields(core: Scheduler) -> dict:
+    """Recurrent models' prefix snapshots (engine/kv/state_snapshots.py), apart from blocks."""
+    snapshots = getattr(core.block_manager, "snapshots", None)
+    if snapshots is None:
+        return {}
+    return dict(
+        state_snapshot_hits=snapshots.num_hits,
+        state_snapshot_hit_tokens=snapshots.num_hit_tokens,
+        num_state_snapshots=snapshots.num_held,
+        state_snapshot_bytes=snapshots.num_held * snapshots.slot_bytes,
     )
 
 

@@ -28,6 +28,7 @@ from kvpager.engine.worker.kv_cache import allocate_kv_caches, kv_cache_dtype
 from kvpager.engine.worker.prompt_logprobs import compute_prompt_logprobs
 from kvpager.engine.worker.sampler import Sampler
 from kvpager.engine.worker.spec_decode.proposer import make_proposer
+from kvpager.engine.worker.state_cache import make_state_cache
 from kvpager.engine.worker.step_check import Capacity, StepCheck
 from kvpager.engine.worker.step_sampling import StepSampler
 from kvpager.kernels.backend import (
@@ -59,7 +60,9 @@ class Executor:
         self.group, self.ranks = group, ranks
         rank, size = (group.rank, group.world_size) if group else (0, 1)
         self.shard = Shard.of(model_config, rank, size)
-        self.kv_groups = kv_groups(model_config.layer_windows, model_config.num_layers)
+        self.kv_groups = kv_groups(
+            model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
+        )
         self._pick_device_and_kernels()
         started = time.perf_counter()
         self.model = load_model(
@@ -73,6 +76,10 @@ class Executor:
             group,
         )
         self._allocate_caches()
+        # recurrent layers' states (engine/worker/state_cache.py); None for other models
+        self.state_cache = make_state_cache(
+            config, model_config, self.dtype, self.device, self.kv_cache
+        )
         self.disk = open_disk(
             config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows,
             self.ops.kv_layout,
@@ -155,7 +162,17 @@ class Executor:
             max_model_len=config.max_model_len,
             vocab_size=self.model_config.vocab_size,
             group_windows=self.kv_groups.windows,
+            num_state_slots=self.num_state_slots,
+            num_snapshot_slots=self.num_snapshot_slots,
         )
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.state_cache.num_slots if self.state_cache is not None else 0
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        return self.state_cache.num_snapshot_slots if self.state_cache is not None else 0
 
     def ready(self, executor_id: str, model: str) -> ExecutorReady:
         """What this executor holds, for the scheduler to be built with."""
@@ -174,6 +191,9 @@ class Executor:
             world_size=self.shard.world_size,
             kv_disk=self.disk is not None,
             kv_group_windows=list(self.kv_groups.windows),
+            num_state_slots=self.num_state_slots,
+            num_snapshot_slots=self.num_snapshot_slots,
+            state_slot_bytes=self.state_cache.slot_bytes if self.state_cache is not None else 0,
         )
 
     def reset(self) -> None:
@@ -222,7 +242,11 @@ class Executor:
         self._move_blocks(step)
         if self.disk is not None:  # into CPU blocks this step leaves alone
             self.disk.load(step.blocks_from_disk, self.cpu_cache)
+        if self.state_cache is not None:
+            self.state_cache.before_forward(step)
         output = self._forward(step)
+        if self.state_cache is not None:
+            self.state_cache.after_forward(step)
         output.failed = self.grammars.take_failed()
         if self.disk is not None:
             self.disk.report(output, wait=not step.num_scheduled_tokens)
@@ -232,9 +256,11 @@ class Executor:
         if not step.num_scheduled_tokens:
             return StepOutput(step_id=step.step_id)
         inputs = self.batch.prepare(step.num_scheduled_tokens)
+        recurrent = self.state_cache.batch(step) if self.state_cache is not None else None
         hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta
-        )
+            inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta,
+            recurrent,
+        )  # fmt: skip
         # under tensor parallelism every rank gathers the logits, rank 0 alone reports
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, inputs.prompt_spans, self.batch.token_ids, self.shard.rank == 0

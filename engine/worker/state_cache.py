@@ -1,28 +1,84 @@
 """The executor's side of recurrent state slots: it owns the state tensors
-(engine/model/mamba2.py: RecurrentStates) and applies what a step says about them, by id
-alone (engine/kv/state_slots.py decides; ScheduledStep carries the ids, StepCheck checked them).
+(engine/model/recurrent.py: one kind's, RecurrentStates for Mamba2) and applies what a step
+says about them, by id alone (engine/kv/state_slots.py decides; ScheduledStep carries the ids,
+StepCheck checked them).
 
-Per step, around the forward pass: zero the slots new to a sequence and copy the state of each
-fork applied before the pass (a beam chosen twice); run the mixers on each scheduled
-sequence's slot; after the pass copy the state of each fork that samples (a parallel sample
-forked as its parent's prompt completes: the state then holds the whole prompt).
+Per step, around the forward pass: zero the slots new to a sequence, restore those resuming a
+prefix hit from their snapshot and copy the state of each fork applied before the pass (a beam
+chosen twice); run the mixers on each scheduled sequence's slot, copying the state out into
+snapshot slots at the block boundaries the step names; after the pass copy the state of each
+fork that samples (a parallel sample forked as its parent's prompt completes: the state then
+holds the whole prompt).
+
+Rows 0..num_slots-1 are the sequences'; the `num_snapshot_slots` rows past them hold prefix
+snapshots (engine/kv/state_snapshots.py): as many as fit in SNAPSHOT_SHARE of the KV cache's
+bytes, but at least one per sequence slot (no more state than the sequences' own), and at
+most one per block.
 """
 
-from kvpager.engine.model.mamba2 import RecurrentStates
+import torch
+from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.model.recurrent import RecurrentBatch, allocate_states
+from kvpager.engine.model_config import ModelConfig
+from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import ScheduledStep
+
+SNAPSHOT_SHARE = 0.25  # of the KV cache's bytes, at most, for prefix snapshots
+
+
+def make_state_cache(
+    config: ExecutorConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache: torch.Tensor,
+) -> "StateCache | None":
+    """A slot per sequence that can run at once (a fork finds one: engine/kv/state_slots.py);
+    None for a model without recurrent layers."""
+    if not model_config.num_recurrent_layers:
+        return None
+    if config.speculative_config is not None:
+        # a rejected draft token would stay in the state: there is no rolling it back
+        raise ConfigError("speculative_config: not with recurrent (Mamba2) layers")
+    num_slots = config.max_num_seqs
+    one = allocate_states(model_config, 1, dtype, "meta")
+    slot_bytes = sum(t.numel() * t.element_size() for t in (one.conv, one.ssm))
+    kv_bytes = kv_cache.numel() * kv_cache.element_size()
+    by_bytes = max(int(SNAPSHOT_SHARE * kv_bytes) // slot_bytes, num_slots)
+    num_snapshots = min(kv_cache.shape[2], by_bytes)
+    states = allocate_states(model_config, num_slots + num_snapshots, dtype, device)
+    return StateCache(states, num_slots, num_snapshots, slot_bytes)
 
 
 class StateCache:
-    def __init__(self, states: RecurrentStates) -> None:
+    def __init__(
+        self, states, num_slots: int = 0, num_snapshot_slots: int = 0, slot_bytes: int = 0
+    ) -> None:
+        """`num_slots` 0: every row of `states` is a sequence's."""
         self.states = states
+        self.num_slots = num_slots or states.conv.shape[1] - num_snapshot_slots
+        self.num_snapshot_slots = num_snapshot_slots
+        self.slot_bytes = slot_bytes  # one row of every recurrent layer
 
     def before_forward(self, step: ScheduledStep) -> None:
         if step.state_resets:
             self.states.reset(step.state_resets)
+        if step.state_restores:
+            self.states.copy(step.state_restores)
         self._copy_forks(step, sample=False)
 
     def after_forward(self, step: ScheduledStep) -> None:
         self._copy_forks(step, sample=True)
+
+    def batch(self, step: ScheduledStep) -> RecurrentBatch:
+        """The step's sequences' token counts and slots, in the batch's order."""
+        rows = {seq_id: i for i, seq_id in enumerate(step.num_scheduled_tokens)}
+        cuts: list[list[tuple[int, int]]] = [[] for _ in rows]
+        for seq_id, offset, snapshot in step.state_snapshots:
+            cuts[rows[seq_id]].append((offset, snapshot))
+        return RecurrentBatch(
+            self.states, list(step.num_scheduled_tokens.values()), self.slots(step), cuts
+        )
 
     @staticmethod
     def slots(step: ScheduledStep) -> list[int]:

@@ -31,6 +31,7 @@ class Capacity:
     # table per request
     group_windows: tuple[int, ...] = (0,)
     num_state_slots: int = 0  # recurrent layers' per-sequence state slots (0: none)
+    num_snapshot_slots: int = 0  # the state rows past those: prefix snapshots
 
     @property
     def num_groups(self) -> int:
@@ -135,6 +136,9 @@ class StepCheck:
         )
         children = {fork.child_id for fork in step.forks}
         known = owners.keys() <= step.num_scheduled_tokens.keys() | children
+        if self.capacity.num_state_slots:  # every scheduled sequence's mixers read its slot
+            missing = step.num_scheduled_tokens.keys() - owners.keys()
+            _require(not missing, f"state slot: none for {sorted(missing)[:3]}")
         _require(known, "state slot: for a sequence neither scheduled nor forked")
         _require(len(set(owners.values())) == len(owners), "state slot: two sequences in one")
         for fork in step.forks:
@@ -144,6 +148,24 @@ class StepCheck:
         resets = step.state_resets
         _require(len(set(resets)) == len(resets), "state slot: zeroed twice in a step")
         _require(not copied & set(resets), "state slot: a fork's copy also zeroed")
+        self._check_snapshots(step)
+
+    def _check_snapshots(self, step: ScheduledStep) -> None:
+        """Restores copy a snapshot row into a scheduled sequence's slot that is not zeroed;
+        snapshots name a scheduled sequence, an offset inside its step tokens and a snapshot
+        row, each row written once."""
+        cap = self.capacity
+        first, end = cap.num_state_slots, cap.num_state_slots + cap.num_snapshot_slots
+        owned = set(step.state_slots.values()) - set(step.state_resets)
+        for source, slot in step.state_restores:
+            _require(first <= source < end, f"state restore: {source} is no snapshot slot")
+            _require(slot in owned, f"state restore: slot {slot} is no sequence's")
+        written = [slot for _, _, slot in step.state_snapshots]
+        _require(len(set(written)) == len(written), "state snapshot: a slot written twice")
+        for seq_id, offset, slot in step.state_snapshots:
+            num_tokens = step.num_scheduled_tokens.get(seq_id, 0)
+            _require(0 < offset <= num_tokens, f"state snapshot: offset {offset} of {seq_id!r}")
+            _require(first <= slot < end, f"state snapshot: {slot} is no snapshot slot")
 
     def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:
         cap, num_tokens = self.capacity, len(new.token_ids)
