@@ -29,7 +29,7 @@ class SpeculativeConfig:
     most `suffix_decoding_max_spec_factor` x the match length; "draft_model" (given a `model`
     path alone, as vLLM infers it) runs that smaller model of the same vocabulary and head
     shapes as a second decoder whose K/V sits in extra layer slots of the same paged blocks
-    (engine/worker/spec_decode/draft_model.py), proposing its greedy next k tokens.
+    (engine/worker/spec_decode/draft_model.py), proposing its next k tokens.
 
     Switching off: speculation steps aside for a step when more than
     `max_num_seqs_to_speculate` sequences run (vLLM's `disable_by_batch_size` is read as this),

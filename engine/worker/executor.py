@@ -164,7 +164,9 @@ class Executor:
             return None
         cache = self.kv_cache[self.kv_groups.num_slots :]  # the draft's layer slots
         scratch = list(range(self.num_blocks, self.kv_cache.shape[2]))
-        return DraftProposer(self.draft, cache, scratch, self.config.block_size, self.ops)
+        return DraftProposer(
+            self.draft, cache, scratch, self.config.block_size, self.ops, self.sampler.generator
+        )
 
     @property
     def capacity(self) -> Capacity:

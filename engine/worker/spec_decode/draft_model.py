@@ -22,10 +22,12 @@ request's blocks that step 2 writes (at most k, so `ceil(k / block_size)` blocks
 go to scratch blocks the executor keeps out of the scheduler's pool. Stale or foreign draft
 K/V can only make proposals worse: verification (verify.py) decides every emitted token.
 
-The draft proposes its greedy token: its distribution q is one-hot at the proposal, for which
-the standard speculative-sampling rule (accept x with min(1, p(x) / q(x)), else draw from
-norm(max(0, p - q))) is verify.py's rule exactly, so outputs keep the target's distribution,
-and greedy outputs equal plain decoding.
+Which token it proposes: on random rows without a seed or logprobs, a draw from q, its
+softmax at the row's temperature, verified by the standard speculative-sampling rule with q
+(spec_decode/rejection.py: accept with min(1, p / q), else draw from norm(max(0, p - q)));
+elsewhere its greedy token, a one-hot q, for which that rule is verify.py's exactly (greedy
+outputs equal plain decoding, seeded rows the same tokens as without speculation). Either way
+the outputs keep the target's distribution.
 """
 
 from pathlib import Path
@@ -39,6 +41,7 @@ from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.loader import load_model
 from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.worker.input_batch import InputBatch, RequestState
+from kvpager.engine.worker.spec_decode.rejection import samples_drafts
 from kvpager.kernels.backend import KernelOps
 from kvpager.schemas.errors import ConfigError
 
@@ -93,7 +96,8 @@ def num_scratch_blocks(config: ExecutorConfig) -> int:
 
 class DraftProposer:
     """Proposes with `model`, whose layers read slots `cache` ([draft layers, 2, blocks, ...],
-    a view of the shared pool), the scratch blocks being `scratch_ids`."""
+    a view of the shared pool), the scratch blocks being `scratch_ids`; `generator` draws the
+    sampled proposals."""
 
     def __init__(
         self,
@@ -102,8 +106,9 @@ class DraftProposer:
         scratch_ids: list[int],
         block_size: int,
         ops: KernelOps,
+        generator: torch.Generator | None = None,
     ) -> None:
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.generator = model, cache, generator
         self.attention = PagedAttention(ops, model.config.attention_scale)
         self.scratch_ids, self.block_size = scratch_ids, block_size
         # seq id -> (its state, draft K/V kept below this position)
@@ -120,16 +125,31 @@ class DraftProposer:
         tables = self._tables(batch, states, ks)
         starts = [self._start(s) for s in states]
         chunks = [batch.token_ids[s.row, start : s.num_tokens] for s, start in zip(states, starts)]
-        proposals = [[t] for t in self._run(chunks, starts, tables)]
-        for j in range(1, max(ks)):
-            live = [i for i, k in enumerate(ks) if k > j]
-            chunks = [np.asarray(proposals[i][-1:]) for i in live]
-            positions = [states[i].num_tokens - 1 + j for i in live]
-            for i, token in zip(live, self._run(chunks, positions, tables[live])):
+        proposals, qs = [[] for _ in states], [[] for _ in states]
+        live = list(range(len(states)))
+        for j in range(max(ks)):
+            if j:  # feed each live sequence's last proposal back
+                live = [i for i in live if ks[i] > j]
+                chunks = [np.asarray(proposals[i][-1:]) for i in live]
+                starts = [states[i].num_tokens - 1 + j for i in live]
+            logits = self._run(chunks, starts, tables[live])
+            for row, i in enumerate(live):
+                token, q = self._pick(logits[row], states[i])
                 proposals[i].append(token)
-        for state in states:  # positions below it sit in blocks the scheduler keeps
+                qs[i].append(q)
+        for state, proposal, q in zip(states, proposals, qs):
+            # positions below its computed count sit in blocks the scheduler keeps
             self._computed[state.seq_id] = (state, state.num_computed_tokens)
+            state.draft_probs = (proposal, torch.stack(q)) if q[0] is not None else None
         return {s.seq_id: p for s, p in zip(states, proposals)}
+
+    def _pick(self, logits: torch.Tensor, state: RequestState) -> tuple[int, torch.Tensor | None]:
+        """The greedy token, or for rows under rejection.py's rule a draw from q (the draft's
+        softmax at the row's temperature) with q itself."""
+        if not samples_drafts(state.params):
+            return int(logits.argmax()), None
+        q = (logits / state.params.temperature).softmax(dim=-1)
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
 
     def remove(self, batch: InputBatch, state: RequestState) -> None:
         self._computed.pop(state.seq_id, None)
@@ -155,8 +175,9 @@ class DraftProposer:
             tables[i, num : num + extra] = self.scratch_ids[i * per_seq : i * per_seq + extra]
         return tables
 
-    def _run(self, chunks: list[np.ndarray], starts: list[int], tables: np.ndarray) -> list[int]:
-        """One draft forward over each sequence's chunk at its start; the argmax after each."""
+    def _run(self, chunks: list[np.ndarray], starts: list[int], tables: np.ndarray) -> torch.Tensor:
+        """One draft forward over each sequence's chunk at its start: float32 [num_seqs,
+        vocab], the logits after each chunk."""
         device = self.cache.device
         counts = np.fromiter(map(len, chunks), np.int64, len(chunks))
         cu_seqlens = np.zeros(len(chunks) + 1, dtype=np.int64)
@@ -176,7 +197,7 @@ class DraftProposer:
         input_ids = _tensor(np.concatenate(chunks).astype(np.int64), device)
         hidden = self.model(input_ids, _tensor(positions, device), self.cache, self.attention, meta)
         last = _tensor(cu_seqlens[1:] - 1, device)
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden[last])
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

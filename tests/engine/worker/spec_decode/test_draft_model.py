@@ -9,8 +9,8 @@ right, so rejections and their rollback are exercised too.
 """
 
 import pytest
-import torch
 from kvpager.engine import SamplingParams
+from kvpager.engine.worker import step_sampling
 from kvpager.schemas.errors import ConfigError
 from transformers import LlamaForCausalLM
 
@@ -21,6 +21,11 @@ from tests.engine.worker.spec_decode.test_spec_decode import (  # noqa: F401 (fi
     _tokens,
     expected,
     looping,
+)
+from tests.engine.worker.spec_decode.test_spec_distribution import (
+    START,
+    _histograms,
+    chi_square_p_value,
 )
 from tests.models import build_llama, build_qwen2
 
@@ -52,7 +57,8 @@ def test_greedy_identical_batched_and_alone(looping, expected, which, request): 
     alone = [_tokens(llm, [prompt], GREEDY)[0] for prompt in _prompts()]
     assert alone == expected
     stats = llm.stats()
-    accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"]
+    drafted = stats["spec_decode_num_draft_tokens"]
     if which == "truncated":
         assert accepted > 0.5 * drafted > 50, stats  # a good draft is mostly right
         assert stats["num_steps"] < 0.6 * 2 * sum(map(len, expected)), stats
@@ -125,10 +131,36 @@ def test_memory_budget_counts_the_draft(looping, truncated):  # noqa: F811
     "make, match",
     [
         (lambda tmp: tmp, "no config.json"),
-        (lambda tmp: build_qwen2(tmp, num_hidden_layers=1), "differ from the target"),
+        (lambda tmp: build_qwen2(tmp), "differ from the target"),
     ],
 )
 def test_bad_draft_is_refused(looping, tmp_path, make, match):  # noqa: F811
     with pytest.raises(ConfigError, match=match):
         make_llm(looping, speculative_config=draft(make(tmp_path)))
 
+
+def test_sampled_drafts_keep_the_distribution(looping, truncated, monkeypatch):  # noqa: F811
+    """Unseeded random rows: the draft samples from q and rejection.py's rule decides; the
+    histograms of the tokens proposals decide match plain sampling's (chi-square)."""
+    calls = []
+    real = step_sampling.accept_sampled_drafts
+    monkeypatch.setattr(
+        step_sampling, "accept_sampled_drafts", lambda *a: calls.append(1) or real(*a)
+    )
+    args = dict(block_size=16, num_blocks=4096, max_num_seqs=2048)
+    base = make_llm(looping, seed=1, **args)
+    config = draft(truncated, k=3, max_num_seqs_to_speculate=4096)
+    spec = make_llm(looping, seed=2, speculative_config=config, **args)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = START + base.generate([START], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    want, got = _histograms(base, prompt), _histograms(spec, prompt)
+    stats = spec.stats()
+    accepted, drafted = (
+        stats["spec_decode_num_accepted_tokens"],
+        stats["spec_decode_num_draft_tokens"],
+    )
+    assert calls and 0.1 * drafted < accepted < 0.95 * drafted, stats
+    for position in (1, 2):
+        p_value = chi_square_p_value(want[position], got[position])
+        assert p_value > 1e-3, (position, p_value, want[position], got[position])
+    assert_all_free(spec)
