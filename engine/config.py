@@ -132,7 +132,7 @@ def _check_types(value: dict) -> None:
     not_numbers = [k for k in floats if type(value[k]) not in (int, float)]
     if not_numbers:
         raise ConfigError(f"speculative_config: {not_numbers} must be numbers")
-    if type(value.get("model", "")) is not str:
+    if value.get("model") is not None and type(value["model"]) is not str:
         raise ConfigError("speculative_config: model must be a path")
     ints = [k for k, v in value.items() if k not in ("method", "model") and k not in floats]
     ints = [k for k in ints if type(value[k]) is not int]
