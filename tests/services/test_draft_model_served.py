@@ -8,21 +8,16 @@ import json
 import pytest
 from kvpager.engine import SamplingParams
 from kvpager.services.client import Client
-from transformers import LlamaForCausalLM
 
 from tests.engine.helpers import make_llm, random_prompts
+from tests.models import build_truncated
 from tests.nats_server import nats_server  # noqa: F401  (fixture)
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 
 
 @pytest.fixture(scope="module")
 def draft_path(tiny_llama, tmp_path_factory):
-    path = tmp_path_factory.mktemp("served-draft")
-    model = LlamaForCausalLM.from_pretrained(tiny_llama)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return build_truncated(tiny_llama, tmp_path_factory.mktemp("served-draft"))
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,12 @@ from tests.engine.worker.spec_decode.test_spec_decode import (  # noqa: F401 (fi
 from tests.engine.worker.spec_decode.test_spec_distribution import (
     assert_keeps_the_distribution,
 )
-from tests.models import build_llama, build_qwen2
+from tests.models import build_llama, build_qwen2, build_truncated
 
 
 @pytest.fixture(scope="module")
 def truncated(looping, tmp_path_factory):  # noqa: F811
-    path = tmp_path_factory.mktemp("draft-truncated")
-    model = LlamaForCausalLM.from_pretrained(looping)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return build_truncated(looping, tmp_path_factory.mktemp("draft-truncated"))
 
 
 @pytest.fixture(scope="module")
