@@ -6,7 +6,7 @@ block is free after each test.
 The well-matched draft is the `looping` target cut to its first layer (its greedy tokens are
 mostly the target's); the stranger is a differently seeded one-layer model, which is rarely
 right, so rejections and their rollback are exercised too; the blurred one (the truncated
-draft with a noisy lm_head) is right about a third of the time, for the distribution test.
+draft with a noisy lm_head) is right less often, for the distribution test.
 """
 
 import pytest
@@ -37,7 +37,7 @@ def truncated(looping, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def blurred(truncated, tmp_path_factory):
-    """The truncated draft with a noisy lm_head: right about half the time, so both verdicts
+    """The truncated draft with a noisy lm_head: accepted between 10% and 90%, so both verdicts
     and the residual's shape matter."""
     path = tmp_path_factory.mktemp("draft-blurred")
     model = LlamaForCausalLM.from_pretrained(truncated)
