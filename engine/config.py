@@ -9,7 +9,7 @@ from typing import Any
 from kvpager.engine.model_config import ModelConfig, check_kv_cache_dtype
 from kvpager.schemas.errors import ConfigError
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 _SPECULATIVE_FLOATS = (
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
@@ -26,7 +26,10 @@ class SpeculativeConfig:
     suffix (up to `suffix_decoding_max_tree_depth` tokens) found in the sequence or in the
     outputs of the last `suffix_decoding_max_cached_requests` requests, as long as its
     estimated probability stays at least `suffix_decoding_min_token_prob` and its length at
-    most `suffix_decoding_max_spec_factor` x the match length.
+    most `suffix_decoding_max_spec_factor` x the match length; "draft_model" (given a `model`
+    path alone, as vLLM infers it) runs that smaller model of the same vocabulary and head
+    shapes as a second decoder whose K/V sits in extra layer slots of the same paged blocks
+    (engine/worker/spec_decode/draft_model.py), proposing its next k tokens.
 
     Switching off: speculation steps aside for a step when more than
     `max_num_seqs_to_speculate` sequences run (vLLM's `disable_by_batch_size` is read as this),
@@ -34,6 +37,7 @@ class SpeculativeConfig:
     proposed tokens were accepted (engine/sched/lookahead.py)."""
 
     method: str = "ngram"
+    model: str | None = None  # the draft model's path, for "draft_model"
     # None: 4 for ngram, the tree depth for suffix (vLLM's defaults)
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4
@@ -50,8 +54,10 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(
                 f"speculative_config.method: {self.method!r} is not supported; supported: "
-                f"{', '.join(SPECULATIVE_METHODS)} (draft models are not built yet)"
+                f"{', '.join(SPECULATIVE_METHODS)}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_config.model: give it for method draft_model only")
         self._check_suffix()
         if self.num_speculative_tokens is None:
             default = 4 if self.method == "ngram" else self.suffix_decoding_max_tree_depth
@@ -90,6 +96,8 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative_config: not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ConfigError("speculative_config: give an object of its fields")
+        if "model" in value and "method" not in value:  # vLLM infers the method
+            value = {**value, "method": "draft_model"}
         if value.get("method", "ngram") not in SPECULATIVE_METHODS:
             cls(method=str(value["method"]))  # raises, naming what is supported
         value = _read_disable_by_batch_size(dict(value))
@@ -124,7 +132,9 @@ def _check_types(value: dict) -> None:
     not_numbers = [k for k in floats if type(value[k]) not in (int, float)]
     if not_numbers:
         raise ConfigError(f"speculative_config: {not_numbers} must be numbers")
-    ints = [k for k, v in value.items() if k != "method" and k not in floats]
+    if value.get("model") is not None and type(value["model"]) is not str:
+        raise ConfigError("speculative_config: model must be a path")
+    ints = [k for k, v in value.items() if k not in ("method", "model") and k not in floats]
     ints = [k for k in ints if type(value[k]) is not int]
     if ints:
         raise ConfigError(f"speculative_config: {ints} must be integers")

@@ -47,13 +47,17 @@ def cpu_has_native_bf16() -> bool:
 
 
 def blocks_that_fit(
-    config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
+    config: ExecutorConfig,
+    model_config: ModelConfig,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    extra_slots: int = 0,
 ) -> int:
     """Device KV blocks: `num_blocks`, else what `kv_cache_memory` holds, else what the
     `gpu_memory_utilization` share of the device (on CPU, of RAM) leaves after the weights."""
     if config.num_blocks is not None:
         return config.num_blocks
-    per_block = kv_bytes_per_block(config, model_config, kv_dtype)
+    per_block = kv_bytes_per_block(config, model_config, kv_dtype, extra_slots)
     budget = _kv_budget(config, model_config, device)
     if budget is None:  # CPU default: never more than every sequence at full length needs
         groups = kv_groups(
@@ -94,22 +98,25 @@ def cpu_blocks_that_fit(
     kv_dtype: torch.dtype,
     device: torch.device,
     num_blocks: int,
+    extra_slots: int = 0,
 ) -> int:
     """Host blocks for swapped-out and evicted blocks: `swap_space` bytes, else a quarter of
     the device cache on a CPU device (swapping there is a memcpy) and none on CUDA."""
-    per_block = kv_bytes_per_block(config, model_config, kv_dtype)
+    per_block = kv_bytes_per_block(config, model_config, kv_dtype, extra_slots)
     if config.swap_space is None:
         return num_blocks // CPU_SWAP_FRACTION if device.type == "cpu" else 0
     return config.swap_space // per_block
 
 
 def kv_bytes_per_block(
-    config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype
+    config: ExecutorConfig, model_config: ModelConfig, kv_dtype: torch.dtype, extra_slots: int = 0
 ) -> int:
     """One block on one rank (its share of the KV heads): every layer's K/V, or with several
-    KV groups (engine/kv/kv_groups.py) a group's layers."""
+    KV groups (engine/kv/kv_groups.py) a group's layers, plus `extra_slots` layers of the same
+    shape (a draft model's, engine/worker/spec_decode/draft_model.py)."""
     per_token = model_config.kv_bytes_per_token(kv_dtype, config.tensor_parallel_size)
     groups = kv_groups(
         model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
     )
-    return per_token // model_config.num_kv_layers * groups.num_slots * config.block_size
+    num_slots = groups.num_slots + extra_slots
+    return per_token // model_config.num_kv_layers * num_slots * config.block_size

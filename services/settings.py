@@ -119,7 +119,8 @@ class Settings(RequestCaps):
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
         '{"method": "suffix", "suffix_decoding_max_tree_depth": 24, '
         '"suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0, '
-        '"suffix_decoding_min_token_prob": 0.1}; off above "max_num_seqs_to_speculate": 8 '
+        '"suffix_decoding_min_token_prob": 0.1} or {"model": DRAFT_PATH, '
+        '"num_speculative_tokens": 4} (a draft model); off above "max_num_seqs_to_speculate": 8 '
         'running, and per request under "min_acceptance_rate": 0.1 (default: off)',
         default=None,
     )

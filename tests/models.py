@@ -114,3 +114,13 @@ def build_qwen2(path: Path, seed: int = 1, **overrides) -> Path:
                 proj.bias.normal_(0.0, 0.25)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def build_truncated(source: Path, path: Path, num_layers: int = 1) -> Path:
+    """A Llama checkpoint's first `num_layers` layers, embeddings and head: a draft model of
+    the same vocabulary and head shapes (speculative decoding's tests)."""
+    model = LlamaForCausalLM.from_pretrained(source)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(path, safe_serialization=True)
+    return path

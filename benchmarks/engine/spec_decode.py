@@ -2,6 +2,7 @@
 SmolLM2-135M.
 
     python -m benchmarks.engine.spec_decode [--methods ngram suffix] [--k 4] [--suffix-k 24]
+        [--methods draft_model --draft-model PATH]
         [--rewrites 6] [--agent-files 3] [--random 64] [--max-tokens 256]
     python -m benchmarks.engine.spec_decode --smoke   # minutes: tiny sizes, numbers meaningless
     python -m benchmarks.engine.spec_decode --proposer-cost   # the suffix lookup alone, no model
@@ -52,7 +53,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
-    parser.add_argument("--k", type=int, default=4, help="ngram's num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=4, help="ngram's and draft_model's k")
+    parser.add_argument("--draft-model", help="the draft's path, for --methods draft_model")
     parser.add_argument("--suffix-k", type=int, default=24, help="suffix's (vLLM: the depth)")
     parser.add_argument("--rewrites", type=int, default=6)
     parser.add_argument("--agent-files", type=int, default=3)
@@ -154,12 +156,16 @@ class ProposerTimer:
 
 
 def spec_config(method: str, args) -> dict:
-    k = args.k if method == "ngram" else args.suffix_k
-    return {
+    k = args.suffix_k if method == "suffix" else args.k
+    config = {
         "method": method,
         "num_speculative_tokens": k,
         "max_num_seqs_to_speculate": args.max_to_speculate,
     }
+    if method == "draft_model":
+        assert args.draft_model, "--methods draft_model needs --draft-model PATH"
+        config["model"] = args.draft_model
+    return config
 
 
 def proposer_cost(vocab_size: int = 49152, seq_len: int = 2048, k: int = 24) -> None:

@@ -27,6 +27,11 @@ from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.engine.worker.kv_cache import allocate_kv_caches, kv_cache_dtype
 from kvpager.engine.worker.prompt_logprobs import compute_prompt_logprobs
 from kvpager.engine.worker.sampler import Sampler
+from kvpager.engine.worker.spec_decode.draft_model import (
+    DraftProposer,
+    load_draft,
+    num_scratch_blocks,
+)
 from kvpager.engine.worker.spec_decode.proposer import make_proposer
 from kvpager.engine.worker.state_cache import make_state_cache
 from kvpager.engine.worker.step_check import Capacity, StepCheck
@@ -37,6 +42,7 @@ from kvpager.kernels.backend import (
     get_kernel_ops,
     with_cache_layout,
 )
+from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import RankReset, RankStep, ScheduledStep
 from kvpager.schemas.scheduler import ExecutorReady, StepOutput
 
@@ -75,6 +81,9 @@ class Executor:
             self.shard,
             group,
         )
+        self.draft = load_draft(
+            config, model_config, self.kv_groups, self.dtype, self.device, self.ops, size
+        )
         self._allocate_caches()
         # recurrent layers' states (engine/worker/state_cache.py); None for other models
         self.state_cache = make_state_cache(
@@ -96,7 +105,7 @@ class Executor:
             config.grammar_compile_timeout,
         )
         self.step_sampler = StepSampler(self.sampler, self.grammars, model_config, self.device)
-        self.proposer = make_proposer(config.speculative_config)
+        self.proposer = make_proposer(config.speculative_config, self._draft_proposer())
         self._log_ready(rank, size, time.perf_counter() - started)
 
     def _new_batch(self) -> InputBatch:
@@ -144,12 +153,27 @@ class Executor:
         )
 
     def _allocate_caches(self) -> None:
-        """The device KV cache, sized to what fits, and the CPU pool for swapped blocks."""
+        """The device KV cache, sized to what fits, and the CPU pool for swapped blocks; with
+        a draft model, its layers' slots follow the target's and the last blocks are its
+        scratch, kept out of the scheduler's pool (spec_decode/draft_model.py)."""
+        draft_slots = 0 if self.draft is None else len(self.draft.layers)
         self.kv_cache, self.cpu_cache = allocate_kv_caches(
             self.config, self.model_config, self.shard, self.kv_groups, self.kv_dtype,
-            self.device, self.group,
+            self.device, self.group, draft_slots,
         )  # fmt: skip
-        self.num_blocks, self.num_cpu_blocks = self.kv_cache.shape[2], self.cpu_cache.shape[2]
+        self.num_blocks = self.kv_cache.shape[2] - num_scratch_blocks(self.config)
+        self.num_cpu_blocks = self.cpu_cache.shape[2]
+        if self.num_blocks < 1:
+            raise ConfigError("speculative_config: no KV blocks are left beside the scratch")
+
+    def _draft_proposer(self) -> DraftProposer | None:
+        if self.draft is None:
+            return None
+        cache = self.kv_cache[self.kv_groups.num_slots :]  # the draft's layer slots
+        scratch = list(range(self.num_blocks, self.kv_cache.shape[2]))
+        return DraftProposer(
+            self.draft, cache, scratch, self.config.block_size, self.ops, self.sampler.generator
+        )
 
     @property
     def capacity(self) -> Capacity:

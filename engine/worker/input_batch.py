@@ -32,6 +32,9 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # proposed tokens verified in this step; they sit in the row past num_tokens until then
     draft_token_ids: list[int] = field(default_factory=list)
+    # a draft model's sampled proposals and the float32 [k, vocab] rows q they were drawn
+    # from (spec_decode/rejection.py); None where proposals are greedy or rule-free
+    draft_probs: tuple[list[int], torch.Tensor] | None = None
 
 
 @dataclass
@@ -132,6 +135,7 @@ class InputBatch:
             params=params,
             output_token_ids=list(parent.output_token_ids),
             draft_token_ids=[],
+            draft_probs=None,
         )
         self.states[child_id] = child
         return child

@@ -35,16 +35,18 @@ def allocate_kv_caches(
     kv_dtype: torch.dtype,
     device: torch.device,
     group: TensorParallel | None,
+    extra_slots: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device KV cache, sized to what fits, and the CPU pool for swapped blocks."""
-    num_blocks = blocks_that_fit(config, model_config, kv_dtype, device)
+    """The device KV cache, sized to what fits, and the CPU pool for swapped blocks;
+    `extra_slots` more layer slots a block for a draft model's K/V (after the target's)."""
+    num_blocks = blocks_that_fit(config, model_config, kv_dtype, device, extra_slots)
     if group is not None:  # the same block ids everywhere: the smallest rank's cache
         num_blocks = group.smallest(num_blocks)
     # [slots, K/V, blocks, block_size, kv_heads, head_dim]: a slot per layer, or per
     # layer of a KV group when there are several (engine/kv/kv_groups.py)
     kv_cache = torch.zeros(
         (
-            kv_groups.num_slots,
+            kv_groups.num_slots + extra_slots,
             2,
             num_blocks,
             config.block_size,
@@ -54,7 +56,9 @@ def allocate_kv_caches(
         dtype=kv_dtype,
         device=device,
     )
-    num_cpu_blocks = cpu_blocks_that_fit(config, model_config, kv_dtype, device, num_blocks)
+    num_cpu_blocks = cpu_blocks_that_fit(
+        config, model_config, kv_dtype, device, num_blocks, extra_slots
+    )
     if group is not None:
         num_cpu_blocks = group.smallest(num_cpu_blocks)
     pin = device.type == "cuda"

@@ -57,6 +57,7 @@ class SamplingBatch:
     bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None  # int64 [num_masked]
     logit_bias: "LogitBias | None" = None  # OpenAI's logit_bias of the rows that have one
+    keep_probs: bool = False  # return what random rows drew from (draft-model verification)
 
     @property
     def no_penalties(self) -> bool:
@@ -154,6 +155,9 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # float32 [num_rows]: log-prob of the sampled token
     top_logprob_ids: torch.Tensor | None  # int64 [num_rows, max_num_logprobs], best first
     top_logprobs: torch.Tensor | None  # float32 [num_rows, max_num_logprobs]
+    # float32 [num_rows, vocab]: the distribution each random row drew from (meaningless on
+    # greedy rows), with `keep_probs` only
+    probs: torch.Tensor | None = None
 
 
 class Sampler:
@@ -185,9 +189,11 @@ class Sampler:
             sampled = _greedy(logits)
         else:
             greedy = _greedy(logits) if batch.any_greedy else None
-            sampled = _sample_random(logits, batch, self.generator)
+            sampled, probs = _sample_random(logits, batch, self.generator)
             if greedy is not None:
                 sampled = torch.where(batch.greedy_mask, greedy, sampled)
+            if batch.keep_probs:
+                return _output(sampled, logprobs, batch.max_num_logprobs, probs)
         return _output(sampled, logprobs, batch.max_num_logprobs)
 
 
@@ -315,13 +321,16 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 def _sample_random(
     logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Returns int64 [num_rows] (meaningless on greedy rows); logits stay as they are."""
+    """Returns int64 [num_rows] (meaningless on greedy rows) and, with `keep_probs`, the
+    probabilities drawn from; logits stay as they are."""
     logits = logits / batch.temperature.unsqueeze(1)
     if batch.min_p is not None:
         _apply_min_p(logits, batch.min_p)
     if not batch.no_top_k_p:
         logits = top_k_top_p(logits, batch.top_k, batch.top_p)
-    return _inverse_cdf(logits.softmax(dim=-1), batch, generator)
+    probs = logits.softmax(dim=-1)
+    kept = probs.clone() if batch.keep_probs else None  # the draw sums them in place
+    return _inverse_cdf(probs, batch, generator), kept
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -352,10 +361,13 @@ def _inverse_cdf(
 
 
 def _output(
-    sampled: torch.Tensor, logprobs: torch.Tensor | None, max_num_logprobs: int | None
+    sampled: torch.Tensor,
+    logprobs: torch.Tensor | None,
+    max_num_logprobs: int | None,
+    probs: torch.Tensor | None = None,
 ) -> SamplerOutput:
     if logprobs is None or max_num_logprobs is None:
-        return SamplerOutput(sampled, None, None, None)
+        return SamplerOutput(sampled, None, None, None, probs)
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = logprobs.topk(max_num_logprobs, dim=-1)
-    return SamplerOutput(sampled, sampled_logprobs, top_ids, top_logprobs)
+    return SamplerOutput(sampled, sampled_logprobs, top_ids, top_logprobs, probs)

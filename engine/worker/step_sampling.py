@@ -8,6 +8,7 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.worker.grammar_rows import GrammarRows
 from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvpager.engine.worker.spec_decode.rejection import accept_sampled_drafts
 from kvpager.engine.worker.spec_decode.verify import VerifyRows, accept, step_output
 from kvpager.schemas.scheduler import StepOutput, TokenLogprobs
 
@@ -38,8 +39,14 @@ class StepSampler:
         with_prompts = any(s.params.repetition_penalty != 1.0 for s in states)
         rows = VerifyRows.build(states, batch, with_prompts)
         sampling = self._sampling_batch(states, rows)
+        sampling.keep_probs = any(s.draft_probs is not None and s.draft_token_ids for s in states)
         sampled = self.sampler(rows.gather(logits, draft_logits), sampling)
-        emitted = accept(states, rows, sampled.sampled_token_ids.tolist())
+        sampled_ids = sampled.sampled_token_ids.tolist()
+        emitted = accept(states, rows, sampled_ids)
+        if sampled.probs is not None:  # a draft model's sampled proposals: their q decides
+            emitted = accept_sampled_drafts(
+                states, rows, sampled_ids, sampled.probs, emitted, self.sampler.generator
+            )
         for state, token_ids in zip(states, emitted):
             batch.accept(state, token_ids)
             self.grammars.accept(state, token_ids)

@@ -20,8 +20,12 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(config: SpeculativeConfig | None) -> Proposer:
+def make_proposer(config: SpeculativeConfig | None, draft: Proposer | None = None) -> Proposer:
+    """`draft`: the executor's draft-model proposer, which owns a view of its cache."""
     spec = config or SpeculativeConfig()  # sizes for when asked
+    if spec.method == "draft_model":
+        assert draft is not None, "a draft_model config without its draft"
+        return draft
     if spec.method == "suffix":
         return SuffixProposer(spec)
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

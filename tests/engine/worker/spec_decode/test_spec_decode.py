@@ -179,7 +179,10 @@ def test_suffix_decoding_pauses_a_request_that_is_rarely_accepted(looping, expec
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"method": "draft_model", "model": "x"}, "supported: ngram, suffix"),
+        ({"method": "eagle"}, "supported: ngram, suffix, draft_model"),
+        ({"method": "draft_model"}, "model: give it for method draft_model only"),
+        ({"method": "ngram", "model": "x"}, "model: give it for method draft_model only"),
+        ({"model": 3}, "model must be a path"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"num_speculative_tokens": "4"}, "integers"),
