@@ -72,15 +72,9 @@ class Executor:
         self._pick_device_and_kernels()
         started = time.perf_counter()
         self.model = load_model(
-            config.model_path,
-            model_config,
-            self.dtype,
-            self.device,
-            config.max_model_len,
-            self.ops,
-            self.shard,
-            group,
-        )
+            config.model_path, model_config, self.dtype, self.device, config.max_model_len,
+            self.ops, self.shard, group,
+        )  # fmt: skip
         self.draft = load_draft(
             config, model_config, self.kv_groups, self.dtype, self.device, self.ops, size
         )
