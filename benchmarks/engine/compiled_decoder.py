@@ -82,11 +82,14 @@ class TimedForward:
     def __init__(self, decoder: decoder_module.Decoder, graph: nn.Module | None = None) -> None:
         self.decoder, self.graph = decoder, graph
 
-    def __call__(self, input_ids, positions, kv_cache, attention, meta) -> torch.Tensor:
+    def __call__(
+        self, input_ids, positions, kv_cache, attention, meta, recurrent=None
+    ) -> torch.Tensor:
         start = time.perf_counter()
         if self.graph is None:
-            out = self.decoder(input_ids, positions, kv_cache, attention, meta)
+            out = self.decoder(input_ids, positions, kv_cache, attention, meta, recurrent)
         else:
+            assert recurrent is None, "the decoder graph has no recurrent layers"
             # inductor's config is thread-local, and the executor steps on its own thread:
             # set in the main thread, freezing never reaches the compile (aten mm, unpacked)
             inductor_config.freezing = True
