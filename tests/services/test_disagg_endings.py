@@ -1,14 +1,14 @@
 """Disaggregated streams that end before the decode side reads their blocks: a stop string or
 a stop token in the first token ends the stream on the prefill instance (the decode instance
 computes nothing nobody sees), and a stream aborted while its continuation waits on the decode
-instance (no seat: the pull has not started) has the prefill instance free the blocks it held
-at once, not when the hold expires (120 s). Every block is free on both instances after, well
-within that expiry."""
+instance (its executor stopped: the pull has not started) has the prefill instance free the
+blocks it held at once, not when the hold expires (120 s). Every block is free on both
+instances after, well within that expiry."""
 
 import asyncio
-import contextlib
 import signal
 
+import psutil
 import pytest
 from kvpager.engine.llm import LLM
 from kvpager.schemas.sampling import SamplingParams
@@ -20,22 +20,24 @@ from tests.services.kvpager_cli import start, wait_for_line
 from tests.services.test_disaggregation import _prompt, _wait_for_log, _wait_idle
 
 FREE_WITHIN_S = 15.0  # far below the 120 s a never-read hold waits
+# info: to see the prefill find the decode instance; a stopped executor is not lost at once
+ENV = {"KVPAGER_LOG_LEVEL": "info", "KVPAGER_LIVENESS_TIMEOUT": "60"}
 
 
 @pytest.fixture
 def served(tiny_llama, tmp_path):
-    """One prefill and one decode instance with one seat each; blocks over NIXL when
-    installed (else the NATS fallback)."""
+    """One prefill and one decode instance; blocks over NIXL when installed (else the NATS
+    fallback)."""
     port = free_port()
     process = start(
         "serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "256",
-        "--no-http", "--prefill-replicas", "1", "--decode-replicas", "1", "--max-num-seqs", "1",
-        log_dir=tmp_path, env={"KVPAGER_LOG_LEVEL": "info"},
+        "--no-http", "--prefill-replicas", "1", "--decode-replicas", "1",
+        log_dir=tmp_path, env=ENV,
     )  # fmt: skip
     try:
         wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
         _wait_for_log(tmp_path / "err.txt", "decode instances")  # the prefill found decode
-        yield f"nats://127.0.0.1:{port}"
+        yield f"nats://127.0.0.1:{port}", process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -72,7 +74,7 @@ def test_a_stream_that_stops_at_its_first_token_ends_on_the_prefill_instance(ser
     first = _first_token(tiny_llama)
 
     async def run() -> None:
-        client = await Client.connect(served, "llm")
+        client = await Client.connect(served[0], "llm")
         try:
             text = (await client.detokenize([first])).text
             assert text, "the first token shows no text: pick another prompt"
@@ -94,49 +96,53 @@ def test_a_stream_that_stops_at_its_first_token_ends_on_the_prefill_instance(ser
     asyncio.run(run())
 
 
-async def _blocker(client: Client, started: asyncio.Event) -> None:
-    """A long stream that holds the decode instance's one seat until it is aborted."""
-    fields = dict(temperature=0.0, max_tokens=900, ignore_eos=True)
-    async for event in client.generate(prompt_token_ids=_prompt(1), **fields):
-        if len(event.token_ids) and event.seq >= 2:
-            started.set()
+def _decode_executor(process) -> psutil.Process:
+    for child in psutil.Process(process.pid).children(recursive=True):
+        cmdline = " ".join(child.cmdline())
+        if child.environ().get("KVPAGER_INSTANCE") == "default-decode-0" and "executor" in cmdline:
+            return child
+    raise AssertionError("no decode executor")
 
 
-async def _until_waiting_on_decode(client: Client) -> dict:
-    for _ in range(200):
-        roles = await _by_role(client)
-        if roles["decode"].num_waiting == 1:
-            return roles
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the continuation never waited on decode: {roles}")
+async def _prefill_until(client: Client, done, timeout_s: float = FREE_WITHIN_S):
+    for _ in range(int(timeout_s / 0.1)):
+        prefill = (await _by_role(client))["prefill"]
+        if done(prefill):
+            return prefill
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the prefill instance never got there: {prefill}")
+
+
+async def _aborted_after_first_token(client: Client) -> None:
+    """A stream aborted once its first token came and its prefill instance handed it on."""
+    fields = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    stream = client.generate(prompt_token_ids=_prompt(0), **fields)
+    event = await anext(stream)
+    assert event.token_ids, event  # its first token, from the prefill instance
+    # handed on: nothing runs there, its blocks held for the decode side to read
+    await _prefill_until(client, lambda s: s.num_used_blocks > 0 and s.num_running == 0)
+    await asyncio.sleep(0.5)  # the continuation reaches the decode instance
+    await stream.aclose()  # the client aborts it
 
 
 def test_a_stream_aborted_before_decode_reads_its_blocks_frees_them_at_once(served):
+    """The decode instance's executor is stopped (SIGSTOP), so the pull cannot start: the
+    blocks wait on the prefill instance until the abort frees them."""
+    url, process = served
+    executor = _decode_executor(process)
+
     async def run() -> None:
-        client = await Client.connect(served, "llm")
+        client = await Client.connect(url, "llm")
         try:
-            started = asyncio.Event()
-            blocker = asyncio.create_task(_blocker(client, started))
-            await asyncio.wait_for(started.wait(), 60.0)  # running on decode, its seat taken
-            fields = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
-            async for event in client.generate(prompt_token_ids=_prompt(0), **fields):
-                assert event.token_ids, event  # its first token, from the prefill instance
-                roles = await _until_waiting_on_decode(client)
-                assert roles["prefill"].num_used_blocks > 0, roles  # held for the decode side
-                break  # the client aborts it
-            for _ in range(int(FREE_WITHIN_S / 0.1)):
-                roles = await _by_role(client)
-                if roles["prefill"].num_used_blocks == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert roles["prefill"].num_used_blocks == 0, roles  # freed, not left to expire
-            assert roles["decode"].num_running == 1, roles  # the blocker still held the seat
-            blocker.cancel()  # its abort frees the decode side
-            with contextlib.suppress(asyncio.CancelledError):
-                await blocker
-            roles = await _all_free(client)
-            blocks = -(-len(_prompt(1)) // roles["decode"].block_size)
-            assert roles["decode"].kv_transfer_blocks == blocks, roles  # the blocker's alone
+            executor.suspend()
+            try:
+                await _aborted_after_first_token(client)
+                freed = await _prefill_until(client, lambda s: s.num_used_blocks == 0, 5.0)
+            finally:
+                executor.resume()
+            assert freed.num_generated_tokens == 1 and not freed.num_finished, freed
+            roles = await _all_free(client)  # the decode side let its import go too
+            assert roles["decode"].num_generated_tokens == 0, roles["decode"]
         finally:
             await client.close()
 
