@@ -203,6 +203,9 @@ class Dispatch:
         instead of recomputing the prompt."""
         if self.streams.get(stream.request_id) is not stream or not stream.submitted:
             return
+        if stream.kv_held is not None:  # it leaves the decode side: no one reads them now
+            await self.drop_hold(stream, stream.kv_held)
+            stream.kv_held = None
         moved = stream.continuation() if not stream.aborting else None
         if moved is None:
             if kv_handoff is not None:  # a drained stream that goes nowhere: no one reads them
