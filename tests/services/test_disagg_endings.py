@@ -20,19 +20,19 @@ from tests.services.kvpager_cli import start, wait_for_line
 from tests.services.test_disaggregation import _prompt, _wait_for_log, _wait_idle
 
 FREE_WITHIN_S = 15.0  # far below the 120 s a never-read hold waits
-# info: to see the prefill find the decode instance; a stopped executor is not lost at once
-ENV = {"KVPAGER_LOG_LEVEL": "info", "KVPAGER_LIVENESS_TIMEOUT": "60"}
+ENV = {"KVPAGER_LOG_LEVEL": "info"}  # to see the prefill find the decode instance
 
 
 @pytest.fixture
-def served(tiny_llama, tmp_path):
+def served(tiny_llama, tmp_path, request):
     """One prefill and one decode instance; blocks over NIXL when installed (else the NATS
-    fallback)."""
+    fallback). A parameter: the liveness timeout."""
     port = free_port()
+    env = {**ENV, "KVPAGER_LIVENESS_TIMEOUT": getattr(request, "param", "60")}
     process = start(
         "serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "256",
         "--no-http", "--prefill-replicas", "1", "--decode-replicas", "1",
-        log_dir=tmp_path, env=ENV,
+        log_dir=tmp_path, env=env,
     )  # fmt: skip
     try:
         wait_for_line(process, tmp_path / "out.txt", "kvpager: ready")
@@ -147,3 +147,29 @@ def test_a_stream_aborted_before_decode_reads_its_blocks_frees_them_at_once(serv
             await client.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("served", ["5"], indirect=True)
+def test_a_stream_whose_decode_executor_is_lost_after_the_hand_off_finishes(served):
+    """The decode executor stops before it reads the blocks and is lost (5 s): the stream
+    migrates to the prefill instance, which frees the blocks it held for it first (sharing
+    them with the continuation's prefix hits broke its next hand-off, failing every request
+    there) and hands it on again to the restarted decode instance."""
+    url, process = served
+
+    async def run() -> list[int]:
+        client = await Client.connect(url, "llm")
+        try:
+            fields = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+            tokens, final = [], None
+            async for event in client.generate(prompt_token_ids=_prompt(0), **fields):
+                tokens, final = tokens + event.token_ids, event
+            assert final.finish_reason == "length" and final.error is None, final
+            await _all_free(client)
+            return tokens
+        finally:
+            await client.close()
+
+    executor = _decode_executor(process)
+    executor.suspend()  # the supervisor finds it silent and restarts it
+    assert len(asyncio.run(run())) == 16
