@@ -24,11 +24,11 @@ ENV = {"KVPAGER_LOG_LEVEL": "info"}  # to see the prefill find the decode instan
 
 
 @pytest.fixture
-def served(tiny_llama, tmp_path, request):
+def served(tiny_llama, tmp_path):
     """One prefill and one decode instance; blocks over NIXL when installed (else the NATS
-    fallback). A parameter: the liveness timeout."""
+    fallback). A stopped executor is not taken for lost in the time a test stops it."""
     port = free_port()
-    env = {**ENV, "KVPAGER_LIVENESS_TIMEOUT": getattr(request, "param", "60")}
+    env = {**ENV, "KVPAGER_LIVENESS_TIMEOUT": "60"}
     process = start(
         "serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "256",
         "--no-http", "--prefill-replicas", "1", "--decode-replicas", "1",
@@ -148,28 +148,3 @@ def test_a_stream_aborted_before_decode_reads_its_blocks_frees_them_at_once(serv
 
     asyncio.run(run())
 
-
-@pytest.mark.parametrize("served", ["5"], indirect=True)
-def test_a_stream_whose_decode_executor_is_lost_after_the_hand_off_finishes(served):
-    """The decode executor stops before it reads the blocks and is lost (5 s): the stream
-    migrates to the prefill instance, which frees the blocks it held for it first (sharing
-    them with the continuation's prefix hits broke its next hand-off, failing every request
-    there) and hands it on again to the restarted decode instance."""
-    url, process = served
-
-    async def run() -> list[int]:
-        client = await Client.connect(url, "llm")
-        try:
-            fields = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
-            tokens, final = [], None
-            async for event in client.generate(prompt_token_ids=_prompt(0), **fields):
-                tokens, final = tokens + event.token_ids, event
-            assert final.finish_reason == "length" and final.error is None, final
-            await _all_free(client)
-            return tokens
-        finally:
-            await client.close()
-
-    executor = _decode_executor(process)
-    executor.suspend()  # the supervisor finds it silent and restarts it
-    assert len(asyncio.run(run())) == 16
