@@ -147,4 +147,3 @@ def test_a_stream_aborted_before_decode_reads_its_blocks_frees_them_at_once(serv
             await client.close()
 
     asyncio.run(run())
-
