@@ -109,6 +109,9 @@ class FinishRequest(msgspec.Struct, tag="finish", array_like=True):
     finish_reason: str  # "abort" | "stop"
     index: int | None = None  # the sample a stop string ended; None: all of them
     stop_reason: str | None = None
+    # disaggregation: the stream ended before a decode instance read the blocks this
+    # (prefill) instance holds for it under this transfer id: free them now
+    kv_transfer_id: str = ""
 
 
 TokenizerMessage = PromptPiece | AddRequest | FinishRequest

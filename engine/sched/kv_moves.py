@@ -131,13 +131,16 @@ class KvMoves:
         self.kv_stats.num_held += 1
         return True
 
-    def take_back(self, transfer_id: str) -> bool:
+    def take_back(self, transfer_id: str, request_id: str | None = None) -> bool:
         """No peer will read the blocks (disaggregation: no decode instance took the stream,
-        which came back here): free them, uncounted. False for an unknown id."""
-        held = self.held.pop(transfer_id, None)
-        if held is not None:
-            self.block_manager.free(held[0])
-        return held is not None
+        which came back here, or the stream ended first): free them, uncounted. False for an
+        unknown id, or one held for another request than `request_id` (when given)."""
+        held = self.held.get(transfer_id)
+        if held is None or request_id not in (None, held[0].request_id):
+            return False
+        del self.held[transfer_id]
+        self.block_manager.free(held[0])
+        return True
 
     def expire_holds(self, now: float) -> list[str]:
         """Free the blocks of handoffs no peer read in time."""

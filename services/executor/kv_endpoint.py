@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 log = structlog.get_logger(__name__)
 
 PULL_TIMEOUT_S = 30.0
-PEER_WAIT_S = 3.0  # a pull from a peer whose card has not come yet waits this long for it
+PEER_WAIT_S = 10.0  # a pull waits this long for a peer whose card has not come or connected
 NOTIFY_POLL_S = 0.02
 _card_decoder = msgspec.msgpack.Decoder(KvAgent)
 

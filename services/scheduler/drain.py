@@ -107,6 +107,13 @@ class KvMovesService:
         if self.core.scheduler.take_back(source.transfer_id):
             log.info("handed-on stream came back", transfer_id=source.transfer_id)
 
+    def _drop_hold(self, request_id: str, transfer_id: str) -> None:
+        """A stream we handed on ended before its blocks were read (an abort, a stop string
+        in its first token): free them now, not at the hold's expiry."""
+        if self.core is not None and self.core.scheduler.take_back(transfer_id, request_id):
+            log.info("kv hold dropped: its stream ended", transfer_id=transfer_id)
+            self._work.set()
+
     def _on_kv(self, message: KvPulled | KvSent) -> None:
         """A transfer ended: a pull (we resume or recompute), or a peer read our handoff."""
         if self.core is None:

@@ -232,6 +232,9 @@ class SchedulerService(KvMovesService):
     def _finish(self, finish: FinishRequest) -> None:
         if self.core is None:
             return
+        if finish.kv_transfer_id:  # its stream ended before the decode side read our blocks
+            self._drop_hold(finish.request_id, finish.kv_transfer_id)
+            return
         core, reason = self.core, finish.finish_reason
         if core.finish_early(finish.request_id, reason, finish.index, finish.stop_reason):
             reason = finish.finish_reason

@@ -203,8 +203,13 @@ class Dispatch:
         instead of recomputing the prompt."""
         if self.streams.get(stream.request_id) is not stream or not stream.submitted:
             return
+        if stream.kv_held is not None:  # it leaves the decode side: no one reads them now
+            await self.drop_hold(stream, stream.kv_held)
+            stream.kv_held = None
         moved = stream.continuation() if not stream.aborting else None
         if moved is None:
+            if kv_handoff is not None:  # a drained stream that goes nowhere: no one reads them
+                await self.drop_hold(stream, kv_handoff)
             await self.lose(stream, error)
             return
         if stream.num_migrations >= self.settings.migration_limit:
@@ -236,8 +241,15 @@ class Dispatch:
             await self.lose(stream, ErrorInfo("internal_error", "a handed-on stream had no rest"))
             return
         log.debug("stream to decode", request_id=stream.request_id, prefill=stream.instance)
-        stream.handed_on()
+        stream.handed_on(handoff)
         self.spawn(self.route(stream, *moved, kv_source=handoff, phase="decode"))
+
+    async def drop_hold(self, stream: Stream, handoff: KvHandoff) -> None:
+        """The stream ended before a decode instance read the blocks its prefill instance
+        holds: that instance frees them now, not when the hold expires."""
+        subject = self.subjects.for_instance(handoff.instance).scheduler_requests
+        finish = FinishRequest(stream.request_id, "abort", kv_transfer_id=handoff.transfer_id)
+        await self.nc.publish(subject, pack(finish))
 
     def requests_subject(self, stream: Stream) -> str:
         return self.subjects.for_instance(stream.instance).scheduler_requests

@@ -169,6 +169,8 @@ class TokenizerService:
             return
         stream.aborting = True
         stream.abort_error = error
+        if stream.kv_held is not None:  # handed on: the decode side may not have read it yet
+            await self.dispatch.drop_hold(stream, stream.kv_held)
         if stream.submitted:
             await self._send_finish(stream, FinishRequest(stream.request_id, "abort"))
 
@@ -206,11 +208,16 @@ class TokenizerService:
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
         if delta.kv_handoff is not None and delta.kv_handoff.prefilled:  # disaggregation
-            if not stream.aborting:
+            if not (stream.aborting or stream.stopping):
                 await self.dispatch.hand_on(stream, delta.kv_handoff)
                 return
-            # aborted meanwhile: it ends here (its held blocks go free when the hold expires)
-            delta = msgspec.structs.replace(delta, finish_reason="abort", error=None)
+            # aborted meanwhile, or a stop string in its first token: it ends here, and the
+            # prefill instance frees the blocks it held for the decode side at once
+            await self.dispatch.drop_hold(stream, delta.kv_handoff)
+            reason = "abort" if stream.aborting else "stop"
+            delta = msgspec.structs.replace(
+                delta, finish_reason=reason, error=None, kv_handoff=None
+            )
         if delta.error is not None and movable(delta.error):
             # the instance failed or drains, not the request; a drain hands on its blocks
             await self.dispatch.move(stream, delta.error, delta.kv_handoff)

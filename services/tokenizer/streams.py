@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 from kvpager.engine.frontend.migration import can_move, continuation
 from kvpager.engine.frontend.output_processor import SampleOutput, SampleUpdate
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.public import ErrorInfo, GenerateEvent, PromptLogprob, TokenLogprob, Usage
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.scheduler import FinishRequest, PromptLogprobs
@@ -65,6 +66,7 @@ class Stream:
         self.generated: list[int] = []
         self.num_migrations = 0
         self.num_handoffs = 0  # prefill -> decode (disaggregation): its prompt holds outputs too
+        self.kv_held: KvHandoff | None = None  # the blocks the prefill instance holds for it
         self.failed_instances: set[str] = set()
         self.aborting = False
         # what an llm.abort must carry; one made here goes to the client in the first event
@@ -100,6 +102,11 @@ class Stream:
     @property
     def done(self) -> bool:
         return all(sample.finish_reason is not None for sample in self._samples)
+
+    @property
+    def stopping(self) -> bool:
+        """A stop string matched: the scheduler is finishing the stream, which goes nowhere."""
+        return any(sample.output.stop_string is not None for sample in self._samples)
 
     def on_delta(self, delta: SampleDelta) -> tuple[list[GenerateEvent], FinishRequest | None]:
         """Events to publish, and a FinishRequest for the scheduler if a stop string matched."""
@@ -214,9 +221,10 @@ class Stream:
         self.num_migrations += 1
         self.instance, self.submitted, self.scheduler_id = "", False, ""
 
-    def handed_on(self) -> None:
+    def handed_on(self, handoff: KvHandoff) -> None:
         """A prefill instance handed it on: it goes on elsewhere (no failure)."""
         self.num_handoffs += 1
+        self.kv_held = handoff
         self.instance, self.submitted, self.scheduler_id = "", False, ""
 
     def usage(self) -> Usage:

@@ -146,11 +146,6 @@ def test_kvpager_drain_moves_streams_with_their_blocks(served):
     assert missing.returncode == 1 and "no instance" in missing.stderr, missing
 
 
-# Over NIXL, this test failed 3 times in ~20 runs on a heavily loaded 2-core host: the
-# SIGTERMed instance's executor lost its NATS connection before the drain, and its scheduler
-# failed its streams (under investigation: UCX beside nats-py in one process). The NIXL path
-# is covered by `kvpager drain`'s test above and tests/services/test_kv_transfer.py.
-@pytest.mark.parametrize("served", ["nats"], indirect=True)
 def test_sigterm_of_an_instance_moves_its_streams(served):
     process, url = served
     children = psutil.Process(process.pid).children(recursive=True)

@@ -3,13 +3,17 @@
 The whole cache tensor is registered once; every (slot, K/V, block) region of ours and of each
 peer is prepared once as a descriptor list, so a transfer names region indices only. The
 initiator attaches the transfer id as NIXL's notification, which reaches the other side when
-the bytes have landed. `nixl-cu12` is an optional extra (kvpager[nixl]): `available()` says
+the bytes have landed. The agent is built without NIXL's own locking, and peers connect on a
+worker thread while transfers and notifications run on the event loop: `_lock` serializes
+every agent call, and the loop only ever tries it (it never waits on a connect).
+`nixl-cu12` is an optional extra (kvpager[nixl]): `available()` says
 whether it imports.
 """
 
 import asyncio
 import importlib
 import logging
+import threading
 import time
 
 import structlog
@@ -65,6 +69,7 @@ class NixlTransfer(KvTransfer):
         except Exception as exc:
             raise KvTransferError(f"NIXL could not register the KV cache: {exc}") from exc
         self._remote: dict[str, object] = {}  # peer name -> its prepared descriptor list
+        self._lock = threading.Lock()  # one agent call at a time (see the module's docstring)
 
     def _register(self, nixl, name: str) -> None:
         """The agent, the whole cache registered, and our regions prepared once."""
@@ -87,24 +92,43 @@ class NixlTransfer(KvTransfer):
         new peer otherwise pays for the connection (about 2 s on a busy host)."""
         if peer.backend != self.backend or not peer.metadata:
             raise KvTransferError(f"peer {peer.name} speaks {peer.backend}, not nixl")
+        self.regions.check_peer(peer)
+        if peer.name not in self._remote:
+            try:
+                with self._lock:
+                    self._connect(peer)
+            except KvTransferError:
+                raise
+            except Exception as exc:  # nixl's own errors
+                raise KvTransferError(f"NIXL could not connect to {peer.name}: {exc}") from exc
+        # known to `read` only once connected: a pull that finds it in `peers` must not find
+        # its descriptors missing (the endpoint waits for `peers`, this runs on a thread)
         super().add_peer(peer)
-        if peer.name in self._remote:
-            return
+
+    def _connect(self, peer: KvAgent) -> None:
         name = self.nixl.add_remote_agent(peer.metadata)
         name = name.decode() if isinstance(name, bytes) else name
         if name != peer.name:
+            self.nixl.remove_remote_agent(name)
             raise KvTransferError(f"peer {peer.name}: its NIXL metadata names {name!r}")
         theirs = self.regions.descriptors(peer.base_address, peer.num_blocks, peer.device_id)
-        self._remote[name] = self.nixl.prep_xfer_dlist(name, theirs, peer.mem_type)
-        self.nixl.make_connection(name)
+        prepared = self.nixl.prep_xfer_dlist(name, theirs, peer.mem_type)
+        try:
+            self.nixl.make_connection(name)
+        except Exception:
+            self.nixl.release_dlist_handle(prepared)
+            self.nixl.remove_remote_agent(name)
+            raise
+        self._remote[name] = prepared
         log.info("kv transfer peer connected", peer=name, backend=self.backend)
 
     def remove_peer(self, name: str) -> None:
         super().remove_peer(name)
-        prepared = self._remote.pop(name, None)
-        if prepared is not None:
-            self.nixl.release_dlist_handle(prepared)
-            self.nixl.remove_remote_agent(name)
+        with self._lock:
+            prepared = self._remote.pop(name, None)
+            if prepared is not None:
+                self.nixl.release_dlist_handle(prepared)
+                self.nixl.remove_remote_agent(name)
 
     async def read(
         self,
@@ -132,11 +156,11 @@ class NixlTransfer(KvTransfer):
         self, op: str, peer: str, ours: list[int], theirs: list[int], transfer_id: str,
         timeout_s: float,
     ) -> int:  # fmt: skip
-        handle = self._prepare(op, peer, ours, theirs, transfer_id)
+        handle = await self._call(self._prepare, op, peer, ours, theirs, transfer_id)
         try:
             await self._run(handle, peer, transfer_id, timeout_s)
         finally:
-            _release(handle)
+            await self._call(_release, handle)
         return self.regions.num_bytes(len(ours))
 
     def _prepare(self, op: str, peer: str, ours: list[int], theirs: list[int], transfer_id: str):
@@ -159,10 +183,10 @@ class NixlTransfer(KvTransfer):
     async def _run(self, handle, peer: str, transfer_id: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         try:
-            state = self.nixl.transfer(handle)
+            state = await self._call(self.nixl.transfer, handle)
             while state == "PROC" and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
-                state = self.nixl.check_xfer_state(handle)
+                state = await self._call(self.nixl.check_xfer_state, handle)
         except Exception as exc:
             raise KvTransferError(f"NIXL transfer {transfer_id} failed: {exc}") from exc
         if state == "PROC":
@@ -170,15 +194,31 @@ class NixlTransfer(KvTransfer):
         if state != "DONE":
             raise KvTransferError(f"NIXL transfer {transfer_id} with {peer} failed ({state})")
 
+    async def _call(self, call, *args):
+        """`call(*args)` under the agent's lock, taken without blocking the event loop: a
+        peer's connect on a worker thread may hold it for a while."""
+        while not self._lock.acquire(blocking=False):
+            await asyncio.sleep(POLL_S)
+        try:
+            return call(*args)
+        finally:
+            self._lock.release()
+
     def take_notifications(self) -> list[str]:
-        notes = self.nixl.get_new_notifs()
+        if not self._lock.acquire(blocking=False):  # a connect runs: they keep till next poll
+            return []
+        try:
+            notes = self.nixl.get_new_notifs()
+        finally:
+            self._lock.release()
         return [message.decode() for messages in notes.values() for message in messages]
 
     def close(self) -> None:
         for name in list(self._remote):
             self.remove_peer(name)
-        self.nixl.release_dlist_handle(self._local)
-        self.nixl.deregister_memory(self._registered)
+        with self._lock:
+            self.nixl.release_dlist_handle(self._local)
+            self.nixl.deregister_memory(self._registered)
 
 
 PROGRESS_DELAY_US = 1000

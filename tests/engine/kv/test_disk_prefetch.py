@@ -4,8 +4,8 @@ the outputs and the block accounting of reads at the request's turn, and a reque
 with its reads in flight leaks nothing."""
 
 import asyncio
+import threading
 
-import pytest
 from kvpager.engine.async_engine import AsyncEngine
 from kvpager.engine.config import EngineConfig
 from kvpager.engine.kv.block_hash import prompt_block_hashes
@@ -117,10 +117,20 @@ def test_early_reads_give_the_outputs_and_accounting_of_reads_at_the_turn(tiny_l
     assert results[8][1] >= results[0][1] > 0
 
 
-@pytest.mark.skip(
-    reason="races on a fast host: the runner's 40 tokens can end before the early reads are "
-    "seen, so a queued request reaches its turn first; to be made deterministic"
-)
+def hold_reads(engine: AsyncEngine) -> threading.Event:
+    """The executor's disk reads wait for the returned event: the test, not the host's speed,
+    decides when reads in flight land (the reads themselves stay real)."""
+    store = engine.runner.executor.disk
+    read_block, go = store._read_block, threading.Event()
+
+    def held(block):
+        assert go.wait(30.0), "the test never let the disk reads go"
+        return read_block(block)
+
+    store._read_block = held
+    return go
+
+
 async def test_requests_aborted_with_early_reads_in_flight_leak_nothing(tiny_llama, tmp_path):
     folder = tmp_path / "kv"
     with disk_llm(tiny_llama, folder, swap_space=8 * BLOCK_BYTES) as llm:
@@ -131,14 +141,15 @@ async def test_requests_aborted_with_early_reads_in_flight_leak_nothing(tiny_lla
         kv_disk_key_file=str(folder.parent / "kv-disk.key"),
     )  # fmt: skip
     engine = AsyncEngine(tiny_llama, EngineConfig(**args), check_invariants=True)
-    loop_task = asyncio.create_task(engine.run())
+    go = hold_reads(engine)
     manager = engine.scheduler.block_manager
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runner = engine.add(Request("runner", PROMPTS[7], long))  # holds the one seat
+    for i in range(3):  # queued behind it from the first step on
+        engine.add(Request(f"back{i}", PROMPTS[i], GREEDY))
+    loop_task = asyncio.create_task(engine.run())
     try:
-        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        runner = engine.add(Request("runner", PROMPTS[7], long))  # holds the one seat
-        for i in range(3):
-            engine.add(Request(f"back{i}", PROMPTS[i], GREEDY))
-        for _ in range(500):
+        for _ in range(1000):
             if manager.disk.loading:
                 break
             await asyncio.sleep(0.005)
@@ -147,6 +158,8 @@ async def test_requests_aborted_with_early_reads_in_flight_leak_nothing(tiny_lla
             assert engine.release(f"back{i}")
         engine.release("runner")
         assert manager.num_used_blocks == 0
+        assert manager.cpu.loading  # their CPU blocks stay reserved until the reads land
+        go.set()
         await _until_idle(engine)
         after = engine.add(Request("after", PROMPTS[0], GREEDY))
         token_ids = []
@@ -157,6 +170,7 @@ async def test_requests_aborted_with_early_reads_in_flight_leak_nothing(tiny_lla
         assert not manager.cpu.loading and not manager.disk.loading and not manager.cpu.owned
         del runner
     finally:
+        go.set()
         engine.stop()
         await loop_task
         engine.close()
