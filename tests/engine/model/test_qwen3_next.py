@@ -73,7 +73,8 @@ def test_parallel_samples_and_beams(qwen3_next):
         params = SamplingParams(beam_width=2, temperature=0.0, max_tokens=8)
         beams = llm.beam_search(beam_prompts, params, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in beams]
-        assert got == hf_generate(path, beam_prompts, max_new_tokens=8, num_beams=2, do_sample=False)
+        hf = hf_generate(path, beam_prompts, max_new_tokens=8, num_beams=2, do_sample=False)
+        assert got == hf
         assert_slots_free(llm)
 
 
