@@ -16,6 +16,8 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 
 from tests.engine.helpers import hf_generate, make_llm, random_prompts
+from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
+from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import build_qwen3_next
@@ -105,3 +107,17 @@ def test_weights_are_what_kv_size_counts(qwen3_next):
     read = load_weights(decoder, path)
     held = sum(p.numel() * p.element_size() for p in decoder.parameters())
     assert read == held == weight_bytes_per_rank(config, torch.float32)
+
+
+def test_bf16_greedy_follows_transformers(tmp_path):
+    """bf16 ((1 + w) norms in fp32, rounded once; the delta rule's state in fp32, as
+    transformers' layers): each greedy token within test_bf16.py's tie margin of
+    transformers' bf16 best, up to the first near tie. Smaller weights than the fp32 tests':
+    with theirs transformers' own bf16 forward strays up to 3.9 from its fp32 one."""
+    path = build_qwen3_next(tmp_path, initializer_range=0.05)
+    prompts = random_prompts([1, 6, 17, 33], seed=5)
+    with make_llm(path, dtype="bfloat16") as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_follows_transformers(path, prompts, outputs)
+        assert_slots_free(llm)
