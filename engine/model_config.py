@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.engine.deepseek_family import deepseek_config
+from kvpager.engine.families.qwen3_next import QWEN3_NEXT, DeltaNetDims
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, Mamba2Dims, granite_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
@@ -131,6 +132,11 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each branch's output, before its residual add
     logits_scaling: float = 1.0  # the logits divided by it
     attention_multiplier: float | None = None  # the attention scale, where it is not 1/sqrt(d)
+    # Qwen3-Next (engine/families/qwen3_next.py): gated DeltaNet mixers, gated attention
+    deltanet_dims: DeltaNetDims | None = None
+    attn_output_gate: bool = False  # q_proj doubled: q and a sigmoid gate on the output
+    zero_centred_norms: bool = False  # (1 + w) norms in float32, without Gemma's extras
+    shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(h . gate)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -142,7 +148,7 @@ class ModelConfig:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
-        if self.partial_rotary_factor != 1.0:
+        if self.partial_rotary_factor != 1.0 and not self.attn_output_gate:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
         if self.mla and (self.kv_lora_rank + self.head_dim) % 2:
             raise CheckpointError("kv_lora_rank + qk_rope_head_dim must be even (latent pages)")
@@ -257,7 +263,7 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        if size > 1 and self.model_type in (LLAMA4_TEXT, GRANITE_HYBRID):
+        if size > 1 and self.model_type in (LLAMA4_TEXT, GRANITE_HYBRID, QWEN3_NEXT):
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")

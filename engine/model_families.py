@@ -19,6 +19,9 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
     deepseek_v2             the same attention, softmax (optionally group-limited) routing
     granitemoehybrid        Mamba2 layers on state slots beside attention layers (RoPE or
                             none), MoE with a shared MLP, multipliers (engine/mamba2_config.py)
+    qwen3_next              gated DeltaNet layers on state slots beside gated attention with
+                            partial RoPE, (1 + w) norms, MoE with a gated shared expert
+                            (engine/families/qwen3_next.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -26,6 +29,7 @@ Plain functions of the raw dict, so engine/config.py imports this and nothing im
 from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
+from kvpager.engine.families.qwen3_next import QWEN3_NEXT, qwen3_next_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields
 
@@ -44,6 +48,7 @@ SUPPORTED_MODEL_TYPES = (
     DEEPSEEK_V3,
     DEEPSEEK_V2,
     GRANITE_HYBRID,
+    QWEN3_NEXT,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
@@ -77,6 +82,8 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         return {**fields, **deepseek_fields(raw)}
     if model_type == GRANITE_HYBRID:
         return {**fields, **granite_fields(raw)}
+    if model_type == QWEN3_NEXT:
+        return {**fields, **qwen3_next_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 

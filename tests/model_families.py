@@ -31,6 +31,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from tests.models import _common, train_tokenizer
@@ -251,3 +253,31 @@ def build_granite_hybrid(path: Path, seed: int = 13, **overrides) -> Path:
             if name.endswith(("dt_bias", "A_log", "mamba.D")):
                 param.copy_(torch.randn_like(param) * 0.5)
     return _save(model, path, 1.0)
+
+
+def build_qwen3_next(path: Path, seed: int = 14, **overrides) -> Path:
+    """Qwen3-Next: gated DeltaNet layers 0 and 2 (2 key heads, 4 value heads of 16, conv 4)
+    before gated attention layers 1 and 3 (RoPE on a quarter of each head); MoE (4 experts
+    of 32, top 2) with a gated shared expert 48 wide, layer 1 a dense MLP; (1 + w) norms
+    drawn around 0, the DeltaNet's gated norm around 1; random dt_bias and A_log."""
+    fields = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=40, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  mlp_only_layers=[1], full_attention_interval=2,
+                  tie_word_embeddings=False)  # fmt: skip
+    tokenizer = train_tokenizer(path)
+    config = Qwen3NextConfig(**{**_common(tokenizer), **fields, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log")):
+                param.copy_(torch.randn_like(param) * 0.5)
+        _save(model, path, 0.0)
+        for name, param in model.named_parameters():  # plain weights: around 1
+            if name.endswith("linear_attn.norm.weight"):
+                param.add_(1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,8 +1,8 @@
 """Qwen3-Next (`qwen3_next`) read from config.json, without torch: the gated DeltaNet layers'
 geometry (the scheduler's side sizes their states with it, engine/kv/recurrent_size.py; the
 model builds its mixers with it, engine/model/qwen3_next/gated_deltanet.py) and the decoder
-switches, read as transformers' Qwen3NextConfig reads them. Not served end to end yet:
-`qwen3_next` is outside SUPPORTED_MODEL_TYPES until the decoder runs these pieces.
+switches, read as transformers' Qwen3NextConfig reads them (engine/model_families.py adds
+them to the common fields; engine/model/qwen3_next/layer_pieces.py is how the decoder runs them).
 
 - `layer_types`: "linear_attention" layers are gated DeltaNet mixers on per-sequence state
   slots, "full_attention" layers gated attention on the paged cache
@@ -55,6 +55,19 @@ class DeltaNetDims:
 
     def conv_elements(self) -> int:
         return self.conv_dim * (self.conv_kernel - 1)
+
+    def weight_elements(self) -> int:
+        """A mixer's parameters (engine/model/qwen3_next/gated_deltanet.py): in_proj_qkvz,
+        in_proj_ba, the conv, dt_bias and A_log, the gated norm, out_proj."""
+        h, heads = self.hidden_size, self.num_value_heads
+        projections = (2 * self.key_dim + 2 * self.value_dim + 2 * heads) * h
+        return (
+            projections
+            + self.conv_dim * self.conv_kernel
+            + 2 * heads
+            + self.value_head_dim
+            + (h * self.value_dim)
+        )
 
     def recurrent_elements(self) -> int:
         """The delta rule's state: [value heads, key_head_dim, value_head_dim]."""

@@ -43,7 +43,11 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
         experts += config.num_experts * (1 + 2 * expert_rows + hidden)
     attention += hidden if config.o_proj_bias else 0
     experts += 3 * hidden * (config.shared_expert_intermediate_size // size)  # Llama 4, DeepSeek
-    mixer = _mamba2_weights(config) if config.num_recurrent_layers else 0  # TP refused
+    mixer = _mamba2_weights(config) if config.mamba_dims else 0  # TP refused
+    if config.deltanet_dims is not None:  # Qwen3-Next: its q_proj's gate rows too
+        mixer = config.deltanet_dims.weight_elements()
+        attention += q * (hidden + config.attention_bias)
+    experts += hidden if config.shared_expert_gate else 0  # one gate row a MoE layer
     layers = sum(
         (mixer if config.is_recurrent(i) else attention)
         + (experts if config.is_sparse(i) else dense)
@@ -53,9 +57,10 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     embeddings = vocab * (1 if config.tie_word_embeddings else 2)
     qk_norms = 2 * head_dim if config.qk_norm else 0
     layer_norms = (4 if config.gemma_norms else 2) * hidden + qk_norms
-    norms = config.num_layers * layer_norms + hidden  # the final norm too
+    # the final norm too; recurrent layers have no q/k norms
+    norms = config.num_layers * layer_norms + hidden - config.num_recurrent_layers * qk_norms
     element = dtype_bytes(dtype)
-    float32_norms = config.gemma_norms or config.float32_norms
+    float32_norms = config.gemma_norms or config.float32_norms or config.zero_centred_norms
     norm_element = dtype_bytes("float32") if float32_norms else element
     sinks = config.num_layers * config.num_heads // size if config.attention_sinks else 0
     if config.moe_router in ("deepseek", "deepseek_v2"):  # fp32 routers (V3: and biases)

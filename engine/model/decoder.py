@@ -4,12 +4,12 @@ soft-cap per layer, a second RoPE table for sliding layers, routed experts for M
 Llama 4's NoPE layers (no rotary, a temperature on q), its weightless q/k norm after RoPE and
 its shared expert beside the routed ones (engine/llama4_family.py); DeepSeek V3's latent
 attention (engine/model/mla.py) in place of q|k|v and o, its grouped router
-(engine/model/deepseek_router.py).
+(engine/model/deepseek_router.py); Qwen3-Next's gated attention and gated shared-expert MoE
+(engine/model/qwen3_next/layer_pieces.py).
 
 Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls. Under
 tensor parallelism each rank holds its Shard (engine/model/sharding.py) and the decoder adds
-the collectives: an all-reduce after o, after down and after the embedding, an all-gather of
-the logits. Alone (`group` None) there are none.
+the collectives: all-reduces after o, down and the embedding, an all-gather of the logits.
 """
 
 from typing import NamedTuple
@@ -21,6 +21,7 @@ from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
 from kvpager.engine.model.linear import make_linear, release
 from kvpager.engine.model.mla import MlaAttention
 from kvpager.engine.model.moe import RoutedExperts
+from kvpager.engine.model.qwen3_next.layer_pieces import build_pieces
 from kvpager.engine.model.recurrent import RecurrentBatch, mixer_kind, state_indices
 from kvpager.engine.model.rope import cos_sin_table, longrope_original_length
 from kvpager.engine.model.sharding import Shard
@@ -37,20 +38,19 @@ def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
     return matmul
 
 
-# Long float32 batches (prefill) run the MLP in row chunks: a [512, 2 x intermediate] activation
-# stays in cache between the two matmuls, where a 2,048-row one goes to memory (row results
-# are the same either way). bf16 runs whole: on an AMX host the chunks were the slower way
+# Long float32 batches (prefill) run the MLP in 512-row chunks, whose activation stays in cache
+# (rows are the same either way); bf16 runs whole, faster on an AMX host
 # (benchmarks/reports/2026-12-03-saturated-step-profile/).
 MLP_CHUNK_TOKENS = 512
 
 
 def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm weights: the model's, but float32 for Gemma's (1 + w) scales.
-    Transformers' Gemma norms scale in fp32 and round once (`(norm(x) * (1 + w)).to(dtype)`,
-    not Llama's `w * norm(x).to(dtype)`); the norm ops apply a float32 weight beside
-    narrower activations that way (kernels/reference.py: rms_norm_ref). gpt-oss keeps its
-    norm weights in fp32 and scales the same way (`(w * norm(x)).to(dtype)`)."""
-    return torch.float32 if config.gemma_norms or config.float32_norms else dtype
+    """The norm weights' dtype: the model's, but float32 for Gemma's and Qwen3-Next's (1 + w)
+    scales: they scale in fp32 and round once (`(norm(x) * (1 + w)).to(dtype)`, not Llama's
+    `w * norm(x).to(dtype)`), as the norm ops apply a float32 weight (kernels/reference.py:
+    rms_norm_ref); gpt-oss keeps its norm weights in fp32 and scales the same way."""
+    float32 = config.gemma_norms or config.float32_norms or config.zero_centred_norms
+    return torch.float32 if float32 else dtype
 
 
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
@@ -122,11 +122,12 @@ class DecoderLayer(nn.Module):
         if config.is_recurrent(layer_idx):
             kind = mixer_kind(config)
             self.mixer, self.run_mixer = kind.build(config, dtype), kind.run
-        regular = self.mla is None and self.mixer is None
+        self.gated_attn, self.moe_block = build_pieces(config, layer_idx, dtype)  # Qwen3-Next
+        regular = self.mla is None and self.mixer is None and self.gated_attn is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
-        self.q_norm = optional(config.qk_norm, self.head_dim, dtype=norm)  # one for every head
-        self.k_norm = optional(config.qk_norm, self.head_dim, dtype=norm)
+        self.q_norm = optional(config.qk_norm and regular, self.head_dim, dtype=norm)  # all heads
+        self.k_norm = optional(config.qk_norm and regular, self.head_dim, dtype=norm)
         self.o_weight = optional(regular, hidden, self.q_size)
         # gpt-oss: o's bias (added once, after the all-reduce) and a sink logit per head
         self.o_bias = optional(config.o_proj_bias, hidden)
@@ -142,14 +143,14 @@ class DecoderLayer(nn.Module):
     ) -> None:  # fmt: skip
         param, _ = _param_makers(dtype)
         self.experts = None
-        if config.is_sparse(layer_idx):
+        if config.is_sparse(layer_idx) and self.moe_block is None:
             self.experts = RoutedExperts(
                 config, shard.expert_intermediate_size, dtype, add_down_bias=shard.rank == 0
             )
             # 0: none; DeepSeek's split over the ranks (Llama 4's: one rank only)
             intermediate = shard.shared_expert_intermediate_size
         # the dense MLP, or a MoE layer's shared expert (Llama 4)
-        self.has_mlp = intermediate > 0
+        self.has_mlp = intermediate > 0 and self.moe_block is None
         if self.has_mlp:
             self.gate_up_weight = param(2 * intermediate, hidden)
             self.down_weight = param(hidden, intermediate)
@@ -159,7 +160,7 @@ class DecoderLayer(nn.Module):
         plain weights are released (they are copies)."""
         if self.mla is not None:
             self.mla.build_matmuls(pack)
-        elif self.mixer is None:
+        elif self.mixer is None and self.gated_attn is None:
             self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
             self.o_proj = _matmul(self.o_weight, None, pack)
         if self.has_mlp:
@@ -189,6 +190,8 @@ class DecoderLayer(nn.Module):
             attn = _all_reduce(self.group, attn)  # o_proj's columns are this rank's heads'
         elif self.mixer is not None:
             attn = self.run_mixer(self.mixer, h, layer_cache)
+        elif self.gated_attn is not None:
+            attn = self.gated_attn(h, *rope.full, attention, layer_cache, meta, ops)
         else:
             attn = self._attention(h, rope, attention, layer_cache, meta)
         if self.o_bias is not None:
@@ -231,14 +234,15 @@ class DecoderLayer(nn.Module):
         """Per-head RMSNorm of [T, heads, d] (Qwen3, Gemma 3), as rows of head_dim."""
         if weight is None:
             return x
-        return self.ops.add_rms_norm(x.reshape(-1, self.head_dim), None, weight, self.eps)[0].view(
-            x.shape
-        )
+        rows = x.reshape(-1, self.head_dim)
+        return self.ops.add_rms_norm(rows, None, weight, self.eps)[0].view(x.shape)
 
     def _norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
         return x if weight is None else self.ops.add_rms_norm(x, None, weight, self.eps)[0]
 
     def _mlp(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        if self.moe_block is not None:
+            return self.moe_block(h, ops)
         if self.experts is None:
             return self.down(self.activation(self.gate_up(h)))
         routed = self.experts(h, ops.fused_moe, self.activation)

@@ -14,6 +14,7 @@ import torch
 from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.kv_scales import read_kv_scales
+from kvpager.engine.model.qwen3_next.layer_pieces import PieceFill, piece_tensor
 from kvpager.engine.model.sharding import MIXTRAL_NAMES, Part, Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
@@ -253,11 +254,18 @@ def load_weights(model: Decoder, path: Path) -> int:
     """Copy every checkpoint tensor (this rank's part of it) into its (possibly fused)
     parameter slice; returns the bytes read. Gemma's norms scale by (1 + w): the 1 is added
     here, once, in float32 (their parameters' dtype) to w as the model's dtype holds it, as
-    transformers computes `1 + w.float()`; so every norm kernel scales by its weight."""
+    transformers computes `1 + w.float()`; so every norm kernel scales by its weight (Qwen3-Next's
+    too). Qwen3-Next's pieces take their tensors themselves (layer_pieces.py: piece_tensor)."""
     expected = {id(p): p.numel() for p in model.parameters()}
-    filled = _vocab_padding(model)
+    filled, pieces = _vocab_padding(model), PieceFill()
     num_bytes = 0
+    zero_centred = model.config.gemma_norms or model.config.zero_centred_norms
     for name, read in iter_slices(path):
+        if (piece := piece_tensor(model.layers, name.removeprefix("model."))) is not None:
+            tensor = read(None)
+            num_bytes += tensor.numel() * tensor.element_size()
+            pieces.load(*piece, tensor)
+            continue
         for param, offset, part, expert, transform in _targets(model, name) or ():
             if param is None:
                 continue  # the tied lm_head
@@ -269,10 +277,11 @@ def load_weights(model: Decoder, path: Path) -> int:
                 raise CheckpointError(
                     f"{name}: shape {tuple(tensor.shape)} does not fit the config"
                 )
-            if model.config.gemma_norms and "norm" in name:
+            if zero_centred and "norm" in name:
                 tensor = tensor.to(model.embed_tokens.dtype).float() + 1.0
             dest[offset : offset + tensor.shape[0]].copy_(tensor)
             filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
+    filled.update(pieces.filled())
     missing = [n for n, p in model.named_parameters() if filled.get(id(p)) != expected[id(p)]]
     if missing:
         raise CheckpointError(f"{path}: weights missing or incomplete for {missing[:5]}")

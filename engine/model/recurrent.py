@@ -1,10 +1,11 @@
 """Recurrent layers' mixers by kind, in one place: what a layer builds, what state tensors the
 executor allocates for them and how a layer runs on its slice of those states.
 
-A kind (ModelConfig.recurrent_mixer) names a `MixerKind`. Today "mamba2" (Granite 4's Mamba2,
-engine/model/mamba2.py); another mixer with per-sequence state (gated DeltaNet) adds its entry
-to MIXERS with the same three functions. The states follow RecurrentStates' interface: rows
-are slots, `reset(slots)` and `copy(pairs)` (engine/worker/state_cache.py applies them).
+A kind (ModelConfig.recurrent_mixer) names a `MixerKind`: "mamba2" (Granite 4's Mamba2,
+engine/model/mamba2.py) and "gated_deltanet" (Qwen3-Next's, engine/model/qwen3_next/); another
+mixer with per-sequence state adds its entry to MIXERS with the same three functions. The
+states follow RecurrentStates' interface: rows are slots, `reset(slots)` and `copy(pairs)`
+(engine/worker/state_cache.py applies them).
 """
 
 from collections.abc import Callable
@@ -13,6 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 from kvpager.engine.model.mamba2 import Mamba2Mixer, RecurrentStates
+from kvpager.engine.model.qwen3_next import gated_deltanet
+from kvpager.engine.model.qwen3_next.layer_pieces import run_deltanet
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import CheckpointError
 
@@ -63,7 +66,17 @@ def _run_mamba2(mixer, hidden: torch.Tensor, cache: RecurrentLayerCache) -> torc
     return mixer(hidden, batch.seq_lens, batch.slots, conv, ssm, batch.cuts)
 
 
-MIXERS: dict[str, MixerKind] = {"mamba2": MixerKind(_build_mamba2, _allocate_mamba2, _run_mamba2)}
+MIXERS: dict[str, MixerKind] = {
+    "mamba2": MixerKind(_build_mamba2, _allocate_mamba2, _run_mamba2),
+    # Qwen3-Next's gated DeltaNet (engine/model/qwen3_next/): the same states' interface
+    "gated_deltanet": MixerKind(
+        lambda c, dt: gated_deltanet.GatedDeltaNet(c.deltanet_dims, dt),
+        lambda c, n, dt, dev: gated_deltanet.allocate_states(
+            c.deltanet_dims, c.num_recurrent_layers, n, dt, dev
+        ),
+        run_deltanet,
+    ),
+}
 
 
 def mixer_kind(config: ModelConfig) -> MixerKind:

@@ -98,10 +98,11 @@ def _yarn(
 def inverse_frequencies(
     config: ModelConfig, local: bool = False, long: bool = False
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], cos/sin scale). `local`: Gemma 3's sliding layers (their own
-    base, no scaling: a checkpoint's rope_scaling applies to the global layers). `long`:
-    LongRoPE's long factors."""
-    dim = config.head_dim
+    """(inv_freq [rotary_dim / 2], cos/sin scale): rotary_dim is head_dim times the
+    partial_rotary_factor (Qwen3-Next's 0.25; 1 elsewhere). `local`: Gemma 3's sliding
+    layers (their own base, no scaling: a checkpoint's rope_scaling applies to the global
+    layers). `long`: LongRoPE's long factors."""
+    dim = int(config.head_dim * config.partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     theta = config.local_rope_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta**exponents)
@@ -123,7 +124,7 @@ def inverse_frequencies(
 def cos_sin_table(
     config: ModelConfig, max_positions: int, local: bool = False, long: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin, each [max_positions, head_dim] (the half-dim angles repeated)."""
+    """fp32 cos and sin, each [max_positions, rotary_dim] (the half-dim angles repeated)."""
     inv_freq, scale = inverse_frequencies(config, local, long)
     positions = torch.arange(max_positions, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)

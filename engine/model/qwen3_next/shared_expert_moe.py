@@ -36,9 +36,25 @@ class SharedExpertMoe(nn.Module):
 
     def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """One checkpoint tensor (`mlp.` stripped): the router `gate.weight`, the stacked
-        `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I], the shared
+        `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (or per expert,
+        `experts.<e>.gate_proj.weight`, ..., as save_pretrained writes them), the shared
         expert's gate / up / down and `shared_expert_gate.weight`."""
-        inter = self.shared_intermediate
+        target = self._target(name)
+        if target is None or target.shape != tensor.shape:
+            expected = None if target is None else tuple(target.shape)
+            got = tuple(tensor.shape)
+            raise CheckpointError(f"mlp.{name}: shape {got}, expected {expected}")
+        target.data.copy_(tensor)
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        inter, parts = self.shared_intermediate, name.split(".")
+        if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit():
+            expert, half = int(parts[1]), self.experts.gate_up.shape[1] // 2
+            if expert >= self.experts.gate_up.shape[0]:
+                return None
+            gate_up, down = self.experts.gate_up[expert], self.experts.down[expert]
+            rows = {"gate_proj": gate_up[:half], "up_proj": gate_up[half:], "down_proj": down}
+            return rows.get(parts[2]) if parts[3] == "weight" else None
         targets = {
             "gate.weight": self.experts.router,
             "experts.gate_up_proj": self.experts.gate_up,
@@ -48,12 +64,7 @@ class SharedExpertMoe(nn.Module):
             "shared_expert.down_proj.weight": self.shared_down,
             "shared_expert_gate.weight": self.shared_expert_gate,
         }
-        target = targets.get(name)
-        if target is None or target.shape != tensor.shape:
-            expected = None if target is None else tuple(target.shape)
-            got = tuple(tensor.shape)
-            raise CheckpointError(f"mlp.{name}: shape {got}, expected {expected}")
-        target.data.copy_(tensor)
+        return targets.get(name)
 
     def forward(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         routed = self.experts(h, ops.fused_moe, ops.silu_and_mul)
