@@ -70,6 +70,9 @@ class Request:
     # the prefill half of a disaggregated pair: at its max_tokens its blocks stay held for the
     # decode side to read (KvMoves.hold_at_finish), not freed
     hold_kv: bool = False
+    # a stream its prefill instance handed on that came back (no decode instance took it):
+    # it finishes here, never handed on again (each bounce would compute one token)
+    stays_here: bool = False
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

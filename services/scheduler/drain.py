@@ -38,7 +38,7 @@ def movable(request: Request) -> bool:
 
 def prefilled(request: Request) -> bool:
     """Its prompt is computed and its first token out: a decode instance takes it on."""
-    return movable(request) and request.num_output_tokens >= 1
+    return movable(request) and request.num_output_tokens >= 1 and not request.stays_here
 
 
 async def other_instances(
@@ -99,11 +99,12 @@ class KvMovesService:
             return None
         return source
 
-    def _take_back(self, source: KvHandoff | None) -> None:
+    def _take_back(self, source: KvHandoff | None, request: Request) -> None:
         """A stream we handed on came back (no decode instance took it): it recomputes here,
-        from its blocks, which the prefix cache still has once freed."""
+        from its blocks, which the prefix cache still has once freed, and finishes here."""
         if source is None or source.instance != self.settings.instance or self.core is None:
             return
+        request.stays_here = True
         if self.core.scheduler.take_back(source.transfer_id):
             log.info("handed-on stream came back", transfer_id=source.transfer_id)
 

@@ -211,7 +211,7 @@ class SchedulerService(KvMovesService):
             log.info("request refused", request_id=add.request_id, error=exc.type)
             return ErrorInfo(exc.type, str(exc), getattr(exc, "param", None))
         self.outbox.routes[add.request_id] = add.reply_to
-        self._take_back(add.kv_source)
+        self._take_back(add.kv_source, request)
         log.debug("request added", request_id=add.request_id, num_prompt_tokens=len(token_ids))
         self._work.set()
         return None

@@ -106,7 +106,11 @@ def test_a_stream_taken_back_frees_its_blocks_into_the_prefix_cache(tiny_llama):
     assert_all_free(engine.llm)
     ids, moved = continuation(prompt, engine.tokens("r"), GREEDY)
     engine.deltas.clear()
-    engine.add(_request(ids, moved))
+    engine.add(_request(ids, moved, stays_here=True))  # as the scheduler service marks it
+    engine.run_until(lambda: len(engine.tokens("r")) >= 1)
+    # it finishes here: handing it on again would bounce it one token at a time
+    assert engine.core.hand_off("p", "prefill-agent", prefilled, PREFILLED) == 0
     engine.run_until(lambda: engine.finished("r"))
     assert engine.core.stats("p").prefix_cache_hit_tokens >= 32  # its full blocks
+    assert not any(d.kv_handoff for d in engine.deltas)
     assert_all_free(engine.llm)
