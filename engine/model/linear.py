@@ -59,12 +59,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True, measure: bool = True
+    weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True, measure: bool = False
 ) -> tuple[LinearFn, bool]:
     """x [tokens, in] -> [tokens, out], and whether `weight` is unused (then the caller may
     release it). With `measure`, plain and packed are timed once per shape
     (engine/model/linear_choice.py) and each row count runs the faster; where both win at
-    some row count both weights stay. Without it a packable weight always runs packed."""
+    some row count both weights stay. Without it (the default) a packable weight always runs
+    packed: a choice by timing can differ between two processes on one host, and with it the
+    last ulps of the logits, so greedy outputs near a tie would change from run to run."""
     packed = pack_weight(weight) if pack else None
 
     def plain_fn(x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ def test_every_choice_gives_plain_outputs(monkeypatch, dtype, choice):
     calls = []
     packed_linear = linear.packed_linear
     monkeypatch.setattr(linear, "packed_linear", lambda *a: calls.append(a) or packed_linear(*a))
-    fn, unused = make_linear(weight, bias)
+    fn, unused = make_linear(weight, bias, measure=True)
     # the plain weight may go only where every row count runs packed
     assert unused == (forced.packed_small and forced.packed_large)
     assert_matches_plain(fn, weight, bias)
@@ -71,9 +71,10 @@ def test_measured_once_per_shape(monkeypatch, dtype):
     monkeypatch.setattr(linear_choice, "_measure", lambda *a: calls.append(a) or real(*a))
     weight, _ = weights(512, 256, dtype)
     threads = torch.get_num_threads()
-    first, _ = make_linear(weight, None)
+    first, _ = make_linear(weight, None, measure=True)
     assert torch.get_num_threads() == threads  # timed on one thread, then put back
-    second, _ = make_linear(weights(512, 256, dtype)[0] + 1, None)  # same shape, other values
+    other = weights(512, 256, dtype)[0] + 1  # same shape, other values
+    second, _ = make_linear(other, None, measure=True)
     assert len(calls) == 1
     assert_matches_plain(first, weight, None)
 
@@ -81,7 +82,7 @@ def test_measured_once_per_shape(monkeypatch, dtype):
 def test_small_weights_pack_without_timing(monkeypatch):
     monkeypatch.setattr(linear_choice, "_measure", lambda *a: pytest.fail("timed a small weight"))
     weight, bias = weights(64, 64, torch.float32, bias=True)
-    fn, unused = make_linear(weight, bias)
+    fn, unused = make_linear(weight, bias, measure=True)
     assert unused
     assert_matches_plain(fn, weight, bias)
 
