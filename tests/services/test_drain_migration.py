@@ -21,7 +21,7 @@ from kvpager.services.http.metrics import gather_stats
 from tests.nats_server import free_port
 from tests.services.kvpager_cli import kvpager, start, wait_for_line
 
-NUM_STREAMS, NUM_TOKENS = 8, 128  # still running when the drain comes
+NUM_STREAMS, NUM_TOKENS = 8, 512  # still running when the drain comes (after its settle time)
 
 
 @pytest.fixture(params=["auto", "nats"])
