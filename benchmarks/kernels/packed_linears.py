@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvpager.engine.model.linear import onednn_packing_supported, pack_weight, packed_linear
 from kvpager.engine.model.linear_choice import fastest_call_us
 
-from benchmarks.kernels.tier_bandwidth import lscpu_flags
+from benchmarks.kernels.tier_reads import lscpu_flags
 
 # (name, out, in): SmolLM2-135M's fused q|k|v, o, gate|up, down, and its (tied) lm_head
 SHAPES = (

@@ -191,6 +191,7 @@ class DiskStore:
     # --- reads (the reader thread) --------------------------------------------------------
 
     def _read_all(self, blocks: list[DiskBlock], cpu_cache: torch.Tensor):
+        self._advise_will_need(blocks)
         loaded, failed = [], []
         for block in blocks:
             content = self._read(block)
@@ -200,6 +201,23 @@ class DiskStore:
             cpu_cache[:, :, block.block_id].copy_(content)
             loaded.append(block.block_hash)
         return loaded, failed
+
+    def _advise_will_need(self, blocks: list[DiskBlock]) -> None:
+        """Ask the kernel for every file of this part at once (POSIX_FADV_WILLNEED): a cold
+        disk then has the whole part queued, not one file at a time behind each MAC."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for block in blocks:
+            try:
+                fd = os.open(self.folder / file_name(block.block_hash), os.O_RDONLY)
+            except OSError:
+                continue  # a miss: found as such by the read
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # a file system without readahead hints
+            finally:
+                os.close(fd)
 
     def _read(self, block: DiskBlock) -> torch.Tensor | None:
         try:

@@ -128,7 +128,7 @@ def test_corrupt_and_truncated_files_are_misses(tiny_llama, written):
 @pytest.mark.parametrize("forger_key", ["crc32", b"forger's key".ljust(32)])
 def test_a_forged_file_with_a_recomputed_checksum_is_refused(tiny_llama, written, forger_key):
     """Whoever can write the folder puts another block's K/V in a file and recomputes its
-    check (the CRC-32 of version 1, or an HMAC under their own key): refused, deleted,
+    check (the CRC-32 of version 1, or a keyed BLAKE3 under their own key): refused, deleted,
     counted, and the output is the undisturbed run's."""
     folder, fresh = written
     target, source = block_files(folder, PROMPTS[0])[1], block_files(folder, PROMPTS[1])[1]

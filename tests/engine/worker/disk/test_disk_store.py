@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 import torch
+from blake3 import blake3
 from kvpager.engine.worker.disk.files import (
     HEADER,
     MAC_OFFSET,
@@ -70,7 +71,8 @@ def test_a_file_reads_back_only_as_written(tmp_path):
 
 def forge(path, payload: bytes, key: bytes | str) -> None:
     """Replace a file's K/V with `payload` and recompute its check as a forger can: the CRC-32
-    version 1 had, a plain hash ("crc32", "sha256"), or an HMAC under a key of their own."""
+    version 1 had, a plain hash ("crc32", "sha256"), an HMAC-SHA256 as version 2 had or a
+    keyed BLAKE3 as version 3 has, under a key of their own (("hmac", key) or key)."""
     data = bytearray(path.read_bytes())
     data[len(data) - len(payload) :] = payload
     data[MAC_OFFSET : HEADER.size] = bytes(32)
@@ -78,13 +80,15 @@ def forge(path, payload: bytes, key: bytes | str) -> None:
         tag = zlib.crc32(data[HEADER.size :]).to_bytes(4, "little").ljust(32, b"\0")
     elif key == "sha256":
         tag = hashlib.sha256(bytes(data)).digest()
+    elif isinstance(key, tuple):
+        tag = hmac.new(key[1], bytes(data), hashlib.sha256).digest()
     else:
-        tag = hmac.new(key, bytes(data), hashlib.sha256).digest()
+        tag = blake3(bytes(data), key=key).digest()
     data[MAC_OFFSET : HEADER.size] = tag
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("forger_key", ["crc32", "sha256", b"k" * 32])
+@pytest.mark.parametrize("forger_key", ["crc32", "sha256", ("hmac", b"k" * 32), b"k" * 32])
 def test_a_forged_file_with_a_recomputed_check_is_dropped_and_counted(tmp_path, forger_key):
     cache = cpu_cache(2)
     store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
