@@ -72,7 +72,8 @@ def test_a_file_reads_back_only_as_written(tmp_path):
 def forge(path, payload: bytes, key: bytes | str) -> None:
     """Replace a file's K/V with `payload` and recompute its check as a forger can: the CRC-32
     version 1 had, a plain hash ("crc32", "sha256"), an HMAC-SHA256 as version 2 had or a
-    keyed BLAKE3 as version 3 has, under a key of their own (("hmac", key) or key)."""
+    keyed BLAKE3 as version 3 has, under a key of their own (("hmac", key) or key). ("hmac",
+    KEY) is a version-2 tag under the store's own key: the format's MAC is BLAKE3 only."""
     data = bytearray(path.read_bytes())
     data[len(data) - len(payload) :] = payload
     data[MAC_OFFSET : HEADER.size] = bytes(32)
@@ -88,7 +89,9 @@ def forge(path, payload: bytes, key: bytes | str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("forger_key", ["crc32", "sha256", ("hmac", b"k" * 32), b"k" * 32])
+@pytest.mark.parametrize(
+    "forger_key", ["crc32", "sha256", ("hmac", b"k" * 32), ("hmac", KEY), b"k" * 32]
+)
 def test_a_forged_file_with_a_recomputed_check_is_dropped_and_counted(tmp_path, forger_key):
     cache = cpu_cache(2)
     store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
