@@ -1,9 +1,25 @@
-"""swap_blocks_cpu (runs of slice copies) against its twin, byte for byte over whole caches."""
+"""swap_blocks_cpu (runs of copies: the C kernel kernels/cpu/block_copy.c, or torch slice
+copies without it) and copy_block_in against the twin, byte for byte over whole caches."""
 
 import pytest
 import torch
-from kvpager.kernels.cpu_block_ops import block_runs, swap_blocks_cpu
+from kvpager.kernels import cpu_block_ops
+from kvpager.kernels.cpu_block_ops import block_runs, copy_block_in, swap_blocks_cpu
 from kvpager.kernels.reference import swap_blocks_ref
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def kernel(request, monkeypatch):
+    """Every test runs on the C kernel and on the torch copies it stands in for."""
+    if request.param == "c":
+        library = cpu_block_ops.load()
+        if library is None:
+            pytest.skip("no C compiler here")
+        monkeypatch.setattr(cpu_block_ops, "load", lambda march=None: library)
+    else:
+        monkeypatch.setattr(cpu_block_ops, "load", lambda march=None: None)
+    return request.param
+
 
 PAIRS = [
     [],
@@ -45,3 +61,18 @@ def test_swap_blocks_cpu_refuses_a_cache_it_cannot_view():
     src = _cache(4, torch.float32, 0).transpose(3, 4)  # not contiguous: a copy would be written
     with pytest.raises(AssertionError, match="contiguous"):
         swap_blocks_cpu(src, _cache(4, torch.float32, 1), torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_copy_block_in_lands_one_block_byte_for_byte(dtype):
+    cache = _cache(6, dtype, 3)
+    block = _cache(1, dtype, 4)[:, :, 0]
+    expected = cache.clone()
+    expected[:, :, 4] = block
+    copy_block_in(block.contiguous(), cache, 4)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    strided = _cache(3, dtype, 5)[:, :, 1]  # a snapshot's slice: not contiguous
+    copy_block_in(strided, cache, 0)
+    assert torch.equal(cache[:, :, 0].view(torch.uint8), strided.contiguous().view(torch.uint8))
+    with pytest.raises(AssertionError, match="past the end"):
+        copy_block_in(block.contiguous(), cache, 6)

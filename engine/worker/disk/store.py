@@ -42,6 +42,7 @@ from kvpager.engine.worker.disk.files import (
     read_block,
     write_block,
 )
+from kvpager.kernels.cpu_block_ops import copy_block_in
 from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import DiskBlock
 from kvpager.schemas.scheduler import StepOutput
@@ -198,7 +199,7 @@ class DiskStore:
             if content is None:
                 failed.append(block.block_hash)
                 continue
-            cpu_cache[:, :, block.block_id].copy_(content)
+            copy_block_in(content, cpu_cache, block.block_id)  # C memcpy, this thread only
             loaded.append(block.block_hash)
         return loaded, failed
 

@@ -1,6 +1,8 @@
 """A step's disk reads split over the reader threads, into reused buffers, land byte for byte
 as one-file-at-a-time reads (files.read_block) do, misses included."""
 
+import threading
+
 import torch
 from kvpager.engine.worker.disk import store as store_module
 from kvpager.engine.worker.disk.files import read_block
@@ -50,4 +52,34 @@ def test_a_reused_buffer_never_leaks_one_file_into_the_next(tmp_path):
     second = read_block(store.folder, LAYOUT, KEY, block_hash(1), [1, 2, 3, 4], buffer)
     assert torch.equal(first, cache[:, :, 0]) and torch.equal(second, cache[:, :, 1])
     assert read_block(store.folder, LAYOUT, KEY, block_hash(0), [0, 1, 2, 5], buffer) is None
+    store.close()
+
+
+def test_a_block_still_waiting_for_its_write_reads_from_its_snapshot(tmp_path, monkeypatch):
+    """The writer held: the reads come from the step's snapshot (a strided slice of it), byte
+    for byte, and the files are written once the writer goes on."""
+    release = threading.Event()
+    write = store_module.write_block
+
+    def held_write(*args, **kwargs):
+        release.wait(timeout=30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "write_block", held_write)
+    cache = cpu_cache(4, seed=5)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
+    step_report(store)
+    store.save(blocks(range(3)), cache, cache)
+    target = torch.zeros_like(cache)
+    store.load(
+        [DiskBlock(block_hash(i), 3 - i, [i, i + 1, i + 2, i + 3]) for i in range(3)], target
+    )
+    output = step_report(store)
+    assert output.disk_loaded == [block_hash(i) for i in range(3)] and not output.disk_failed
+    for i in range(3):
+        assert torch.equal(target[:, :, 3 - i].view(torch.uint8), cache[:, :, i].view(torch.uint8))
+    assert not any(store.folder.iterdir())  # nothing written yet: all from the snapshot
+    release.set()
+    store.flush()
+    assert len(list(store.folder.iterdir())) == 3
     store.close()
