@@ -3,9 +3,12 @@
 // index_put); kernels/cpu_block_ops.py keeps torch slice copies where this is not built.
 //
 // Why: a cache is [layers * 2 rows, blocks, block bytes], so one block is `num_rows` pieces of
-// a few KiB, one a row. torch's strided copy of such a block, called from a disk reader thread
-// beside the step's own threads, moved 1-4 GB/s on a loaded 2-core host where these memcpy
-// moved 2.5-6 (benchmarks/kernels/tier_reads.py).
+// a few KiB, one a row. torch's copy of such a block from a disk reader thread starts an
+// OpenMP team of its own beside the step's (two readers on a 2-core host: six threads), and
+// its scattered swaps cost a strided copy call a block. Rough numbers from a loaded 2-core AMD
+// EPYC (benchmarks/kernels/tier_reads.py has the paths): a block landing from a reader thread,
+// 2.4-6 GB/s here against 0.2-1.1 for torch; swaps of scattered blocks 7-10 GB per CPU-second
+// against 1.5-5, consecutive ones 10-11 against 7-9.
 //
 // runs: num_runs x (src block, dst block, length), the blocks already checked in range by the
 // caller; rows split over num_threads (1 from a reader thread: the disk's threads split files).
