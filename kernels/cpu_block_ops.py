@@ -75,15 +75,16 @@ def copy_runs(
     num_rows, block_bytes = src.shape[0], src.shape[2]
     assert dst.shape[0] == num_rows and dst.shape[2] == block_bytes, "caches of one layout"
     assert src.stride()[1:] == (block_bytes, 1) and dst.stride()[1:] == (block_bytes, 1)
-    for src_start, dst_start, length in runs:
-        assert 0 <= src_start <= src.shape[1] - length, "a source block past the end"
-        assert 0 <= dst_start <= dst.shape[1] - length, "a destination block past the end"
+    table = torch.tensor(runs, dtype=torch.int64).view(-1, 3)
+    starts, lengths = table[:, :2], table[:, 2:]
+    assert bool((lengths > 0).all()) and bool((starts >= 0).all()), "an empty or negative run"
+    ends = (starts + lengths).amax(dim=0).tolist() if runs else [0, 0]
+    assert ends[0] <= src.shape[1] and ends[1] <= dst.shape[1], "a block past the end"
     library = load()
     if library is None:
         for src_start, dst_start, length in runs:
             dst[:, dst_start : dst_start + length].copy_(src[:, src_start : src_start + length])
         return
-    table = torch.tensor(runs, dtype=torch.int64).view(-1, 3)
     status = library.copy_block_runs(
         dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), num_rows, block_bytes,
         table.data_ptr(), len(runs), max(1, num_threads),

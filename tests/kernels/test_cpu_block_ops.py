@@ -76,3 +76,12 @@ def test_copy_block_in_lands_one_block_byte_for_byte(dtype):
     assert torch.equal(cache[:, :, 0].view(torch.uint8), strided.contiguous().view(torch.uint8))
     with pytest.raises(AssertionError, match="past the end"):
         copy_block_in(block.contiguous(), cache, 6)
+    with pytest.raises(AssertionError, match="negative"):
+        copy_block_in(block.contiguous(), cache, -1)
+
+
+def test_swap_blocks_cpu_refuses_a_block_past_either_cache():
+    src, dst = _cache(4, torch.float32, 0), _cache(3, torch.float32, 1)
+    for pairs in ([[4, 0]], [[0, 3]], [[1, 0], [2, 1], [3, 2], [0, 3]]):
+        with pytest.raises(AssertionError, match="past the end"):
+            swap_blocks_cpu(src, dst, torch.tensor(pairs))
