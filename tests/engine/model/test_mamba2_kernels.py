@@ -23,4 +23,3 @@ def test_triton_chunked_prefill_and_decode_equal_transformers():
     for output, seq in zip(outputs, seqs):
         torch.testing.assert_close(output, reference(layer, seq), rtol=1e-4, atol=1e-4)
     assert not states.ssm[0, 2].any() and not states.conv[0, 2].any()  # the free slot
-
