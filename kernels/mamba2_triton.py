@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Tokens a chunk of the scan: at Mamba2's 64 x 128 heads, 64-token chunks compiled for sm_90
+# with twice the spills of 32 (ptxas: 11 KB of stack against 6 KB). Not tuned on a device.
+CHUNK_SIZE = 32
+
 
 @triton.jit
 def _ssm_scan_kernel(
@@ -176,7 +180,7 @@ def ssm_scan_varlen(
     cu_seqlens: torch.Tensor,
     slots: torch.Tensor,
     states: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:
     """The chunked scan of a flat batch: x [T, H, P], dt [T, H] (after bias, softplus and
     limit), A, D [H], B, C [T, G, N]; sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] and

@@ -69,7 +69,8 @@ def _compile_for_cuda() -> None:
     pointers.update(beta_ptr="*bf16", out_ptr="*fp32", state_ptr="*fp32")
     pointers.update(cu_seqlens_ptr="*i32", slots_ptr="*i64", seq_ids_ptr="*i64")
     # Qwen3-Next's head shape: a 128 x 128 state, 2 value heads a key head
-    const = dict(HEADS_PER_KEY=2, K=128, V=128, CHUNK=64, BLOCK_K=128, BLOCK_V=64)
+    chunk = gated_delta_rule_chunk_triton.CHUNK_SIZE
+    const = dict(HEADS_PER_KEY=2, K=128, V=128, CHUNK=chunk, BLOCK_K=128, BLOCK_V=32)
     kernel = gated_delta_rule_chunk_triton._chunk_gated_delta_rule_kernel
     _compile(triton, ASTSource, kernel, pointers, const, GPUTarget("cuda", 90, 32))
 

@@ -96,7 +96,7 @@ def _compile_for_cuda() -> None:
     pointers.update(cu_seqlens_ptr="*i32", slots_ptr="*i64")
     const = dict(HEADS_PER_GROUP=8, P=64, N=128, BLOCK_P=32, BLOCK_N=128)
     _compile(triton, ASTSource, mamba2_triton._ssm_step_kernel, pointers, const, target)
-    const["CHUNK"] = 64
+    const["CHUNK"] = mamba2_triton.CHUNK_SIZE
     _compile(triton, ASTSource, mamba2_triton._ssm_scan_kernel, pointers, const, target)
     pointers = dict(x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16")
     pointers.update(state_ptr="*bf16", slots_ptr="*i64")

@@ -157,7 +157,7 @@ class GatedDeltaNet(torch.nn.Module):
     def _rule(self, q, k, v, g, beta, batch: "_Batch", states) -> torch.Tensor:
         """The gated delta rule of every sequence: o [T, H, V] float32."""
         if self.triton or (self.triton is None and v.is_cuda):
-            return _rule_triton(q, k, v, g, beta, batch, states, self.dims.chunk_size)
+            return _rule_triton(q, k, v, g, beta, batch, states)
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for rows, slot in batch.prefills:
             args = (q[rows], k[rows], v[rows], g[rows], beta[rows])
@@ -180,7 +180,7 @@ class GatedDeltaNet(torch.nn.Module):
         return F.linear(x.reshape(core.shape[0], -1), self.out_proj)
 
 
-def _rule_triton(q, k, v, g, beta, batch: "_Batch", states, chunk_size: int) -> torch.Tensor:
+def _rule_triton(q, k, v, g, beta, batch: "_Batch", states) -> torch.Tensor:
     """Prefill chunks on the chunked kernel, decode tokens on the token-by-token one."""
     from kvpager.kernels.gated_delta_rule_chunk_triton import chunk_gated_delta_rule_varlen
     from kvpager.kernels.gated_delta_rule_triton import gated_delta_rule_varlen
@@ -189,7 +189,7 @@ def _rule_triton(q, k, v, g, beta, batch: "_Batch", states, chunk_size: int) -> 
         return gated_delta_rule_varlen(q, k, v, g, beta, batch.cu_seqlens, batch.slots, states)
     out = chunk_gated_delta_rule_varlen(
         q, k, v, g, beta, batch.cu_seqlens, batch.slots, states,
-        seq_ids=batch.prefill_ids, chunk_size=min(chunk_size, 64),
+        seq_ids=batch.prefill_ids,
     )  # fmt: skip
     if batch.step_rows:
         rows = batch.step_rows
