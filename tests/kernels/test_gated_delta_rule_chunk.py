@@ -57,6 +57,33 @@ def test_chosen_sequences_only():
     torch.testing.assert_close(states[[0, 2, 4]], start[[0, 2, 4]])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chunked_kernel_equals_twin_cuda():
+    """Qwen3-Next's head shape (128 x 128 state, 2 value heads a key head) on the device:
+    three prefill chunks from slots out of order."""
+    import torch.nn.functional as F
+    from kvpager.kernels.gated_delta_rule import normalise_qk
+    from kvpager.kernels.gated_delta_rule_chunk_triton import chunk_gated_delta_rule_varlen
+
+    lengths, heads, key_heads = [300, 64, 7], 8, 4
+    gen = torch.Generator().manual_seed(5)
+    total = sum(lengths)
+    q, k = normalise_qk(torch.randn(total, key_heads, 128, generator=gen),
+                        torch.randn(total, key_heads, 128, generator=gen))  # fmt: skip
+    v = torch.randn(total, heads, 128, generator=gen).bfloat16()
+    g = -F.softplus(torch.randn(total, heads, generator=gen))
+    beta = torch.rand(total, heads, generator=gen).bfloat16()
+    args = [x.cuda() for x in (q, k, v, g, beta)]
+    slots = torch.randperm(80, generator=gen)[:3]
+    start = torch.randn(80, heads, 128, 128, generator=gen).cuda() * 0.1
+    ref_states, states = start.clone(), start.clone()
+    ref = gated_delta_rule_varlen_ref(*args, cu_seqlens(lengths), slots, ref_states)
+    out = chunk_gated_delta_rule_varlen(*args, cu_seqlens(lengths).cuda(), slots.cuda(), states)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(states, ref_states, rtol=1e-3, atol=1e-3)
+
+
 def _compile_for_cuda() -> None:
     import triton
     from kvpager.kernels import gated_delta_rule_chunk_triton

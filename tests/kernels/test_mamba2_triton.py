@@ -81,6 +81,40 @@ def test_conv_step_equals_twin(dtype, with_bias):
     torch.testing.assert_close(states[2], start[2])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_scan_and_step_equal_twins_cuda():
+    """Mamba2's head shape (64 x 128 state, 8 heads a group) on the device: three prefill
+    chunks in one scan launch, then 61 sequences' decode step from slots out of order."""
+    from kvpager.kernels.mamba2_triton import ssm_scan_varlen, ssm_step_slots
+
+    gen = torch.Generator().manual_seed(5)
+    heads, groups, lengths = 16, 2, [300, 64, 7]
+    total = sum(lengths)
+
+    def tensors(num_tokens):
+        x = torch.randn(num_tokens, heads, 64, generator=gen).bfloat16()
+        dt = F.softplus(torch.randn(num_tokens, heads, generator=gen)) * 0.1
+        B, C = (torch.randn(num_tokens, groups, 128, generator=gen).bfloat16() for _ in "BC")
+        return [t.cuda() for t in (x, dt, B, C)]
+
+    x, dt, B, C = tensors(total)
+    A, D = (-torch.rand(heads, generator=gen)).cuda(), torch.randn(heads, generator=gen).cuda()
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.randperm(80, generator=gen)[:61]
+    start = torch.randn(80, heads, 64, 128, generator=gen).cuda() * 0.1
+    ref_states, states = start.clone(), start.clone()
+    ref = ssm_scan_varlen_ref(x, dt, A, B, C, D, cu_seqlens, slots[:3], ref_states)
+    out = ssm_scan_varlen(x, dt, A, B, C, D, cu_seqlens.cuda(), slots[:3].cuda(), states)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(states, ref_states, rtol=1e-3, atol=1e-3)
+    x, dt, B, C = tensors(61)
+    ref = ssm_step_slots_ref(x, dt, A, B, C, D, ref_states, slots.cuda())
+    out = ssm_step_slots(x, dt, A, B, C, D, states, slots.cuda())
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states, ref_states, rtol=1e-3, atol=1e-3)
+
+
 def _compile_for_cuda() -> None:
     import triton
     from kvpager.kernels import mamba2_triton

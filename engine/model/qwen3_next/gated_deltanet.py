@@ -151,12 +151,18 @@ class GatedDeltaNet(torch.nn.Module):
             out[rows] = causal_conv1d(mixed[rows], conv_states[slot], self.conv_weight, None)
         if batch.step_rows:
             rows, index = batch.step_rows, batch.step_slots
-            out[rows] = causal_conv1d_step(mixed[rows], conv_states, index, self.conv_weight, None)
+            step = causal_conv1d_step
+            if self._on_triton(mixed):
+                from kvpager.kernels.mamba2_triton import causal_conv1d_step_triton as step
+            out[rows] = step(mixed[rows], conv_states, index, self.conv_weight, None)
         return out
+
+    def _on_triton(self, x: torch.Tensor) -> bool:
+        return bool(self.triton or (self.triton is None and x.is_cuda))
 
     def _rule(self, q, k, v, g, beta, batch: "_Batch", states) -> torch.Tensor:
         """The gated delta rule of every sequence: o [T, H, V] float32."""
-        if self.triton or (self.triton is None and v.is_cuda):
+        if self._on_triton(v):
             return _rule_triton(q, k, v, g, beta, batch, states)
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for rows, slot in batch.prefills:
