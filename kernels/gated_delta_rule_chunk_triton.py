@@ -21,6 +21,7 @@ g = beta = 0 and k = v = 0: they neither decay nor write. Twin: gated_delta_rule
 import torch
 import triton
 import triton.language as tl
+from kvpager.kernels.mamba2_triton import state_tile
 
 # Tokens a chunk: the chunk's tiles, T and the [K, BLOCK_V] state share the registers; at
 # Qwen3-Next's 128 x 128 heads, 64-token chunks compiled for sm_90 with twice the spills
@@ -63,14 +64,11 @@ def _chunk_gated_delta_rule_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < K, offs_v < V
-    state_offs = (
-        slot * stride_state_slot
-        + head * stride_state_head
-        + offs_k[:, None] * stride_state_k
-        + offs_v[None, :]
-    )
-    state_mask = mask_k[:, None] & mask_v[None, :]
-    h = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)  # [BK, BV]
+    states, state_mask = state_tile(
+        state_ptr, slot, head, offs_k, offs_v, K, V, stride_state_slot, stride_state_head,
+        stride_state_k,
+    )  # fmt: skip
+    h = tl.load(states, mask=state_mask, other=0.0).to(tl.float32)  # [BK, BV]
     causal = offs_l[:, None] >= offs_l[None, :]
     for chunk_start in range(start, end, CHUNK):
         rows = chunk_start + offs_l
@@ -102,7 +100,7 @@ def _chunk_gated_delta_rule_kernel(
         tl.store(out_ptr + out_offs, o, mask=v_mask)
         k_to_end = k * tl.exp(total - cum)[:, None]
         h = h * tl.exp(total) + tl.dot(tl.trans(k_to_end), v_new, input_precision="ieee")
-    tl.store(state_ptr + state_offs, h.to(state_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(states, h.to(state_ptr.dtype.element_ty), mask=state_mask)
 
 
 def chunk_gated_delta_rule_varlen(

@@ -24,6 +24,15 @@ CHUNK_SIZE = 32
 
 
 @triton.jit
+def state_tile(state_ptr, slot, head, rows, cols, num_rows, num_cols, stride_slot, stride_head,
+               stride_row):  # fmt: skip
+    """The pointers and mask of one head's [rows, cols] tile of a slot's state
+    ([slots, heads, num_rows, num_cols], columns dense): Mamba2's and the chunked DeltaNet's."""
+    offs = slot * stride_slot + head * stride_head + rows[:, None] * stride_row + cols[None, :]
+    return state_ptr + offs, (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+
+
+@triton.jit
 def _ssm_scan_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, state_ptr, cu_seqlens_ptr, slots_ptr,
     stride_x_tok, stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
@@ -41,14 +50,11 @@ def _ssm_scan_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p, mask_n = offs_p < P, offs_n < N
-    state_offs = (
-        slot * stride_state_slot
-        + head * stride_state_head
-        + offs_p[:, None] * stride_state_p
-        + offs_n[None, :]
-    )
-    state_mask = mask_p[:, None] & mask_n[None, :]
-    h = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)  # [BP, BN]
+    states, state_mask = state_tile(
+        state_ptr, slot, head, offs_p, offs_n, P, N, stride_state_slot, stride_state_head,
+        stride_state_p,
+    )  # fmt: skip
+    h = tl.load(states, mask=state_mask, other=0.0).to(tl.float32)  # [BP, BN]
     a = tl.load(a_ptr + head).to(tl.float32)
     d = tl.load(d_ptr + head).to(tl.float32)
     causal = offs_l[:, None] >= offs_l[None, :]
@@ -76,7 +82,7 @@ def _ssm_scan_kernel(
         tl.store(out_ptr + out_offs, y, mask=mask_l[:, None] & mask_p[None, :])
         to_end = dt * tl.exp(total - cum)  # [L]: each write decayed to the chunk's end
         h = h * tl.exp(total) + tl.dot(tl.trans(x * to_end[:, None]), bm, input_precision="ieee")
-    tl.store(state_ptr + state_offs, h.to(state_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(states, h.to(state_ptr.dtype.element_ty), mask=state_mask)
 
 
 @triton.jit
@@ -94,14 +100,11 @@ def _ssm_step_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p, mask_n = offs_p < P, offs_n < N
-    state_offs = (
-        slot * stride_state_slot
-        + head * stride_state_head
-        + offs_p[:, None] * stride_state_p
-        + offs_n[None, :]
-    )
-    state_mask = mask_p[:, None] & mask_n[None, :]
-    h = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)  # [BP, BN]
+    states, state_mask = state_tile(
+        state_ptr, slot, head, offs_p, offs_n, P, N, stride_state_slot, stride_state_head,
+        stride_state_p,
+    )  # fmt: skip
+    h = tl.load(states, mask=state_mask, other=0.0).to(tl.float32)  # [BP, BN]
     x_offs = seq * stride_x_seq + head * stride_x_head + offs_p
     x = tl.load(x_ptr + x_offs, mask=mask_p, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + seq * stride_dt_seq + head).to(tl.float32)
@@ -115,7 +118,7 @@ def _ssm_step_kernel(
     y = tl.sum(h * cv[None, :], axis=1) + d * x
     out_offs = seq * stride_out_seq + head * stride_out_head + offs_p
     tl.store(out_ptr + out_offs, y, mask=mask_p)
-    tl.store(state_ptr + state_offs, h.to(state_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(states, h.to(state_ptr.dtype.element_ty), mask=state_mask)
 
 
 @triton.jit

@@ -17,27 +17,19 @@ from kvpager.kernels.mamba2_scan import (
 )
 
 pytest.importorskip("triton")
-H, G = 4, 2
+H = 4  # tests/kernels/test_mamba2_scan.py's heads (its inputs imported in the tests: this
+# file also runs as a script, the compile's child, before tests/ is on the path)
 SLOTS = torch.tensor([3, 0, 4, 1])
-
-
-def inputs(num_tokens: int, head_dim: int, state_size: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, H, head_dim, generator=gen)
-    dt = F.softplus(torch.randn(num_tokens, H, generator=gen))
-    A = -torch.rand(H, generator=gen) * 2 - 0.1
-    B = torch.randn(num_tokens, G, state_size, generator=gen)
-    C = torch.randn(num_tokens, G, state_size, generator=gen)
-    D = torch.randn(H, generator=gen)
-    return x, dt, A, B, C, D
 
 
 @pytest.mark.parametrize("head_dim,state_size", [(3, 5), (40, 16)])
 def test_scan_varlen_equals_twin(head_dim, state_size):
     from kvpager.kernels.mamba2_triton import ssm_scan_varlen
 
+    from tests.kernels.test_mamba2_scan import inputs
+
     lengths = [37, 1, 16, 5]
-    args = inputs(sum(lengths), head_dim, state_size, seed=1)
+    args = inputs(sum(lengths), 1, head_dim, state_size)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     start = torch.randn(5, H, head_dim, state_size)
     ref_states, states = start.clone(), start.clone()
@@ -51,7 +43,9 @@ def test_scan_varlen_equals_twin(head_dim, state_size):
 def test_step_slots_equals_twin():
     from kvpager.kernels.mamba2_triton import ssm_step_slots
 
-    args = inputs(4, 40, 5, seed=2)
+    from tests.kernels.test_mamba2_scan import inputs
+
+    args = inputs(4, 2, head_dim=40)
     start = torch.randn(5, H, 40, 5)
     ref_states, states = start.clone(), start.clone()
     ref = ssm_step_slots_ref(*args, ref_states, SLOTS)
