@@ -135,3 +135,43 @@ def causal_conv1d_step(
     if bias is not None:
         out = out + bias.float()
     return F.silu(out.to(weight.dtype)).to(x.dtype)
+
+
+def ssm_scan_varlen_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    states: torch.Tensor,
+) -> torch.Tensor:
+    """A flat batch token by token: sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] and
+    reads and updates states[slots[i]] ([slots, H, P, N]). Returns y [T, H, P] (float32).
+    The twin of kernels/mamba2_triton.py's ssm_scan_varlen."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        rows = slice(bounds[i], bounds[i + 1])
+        out[rows] = ssm_scan_sequential(x[rows], dt[rows], A, B[rows], C[rows], D, states[slot])
+    return out
+
+
+def ssm_step_slots_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`ssm_step` with sequence i on states[slots[i]] ([slots, H, P, N], updated in place):
+    the twin of the decode kernels (kernels/mamba2_triton.py, kernels/cpu_mamba2.py)."""
+    seq_states = states[slots]
+    out = ssm_step(x, dt, A, B, C, D, seq_states)
+    states[slots] = seq_states.to(states.dtype)
+    return out

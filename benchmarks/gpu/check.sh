@@ -38,4 +38,5 @@ step engine_tests 180 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/model/test_parity.py
 step kernel_bench 100 python3 -m benchmarks.kernels.triton --out "$OUT/kernels.json"
 step deltanet_bench 60 python3 -m benchmarks.kernels.gated_delta_rule
+step mamba2_bench 60 python3 -m benchmarks.kernels.mamba2
 step throughput 120 python3 -m benchmarks.gpu.throughput --out "$OUT/gpu_throughput.json"

@@ -2,7 +2,8 @@
 (16 key heads, 32 value heads, 128 x 128 state): a prefill of `--tokens` tokens and a decode
 step of `--seqs` sequences, each on the token-by-token twin (prefill: up to 256 tokens), the
 torch chunked form / batched step, and on CUDA the Triton varlen kernel (prefill chunks and
-decode tokens alike). Best of `--repeats`; milliseconds per layer.
+decode tokens alike) and the chunked Triton prefill kernel. Best of `--repeats`; milliseconds
+per layer.
 
     python -m benchmarks.kernels.gated_delta_rule [--tokens 2048] [--seqs 64] [--device cuda]
 """
@@ -75,6 +76,10 @@ def main(argv=None) -> dict:
         rows["prefill_triton_ms"] = timed(run, args)
         run = lambda: gated_delta_rule_varlen(*decode, cu, slots, states)  # noqa: E731
         rows["decode_triton_ms"] = timed(run, args)
+        from kvpager.kernels.gated_delta_rule_chunk_triton import chunk_gated_delta_rule_varlen
+
+        run = lambda: chunk_gated_delta_rule_varlen(*prefill, one, slots[:1], states)  # noqa: E731
+        rows["prefill_triton_chunked_ms"] = timed(run, args)
     result = {"device": str(device), "tokens": args.tokens, "seqs": args.seqs, **rows}
     print(json.dumps(result))
     return result

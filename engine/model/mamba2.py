@@ -12,6 +12,8 @@ The state does not grow with the sequence: a sequence holds one slot of `Recurre
 (engine/kv/state_slots.py hands the slot ids out; the executor owns the tensors). A prefill
 chunk runs the chunked scan from the slot's state, a decode token one step: chunked prefill
 and decode compose into the same result as one pass (tests/engine/model/test_mamba2.py).
+On CUDA both run on the Triton kernels (kernels/mamba2_triton.py); on CPU the decode step's
+state update runs on the C kernel where it builds (kernels/cpu_mamba2.py).
 """
 
 from dataclasses import dataclass
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvpager.engine.mamba2_config import Mamba2Dims
-from kvpager.kernels.mamba2_scan import causal_conv1d, ssm_scan_chunked, ssm_step
+from kvpager.kernels.cpu_mamba2 import ssm_step_cpu
+from kvpager.kernels.mamba2_scan import causal_conv1d, ssm_scan_chunked
 
 __all__ = ["Mamba2Dims", "Mamba2Mixer", "RecurrentStates"]
 
@@ -56,9 +59,17 @@ class RecurrentStates:
 
 
 class Mamba2Mixer(torch.nn.Module):
-    def __init__(self, dims: Mamba2Dims, dtype: torch.dtype, bias: bool, conv_bias: bool) -> None:
+    def __init__(
+        self,
+        dims: Mamba2Dims,
+        dtype: torch.dtype,
+        bias: bool,
+        conv_bias: bool,
+        triton: bool | None = None,
+    ) -> None:
+        """`triton`: scan and step on the Triton kernels (None: on CUDA tensors)."""
         super().__init__()
-        self.dims = dims
+        self.dims, self.triton = dims, triton
         proj = dims.intermediate_size + dims.conv_dim + dims.num_heads
 
         def param(*shape: int) -> torch.nn.Parameter:
@@ -140,9 +151,19 @@ class Mamba2Mixer(torch.nn.Module):
         conv_states, ssm_states = states
         conv = causal_conv1d(xbc[rows], conv_states[slot], self.conv_weight, self.conv_bias)
         x, B, C = self._split(conv)
+        if self._on_triton(x):
+            from kvpager.kernels.mamba2_triton import ssm_scan_varlen
+
+            bounds = torch.tensor([0, x.shape[0]], dtype=torch.int32, device=x.device)
+            index = torch.tensor([slot], device=x.device)
+            y[rows] = ssm_scan_varlen(x, dt[rows], A, B, C, self.D, bounds, index, ssm_states)
+            return
         y[rows] = ssm_scan_chunked(
             x, dt[rows], A, B, C, self.D, ssm_states[slot], self.dims.chunk_size
         )
+
+    def _on_triton(self, x: torch.Tensor) -> bool:
+        return bool(self.triton or (self.triton is None and x.is_cuda))
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims
@@ -158,17 +179,25 @@ class Mamba2Mixer(torch.nn.Module):
     def _step(self, xbc, dt, A, starts, slots, steps, conv_states, ssm_states) -> torch.Tensor:
         """Decode: every one-token sequence in one batched conv and scan step."""
         rows = [starts[i] for i in steps]
-        seq_slots = torch.tensor([slots[i] for i in steps])
+        seq_slots = torch.tensor([slots[i] for i in steps], device=xbc.device)
+        if self._on_triton(xbc):
+            return self._step_triton(xbc[rows], dt[rows], A, seq_slots, conv_states, ssm_states)
         window = torch.cat([conv_states[seq_slots], xbc[rows][:, :, None]], dim=-1)  # [S, C, K]
         conv_states[seq_slots] = window[:, :, 1:].to(conv_states.dtype)
         conv = (window.to(self.conv_weight.dtype) * self.conv_weight).sum(-1)
         if self.conv_bias is not None:
             conv = conv + self.conv_bias
         x, B, C = self._split(F.silu(conv).to(xbc.dtype))
-        states = ssm_states[seq_slots]
-        out = ssm_step(x, dt[rows], A, B, C, self.D, states)
-        ssm_states[seq_slots] = states
-        return out
+        return ssm_step_cpu(x, dt[rows], A, B, C, self.D, ssm_states, seq_slots)
+
+    def _step_triton(self, xbc, dt, A, seq_slots, conv_states, ssm_states) -> torch.Tensor:
+        from kvpager.kernels.mamba2_triton import causal_conv1d_step_triton, ssm_step_slots
+
+        conv = causal_conv1d_step_triton(
+            xbc, conv_states, seq_slots, self.conv_weight, self.conv_bias
+        )
+        x, B, C = self._split(conv)
+        return ssm_step_slots(x, dt, A, B, C, self.D, ssm_states, seq_slots)
 
     def _out(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The gated RMSNorm (per group of channels) and out_proj."""

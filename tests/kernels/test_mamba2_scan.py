@@ -16,13 +16,13 @@ from kvpager.kernels.mamba2_scan import (
 H, P, G, N = 4, 3, 2, 5
 
 
-def inputs(num_tokens: int, seed: int = 0):
+def inputs(num_tokens: int, seed: int = 0, head_dim: int = P, state_size: int = N):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, H, P, generator=gen)
+    x = torch.randn(num_tokens, H, head_dim, generator=gen)
     dt = F.softplus(torch.randn(num_tokens, H, generator=gen))
     A = -torch.rand(H, generator=gen) * 2 - 0.1
-    B = torch.randn(num_tokens, G, N, generator=gen)
-    C = torch.randn(num_tokens, G, N, generator=gen)
+    B = torch.randn(num_tokens, G, state_size, generator=gen)
+    C = torch.randn(num_tokens, G, state_size, generator=gen)
     D = torch.randn(H, generator=gen)
     return x, dt, A, B, C, D
 

@@ -11,8 +11,10 @@ state [H, K, V] float32); a gated RMSNorm per value head (normalise, times its w
 silu(z)); out_proj.
 
 A prefill chunk runs the chunked rule from the slot's state, a decode token one step; on CUDA
-the whole batch goes through the Triton varlen kernel in one launch. Chunked prefill and
-decode compose into the same result as one pass (tests/engine/model/test_gated_deltanet.py).
+prefill chunks go through the chunked Triton kernel (kernels/gated_delta_rule_chunk_triton.py),
+decode tokens through the token-by-token one (kernels/gated_delta_rule_triton.py). Chunked
+prefill and decode compose into the same result as one pass
+(tests/engine/model/test_gated_deltanet.py).
 The states reuse `RecurrentStates` (conv [layers, slots, conv_dim, kernel - 1], recurrent
 [layers, slots, H, K, V] float32): reset and fork copy are the same.
 """
@@ -149,15 +151,19 @@ class GatedDeltaNet(torch.nn.Module):
             out[rows] = causal_conv1d(mixed[rows], conv_states[slot], self.conv_weight, None)
         if batch.step_rows:
             rows, index = batch.step_rows, batch.step_slots
-            out[rows] = causal_conv1d_step(mixed[rows], conv_states, index, self.conv_weight, None)
+            step = causal_conv1d_step
+            if self._on_triton(mixed):
+                from kvpager.kernels.mamba2_triton import causal_conv1d_step_triton as step
+            out[rows] = step(mixed[rows], conv_states, index, self.conv_weight, None)
         return out
+
+    def _on_triton(self, x: torch.Tensor) -> bool:
+        return bool(self.triton or (self.triton is None and x.is_cuda))
 
     def _rule(self, q, k, v, g, beta, batch: "_Batch", states) -> torch.Tensor:
         """The gated delta rule of every sequence: o [T, H, V] float32."""
-        if self.triton or (self.triton is None and v.is_cuda):
-            from kvpager.kernels.gated_delta_rule_triton import gated_delta_rule_varlen
-
-            return gated_delta_rule_varlen(q, k, v, g, beta, batch.cu_seqlens, batch.slots, states)
+        if self._on_triton(v):
+            return _rule_triton(q, k, v, g, beta, batch, states)
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for rows, slot in batch.prefills:
             args = (q[rows], k[rows], v[rows], g[rows], beta[rows])
@@ -180,6 +186,25 @@ class GatedDeltaNet(torch.nn.Module):
         return F.linear(x.reshape(core.shape[0], -1), self.out_proj)
 
 
+def _rule_triton(q, k, v, g, beta, batch: "_Batch", states) -> torch.Tensor:
+    """Prefill chunks on the chunked kernel, decode tokens on the token-by-token one."""
+    from kvpager.kernels.gated_delta_rule_chunk_triton import chunk_gated_delta_rule_varlen
+    from kvpager.kernels.gated_delta_rule_triton import gated_delta_rule_varlen
+
+    if not batch.prefills:
+        return gated_delta_rule_varlen(q, k, v, g, beta, batch.cu_seqlens, batch.slots, states)
+    out = chunk_gated_delta_rule_varlen(
+        q, k, v, g, beta, batch.cu_seqlens, batch.slots, states,
+        seq_ids=batch.prefill_ids,
+    )  # fmt: skip
+    if batch.step_rows:
+        rows = batch.step_rows
+        one_each = torch.arange(len(rows) + 1, dtype=torch.int32, device=v.device)
+        args = (q[rows], k[rows], v[rows], g[rows], beta[rows])
+        out[rows] = gated_delta_rule_varlen(*args, one_each, batch.step_slots, states)
+    return out
+
+
 class _Batch:
     """Where each sequence of a flat batch lies: prefill chunks (rows, slot) one by one,
     decode tokens (one row each) together; and the varlen kernel's cu_seqlens and slots."""
@@ -194,6 +219,8 @@ class _Batch:
             if n > 1
         ]
         steps = [i for i, n in enumerate(seq_lens) if n == 1]
+        prefill_ids = [i for i, n in enumerate(seq_lens) if n > 1]
+        self.prefill_ids = torch.tensor(prefill_ids, dtype=torch.int64, device=device)
         self.step_rows = [bounds[i] for i in steps]
         self.step_slots = torch.tensor([slots[i] for i in steps], device=device)
         self.cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
