@@ -25,7 +25,10 @@ VARIANTS = {
     "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, None, None),
     "qwen3_5": (Qwen3_5TextConfig, None, Qwen3_5Config, Qwen3_5ForConditionalGeneration),
     "qwen3_5_moe": (
-        Qwen3_5MoeTextConfig, None, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeTextConfig,
+        None,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
     ),  # fmt: skip
 }
 MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -23,13 +23,13 @@ from kvpager.schemas.errors import CheckpointError, ConfigError
 from tests.engine.helpers import make_llm, random_prompts
 from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
 from tests.engine.model.test_parity import MAX_TOKENS, make_prompts
-from tests.qwen3_5_models import build_qwen3_5, hf_greedy_by_class
+from tests.qwen3_5_models import VARIANTS, build_qwen3_5, hf_greedy_by_class
 
 # multimodal qwen3_5 ties its embeddings (as the small Qwen3.5 checkpoints do)
 TIED = {"qwen3_5": True}
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def qwen3_5(request, tmp_path_factory):
     variant = request.param
     path = build_qwen3_5(tmp_path_factory.mktemp(variant), variant, tied=TIED.get(variant, False))
