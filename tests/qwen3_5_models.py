@@ -29,7 +29,7 @@ VARIANTS = {
         None,
         Qwen3_5MoeConfig,
         Qwen3_5MoeForConditionalGeneration,
-    ),  # fmt: skip
+    ),
 }
 MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   shared_expert_intermediate_size=48)  # fmt: skip
