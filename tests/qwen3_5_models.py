@@ -16,6 +16,7 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
+from tests.engine.model.test_parity import hf_greedy
 from tests.model_families import save_deltanet_model
 from tests.models import _common, train_tokenizer
 
@@ -74,16 +75,7 @@ def build_qwen3_5(path: Path, variant: str, seed: int = 15, tied: bool = False, 
 
 
 def hf_greedy_by_class(path: Path, variant: str, prompts, max_tokens: int) -> list[list[int]]:
-    """transformers' greedy new tokens, one prompt at a time, by the variant's own class (a
-    multimodal checkpoint: its ForConditionalGeneration on text alone)."""
+    """transformers' greedy new tokens by the variant's own class (a multimodal checkpoint:
+    its ForConditionalGeneration on text alone)."""
     _, causal_cls, _, multimodal_model = VARIANTS[variant]
-    model_cls = multimodal_model or causal_cls
-    model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(path, prompts, max_tokens, multimodal_model or causal_cls)

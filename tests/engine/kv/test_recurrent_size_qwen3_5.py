@@ -7,21 +7,13 @@ import json
 
 from kvpager.engine.kv.recurrent_size import hybrid_size
 
-QWEN3_5_MOE_TEXT_LIKE = {
+from tests.engine.kv.test_recurrent_size import QWEN3_NEXT_LIKE
+
+QWEN3_5_MOE_TEXT_LIKE = {  # Qwen3-Next-80B's heads, 40 layers, 3 DeltaNet to 1 attention
+    **{k: v for k, v in QWEN3_NEXT_LIKE.items() if k != "full_attention_interval"},
     "model_type": "qwen3_5_moe_text",
-    "hidden_size": 2048,
     "num_hidden_layers": 40,
     "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 256,
-    "moe_intermediate_size": 512,
 }
 MULTIMODAL = {
     "model_type": "qwen3_5_moe",

@@ -3,25 +3,23 @@
 (tests/qwen3_5_models.py): Qwen3-Next's gated DeltaNet and gated attention with flat DeltaNet
 projections, a dense MLP or experts with a gated shared expert on every layer, interleaved
 M-RoPE on text positions, tied embeddings. Roomy, under chunked prefill with small chunks and
-recompute preemption, n > 1 and beams, and a repeated prompt resumes from a state snapshot;
-every block and state slot is free after each run."""
+recompute preemption, n = 3 forks, and a repeated prompt resumes from a state snapshot; every
+block and state slot is free after each run (tests/engine/model/deltanet_checks.py)."""
 
 import json
 
 import pytest
-import torch
-from kvpager.engine import SamplingParams
-from kvpager.engine.kv.kv_size import weight_bytes_per_rank
 from kvpager.engine.kv.recurrent_size import hybrid_size
-from kvpager.engine.kv.state_slots import RecurrentBlockManager
-from kvpager.engine.model.decoder import Decoder
-from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
-from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
-from tests.engine.helpers import make_llm, random_prompts
-from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
+from tests.engine.model.deltanet_checks import (
+    check_parallel_samples,
+    check_recompute_preemption,
+    check_roomy,
+    check_snapshot_resume,
+    check_weights_counted,
+)
 from tests.engine.model.test_parity import MAX_TOKENS, make_prompts
 from tests.qwen3_5_models import VARIANTS, build_qwen3_5, hf_greedy_by_class
 
@@ -55,61 +53,30 @@ def test_config_reads_as_transformers_does(qwen3_5):
 
 def test_roomy_matches_transformers(qwen3_5):
     path, _, prompts, expected = qwen3_5
-    with make_llm(path, num_blocks=256) as llm:
-        assert isinstance(llm.scheduler.block_manager, RecurrentBlockManager)
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] == 0
-        assert_slots_free(llm)
+    check_roomy(path, prompts, expected)
 
 
 def test_chunked_prefill_and_recompute_preemption(qwen3_5):
     path, _, prompts, expected = qwen3_5
-    with make_llm(
-        path, num_blocks=16, max_num_batched_tokens=6, max_num_seqs=4,
-        preemption_mode="recompute",
-    ) as llm:  # fmt: skip
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] > 0, llm.stats()
-        assert_slots_free(llm)
+    check_recompute_preemption(path, prompts, expected)
 
 
 def test_parallel_samples_fork_the_state(qwen3_5):
-    """n = 3 forks copy the parent's DeltaNet state: three copies of the greedy output."""
     path, _, prompts, expected = qwen3_5
-    with make_llm(path, max_num_batched_tokens=16) as llm:
-        params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS)
-        out = llm.generate([prompts[-2]], params, use_tqdm=False)[0]
-        assert [c.token_ids for c in out.outputs] == [expected[-2]] * 3
-        assert_slots_free(llm)
+    check_parallel_samples(path, prompts[-2], expected[-2])
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_5):
-    """A second request with the same 64-token prompt reports at least 32 cached tokens (56:
-    7 of its 8 blocks) and the same output, through the DeltaNet layers' state snapshot."""
     path, variant = qwen3_5[:2]
-    prompt = random_prompts([64], seed=11)[0]
-    expected = hf_greedy_by_class(path, variant, [prompt], MAX_TOKENS)
-    with make_llm(path, num_blocks=64, max_num_batched_tokens=20) as llm:
-        assert greedy(llm, [prompt]) == expected
-        assert llm.stats()["num_state_snapshots"] > 0
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        second = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert second.outputs[0].token_ids == expected[0]
-        assert second.num_cached_tokens == 56
-        assert llm.stats()["state_snapshot_hits"] == 1
-        assert_slots_free(llm)
+    check_snapshot_resume(path, lambda ps: hf_greedy_by_class(path, variant, ps, MAX_TOKENS))
 
 
 def test_weights_are_what_kv_size_counts(qwen3_5):
     """Every text tensor has its place (flat DeltaNet projections, gated attention, the dense
-    MLP or the experts); the vision tower is skipped; the budget counts what the decoder
-    holds; `kv-size` sizes the text model's states and K/V."""
+    MLP or the experts), the vision tower is skipped, and `kv-size` sizes the text model's
+    states and K/V."""
     path = qwen3_5[0]
-    config = ModelConfig.from_path(path)
-    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
-    read = load_weights(decoder, path)
-    held = sum(p.numel() * p.element_size() for p in decoder.parameters())
-    assert read == held == weight_bytes_per_rank(config, torch.float32)
+    check_weights_counted(path)
     size = hybrid_size(json.loads((path / "config.json").read_text()))
     assert (size.num_recurrent_layers, size.num_attention_layers) == (2, 2)
     # per DeltaNet layer: conv (2 * 2 * 16 + 4 * 16) x 3; state 4 x 16 x 16
