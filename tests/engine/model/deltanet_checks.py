@@ -1,7 +1,7 @@
 """The end-to-end checks every gated DeltaNet family runs (tests/engine/model/test_qwen3_next.py,
 test_qwen3_5.py): greedy-equal to transformers roomy, under chunked prefill and recompute
-preemption, with n = 3 forks, and from a state snapshot; every block and state slot free after
-each run; the loader fills what the memory budget counts."""
+preemption, with n = 3 forks and beams, and from a state snapshot; every block and state slot
+free after each run; the loader fills what the memory budget counts."""
 
 from collections.abc import Callable
 
@@ -14,7 +14,7 @@ from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 
-from tests.engine.helpers import make_llm, random_prompts
+from tests.engine.helpers import hf_generate, make_llm, random_prompts
 from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
 from tests.engine.model.test_parity import MAX_TOKENS
 
@@ -47,6 +47,18 @@ def check_parallel_samples(path, prompt: list[int], expected: list[int]) -> None
         params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert [c.token_ids for c in out.outputs] == [expected] * 3
+        assert_slots_free(llm)
+
+
+def check_beams(path) -> None:
+    """Beams of 2 (a beam chosen twice forks its state before the pass) equal transformers'
+    beam search (AutoModelForCausalLM's class for the checkpoint)."""
+    prompts = random_prompts([1, 6, 17], seed=5)
+    with make_llm(path) as llm:
+        params = SamplingParams(beam_width=2, temperature=0.0, max_tokens=8)
+        beams = llm.beam_search(prompts, params, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in beams]
+        assert got == hf_generate(path, prompts, max_new_tokens=8, num_beams=2, do_sample=False)
         assert_slots_free(llm)
 
 

@@ -3,8 +3,9 @@
 (tests/qwen3_5_models.py): Qwen3-Next's gated DeltaNet and gated attention with flat DeltaNet
 projections, a dense MLP or experts with a gated shared expert on every layer, interleaved
 M-RoPE on text positions, tied embeddings. Roomy, under chunked prefill with small chunks and
-recompute preemption, n = 3 forks, and a repeated prompt resumes from a state snapshot; every
-block and state slot is free after each run (tests/engine/model/deltanet_checks.py)."""
+recompute preemption, n = 3 forks and beams, and a repeated prompt resumes from a state
+snapshot; every block and state slot is free after each run
+(tests/engine/model/deltanet_checks.py)."""
 
 import json
 
@@ -14,6 +15,7 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
 from tests.engine.model.deltanet_checks import (
+    check_beams,
     check_parallel_samples,
     check_recompute_preemption,
     check_roomy,
@@ -61,9 +63,13 @@ def test_chunked_prefill_and_recompute_preemption(qwen3_5):
     check_recompute_preemption(path, prompts, expected)
 
 
-def test_parallel_samples_fork_the_state(qwen3_5):
-    path, _, prompts, expected = qwen3_5
+def test_parallel_samples_and_beams_fork_the_state(qwen3_5):
+    """n = 3; beams on the text checkpoints (AutoModelForCausalLM's beam search is the
+    reference: it reads a text config)."""
+    path, variant, prompts, expected = qwen3_5
     check_parallel_samples(path, prompts[-2], expected[-2])
+    if variant.endswith("_text"):
+        check_beams(path)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_5):

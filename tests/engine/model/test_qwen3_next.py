@@ -9,8 +9,9 @@ import pytest
 from kvpager.engine import SamplingParams
 from kvpager.engine.model_config import ModelConfig
 
-from tests.engine.helpers import hf_generate, make_llm, random_prompts
+from tests.engine.helpers import make_llm, random_prompts
 from tests.engine.model.deltanet_checks import (
+    check_beams,
     check_parallel_samples,
     check_recompute_preemption,
     check_roomy,
@@ -56,14 +57,7 @@ def test_parallel_samples_and_beams(qwen3_next):
     """n = 3 forks copy the parent's state; beams chosen twice fork before the pass."""
     path, prompts, expected = qwen3_next
     check_parallel_samples(path, prompts[-2], expected[-2])
-    beam_prompts = random_prompts([1, 6, 17], seed=5)
-    with make_llm(path) as llm:
-        params = SamplingParams(beam_width=2, temperature=0.0, max_tokens=8)
-        beams = llm.beam_search(beam_prompts, params, use_tqdm=False)
-        got = [o.outputs[0].token_ids for o in beams]
-        hf = hf_generate(path, beam_prompts, max_new_tokens=8, num_beams=2, do_sample=False)
-        assert got == hf
-        assert_slots_free(llm)
+    check_beams(path)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_next):
