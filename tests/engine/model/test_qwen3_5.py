@@ -14,14 +14,7 @@ from kvpager.engine.kv.recurrent_size import hybrid_size
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
-from tests.engine.model.deltanet_checks import (
-    check_beams,
-    check_parallel_samples,
-    check_recompute_preemption,
-    check_roomy,
-    check_snapshot_resume,
-    check_weights_counted,
-)
+from tests.engine.model import deltanet_checks as checks
 from tests.engine.model.test_parity import MAX_TOKENS, make_prompts
 from tests.qwen3_5_models import VARIANTS, build_qwen3_5, hf_greedy_by_class
 
@@ -55,26 +48,26 @@ def test_config_reads_as_transformers_does(qwen3_5):
 
 def test_roomy_matches_transformers(qwen3_5):
     path, _, prompts, expected = qwen3_5
-    check_roomy(path, prompts, expected)
+    checks.check_roomy(path, prompts, expected)
 
 
 def test_chunked_prefill_and_recompute_preemption(qwen3_5):
     path, _, prompts, expected = qwen3_5
-    check_recompute_preemption(path, prompts, expected)
+    checks.check_recompute_preemption(path, prompts, expected)
 
 
 def test_parallel_samples_and_beams_fork_the_state(qwen3_5):
     """n = 3; beams on the text checkpoints (AutoModelForCausalLM's beam search is the
     reference: it reads a text config)."""
     path, variant, prompts, expected = qwen3_5
-    check_parallel_samples(path, prompts[-2], expected[-2])
+    checks.check_parallel_samples(path, prompts[-2], expected[-2])
     if variant.endswith("_text"):
-        check_beams(path)
+        checks.check_beams(path)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_5):
     path, variant = qwen3_5[:2]
-    check_snapshot_resume(path, lambda ps: hf_greedy_by_class(path, variant, ps, MAX_TOKENS))
+    checks.check_snapshot_resume(path, lambda ps: hf_greedy_by_class(path, variant, ps, MAX_TOKENS))
 
 
 def test_weights_are_what_kv_size_counts(qwen3_5):
@@ -82,7 +75,7 @@ def test_weights_are_what_kv_size_counts(qwen3_5):
     MLP or the experts), the vision tower is skipped, and `kv-size` sizes the text model's
     states and K/V."""
     path = qwen3_5[0]
-    check_weights_counted(path)
+    checks.check_weights_counted(path)
     size = hybrid_size(json.loads((path / "config.json").read_text()))
     assert (size.num_recurrent_layers, size.num_attention_layers) == (2, 2)
     # per DeltaNet layer: conv (2 * 2 * 16 + 4 * 16) x 3; state 4 x 16 x 16
