@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.engine.deepseek_family import deepseek_config
+from kvpager.engine.families.qwen3_5 import QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.qwen3_next import QWEN3_NEXT, DeltaNetDims
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, Mamba2Dims, granite_config
@@ -206,7 +207,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        raw = granite_config(deepseek_config(llama4_text_config(raw)))
+        raw = granite_config(deepseek_config(llama4_text_config(qwen3_5_text_config(raw))))
         model_type = raw.get("model_type", "")
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
@@ -263,7 +264,8 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        if size > 1 and self.model_type in (LLAMA4_TEXT, GRANITE_HYBRID, QWEN3_NEXT):
+        one_rank = (LLAMA4_TEXT, GRANITE_HYBRID, QWEN3_NEXT, *QWEN3_5_TYPES)
+        if size > 1 and self.model_type in one_rank:
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")

@@ -22,6 +22,10 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
     qwen3_next              gated DeltaNet layers on state slots beside gated attention with
                             partial RoPE, (1 + w) norms, MoE with a gated shared expert
                             (engine/families/qwen3_next.py)
+    qwen3_5_text            Qwen3-Next's layers with flat DeltaNet projections and a dense MLP;
+    qwen3_5_moe_text        the same with experts and a gated shared expert on every layer;
+                            both also the text part of multimodal qwen3_5 / qwen3_5_moe checkpoints
+                            (engine/families/qwen3_5.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -29,6 +33,7 @@ Plain functions of the raw dict, so engine/config.py imports this and nothing im
 from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
+from kvpager.engine.families.qwen3_5 import QWEN3_5_MOE_TEXT, QWEN3_5_TYPES, qwen3_5_fields
 from kvpager.engine.families.qwen3_next import QWEN3_NEXT, qwen3_next_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields
@@ -49,10 +54,11 @@ SUPPORTED_MODEL_TYPES = (
     DEEPSEEK_V2,
     GRANITE_HYBRID,
     QWEN3_NEXT,
+    *QWEN3_5_TYPES,
 )
 GEMMA = ("gemma2", "gemma3_text")
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
-MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", *QWEN3_5_TYPES)
+MOE = ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_next", QWEN3_5_MOE_TEXT)
 
 
 def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +90,8 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         return {**fields, **granite_fields(raw)}
     if model_type == QWEN3_NEXT:
         return {**fields, **qwen3_next_fields(raw)}
+    if model_type in QWEN3_5_TYPES:
+        return {**fields, **qwen3_5_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 

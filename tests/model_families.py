@@ -255,6 +255,21 @@ def build_granite_hybrid(path: Path, seed: int = 13, **overrides) -> Path:
     return _save(model, path, 1.0)
 
 
+def save_deltanet_model(model, path: Path) -> Path:
+    """A Qwen3-Next-like model saved with weights that matter: random dt_bias and A_log,
+    (1 + w) norms drawn around 0, the DeltaNet's plain gated norm around 1."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log")):
+                param.copy_(torch.randn_like(param) * 0.5)
+        _save(model, path, 0.0)
+        for name, param in model.named_parameters():  # plain weights: around 1
+            if name.endswith("linear_attn.norm.weight"):
+                param.add_(1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def build_qwen3_next(path: Path, seed: int = 14, **overrides) -> Path:
     """Qwen3-Next: gated DeltaNet layers 0 and 2 (2 key heads, 4 value heads of 16, conv 4)
     before gated attention layers 1 and 3 (RoPE on a quarter of each head); MoE (4 experts
@@ -270,14 +285,4 @@ def build_qwen3_next(path: Path, seed: int = 14, **overrides) -> Path:
     tokenizer = train_tokenizer(path)
     config = Qwen3NextConfig(**{**_common(tokenizer), **fields, **overrides})
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("dt_bias", "A_log")):
-                param.copy_(torch.randn_like(param) * 0.5)
-        _save(model, path, 0.0)
-        for name, param in model.named_parameters():  # plain weights: around 1
-            if name.endswith("linear_attn.norm.weight"):
-                param.add_(1.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_deltanet_model(Qwen3NextForCausalLM(config), path)

@@ -4,7 +4,8 @@ their recurrent layers and the per-token K/V of their attention layers.
 A recurrent layer's state does not grow with the sequence (engine/kv/state_slots.py):
 - Mamba2 (`granitemoehybrid`, `nemotron_h`): a conv state [conv_dim, d_conv - 1], conv_dim =
   heads * head_dim + 2 * n_groups * d_state, and an SSM state [heads, head_dim, d_state];
-- gated DeltaNet (`qwen3_next`): a conv state [2 * k_heads * k_dim + v_heads * v_dim,
+- gated DeltaNet (`qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`, and multimodal `qwen3_5` /
+  `qwen3_5_moe` by their text_config): a conv state [2 * k_heads * k_dim + v_heads * v_dim,
   kernel - 1] and a recurrent state [v_heads, k_dim, v_dim].
 The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
 engine/model/mamba2.py holds them (the scan accumulates in float32).
@@ -16,11 +17,13 @@ engine/model/mamba2.py holds them (the scan accumulates in float32).
 from dataclasses import dataclass
 from typing import Any
 
+from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
 
-RECURRENT_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next")
+DELTANET_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TYPES, *MULTIMODAL_TYPES)
+RECURRENT_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", *DELTANET_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
             recurrent * dims.num_heads * dims.head_dim * dims.state_size,
             attention * _kv_per_layer(raw),
         )
-    if model_type == "qwen3_next":
-        return _deltanet(raw)
+    if model_type in DELTANET_MODEL_TYPES:
+        return _deltanet(qwen3_5_text_config(raw))
     return None
 
 
@@ -84,7 +87,7 @@ def _deltanet(raw: dict[str, Any]) -> HybridSize:
     recurrent = sum(layers)
     attention = len(layers) - recurrent
     return HybridSize(
-        "qwen3_next",
+        raw["model_type"],
         recurrent,
         attention,
         recurrent * dims.conv_elements(),

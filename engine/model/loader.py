@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from kvpager.engine.families.qwen3_5 import text_weight_name
 from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.kv_scales import read_kv_scales
@@ -255,12 +256,15 @@ def load_weights(model: Decoder, path: Path) -> int:
     parameter slice; returns the bytes read. Gemma's norms scale by (1 + w): the 1 is added
     here, once, in float32 (their parameters' dtype) to w as the model's dtype holds it, as
     transformers computes `1 + w.float()`; so every norm kernel scales by its weight (Qwen3-Next's
-    too). Qwen3-Next's pieces take their tensors themselves (layer_pieces.py: piece_tensor)."""
+    too). Qwen3-Next's pieces take their tensors themselves (layer_pieces.py: piece_tensor).
+    A multimodal Qwen3.5 checkpoint's text tensors read as the text model's; its vision tower
+    and MTP head, none of ours, are skipped."""
     expected = {id(p): p.numel() for p in model.parameters()}
     filled, pieces = _vocab_padding(model), PieceFill()
     num_bytes = 0
     zero_centred = model.config.gemma_norms or model.config.zero_centred_norms
     for name, read in iter_slices(path):
+        name = text_weight_name(name)
         if (piece := piece_tensor(model.layers, name.removeprefix("model."))) is not None:
             tensor = read(None)
             num_bytes += tensor.numel() * tensor.element_size()

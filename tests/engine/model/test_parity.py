@@ -18,8 +18,12 @@ def make_prompts(seed: int = 0, vocab_size: int = 384) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def hf_greedy(
+    path, prompts: list[list[int]], max_tokens: int, model_cls=AutoModelForCausalLM
+) -> list[list[int]]:
+    """transformers' greedy new tokens, one prompt at a time, by `model_cls` (a multimodal
+    checkpoint's ForConditionalGeneration on text alone, say)."""
+    model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])

@@ -6,16 +6,18 @@ and recompute preemption, n > 1 and beams, and a repeated prompt resumes from a 
 snapshot; every block and state slot is free after each run."""
 
 import pytest
-import torch
 from kvpager.engine import SamplingParams
-from kvpager.engine.kv.kv_size import weight_bytes_per_rank
-from kvpager.engine.kv.state_slots import RecurrentBlockManager
-from kvpager.engine.model.decoder import Decoder
-from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
-from kvpager.kernels.backend import get_kernel_ops
 
-from tests.engine.helpers import hf_generate, make_llm, random_prompts
+from tests.engine.helpers import make_llm, random_prompts
+from tests.engine.model.deltanet_checks import (
+    check_beams,
+    check_parallel_samples,
+    check_recompute_preemption,
+    check_roomy,
+    check_snapshot_resume,
+    check_weights_counted,
+)
 from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
 from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
@@ -40,12 +42,7 @@ def test_config_reads_as_transformers_does(qwen3_next):
 
 
 def test_roomy_matches_transformers(qwen3_next):
-    path, prompts, expected = qwen3_next
-    with make_llm(path, num_blocks=256) as llm:
-        assert isinstance(llm.scheduler.block_manager, RecurrentBlockManager)
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] == 0
-        assert_slots_free(llm)
+    check_roomy(*qwen3_next)
 
 
 def test_chunked_prefill_and_recompute_preemption(qwen3_next):
@@ -53,60 +50,24 @@ def test_chunked_prefill_and_recompute_preemption(qwen3_next):
     with make_llm(path, max_num_batched_tokens=6, max_num_seqs=4) as llm:
         assert greedy(llm, prompts) == expected
         assert_slots_free(llm)
-    with make_llm(
-        path, num_blocks=16, max_num_batched_tokens=6, max_num_seqs=4,
-        preemption_mode="recompute",
-    ) as llm:  # fmt: skip
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] > 0, llm.stats()
-        assert_slots_free(llm)
+    check_recompute_preemption(path, prompts, expected)
 
 
 def test_parallel_samples_and_beams(qwen3_next):
     """n = 3 forks copy the parent's state; beams chosen twice fork before the pass."""
     path, prompts, expected = qwen3_next
-    with make_llm(path, max_num_batched_tokens=16) as llm:
-        params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS)
-        out = llm.generate([prompts[-2]], params, use_tqdm=False)[0]
-        assert [c.token_ids for c in out.outputs] == [expected[-2]] * 3
-        assert_slots_free(llm)
-    beam_prompts = random_prompts([1, 6, 17], seed=5)
-    with make_llm(path) as llm:
-        params = SamplingParams(beam_width=2, temperature=0.0, max_tokens=8)
-        beams = llm.beam_search(beam_prompts, params, use_tqdm=False)
-        got = [o.outputs[0].token_ids for o in beams]
-        hf = hf_generate(path, beam_prompts, max_new_tokens=8, num_beams=2, do_sample=False)
-        assert got == hf
-        assert_slots_free(llm)
+    check_parallel_samples(path, prompts[-2], expected[-2])
+    check_beams(path)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_next):
-    """A second request with the same 64-token prompt reports at least 32 cached tokens (56:
-    7 of its 8 blocks) and the same output, through the DeltaNet layers' state snapshot."""
     path = qwen3_next[0]
-    prompt = random_prompts([64], seed=11)[0]
-    expected = hf_greedy(path, [prompt], MAX_TOKENS)
-    with make_llm(path, num_blocks=64, max_num_batched_tokens=20) as llm:
-        assert greedy(llm, [prompt]) == expected
-        first = llm.stats()
-        assert first["num_state_snapshots"] > 0
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        second = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert second.outputs[0].token_ids == expected[0]
-        assert second.num_cached_tokens == 56
-        assert llm.stats()["state_snapshot_hits"] == 1
-        assert_slots_free(llm)
+    check_snapshot_resume(path, lambda prompts: hf_greedy(path, prompts, MAX_TOKENS))
 
 
 def test_weights_are_what_kv_size_counts(qwen3_next):
-    """Every checkpoint tensor has its place (DeltaNet mixers, gated attention, per-expert
-    MoE tensors, the dense layer), and the memory budget counts what the decoder holds."""
-    path = qwen3_next[0]
-    config = ModelConfig.from_path(path)
-    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
-    read = load_weights(decoder, path)
-    held = sum(p.numel() * p.element_size() for p in decoder.parameters())
-    assert read == held == weight_bytes_per_rank(config, torch.float32)
+    """DeltaNet mixers, gated attention, per-expert MoE tensors, the dense layer."""
+    check_weights_counted(qwen3_next[0])
 
 
 def test_bf16_greedy_follows_transformers(tmp_path):
