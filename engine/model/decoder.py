@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         self.mixer, self.run_mixer = None, None
         if config.is_recurrent(layer_idx):
             kind = mixer_kind(config)
-            self.mixer, self.run_mixer = kind.build(config, dtype), kind.run
+            self.mixer, self.run_mixer = kind.build(config, dtype, self.shard, self.group), kind.run
         self.gated_attn, self.moe_block = build_pieces(config, layer_idx, dtype)  # Qwen3-Next
         regular = self.mla is None and self.mixer is None and self.gated_attn is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
@@ -189,7 +189,7 @@ class DecoderLayer(nn.Module):
                             (self.k_scale, self.v_scale))  # fmt: skip
             attn = _all_reduce(self.group, attn)  # o_proj's columns are this rank's heads'
         elif self.mixer is not None:
-            attn = self.run_mixer(self.mixer, h, layer_cache)
+            attn = _all_reduce(self.group, self.run_mixer(self.mixer, h, layer_cache))
         elif self.gated_attn is not None:
             attn = self.gated_attn(h, *rope.full, attention, layer_cache, meta, ops)
         else:
