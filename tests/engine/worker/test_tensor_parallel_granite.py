@@ -20,6 +20,7 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import ConfigError
 
+from tests.engine.helpers import random_prompts
 from tests.engine.model.test_granite_hybrid import assert_slots_free
 from tests.engine.worker.test_tensor_parallel import (  # noqa: F401 (an autouse fixture)
     greedy,
@@ -27,7 +28,6 @@ from tests.engine.worker.test_tensor_parallel import (  # noqa: F401 (an autouse
     one_thread_per_rank,
     tp_llm,
 )
-from tests.engine.helpers import random_prompts
 from tests.model_families import build_granite_hybrid
 
 PROMPTS = random_prompts([1, 4, 9, 17, 26, 38], seed=31)
