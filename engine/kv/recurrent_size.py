@@ -9,8 +9,8 @@ A recurrent layer's state does not grow with the sequence (engine/kv/state_slots
 The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
 engine/model/mamba2.py holds them (the scan accumulates in float32).
 
-`kvpager kv-size` uses this for these model types: kvpager serves none of them end to end yet
-(docs/user/models.md), but sizing them is what plans a deployment.
+`kvpager kv-size` uses this for these model types; with --tensor-parallel-size, a Mamba2
+model's sizes are one rank's (its heads' state, its KV heads).
 """
 
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from typing import Any
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
+from kvpager.schemas.errors import ConfigError
 
 RECURRENT_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "qwen3_next")
 
@@ -31,6 +32,7 @@ class HybridSize:
     conv_elements: int  # per sequence, all recurrent layers
     ssm_elements: int  # per sequence, all recurrent layers
     kv_elements_per_token: int  # K and V, all attention layers
+    tensor_parallel_size: int = 1  # the sizes are one rank's (its heads') of this many
 
     def state_bytes(self, dtype: object) -> int:
         """One sequence's recurrent state: conv in `dtype`, SSM in float32."""
@@ -43,9 +45,11 @@ class HybridSize:
         state, per_token = self.state_bytes(dtype), self.kv_bytes_per_token(dtype)
         per_seq = state + per_token * tokens
         mib, gib = 1024**2, 1024**3
+        ranks = self.tensor_parallel_size
         return [
             f"{self.model_type}: {self.num_recurrent_layers} recurrent layers, "
-            f"{self.num_attention_layers} attention layers",
+            f"{self.num_attention_layers} attention layers"
+            + (f"; bytes below are per rank of {ranks} (its heads)" if ranks > 1 else ""),
             f"state bytes per sequence:  {state:,} ({state / mib:.2f} MiB; conv in "
             f"{str(dtype).removeprefix('torch.')}, SSM in float32; any length)",
             f"KV bytes per token:        {per_token:,} (attention layers only)",
@@ -55,11 +59,17 @@ class HybridSize:
         ]
 
 
-def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
-    """The sizes of a recurrent hybrid's config.json; None for other model types."""
-    model_type = raw.get("model_type", "")
+def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSize | None:
+    """The sizes of a recurrent hybrid's config.json (one of `tensor_parallel_size` ranks'
+    share: engine/model/mamba2_shard.py); None for other model types."""
+    model_type, size = raw.get("model_type", ""), tensor_parallel_size
+    if size > 1 and model_type == "qwen3_next":
+        raise ConfigError("tensor_parallel_size: qwen3_next is served on one rank only")
     if model_type in ("granitemoehybrid", "nemotron_h"):
         dims, layers = mamba2_dims(raw), mamba_layers(raw)
+        if (why := dims.check_tensor_parallel(size)) is not None:
+            raise ConfigError(f"tensor_parallel_size: {why}")
+        dims = dims.per_rank(size)
         recurrent = sum(layers)
         attention = (
             raw["hybrid_override_pattern"].count("*")
@@ -72,7 +82,8 @@ def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
             attention,
             recurrent * dims.conv_dim * (dims.conv_kernel - 1),
             recurrent * dims.num_heads * dims.head_dim * dims.state_size,
-            attention * _kv_per_layer(raw),
+            attention * _kv_per_layer(raw, size),
+            size,
         )
     if model_type == "qwen3_next":
         return _deltanet(raw)
@@ -93,7 +104,9 @@ def _deltanet(raw: dict[str, Any]) -> HybridSize:
     )
 
 
-def _kv_per_layer(raw: dict[str, Any]) -> int:
+def _kv_per_layer(raw: dict[str, Any], size: int = 1) -> int:
+    """K and V of one attention layer on one of `size` ranks (KV heads replicated past their
+    count, as ModelConfig.kv_heads_per_rank)."""
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    return 2 * raw.get("num_key_value_heads", heads) * head_dim
+    return 2 * max(1, raw.get("num_key_value_heads", heads) // size) * head_dim
