@@ -265,8 +265,9 @@ class ModelConfig:
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
         if size > 1 and self.model_type in (LLAMA4_TEXT, QWEN3_NEXT):
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
+        # Mamba2 mixers split by SSM heads (engine/model/sharding.py: Mamba2Shard)
         mamba = self.mamba_dims.check_tensor_parallel(size) if self.mamba_dims else None
-        if mamba is not None:  # Mamba2 mixers split by heads (engine/model/mamba2_shard.py)
+        if mamba is not None:
             raise ConfigError(f"tensor_parallel_size: {mamba}")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")

@@ -73,7 +73,8 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
 
 def _mamba2_weights(config: ModelConfig, size: int) -> int:
     """Elements of a Mamba2 mixer (engine/model/mamba2.py) on one of `size` ranks (its heads,
-    its groups or the one it reads: engine/model/mamba2_shard.py) in place of attention."""
+    its groups or the one it reads: engine/model/sharding.py, Mamba2Shard) in place of
+    attention."""
     d, hidden = config.mamba_dims.per_rank(size), config.hidden_size
     inner, conv = d.intermediate_size, d.conv_dim
     proj = inner + conv + d.num_heads

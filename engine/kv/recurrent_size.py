@@ -61,7 +61,7 @@ class HybridSize:
 
 def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSize | None:
     """The sizes of a recurrent hybrid's config.json (one of `tensor_parallel_size` ranks'
-    share: engine/model/mamba2_shard.py); None for other model types."""
+    share: engine/model/sharding.py, Mamba2Shard); None for other model types."""
     model_type, size = raw.get("model_type", ""), tensor_parallel_size
     if size > 1 and model_type == "qwen3_next":
         raise ConfigError("tensor_parallel_size: qwen3_next is served on one rank only")

@@ -195,8 +195,8 @@ GRANITE_EXPERTS = {
 
 def _granite_targets(layer, group: str, kind: str, shard: Shard) -> list[Target] | None:
     """Granite 4 hybrids: a Mamba layer's `mamba.*` into its mixer (a rank's heads:
-    engine/model/mamba2_shard.py), the shared MLP's fused gate|up and down, the experts'
-    stacked tensors (a rank's rows of each, as the other families' MLPs and experts)."""
+    engine/model/sharding.py, Mamba2Shard), the shared MLP's fused gate|up and down, the
+    experts' stacked tensors (a rank's rows of each, as the other families' MLPs and experts)."""
     if group == "mamba":
         if layer.mixer is None:
             return None

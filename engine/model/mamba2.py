@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvpager.engine.mamba2_config import Mamba2Dims
-from kvpager.engine.model.mamba2_shard import Mamba2Shard
+from kvpager.engine.model.sharding import Mamba2Shard
 from kvpager.engine.parallel.group import TensorParallel
 from kvpager.kernels.mamba2_scan import causal_conv1d, ssm_scan_chunked, ssm_step
 
@@ -63,7 +63,8 @@ class Mamba2Mixer(torch.nn.Module):
         shard: Mamba2Shard | None = None, group: TensorParallel | None = None,
     ) -> None:  # fmt: skip
         """`dims` the model's; under tensor parallelism the rank's `shard` of them (its heads:
-        engine/model/mamba2_shard.py) and its `group`, for the norm's sums across ranks."""
+        engine/model/sharding.py, Mamba2Shard) and its `group`, for the norm's sums across
+        ranks."""
         super().__init__()
         self.shard, self.group = shard or Mamba2Shard(dims), group
         self.dims = dims = self.shard.dims

@@ -14,10 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 from kvpager.engine.model.mamba2 import Mamba2Mixer, RecurrentStates
-from kvpager.engine.model.mamba2_shard import Mamba2Shard
 from kvpager.engine.model.qwen3_next import gated_deltanet
 from kvpager.engine.model.qwen3_next.layer_pieces import run_deltanet
-from kvpager.engine.model.sharding import Shard
+from kvpager.engine.model.sharding import Mamba2Shard, Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import CheckpointError
 

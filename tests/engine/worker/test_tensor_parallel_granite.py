@@ -1,6 +1,6 @@
 """Granite 4 hybrids (`granitemoehybrid`) over two gloo ranks, Mamba2 mixers split by SSM
-heads (engine/model/mamba2_shard.py): greedy-equal to transformers in fp32, roomy, in prefill
-chunks (a chunk resumes from the state the last one left), with a prefix snapshot hit on a
+heads (engine/model/sharding.py, Mamba2Shard): greedy-equal to transformers in fp32, roomy, in
+prefill chunks (a chunk resumes from the state the last one left), with a prefix snapshot hit on a
 repeated 64-token prompt, n = 3 forks and recompute preemption. Two configs: two groups (one a
 rank) with MoE, and one group (both ranks hold it, and the gated norm sums its squares across
 them) with the shared MLP alone. Each rank's state slots hold only its heads; every block and
