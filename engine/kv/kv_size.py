@@ -45,7 +45,7 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     experts += 3 * hidden * (config.shared_expert_intermediate_size // size)  # Llama 4, DeepSeek
     mixer = _mamba2_weights(config, size) if config.mamba_dims else 0
     if config.deltanet_dims is not None:  # Qwen3-Next: its q_proj's gate rows too
-        mixer = config.deltanet_dims.weight_elements()
+        mixer = config.deltanet_dims.per_rank(size).weight_elements()
         attention += q * (hidden + config.attention_bias)
     experts += hidden if config.shared_expert_gate else 0  # one gate row a MoE layer
     layers = sum(

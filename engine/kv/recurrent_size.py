@@ -9,8 +9,8 @@ A recurrent layer's state does not grow with the sequence (engine/kv/state_slots
 The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
 engine/model/mamba2.py holds them (the scan accumulates in float32).
 
-`kvpager kv-size` uses this for these model types; with --tensor-parallel-size, a Mamba2
-model's sizes are one rank's (its heads' state, its KV heads).
+`kvpager kv-size` uses this for these model types; with --tensor-parallel-size, the sizes are
+one rank's (its heads' state, its KV heads).
 """
 
 from dataclasses import dataclass
@@ -63,8 +63,6 @@ def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSiz
     """The sizes of a recurrent hybrid's config.json (one of `tensor_parallel_size` ranks'
     share: engine/model/sharding.py, Mamba2Shard); None for other model types."""
     model_type, size = raw.get("model_type", ""), tensor_parallel_size
-    if size > 1 and model_type == "qwen3_next":
-        raise ConfigError("tensor_parallel_size: qwen3_next is served on one rank only")
     if model_type in ("granitemoehybrid", "nemotron_h"):
         dims, layers = mamba2_dims(raw), mamba_layers(raw)
         if (why := dims.check_tensor_parallel(size)) is not None:
@@ -86,12 +84,15 @@ def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSiz
             size,
         )
     if model_type == "qwen3_next":
-        return _deltanet(raw)
+        return _deltanet(raw, size)
     return None
 
 
-def _deltanet(raw: dict[str, Any]) -> HybridSize:
+def _deltanet(raw: dict[str, Any], size: int) -> HybridSize:
     dims, layers = deltanet_dims(raw), deltanet_layers(raw)
+    if (why := dims.check_tensor_parallel(size)) is not None:
+        raise ConfigError(f"tensor_parallel_size: {why}")
+    dims = dims.per_rank(size)
     recurrent = sum(layers)
     attention = len(layers) - recurrent
     return HybridSize(
@@ -100,7 +101,8 @@ def _deltanet(raw: dict[str, Any]) -> HybridSize:
         attention,
         recurrent * dims.conv_elements(),
         recurrent * dims.recurrent_elements(),
-        attention * _kv_per_layer(raw),
+        attention * _kv_per_layer(raw, size),
+        size,
     )
 
 

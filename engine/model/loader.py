@@ -15,6 +15,7 @@ from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.kv_scales import read_kv_scales
 from kvpager.engine.model.qwen3_next.layer_pieces import PieceFill, piece_tensor
+from kvpager.engine.model.qwen3_next.sharded import piece_parts
 from kvpager.engine.model.sharding import MIXTRAL_NAMES, Part, Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
@@ -287,7 +288,7 @@ def load_weights(model: Decoder, path: Path) -> int:
     zero_centred = model.config.gemma_norms or model.config.zero_centred_norms
     for name, read in iter_slices(path):
         if (piece := piece_tensor(model.layers, name.removeprefix("model."))) is not None:
-            tensor = read(None)
+            tensor = _read_parts(read, piece_parts(*piece, model.shard))
             num_bytes += tensor.numel() * tensor.element_size()
             pieces.load(*piece, tensor)
             continue
@@ -319,6 +320,13 @@ def _place(name: str, dest: torch.Tensor, tensor: torch.Tensor, offset: int, dim
     ):
         raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit the config")
     dest.narrow(dim, offset, rows).copy_(tensor)
+
+
+def _read_parts(read: Callable[[Part], torch.Tensor], parts: list[Part]) -> torch.Tensor:
+    """The spans of a tensor a rank reads (qwen3_next/sharded.py), joined along their dim."""
+    if len(parts) == 1:
+        return read(parts[0])
+    return torch.cat([read(part) for part in parts], dim=parts[0][0])
 
 
 def _vocab_padding(model: Decoder) -> dict[int, int]:

@@ -78,9 +78,11 @@ MIXERS: dict[str, MixerKind] = {
     "mamba2": MixerKind(_build_mamba2, _allocate_mamba2, _run_mamba2),
     # Qwen3-Next's gated DeltaNet (engine/model/qwen3_next/): the same states' interface
     "gated_deltanet": MixerKind(
-        lambda c, dt, shard, group: gated_deltanet.GatedDeltaNet(c.deltanet_dims, dt),
-        lambda c, n, dt, dev, world_size=1: gated_deltanet.allocate_states(  # one rank only
-            c.deltanet_dims, c.num_recurrent_layers, n, dt, dev
+        lambda c, dt, shard, group: gated_deltanet.GatedDeltaNet(
+            c.deltanet_dims.per_rank(shard.world_size), dt
+        ),
+        lambda c, n, dt, dev, world_size=1: gated_deltanet.allocate_states(
+            c.deltanet_dims.per_rank(world_size), c.num_recurrent_layers, n, dt, dev
         ),
         run_deltanet,
     ),

@@ -108,5 +108,8 @@ def test_per_rank_sizes_under_tensor_parallelism(tmp_path, capsys):
     assert "per rank of 2" in out
     with pytest.raises(ConfigError, match="3 does not divide the Mamba heads"):
         hybrid_size(GRANITE_4_LIKE, tensor_parallel_size=3)
-    with pytest.raises(ConfigError, match="qwen3_next is served on one rank only"):
-        hybrid_size(QWEN3_NEXT_LIKE, tensor_parallel_size=2)
+    deltanet = hybrid_size(QWEN3_NEXT_LIKE, tensor_parallel_size=2)  # 8 key, 16 value heads
+    conv = 36 * (2 * 8 * 128 + 16 * 128) * 3
+    assert deltanet.state_bytes("bfloat16") == conv * 2 + 36 * 16 * 128 * 128 * 4
+    with pytest.raises(ConfigError, match="32 does not divide the DeltaNet key heads"):
+        hybrid_size(QWEN3_NEXT_LIKE, tensor_parallel_size=32)
