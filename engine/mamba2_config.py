@@ -11,6 +11,7 @@ states with it (engine/kv/recurrent_size.py), the model builds its mixers with i
   ("*" attention, "-" MLP, "E" MoE).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,32 @@ class Mamba2Dims:
     @property
     def conv_dim(self) -> int:
         return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    def per_rank(self, world_size: int) -> "Mamba2Dims":
+        """One of `world_size` tensor-parallel ranks' mixer: its share of the heads and of the
+        groups, or the one group its heads read when the ranks outnumber the groups (each
+        group then replicated on world_size / num_groups ranks, as vLLM's MambaMixer2 does).
+        check_tensor_parallel (below) said first that they split."""
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // world_size,
+            num_groups=max(1, self.num_groups // world_size),
+        )
+
+    def first_group(self, rank: int, world_size: int) -> int:
+        """The first of the model's groups rank `rank`'s heads read."""
+        return rank * self.num_groups // world_size
+
+    def check_tensor_parallel(self, size: int) -> str | None:
+        """Why the mixer does not split over `size` ranks; None when it does."""
+        if self.num_heads % size:
+            return f"{size} does not divide the Mamba heads (mamba_n_heads {self.num_heads})"
+        if self.num_groups % size and size % self.num_groups:
+            return (
+                f"{size} neither divides nor is a multiple of the Mamba groups "
+                f"(mamba_n_groups {self.num_groups})"
+            )
+        return None
 
     def state_elements(self) -> int:
         """Elements of one sequence's state in one layer: conv plus SSM."""

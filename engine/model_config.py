@@ -10,9 +10,9 @@ from typing import Any
 
 from kvpager.engine.deepseek_family import deepseek_config
 from kvpager.engine.families.qwen3_5 import QWEN3_5_TYPES, qwen3_5_text_config
-from kvpager.engine.families.qwen3_next import QWEN3_NEXT, DeltaNetDims
+from kvpager.engine.families.qwen3_next import DeltaNetDims
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
-from kvpager.engine.mamba2_config import GRANITE_HYBRID, Mamba2Dims, granite_config
+from kvpager.engine.mamba2_config import Mamba2Dims, granite_config
 from kvpager.engine.model_families import SUPPORTED_MODEL_TYPES, family_fields, rope_params
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
@@ -264,9 +264,15 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        one_rank = (LLAMA4_TEXT, GRANITE_HYBRID, QWEN3_NEXT, *QWEN3_5_TYPES)
+        one_rank = (LLAMA4_TEXT, *QWEN3_5_TYPES)  # Qwen3.5's flat DeltaNet names have no spans
         if size > 1 and self.model_type in one_rank:
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
+        # recurrent mixers split by heads (engine/model/sharding.py: Mamba2Shard; Qwen3-Next's
+        # DeltaNet: engine/model/qwen3_next/sharded.py)
+        for dims in (self.mamba_dims, self.deltanet_dims):
+            why = dims.check_tensor_parallel(size) if dims is not None else None
+            if why is not None:
+                raise ConfigError(f"tensor_parallel_size: {why}")
         if self.num_heads % size:
             raise ConfigError(f"tensor_parallel_size: {size} does not divide {heads}")
         if self.num_kv_heads % size and size % self.num_kv_heads:

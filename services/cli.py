@@ -311,7 +311,7 @@ def _kv_size_recurrent(args: argparse.Namespace) -> bool:
     if not config_file.is_file():
         return False  # ModelConfig.from_path says why
     raw = json.loads(config_file.read_text())
-    size = hybrid_size(raw)
+    size = hybrid_size(raw, args.tensor_parallel_size or args.gpus or 1)
     if size is None:
         return False
     dtype = kv_cache_dtype_name(

@@ -20,6 +20,7 @@ them to the common fields; engine/model/qwen3_next/layer_pieces.py is how the de
   (engine/model/qwen3_next/shared_expert_moe.py).
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,21 @@ class DeltaNetDims:
     def conv_dim(self) -> int:
         """The short convolution runs over q | k | v."""
         return 2 * self.key_dim + self.value_dim
+
+    def per_rank(self, world_size: int) -> "DeltaNetDims":
+        """One of `world_size` tensor-parallel ranks' mixer: its key heads and their value
+        heads (engine/model/qwen3_next/sharded.py)."""
+        return dataclasses.replace(
+            self,
+            num_key_heads=self.num_key_heads // world_size,
+            num_value_heads=self.num_value_heads // world_size,
+        )
+
+    def check_tensor_parallel(self, size: int) -> str | None:
+        """Why the mixer does not split over `size` ranks; None when it does."""
+        if self.num_key_heads % size:
+            return f"{size} does not divide the DeltaNet key heads ({self.num_key_heads})"
+        return None
 
     def conv_elements(self) -> int:
         return self.conv_dim * (self.conv_kernel - 1)

@@ -43,9 +43,9 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
         experts += config.num_experts * (1 + 2 * expert_rows + hidden)
     attention += hidden if config.o_proj_bias else 0
     experts += 3 * hidden * (config.shared_expert_intermediate_size // size)  # Llama 4, DeepSeek
-    mixer = _mamba2_weights(config) if config.mamba_dims else 0  # TP refused
+    mixer = _mamba2_weights(config, size) if config.mamba_dims else 0
     if config.deltanet_dims is not None:  # Qwen3-Next: its q_proj's gate rows too
-        mixer = config.deltanet_dims.weight_elements()
+        mixer = config.deltanet_dims.per_rank(size).weight_elements()
         attention += q * (hidden + config.attention_bias)
     experts += hidden if config.shared_expert_gate else 0  # one gate row a MoE layer
     layers = sum(
@@ -71,9 +71,11 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     return (layers + embeddings) * element + norms * norm_element + sinks * dtype_bytes("float32")
 
 
-def _mamba2_weights(config: ModelConfig) -> int:
-    """Elements of a Mamba2 mixer (engine/model/mamba2.py; one rank) in place of attention."""
-    d, hidden = config.mamba_dims, config.hidden_size
+def _mamba2_weights(config: ModelConfig, size: int) -> int:
+    """Elements of a Mamba2 mixer (engine/model/mamba2.py) on one of `size` ranks (its heads,
+    its groups or the one it reads: engine/model/sharding.py, Mamba2Shard) in place of
+    attention."""
+    d, hidden = config.mamba_dims.per_rank(size), config.hidden_size
     inner, conv = d.intermediate_size, d.conv_dim
     proj = inner + conv + d.num_heads
     bias = (proj + hidden) if config.mamba_proj_bias else 0

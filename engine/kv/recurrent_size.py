@@ -10,8 +10,8 @@ A recurrent layer's state does not grow with the sequence (engine/kv/state_slots
 The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
 engine/model/mamba2.py holds them (the scan accumulates in float32).
 
-`kvpager kv-size` uses this for these model types: kvpager serves none of them end to end yet
-(docs/user/models.md), but sizing them is what plans a deployment.
+`kvpager kv-size` uses this for these model types; with --tensor-parallel-size, the sizes are
+one rank's (its heads' state, its KV heads).
 """
 
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwe
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
+from kvpager.schemas.errors import ConfigError
 
 DELTANET_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TYPES, *MULTIMODAL_TYPES)
 RECURRENT_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", *DELTANET_MODEL_TYPES)
@@ -34,6 +35,7 @@ class HybridSize:
     conv_elements: int  # per sequence, all recurrent layers
     ssm_elements: int  # per sequence, all recurrent layers
     kv_elements_per_token: int  # K and V, all attention layers
+    tensor_parallel_size: int = 1  # the sizes are one rank's (its heads') of this many
 
     def state_bytes(self, dtype: object) -> int:
         """One sequence's recurrent state: conv in `dtype`, SSM in float32."""
@@ -46,9 +48,11 @@ class HybridSize:
         state, per_token = self.state_bytes(dtype), self.kv_bytes_per_token(dtype)
         per_seq = state + per_token * tokens
         mib, gib = 1024**2, 1024**3
+        ranks = self.tensor_parallel_size
         return [
             f"{self.model_type}: {self.num_recurrent_layers} recurrent layers, "
-            f"{self.num_attention_layers} attention layers",
+            f"{self.num_attention_layers} attention layers"
+            + (f"; bytes below are per rank of {ranks} (its heads)" if ranks > 1 else ""),
             f"state bytes per sequence:  {state:,} ({state / mib:.2f} MiB; conv in "
             f"{str(dtype).removeprefix('torch.')}, SSM in float32; any length)",
             f"KV bytes per token:        {per_token:,} (attention layers only)",
@@ -58,11 +62,15 @@ class HybridSize:
         ]
 
 
-def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
-    """The sizes of a recurrent hybrid's config.json; None for other model types."""
-    model_type = raw.get("model_type", "")
+def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSize | None:
+    """The sizes of a recurrent hybrid's config.json (one of `tensor_parallel_size` ranks'
+    share: engine/model/sharding.py, Mamba2Shard); None for other model types."""
+    model_type, size = raw.get("model_type", ""), tensor_parallel_size
     if model_type in ("granitemoehybrid", "nemotron_h"):
         dims, layers = mamba2_dims(raw), mamba_layers(raw)
+        if (why := dims.check_tensor_parallel(size)) is not None:
+            raise ConfigError(f"tensor_parallel_size: {why}")
+        dims = dims.per_rank(size)
         recurrent = sum(layers)
         attention = (
             raw["hybrid_override_pattern"].count("*")
@@ -75,15 +83,19 @@ def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
             attention,
             recurrent * dims.conv_dim * (dims.conv_kernel - 1),
             recurrent * dims.num_heads * dims.head_dim * dims.state_size,
-            attention * _kv_per_layer(raw),
+            attention * _kv_per_layer(raw, size),
+            size,
         )
     if model_type in DELTANET_MODEL_TYPES:
-        return _deltanet(qwen3_5_text_config(raw))
+        return _deltanet(qwen3_5_text_config(raw), size)
     return None
 
 
-def _deltanet(raw: dict[str, Any]) -> HybridSize:
+def _deltanet(raw: dict[str, Any], size: int) -> HybridSize:
     dims, layers = deltanet_dims(raw), deltanet_layers(raw)
+    if (why := dims.check_tensor_parallel(size)) is not None:
+        raise ConfigError(f"tensor_parallel_size: {why}")
+    dims = dims.per_rank(size)
     recurrent = sum(layers)
     attention = len(layers) - recurrent
     return HybridSize(
@@ -92,11 +104,14 @@ def _deltanet(raw: dict[str, Any]) -> HybridSize:
         attention,
         recurrent * dims.conv_elements(),
         recurrent * dims.recurrent_elements(),
-        attention * _kv_per_layer(raw),
+        attention * _kv_per_layer(raw, size),
+        size,
     )
 
 
-def _kv_per_layer(raw: dict[str, Any]) -> int:
+def _kv_per_layer(raw: dict[str, Any], size: int = 1) -> int:
+    """K and V of one attention layer on one of `size` ranks (KV heads replicated past their
+    count, as ModelConfig.kv_heads_per_rank)."""
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    return 2 * raw.get("num_key_value_heads", heads) * head_dim
+    return 2 * max(1, raw.get("num_key_value_heads", heads) // size) * head_dim

@@ -121,8 +121,8 @@ class DecoderLayer(nn.Module):
         self.mixer, self.run_mixer = None, None
         if config.is_recurrent(layer_idx):
             kind = mixer_kind(config)
-            self.mixer, self.run_mixer = kind.build(config, dtype), kind.run
-        self.gated_attn, self.moe_block = build_pieces(config, layer_idx, dtype)  # Qwen3-Next
+            self.mixer, self.run_mixer = kind.build(config, dtype, self.shard, self.group), kind.run
+        self.gated_attn, self.moe_block = build_pieces(config, layer_idx, dtype, self.shard)
         regular = self.mla is None and self.mixer is None and self.gated_attn is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
@@ -187,13 +187,13 @@ class DecoderLayer(nn.Module):
         if self.mla is not None:
             attn = self.mla(h, rope.full, layer_cache, meta, ops, attention.scale,
                             (self.k_scale, self.v_scale))  # fmt: skip
-            attn = _all_reduce(self.group, attn)  # o_proj's columns are this rank's heads'
         elif self.mixer is not None:
             attn = self.run_mixer(self.mixer, h, layer_cache)
         elif self.gated_attn is not None:
             attn = self.gated_attn(h, *rope.full, attention, layer_cache, meta, ops)
         else:
             attn = self._attention(h, rope, attention, layer_cache, meta)
+        attn = _all_reduce(self.group, attn)  # each branch's out / o_proj: this rank's heads'
         if self.o_bias is not None:
             attn = attn + self.o_bias
         h, x = ops.add_rms_norm(
@@ -212,7 +212,7 @@ class DecoderLayer(nn.Module):
         return branch if m == 1.0 else branch * m
 
     def _attention(self, h, rope: "RopeRows", attention, layer_cache, meta) -> torch.Tensor:
-        """q|k|v, norms and RoPE, paged attention, o (all-reduced): [T, hidden]."""
+        """q|k|v, norms and RoPE, paged attention, o (this rank's part: [T, hidden])."""
         ops, num_tokens = self.ops, h.shape[0]
         q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self._head_norm(q.view(num_tokens, self.num_heads, self.head_dim), self.q_norm)
@@ -228,7 +228,7 @@ class DecoderLayer(nn.Module):
             q, k, v, layer_cache, meta, self.window, self.softcap, self.k_scale, self.v_scale,
             self.sinks,
         )  # fmt: skip
-        return _all_reduce(self.group, self.o_proj(attn.reshape(num_tokens, self.q_size)))
+        return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
     def _head_norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
         """Per-head RMSNorm of [T, heads, d] (Qwen3, Gemma 3), as rows of head_dim."""

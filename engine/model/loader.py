@@ -16,6 +16,7 @@ from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.kv_scales import read_kv_scales
 from kvpager.engine.model.qwen3_next.layer_pieces import PieceFill, piece_tensor
+from kvpager.engine.model.qwen3_next.sharded import piece_parts
 from kvpager.engine.model.sharding import MIXTRAL_NAMES, Part, Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
@@ -59,13 +60,15 @@ class Target(NamedTuple):
     """Where (part of) a checkpoint tensor goes: `param` rows from `offset` (of `expert`'s
     slice of a stacked expert parameter), read as `part` of the checkpoint tensor, then
     `transform`ed where the checkpoint's layout is not the parameter's (gpt-oss's stacked
-    experts, Llama 4's)."""
+    experts, Llama 4's). `dim` 1: the offset is along the parameter's second dim (a rank's
+    gate and up rows of Granite's stacked [E, 2I, H] experts)."""
 
     param: torch.Tensor | None
     offset: int
     part: Part
     expert: int | None = None
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    dim: int = 0
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
@@ -192,28 +195,51 @@ GRANITE_EXPERTS = {
 }
 
 
-def _granite_targets(layer, group: str, kind: str) -> list[Target] | None:
-    """Granite 4 hybrids (one rank): a Mamba layer's `mamba.*` into its mixer, the shared
-    MLP's fused gate|up and down, the experts' stacked tensors."""
+def _granite_targets(layer, group: str, kind: str, shard: Shard) -> list[Target] | None:
+    """Granite 4 hybrids: a Mamba layer's `mamba.*` into its mixer (a rank's heads:
+    engine/model/sharding.py, Mamba2Shard), the shared MLP's fused gate|up and down, the
+    experts' stacked tensors (a rank's rows of each, as the other families' MLPs and experts)."""
     if group == "mamba":
         if layer.mixer is None:
             return None
         param, transform = layer.mixer.checkpoint_params().get(kind, (None, None))
-        return None if param is None else [Target(param, 0, None, transform=transform)]
+        if param is None:
+            return None
+        return [Target(param, offset, part, transform=transform)
+                for offset, part in layer.mixer.shard.parts(kind)]  # fmt: skip
     if group == "shared_mlp":
-        params = {"input_linear.weight": layer.gate_up_weight,
-                  "output_linear.weight": layer.down_weight}  # fmt: skip
-        return [Target(params[kind], 0, None)] if kind in params else None
+        params = {"input_linear.weight": (layer.gate_up_weight, 0, 2),
+                  "output_linear.weight": (layer.down_weight, 1, 1)}  # fmt: skip
+        return _gate_up_rows(*params[kind], shard) if kind in params else None
     if layer.experts is None:
         return None
-    return [Target(getattr(layer.experts, GRANITE_EXPERTS[f"{group}.{kind}"]), 0, None)]
+    name = GRANITE_EXPERTS[f"{group}.{kind}"]
+    if name == "router":
+        return [Target(layer.experts.router, 0, None)]
+    stacked = (1, 2) if name == "gate_up" else (2, 1)  # [E, 2I, H] / [E, H, I]: (dim, pieces)
+    return _gate_up_rows(getattr(layer.experts, name), *stacked, shard)
+
+
+def _gate_up_rows(param: torch.Tensor, dim: int, pieces: int, shard: Shard) -> list[Target]:
+    """The rank's rows of each of `pieces` stacked along `dim` of a checkpoint tensor (gate,
+    then up; or down's one), each into its half of `param`'s `dim` (the whole at one rank)."""
+    if not shard.is_sharded:
+        return [Target(param, 0, None)]
+    width = param.shape[dim] // pieces  # the rank's rows of one piece
+    total = width * shard.world_size
+    stacked = param.dim() == 3  # the experts' [E, ...]: the offset is along dim 1
+    return [
+        Target(param, i * width, (dim, i * total + shard.rank * width,
+                                  i * total + (shard.rank + 1) * width), dim=int(stacked))
+        for i in range(pieces)
+    ]  # fmt: skip
 
 
 def _layer_targets(layer, name: str, shard: Shard, gemma: bool) -> list[Target] | None:
     """Targets of a per-layer HF weight name (after `layers.<i>.`), or None if it is not ours."""
     group, _, kind = name.partition(".")
     if group in ("mamba", "shared_mlp") or name in GRANITE_EXPERTS:
-        return _granite_targets(layer, group, kind)
+        return _granite_targets(layer, group, kind, shard)
     if group == "self_attn":
         return _attention_targets(layer, kind, shard)
     if group in ("mlp", "block_sparse_moe"):
@@ -266,30 +292,45 @@ def load_weights(model: Decoder, path: Path) -> int:
     for name, read in iter_slices(path):
         name = text_weight_name(name)
         if (piece := piece_tensor(model.layers, name.removeprefix("model."))) is not None:
-            tensor = read(None)
+            tensor = _read_parts(read, piece_parts(*piece, model.shard))
             num_bytes += tensor.numel() * tensor.element_size()
             pieces.load(*piece, tensor)
             continue
-        for param, offset, part, expert, transform in _targets(model, name) or ():
+        for param, offset, part, expert, transform, dim in _targets(model, name) or ():
             if param is None:
                 continue  # the tied lm_head
             tensor = read(part)
             num_bytes += tensor.numel() * tensor.element_size()
             tensor = tensor if transform is None else transform(tensor)
-            dest = param.data if expert is None else param.data[expert]
-            if tensor.shape[1:] != dest.shape[1:] or offset + tensor.shape[0] > dest.shape[0]:
-                raise CheckpointError(
-                    f"{name}: shape {tuple(tensor.shape)} does not fit the config"
-                )
             if zero_centred and "norm" in name:
                 tensor = tensor.to(model.embed_tokens.dtype).float() + 1.0
-            dest[offset : offset + tensor.shape[0]].copy_(tensor)
+            dest = param.data if expert is None else param.data[expert]
+            _place(name, dest, tensor, offset, dim)
             filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
     filled.update(pieces.filled())
     missing = [n for n, p in model.named_parameters() if filled.get(id(p)) != expected[id(p)]]
     if missing:
         raise CheckpointError(f"{path}: weights missing or incomplete for {missing[:5]}")
     return num_bytes
+
+
+def _place(name: str, dest: torch.Tensor, tensor: torch.Tensor, offset: int, dim: int) -> None:
+    """Copy `tensor` into `dest` from `offset` along `dim`, if it fits there."""
+    rows = tensor.shape[dim]
+    others = [n for i, n in enumerate(tensor.shape) if i != dim]
+    if (
+        others != [n for i, n in enumerate(dest.shape) if i != dim]
+        or offset + rows > dest.shape[dim]
+    ):
+        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit the config")
+    dest.narrow(dim, offset, rows).copy_(tensor)
+
+
+def _read_parts(read: Callable[[Part], torch.Tensor], parts: list[Part]) -> torch.Tensor:
+    """The spans of a tensor a rank reads (qwen3_next/sharded.py), joined along their dim."""
+    if len(parts) == 1:
+        return read(parts[0])
+    return torch.cat([read(part) for part in parts], dim=parts[0][0])
 
 
 def _vocab_padding(model: Decoder) -> dict[int, int]:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvpager.engine.mamba2_config import Mamba2Dims
+from kvpager.engine.model.sharding import Mamba2Shard
+from kvpager.engine.parallel.group import TensorParallel
 from kvpager.kernels.cpu_mamba2 import ssm_step_cpu
 from kvpager.kernels.mamba2_scan import causal_conv1d, ssm_scan_chunked
 
@@ -60,16 +62,17 @@ class RecurrentStates:
 
 class Mamba2Mixer(torch.nn.Module):
     def __init__(
-        self,
-        dims: Mamba2Dims,
-        dtype: torch.dtype,
-        bias: bool,
-        conv_bias: bool,
+        self, dims: Mamba2Dims, dtype: torch.dtype, bias: bool, conv_bias: bool,
+        shard: Mamba2Shard | None = None, group: TensorParallel | None = None,
         triton: bool | None = None,
-    ) -> None:
-        """`triton`: scan and step on the Triton kernels (None: on CUDA tensors)."""
+    ) -> None:  # fmt: skip
+        """`dims` the model's; under tensor parallelism the rank's `shard` of them (its heads:
+        engine/model/sharding.py, Mamba2Shard) and its `group`, for the norm's sums across
+        ranks. `triton`: scan and step on the Triton kernels (None: on CUDA tensors)."""
         super().__init__()
-        self.dims, self.triton = dims, triton
+        self.shard, self.group, self.triton = shard or Mamba2Shard(dims), group, triton
+        self.dims = dims = self.shard.dims
+        self.adds_out_bias = self.shard.rank == 0  # out_proj's bias once, before the all-reduce
         proj = dims.intermediate_size + dims.conv_dim + dims.num_heads
 
         def param(*shape: int) -> torch.nn.Parameter:
@@ -204,9 +207,11 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.dims
         y = y * F.silu(gate.float())
         grouped = y.view(y.shape[0], d.num_groups, -1)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
+        mean_square = self.shard.group_mean_square(grouped, self.group)
+        grouped = grouped * torch.rsqrt(mean_square + d.eps)
         y = self.norm_weight * grouped.view_as(y)  # scaled in fp32, rounded once (as transformers)
-        return F.linear(y.to(dtype), self.out_proj, self.out_proj_bias)
+        bias = self.out_proj_bias if self.adds_out_bias else None
+        return F.linear(y.to(dtype), self.out_proj, bias)
 
 
 def _snapshot(states: tuple[torch.Tensor, torch.Tensor], slot: int, copies: list[int]) -> None:

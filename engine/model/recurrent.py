@@ -16,6 +16,7 @@ import torch
 from kvpager.engine.model.mamba2 import Mamba2Mixer, RecurrentStates
 from kvpager.engine.model.qwen3_next import gated_deltanet
 from kvpager.engine.model.qwen3_next.layer_pieces import run_deltanet
+from kvpager.engine.model.sharding import Mamba2Shard, Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import CheckpointError
 
@@ -45,19 +46,26 @@ class RecurrentLayerCache(NamedTuple):
 
 
 class MixerKind(NamedTuple):
-    build: Callable[[ModelConfig, torch.dtype], torch.nn.Module]
-    allocate: Callable[[ModelConfig, int, torch.dtype, torch.device], Any]
+    # (config, dtype, the rank's Shard, its TensorParallel group or None)
+    build: Callable[[ModelConfig, torch.dtype, Shard, Any], torch.nn.Module]
+    # (config, slots, dtype, device, world size): a rank's states hold only its heads'
+    allocate: Callable[[ModelConfig, int, torch.dtype, torch.device, int], Any]
     run: Callable[[torch.nn.Module, torch.Tensor, RecurrentLayerCache], torch.Tensor]
 
 
-def _build_mamba2(config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-    return Mamba2Mixer(config.mamba_dims, dtype, config.mamba_proj_bias, config.mamba_conv_bias)
-
-
-def _allocate_mamba2(config: ModelConfig, num_slots: int, dtype, device) -> RecurrentStates:
-    return RecurrentStates.allocate(
-        config.mamba_dims, config.num_recurrent_layers, num_slots, dtype, device
+def _build_mamba2(config: ModelConfig, dtype: torch.dtype, shard: Shard, group) -> Mamba2Mixer:
+    dims = config.mamba_dims
+    mixer_shard = Mamba2Shard(dims, shard.rank, shard.world_size)
+    return Mamba2Mixer(
+        dims, dtype, config.mamba_proj_bias, config.mamba_conv_bias, mixer_shard, group
     )
+
+
+def _allocate_mamba2(
+    config: ModelConfig, num_slots: int, dtype, device, world_size: int = 1
+) -> RecurrentStates:
+    dims = config.mamba_dims.per_rank(world_size)
+    return RecurrentStates.allocate(dims, config.num_recurrent_layers, num_slots, dtype, device)
 
 
 def _run_mamba2(mixer, hidden: torch.Tensor, cache: RecurrentLayerCache) -> torch.Tensor:
@@ -70,9 +78,11 @@ MIXERS: dict[str, MixerKind] = {
     "mamba2": MixerKind(_build_mamba2, _allocate_mamba2, _run_mamba2),
     # Qwen3-Next's gated DeltaNet (engine/model/qwen3_next/): the same states' interface
     "gated_deltanet": MixerKind(
-        lambda c, dt: gated_deltanet.GatedDeltaNet(c.deltanet_dims, dt),
-        lambda c, n, dt, dev: gated_deltanet.allocate_states(
-            c.deltanet_dims, c.num_recurrent_layers, n, dt, dev
+        lambda c, dt, shard, group: gated_deltanet.GatedDeltaNet(
+            c.deltanet_dims.per_rank(shard.world_size), dt
+        ),
+        lambda c, n, dt, dev, world_size=1: gated_deltanet.allocate_states(
+            c.deltanet_dims.per_rank(world_size), c.num_recurrent_layers, n, dt, dev
         ),
         run_deltanet,
     ),
@@ -85,11 +95,14 @@ def mixer_kind(config: ModelConfig) -> MixerKind:
     return MIXERS[config.recurrent_mixer]
 
 
-def allocate_states(config: ModelConfig, num_slots: int, dtype: torch.dtype, device) -> Any:
-    """Every recurrent layer's states for `num_slots` sequences; None for other models."""
+def allocate_states(
+    config: ModelConfig, num_slots: int, dtype: torch.dtype, device, world_size: int = 1
+) -> Any:
+    """Every recurrent layer's states for `num_slots` sequences (one of `world_size` ranks'
+    share of them); None for other models."""
     if not config.num_recurrent_layers:
         return None
-    return mixer_kind(config).allocate(config, num_slots, dtype, device)
+    return mixer_kind(config).allocate(config, num_slots, dtype, device, world_size)
 
 
 def state_indices(config: ModelConfig) -> list[int]:

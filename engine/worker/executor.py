@@ -81,7 +81,7 @@ class Executor:
         self._allocate_caches()
         # recurrent layers' states (engine/worker/state_cache.py); None for other models
         self.state_cache = make_state_cache(
-            config, model_config, self.dtype, self.device, self.kv_cache
+            config, model_config, self.dtype, self.device, self.kv_cache, size
         )
         self.disk = open_disk(
             config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows,

@@ -32,21 +32,24 @@ def make_state_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache: torch.Tensor,
+    world_size: int = 1,
 ) -> "StateCache | None":
     """A slot per sequence that can run at once (a fork finds one: engine/kv/state_slots.py);
-    None for a model without recurrent layers."""
+    None for a model without recurrent layers. One of `world_size` tensor-parallel ranks
+    holds its heads' share of each slot (as of the KV cache: the snapshot count is the same
+    on every rank)."""
     if not model_config.num_recurrent_layers:
         return None
     if config.speculative_config is not None:
         # a rejected draft token would stay in the state: there is no rolling it back
         raise ConfigError("speculative_config: not with recurrent (Mamba2) layers")
     num_slots = config.max_num_seqs
-    one = allocate_states(model_config, 1, dtype, "meta")
+    one = allocate_states(model_config, 1, dtype, "meta", world_size)
     slot_bytes = sum(t.numel() * t.element_size() for t in (one.conv, one.ssm))
     kv_bytes = kv_cache.numel() * kv_cache.element_size()
     by_bytes = max(int(SNAPSHOT_SHARE * kv_bytes) // slot_bytes, num_slots)
     num_snapshots = min(kv_cache.shape[2], by_bytes)
-    states = allocate_states(model_config, num_slots + num_snapshots, dtype, device)
+    states = allocate_states(model_config, num_slots + num_snapshots, dtype, device, world_size)
     return StateCache(states, num_slots, num_snapshots, slot_bytes)
 
 

@@ -49,9 +49,12 @@ class GatedAttention(nn.Module):
 
     def __init__(
         self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-        dtype: torch.dtype, bias: bool = False,
+        dtype: torch.dtype, bias: bool = False, adds_o_bias: bool = True,
     ) -> None:  # fmt: skip
+        """`num_heads` / `num_kv_heads`: a tensor-parallel rank's; `adds_o_bias` on one rank
+        only (o_proj's output is all-reduced)."""
         super().__init__()
+        self.adds_o_bias = adds_o_bias
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = (
             num_heads, num_kv_heads, head_dim, eps,
         )  # fmt: skip
@@ -100,7 +103,8 @@ class GatedAttention(nn.Module):
         q, k = self._head_norm(ops, q, self.q_norm), self._head_norm(ops, k, self.k_norm)
         q, k = partial_rotary(ops, q, k, cos, sin)
         attn = attention(q, k, v, layer_cache, meta).reshape(num_tokens, -1)
-        return F.linear(attn * torch.sigmoid(gate), self.o_proj, self.o_bias)
+        o_bias = self.o_bias if self.adds_o_bias else None
+        return F.linear(attn * torch.sigmoid(gate), self.o_proj, o_bias)
 
     def _head_norm(self, ops: KernelOps, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.head_dim)

@@ -9,24 +9,28 @@ import torch
 from kvpager.engine.model.qwen3_next.gated_attention import GatedAttention
 from kvpager.engine.model.qwen3_next.gated_deltanet import GatedDeltaNet
 from kvpager.engine.model.qwen3_next.shared_expert_moe import SharedExpertMoe
+from kvpager.engine.model.sharding import Shard
 from kvpager.engine.model_config import ModelConfig
 from torch import nn
 
 
 def build_pieces(
-    config: ModelConfig, layer_idx: int, dtype: torch.dtype
+    config: ModelConfig, layer_idx: int, dtype: torch.dtype, shard: Shard
 ) -> tuple[GatedAttention | None, SharedExpertMoe | None]:
     """The layer's gated attention (a full-attention layer of a gated model) and its
-    shared-expert MoE (a MoE layer with a gated shared expert); None where it has neither."""
+    shared-expert MoE (a MoE layer with a gated shared expert), at the rank's `shard` of the
+    heads and intermediate rows (sharded.py); None where it has neither."""
     attention = None
     if config.attn_output_gate and not config.is_recurrent(layer_idx):
         attention = GatedAttention(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            config.rms_norm_eps, dtype, config.attention_bias,
+            config.hidden_size, shard.num_heads, shard.num_kv_heads, config.head_dim,
+            config.rms_norm_eps, dtype, config.attention_bias, adds_o_bias=shard.rank == 0,
         )  # fmt: skip
     moe = None
     if config.shared_expert_gate and config.is_sparse(layer_idx):
-        moe = SharedExpertMoe(config, config.shared_expert_intermediate_size, dtype)
+        moe = SharedExpertMoe(
+            config, shard.shared_expert_intermediate_size, dtype, shard.expert_intermediate_size
+        )
     return attention, moe
 
 

@@ -22,9 +22,14 @@ def gate_shared_expert(h: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor
 class SharedExpertMoe(nn.Module):
     """Routed experts plus a gated shared expert: h [T, hidden] -> [T, hidden]."""
 
-    def __init__(self, config: ModelConfig, shared_intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, shared_intermediate: int, dtype: torch.dtype,
+        expert_intermediate: int | None = None,
+    ) -> None:  # fmt: skip
+        """The intermediate widths: a tensor-parallel rank's rows (the model's by default)."""
         super().__init__()
-        self.experts = RoutedExperts(config, config.moe_intermediate_size, dtype)
+        width = expert_intermediate or config.moe_intermediate_size
+        self.experts = RoutedExperts(config, width, dtype)
         hidden, self.shared_intermediate = config.hidden_size, shared_intermediate
 
         def param(*shape: int) -> nn.Parameter:

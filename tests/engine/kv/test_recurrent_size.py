@@ -4,9 +4,11 @@ against the state tensors' own shapes (engine/model/mamba2.py) and by `kvpager k
 
 import json
 
+import pytest
 import torch
 from kvpager.engine.kv.recurrent_size import hybrid_size
 from kvpager.engine.model.mamba2 import Mamba2Dims, RecurrentStates
+from kvpager.schemas.errors import ConfigError
 
 GRANITE_4_LIKE = {  # Granite 4.0 H Small's shape: 36 Mamba2 layers, 4 attention layers
     "model_type": "granitemoehybrid",
@@ -89,3 +91,25 @@ def test_kv_size_command_reports_state_bytes(tmp_path, capsys):
     state = hybrid_size(GRANITE_4_LIKE).state_bytes("bfloat16")
     assert f"state bytes per sequence:  {state:,}" in out
     assert "36 recurrent layers, 4 attention layers" in out
+
+
+def test_per_rank_sizes_under_tensor_parallelism(tmp_path, capsys):
+    """A rank's state holds its 64 heads and the one group (replicated); its KV heads half."""
+    from kvpager.services.cli import main
+
+    size = hybrid_size(GRANITE_4_LIKE, tensor_parallel_size=2)
+    assert size.state_bytes("bfloat16") == 36 * ((4096 + 2 * 128) * 3 * 2 + 64 * 64 * 128 * 4)
+    assert size.kv_bytes_per_token("bfloat16") == 4 * 2 * 4 * 128 * 2
+    (tmp_path / "config.json").write_text(json.dumps(GRANITE_4_LIKE))
+    args = ["kv-size", str(tmp_path), "--tensor-parallel-size", "2", "--budget-gib", "40"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"state bytes per sequence:  {size.state_bytes('bfloat16'):,}" in out
+    assert "per rank of 2" in out
+    with pytest.raises(ConfigError, match="3 does not divide the Mamba heads"):
+        hybrid_size(GRANITE_4_LIKE, tensor_parallel_size=3)
+    deltanet = hybrid_size(QWEN3_NEXT_LIKE, tensor_parallel_size=2)  # 8 key, 16 value heads
+    conv = 36 * (2 * 8 * 128 + 16 * 128) * 3
+    assert deltanet.state_bytes("bfloat16") == conv * 2 + 36 * 16 * 128 * 128 * 4
+    with pytest.raises(ConfigError, match="32 does not divide the DeltaNet key heads"):
+        hybrid_size(QWEN3_NEXT_LIKE, tensor_parallel_size=32)
