@@ -179,7 +179,8 @@ class StepCheck:
         num_rows = cap.num_state_slots + cap.num_snapshot_slots
         to_host, from_host = step.state_to_host, step.state_from_host
         _in_range([row for row, _ in to_host], num_rows, "state rows to the host")
-        _in_range([row for _, row in to_host + from_host], num_host, "host state rows")
+        host_rows = [row for _, row in to_host] + [row for row, _ in from_host]
+        _in_range(host_rows, num_host, "host state rows")
         written = {row for _, row in to_host}
         _require(len(written) == len(to_host), "host state row: written twice in a step")
         _require(not written & {row for row, _ in from_host}, "host state row: read as written")
