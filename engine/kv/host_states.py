@@ -19,6 +19,22 @@ step's `to_host` copies never overwrite what its `from_host` copies read.
 from collections import OrderedDict
 
 
+def take_lru_row(
+    by_hash: OrderedDict[bytes, int], free_rows: list[int], busy: set[int], block_hash: bytes
+) -> int | None:
+    """A row for `block_hash`'s snapshot: a free one, else the least recently used one not
+    `busy` (used by the step being planned); None when every row is busy. Marks it busy."""
+    if not free_rows:
+        oldest = next((h for h, row in by_hash.items() if row not in busy), None)
+        if oldest is None:
+            return None
+        free_rows.append(by_hash.pop(oldest))
+    row = free_rows.pop()
+    by_hash[block_hash] = row
+    busy.add(row)
+    return row
+
+
 class HostSwapRows:
     """Host rows for swapped-out sequences' states, one per sequence."""
 
@@ -75,17 +91,7 @@ class HostSnapshots:
         """A row for the snapshot of a block leaving the device (None: not kept)."""
         if block_hash in self.by_hash or not self.in_lower_tier(block_hash):
             return None
-        if not self.free_rows:
-            oldest = next(
-                (h for h, r in self.by_hash.items() if r not in self.used_this_step), None
-            )
-            if oldest is None:
-                return None
-            self.free_rows.append(self.by_hash.pop(oldest))
-        row = self.free_rows.pop()
-        self.by_hash[block_hash] = row
-        self.used_this_step.add(row)
-        return row
+        return take_lru_row(self.by_hash, self.free_rows, self.used_this_step, block_hash)
 
     def read(self, block_hash: bytes) -> int:
         """The row a hit resumes from; kept from eviction for the rest of the step."""

@@ -21,7 +21,7 @@ the deepest.
 from collections import OrderedDict
 
 from kvpager.engine.kv.block_hash import update_block_hashes
-from kvpager.engine.kv.host_states import HostSnapshots
+from kvpager.engine.kv.host_states import HostSnapshots, take_lru_row
 from kvpager.engine.request import Request
 
 
@@ -103,17 +103,9 @@ class StateSnapshots:
         return to_host
 
     def _take(self, block_hash: bytes) -> int | None:
-        if not self.free_slots:  # every slot held: the least recently used, of earlier steps
-            oldest = next(
-                (h for h, s in self.by_hash.items() if s not in self.taken_this_step), None
-            )
-            if oldest is None:
-                return None
-            self.free_slots.append(self.by_hash.pop(oldest))
-        slot = self.free_slots.pop()
-        self.by_hash[block_hash] = slot
-        self.taken_this_step.add(slot)
-        self.num_taken += 1
+        # every slot held: the least recently used, of earlier steps
+        slot = take_lru_row(self.by_hash, self.free_slots, self.taken_this_step, block_hash)
+        self.num_taken += slot is not None
         return slot
 
     def check_invariants(self) -> None:
