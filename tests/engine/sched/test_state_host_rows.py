@@ -8,11 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-from kvpager.engine.request import RequestStatus
+from kvpager.engine.request import Request, RequestStatus
 from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.engine.worker.step_check import Capacity, StepCheck
 from kvpager.schemas.errors import InvalidStepError
 from kvpager.schemas.executor import NewRequest, ScheduledStep
+from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.sampling import SamplingParams
 
 from tests.engine.sched.test_scheduler import add, make_scheduler, run_step
@@ -110,3 +111,16 @@ A = dict(num_scheduled_tokens={"a": 4}, state_slots={"a": 0})
 def test_bad_host_copies_are_refused(step):
     with pytest.raises(InvalidStepError, match="state"):
         check(step)
+
+
+def test_a_kv_import_recomputes_on_a_recurrent_model():
+    """Handed-on blocks carry no recurrent state: the continuation recomputes its prompt."""
+    scheduler = make_scheduler(num_blocks=8, num_state_slots=2)
+    request = Request(
+        "a", list(range(10, 19)), SamplingParams(max_tokens=2), eos_token_ids=(2,),
+        kv_import=KvHandoff("t", "peer", "agent", [[0, 1]], 8),
+    )  # fmt: skip
+    scheduler.add_request(request)
+    step = run_step(scheduler)
+    assert not step.kv_pulls and step.num_scheduled_tokens == {"a": 9}
+    drain(scheduler)
