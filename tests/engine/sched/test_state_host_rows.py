@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from kvpager.engine.kv.block_hash import prompt_block_hashes
 from kvpager.engine.request import Request, RequestStatus
 from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.engine.worker.step_check import Capacity, StepCheck
@@ -123,4 +124,35 @@ def test_a_kv_import_recomputes_on_a_recurrent_model():
     scheduler.add_request(request)
     step = run_step(scheduler)
     assert not step.kv_pulls and step.num_scheduled_tokens == {"a": 9}
+    drain(scheduler)
+
+
+def submit(scheduler, request_id: str, first_token: int) -> Request:
+    tokens = list(range(first_token, first_token + 13))  # 3 full blocks of 4, and one token
+    request = Request(request_id, tokens, SamplingParams(max_tokens=1), eos_token_ids=(2,))
+    scheduler.add_request(request)
+    return request
+
+
+def test_snapshots_follow_their_blocks_to_the_cpu_tier_and_back():
+    scheduler = make_scheduler(
+        num_blocks=6, max_num_seqs=2, enable_prefix_caching=True, num_state_slots=2,
+        num_snapshot_slots=6, state_slot_bytes=100, num_cpu_blocks=16,
+        num_host_snapshot_slots=4,
+    )  # fmt: skip
+    manager = scheduler.block_manager
+    to_host = []
+    for request_id, first_token in [("a", 100), ("b", 200), ("c", 300)]:
+        submit(scheduler, request_id, first_token)
+        while scheduler.has_unfinished:
+            to_host += run_step(scheduler).state_to_host
+    hashes = prompt_block_hashes(list(range(100, 113)), 4)
+    assert all(h in manager.cpu.cached and h not in manager.cached for h in hashes)
+    assert len(to_host) >= 3 and all(h in manager.snapshots.host.by_hash for h in hashes)
+    again = submit(scheduler, "a2", 100)
+    step = run_step(scheduler)
+    slot, row = step.state_slots["a2"], manager.snapshots.host.by_hash[hashes[-1]]
+    assert step.state_from_host == [(row, slot)] and slot not in step.state_resets
+    assert again.num_cached_tokens == 12 and step.num_scheduled_tokens == {"a2": 1}
+    assert manager.snapshots.host.num_hits == 1
     drain(scheduler)
