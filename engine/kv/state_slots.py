@@ -185,8 +185,8 @@ class RecurrentBlockManager:
         self.slots.release(request.seq_id)  # reusable now: to_host is copied first
 
     def swap_in(self, request: Request):
-        """The inner manager's, plus a slot the host row is copied back into (zeroed if
-        the request held none: its blocks were imported, its state computes anew)."""
+        """The inner manager's, plus a slot its host row is copied back into (zeroed if it
+        holds none; kv_moves.py recomputes KV imports on recurrent models, so none does)."""
         table = self.inner.swap_in(request)
         assert self.slots.num_free, "swap-in without a free state slot"
         slot = self.slots.take(request.seq_id)
