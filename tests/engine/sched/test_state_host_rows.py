@@ -156,3 +156,23 @@ def test_snapshots_follow_their_blocks_to_the_cpu_tier_and_back():
     assert again.num_cached_tokens == 12 and step.num_scheduled_tokens == {"a2": 1}
     assert manager.snapshots.host.num_hits == 1
     drain(scheduler)
+
+
+def test_host_snapshots_are_bounded_and_go_with_their_blocks():
+    """Two host rows for many evicted blocks: the least recently used go first, and a block
+    the small CPU pool drops (no disk tier) takes its host snapshot with it."""
+    scheduler = make_scheduler(
+        num_blocks=6, max_num_seqs=2, enable_prefix_caching=True, num_state_slots=2,
+        num_snapshot_slots=6, state_slot_bytes=100, num_cpu_blocks=4,
+        num_host_snapshot_slots=2,
+    )  # fmt: skip
+    host = scheduler.block_manager.snapshots.host
+    cpu = scheduler.block_manager.cpu
+    for idx in range(6):
+        submit(scheduler, f"r{idx}", 100 * (idx + 1))
+        while scheduler.has_unfinished:
+            run_step(scheduler)
+            assert host.num_held <= 2
+            assert all(h in cpu.cached or h in scheduler.block_manager.cached for h in host.by_hash)
+    assert host.num_held == 2
+    drain(scheduler)
