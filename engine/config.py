@@ -168,6 +168,10 @@ class CacheConfig:
     # the state rows past those holding prefix snapshots (engine/kv/state_snapshots.py)
     num_snapshot_slots: int = 0
     state_slot_bytes: int = 0  # one state row's bytes (stats)
+    # host rows of the state (engine/kv/host_states.py): for swapped-out sequences, and for
+    # snapshots of prefix blocks on the CPU and disk tiers
+    num_host_state_slots: int = 0
+    num_host_snapshot_slots: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:

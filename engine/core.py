@@ -269,6 +269,8 @@ def check_ready(ready: ExecutorReady) -> None:
         "num_state_slots": (ready.num_state_slots, 0, 65536),
         "num_snapshot_slots": (ready.num_snapshot_slots, 0, MAX_BLOCKS),
         "state_slot_bytes": (ready.state_slot_bytes, 0, 2**40),
+        "num_host_state_slots": (ready.num_host_state_slots, 0, 65536),
+        "num_host_snapshot_slots": (ready.num_host_snapshot_slots, 0, MAX_BLOCKS),
     }
     for name, (value, low, high) in sizes.items():
         if not low <= value <= high:
@@ -291,6 +293,8 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         num_state_slots=ready.num_state_slots,
         num_snapshot_slots=ready.num_snapshot_slots,
         state_slot_bytes=ready.state_slot_bytes,
+        num_host_state_slots=ready.num_host_state_slots,
+        num_host_snapshot_slots=ready.num_host_snapshot_slots,
     )
     limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

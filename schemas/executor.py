@@ -101,6 +101,11 @@ class ScheduledStep(msgspec.Struct, array_like=True, omit_defaults=True):
     # before the pass; (seq id, offset in its step tokens, snapshot slot) copied out during it
     state_restores: list[tuple[int, int]] = []
     state_snapshots: list[tuple[str, int, int]] = []
+    # host rows of the state (engine/kv/host_states.py), copied first of all: (device row,
+    # host row) for swap-outs and snapshots leaving the device, then (host row, sequence
+    # slot) for swap-ins and restores from host snapshots
+    state_to_host: list[tuple[int, int]] = []
+    state_from_host: list[tuple[int, int]] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

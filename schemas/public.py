@@ -277,6 +277,13 @@ class Stats(msgspec.Struct, kw_only=True):
         int, Meta(description="state snapshots held, one per cached block boundary")
     ] = 0
     state_snapshot_bytes: Annotated[int, Meta(description="their bytes on the executor")] = 0
+    num_host_state_snapshots: Annotated[
+        int, Meta(description="state snapshots of blocks on the CPU or disk tier, in host memory")
+    ] = 0
+    host_state_snapshot_bytes: Annotated[int, Meta(description="their bytes in host memory")] = 0
+    host_state_snapshot_hits: Annotated[
+        int, Meta(description="prefix hits resumed from a snapshot in host memory")
+    ] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

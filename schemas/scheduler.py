@@ -151,6 +151,10 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     # bytes (engine/kv/state_snapshots.py)
     num_snapshot_slots: int = 0
     state_slot_bytes: int = 0
+    # host rows of the state (engine/kv/host_states.py): swapped-out sequences' states, then
+    # snapshots of prefix blocks on the CPU and disk tiers
+    num_host_state_slots: int = 0
+    num_host_snapshot_slots: int = 0
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):

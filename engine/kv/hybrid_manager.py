@@ -33,6 +33,7 @@ def make_block_manager(
     num_state_slots: int = 0,
     num_snapshot_slots: int = 0,
     state_slot_bytes: int = 0,
+    host_state_rows: tuple[int, int] = (0, 0),
 ) -> "BlockManager | HybridBlockManager | RecurrentBlockManager":
     """One group (every model whose layers attend alike): today's BlockManager, with its
     window if every layer slides. Several: a HybridBlockManager. With recurrent layers
@@ -41,7 +42,9 @@ def make_block_manager(
         inner = make_block_manager(
             num_blocks, block_size, enable_prefix_caching, num_cpu_blocks, windows, enable_disk
         )
-        return RecurrentBlockManager(inner, num_state_slots, num_snapshot_slots, state_slot_bytes)
+        return RecurrentBlockManager(
+            inner, num_state_slots, num_snapshot_slots, state_slot_bytes, host_state_rows
+        )
     if len(windows) <= 1:
         window = windows[0] if windows else 0
         return BlockManager(

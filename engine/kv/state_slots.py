@@ -12,22 +12,27 @@ group or a HybridBlockManager for the attention layers), with its interface:
 - admission: a request that holds no slot takes one with its first blocks, or none is taken
   and it waits (allocate_slots returns None), as when blocks run out;
 - finish, abort and recompute preemption free the slot (a recompute restarts from zeros);
-- swap preemption is refused (can_swap_out is False: the scheduler then recomputes). A state
-  is megabytes per sequence for Granite-4-sized models; carrying it through the CPU pool is
-  left for later (docs/user/models.md says so);
+- swap preemption carries the state: the slot's rows (every recurrent layer's tensors) are
+  copied into a host row held for the sequence and the slot is freed; a swap-in takes a slot
+  and copies the row back (`StateOps.to_host`, `from_host`; engine/kv/host_states.py). The
+  host rows are a bounded pool sized from the swap space: with none free, or none at all,
+  can_swap_out is False and the scheduler recomputes, as when the CPU pool is full;
 - fork (n > 1, beams) gives the child a slot of its own, not zeroed: the executor copies the
   parent's state into it as it applies the fork (ScheduledStep.state_slots names both);
   `take_state_ops` hands over the slots to zero;
 - prefix caching keeps state snapshots at block boundaries (engine/kv/state_snapshots.py): a
   hit is cut back to the deepest block with one, and the new slot is restored from it
   (`StateOps.restore`) instead of zeroed. Without snapshot slots prefix caching is off; the
-  manager logs why once.
+  manager logs why once. A block leaving the device for the CPU tier or the disk tier takes
+  its snapshot along into a host row, so a hit there resumes from the deepest snapshot on any
+  tier (`from_host` into the new slot).
 The pool holds `num_slots` slots; sized to at least max_num_seqs, a fork always finds one.
 """
 
 from dataclasses import dataclass, field
 
 import structlog
+from kvpager.engine.kv.host_states import HostSnapshots, HostSwapRows
 from kvpager.engine.kv.state_snapshots import StateSnapshots
 from kvpager.engine.request import Request
 from kvpager.schemas.errors import ConfigError
@@ -43,6 +48,10 @@ class StateOps:
     restore: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, slot) copies
     # (seq id, offset in its step tokens, snapshot slot): the state there copied out
     snapshots: list[tuple[str, int, int]] = field(default_factory=list)
+    # host rows (engine/kv/host_states.py), first of all: swap-outs and snapshots of blocks
+    # leaving the device, then swap-ins and restores from host snapshots
+    to_host: list[tuple[int, int]] = field(default_factory=list)  # (device row, host row)
+    from_host: list[tuple[int, int]] = field(default_factory=list)  # (host row, device slot)
 
 
 class StateSlots:
@@ -86,15 +95,24 @@ class RecurrentBlockManager:
     the module docstring). Everything not about slots is the inner manager's."""
 
     def __init__(
-        self, inner, num_slots: int, num_snapshot_slots: int = 0, slot_bytes: int = 0
+        self,
+        inner,
+        num_slots: int,
+        num_snapshot_slots: int = 0,
+        slot_bytes: int = 0,
+        host_rows: tuple[int, int] = (0, 0),
     ) -> None:
+        """`host_rows`: the executor's host rows for swapped states and for snapshots."""
         self.inner = inner
         self.slots = StateSlots(num_slots)
+        self.host_swap = HostSwapRows(host_rows[0])
         self.snapshots = None
         if inner.enable_prefix_caching and num_snapshot_slots:
             self.snapshots = StateSnapshots(
                 num_slots, num_snapshot_slots, inner.block_size, inner.pool, slot_bytes
             )
+            if host_rows[1] and inner.cpu.enabled:
+                self.snapshots.host = HostSnapshots(host_rows[0], host_rows[1], inner.pool)
         elif inner.enable_prefix_caching:
             log.info(
                 "prefix caching off",
@@ -138,8 +156,10 @@ class RecurrentBlockManager:
             num_hit_blocks = self.inner.num_hit_blocks(hits) if hits else 0
             if num_hit_blocks:  # resumes from the snapshot at the hit's end, not from zeros
                 self.slots.ops.reset.remove(slot)
-                source = self.snapshots.restore_source(request, num_hit_blocks)
-                self.slots.ops.restore.append((source, slot))
+                source, on_host = self.snapshots.restore_source(request, num_hit_blocks)
+                (self.slots.ops.from_host if on_host else self.slots.ops.restore).append(
+                    (source, slot)
+                )
         return new_ids
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -152,24 +172,49 @@ class RecurrentBlockManager:
     def free(self, request: Request) -> None:
         self.inner.free(request)
         self.slots.release(request.seq_id)
+        self.host_swap.give_back(request.seq_id)  # one swapped out, finished or aborted
 
     def can_swap_out(self, request: Request) -> bool:
-        return False  # the state does not travel through the CPU pool yet: recompute
+        """The blocks fit the CPU pool and the state a host row."""
+        return self.host_swap.num_free > 0 and self.inner.can_swap_out(request)
+
+    def swap_out(self, request: Request) -> None:
+        self.inner.swap_out(request)
+        host_row = self.host_swap.take(request.seq_id)
+        self.slots.ops.to_host.append((self.slots.owner[request.seq_id], host_row))
+        self.slots.release(request.seq_id)  # reusable now: to_host is copied first
+
+    def swap_in(self, request: Request):
+        """The inner manager's, plus a slot its host row is copied back into (zeroed if it
+        holds none; kv_moves.py recomputes KV imports on recurrent models, so none does)."""
+        table = self.inner.swap_in(request)
+        assert self.slots.num_free, "swap-in without a free state slot"
+        slot = self.slots.take(request.seq_id)
+        host_row = self.host_swap.give_back(request.seq_id)
+        if host_row is not None:
+            self.slots.ops.reset.remove(slot)
+            self.slots.ops.from_host.append((host_row, slot))
+        return table
 
     def take_state_ops(self, scheduled: list[tuple[Request, int, int]] = ()) -> StateOps:
         """The step's slot operations; with snapshots, those of the block boundaries the
         `scheduled` (request, first computed token, token count) cross."""
         ops = self.slots.take_ops()
         if self.snapshots is not None:
-            self.snapshots.sweep()
+            ops.to_host += self.snapshots.sweep()
             for request, start, num_tokens in scheduled:
                 for offset, slot in self.snapshots.plan(request, start, num_tokens):
                     ops.snapshots.append((request.seq_id, offset, slot))
+            if self.snapshots.host is not None:
+                self.snapshots.host.end_step()
+        self.host_swap.end_step()
         return ops
 
     def check_invariants(self) -> None:
         self.inner.check_invariants()
         self.slots.check_invariants()
+        self.host_swap.check_invariants()
+        assert set(self.host_swap.owner) <= set(self.inner.swapped_tables), "a lost host row"
         if self.snapshots is not None:
             self.snapshots.check_invariants()
         tables = self.inner.block_tables

@@ -178,7 +178,9 @@ class KvMoves:
     def _import_fits(self, request: Request, source: KvHandoff) -> bool:
         num_blocks = -(-source.num_computed_tokens // self.cache_config.block_size)
         return (
-            0 < source.num_computed_tokens < request.num_tokens
+            # recurrent layers' state does not travel with the blocks: recompute
+            not self.cache_config.num_state_slots
+            and 0 < source.num_computed_tokens < request.num_tokens
             and len(source.block_tables) == len(self._group_managers)
             and all(len(table) == num_blocks for table in source.block_tables)
             and all(b == NULL_BLOCK or b >= 0 for t in source.block_tables for b in t)

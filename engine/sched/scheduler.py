@@ -52,6 +52,7 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
             cache_config.num_state_slots,
             cache_config.num_snapshot_slots,
             cache_config.state_slot_bytes,
+            (cache_config.num_host_state_slots, cache_config.num_host_snapshot_slots),
         )
         inner = getattr(self.block_manager, "inner", self.block_manager)  # recurrent: state_slots
         self.grouped = isinstance(inner, HybridBlockManager)
@@ -315,6 +316,7 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
         )  # fmt: skip
         step.state_resets, step.state_restores = ops.reset, ops.restore
         step.state_snapshots = ops.snapshots
+        step.state_to_host, step.state_from_host = ops.to_host, ops.from_host
         seq_ids = [*step.num_scheduled_tokens, *(fork.child_id for fork in step.forks)]
         step.state_slots = {seq_id: self.block_manager.state_slot(seq_id) for seq_id in seq_ids}
 

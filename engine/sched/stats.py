@@ -75,11 +75,16 @@ def _snapshot_fields(core: Scheduler) -> dict:
     snapshots = getattr(core.block_manager, "snapshots", None)
     if snapshots is None:
         return {}
+    host = snapshots.host
+    num_on_host = host.num_held if host is not None else 0
     return dict(
         state_snapshot_hits=snapshots.num_hits,
         state_snapshot_hit_tokens=snapshots.num_hit_tokens,
         num_state_snapshots=snapshots.num_held,
         state_snapshot_bytes=snapshots.num_held * snapshots.slot_bytes,
+        num_host_state_snapshots=num_on_host,
+        host_state_snapshot_bytes=num_on_host * snapshots.slot_bytes,
+        host_state_snapshot_hits=host.num_hits if host is not None else 0,
     )
 
 

@@ -81,7 +81,7 @@ class Executor:
         self._allocate_caches()
         # recurrent layers' states (engine/worker/state_cache.py); None for other models
         self.state_cache = make_state_cache(
-            config, model_config, self.dtype, self.device, self.kv_cache, size
+            config, model_config, self.dtype, self.device, self.kv_cache, size, self.cpu_cache
         )
         self.disk = open_disk(
             config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows,
@@ -182,6 +182,8 @@ class Executor:
             group_windows=self.kv_groups.windows,
             num_state_slots=self.num_state_slots,
             num_snapshot_slots=self.num_snapshot_slots,
+            num_host_state_slots=self.host_state_rows[0],
+            num_host_snapshot_slots=self.host_state_rows[1],
         )
 
     @property
@@ -191,6 +193,12 @@ class Executor:
     @property
     def num_snapshot_slots(self) -> int:
         return self.state_cache.num_snapshot_slots if self.state_cache is not None else 0
+
+    @property
+    def host_state_rows(self) -> tuple[int, int]:
+        """Host rows of the state: for swapped sequences, for lower tiers' snapshots."""
+        cache = self.state_cache
+        return (cache.num_host_slots, cache.num_host_snapshot_slots) if cache else (0, 0)
 
     def ready(self, executor_id: str, model: str) -> ExecutorReady:
         """What this executor holds, for the scheduler to be built with."""
@@ -212,6 +220,8 @@ class Executor:
             num_state_slots=self.num_state_slots,
             num_snapshot_slots=self.num_snapshot_slots,
             state_slot_bytes=self.state_cache.slot_bytes if self.state_cache is not None else 0,
+            num_host_state_slots=self.host_state_rows[0],
+            num_host_snapshot_slots=self.host_state_rows[1],
         )
 
     def reset(self) -> None:

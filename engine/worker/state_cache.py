@@ -14,6 +14,13 @@ Rows 0..num_slots-1 are the sequences'; the `num_snapshot_slots` rows past them 
 snapshots (engine/kv/state_snapshots.py): as many as fit in SNAPSHOT_SHARE of the KV cache's
 bytes, but at least one per sequence slot (no more state than the sequences' own), and at
 most one per block.
+
+Host rows (engine/kv/host_states.py) twin the state rows in host memory, as many as
+HOST_STATE_SHARE of the CPU pool's bytes hold for swapped-out sequences (at most one per
+sequence slot) and as many again for snapshots of prefix blocks on the CPU tier (at most one
+per CPU block; with a disk tier, as many as the bytes hold). No CPU pool: no host rows, and
+swap preemption recomputes. They are copied first of all in a step: device to host, then host
+to device.
 """
 
 import torch
@@ -24,6 +31,7 @@ from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import ScheduledStep
 
 SNAPSHOT_SHARE = 0.25  # of the KV cache's bytes, at most, for prefix snapshots
+HOST_STATE_SHARE = 0.25  # of the CPU pool's bytes, at most, for each use of host rows
 
 
 def make_state_cache(
@@ -33,6 +41,7 @@ def make_state_cache(
     device: torch.device,
     kv_cache: torch.Tensor,
     world_size: int = 1,
+    cpu_cache: torch.Tensor | None = None,
 ) -> "StateCache | None":
     """A slot per sequence that can run at once (a fork finds one: engine/kv/state_slots.py);
     None for a model without recurrent layers. One of `world_size` tensor-parallel ranks
@@ -50,7 +59,31 @@ def make_state_cache(
     by_bytes = max(int(SNAPSHOT_SHARE * kv_bytes) // slot_bytes, num_slots)
     num_snapshots = min(kv_cache.shape[2], by_bytes)
     states = allocate_states(model_config, num_slots + num_snapshots, dtype, device, world_size)
-    return StateCache(states, num_slots, num_snapshots, slot_bytes)
+    cache = StateCache(states, num_slots, num_snapshots, slot_bytes)
+    if cpu_cache is not None and cpu_cache.shape[2]:
+        host_rows = _host_rows(config, num_slots, slot_bytes, cpu_cache)
+        if sum(host_rows):
+            cache.host = allocate_states(model_config, sum(host_rows), dtype, "cpu", world_size)
+            cache.num_host_slots, cache.num_host_snapshot_slots = host_rows
+    return cache
+
+
+def _host_rows(
+    config: ExecutorConfig, num_slots: int, slot_bytes: int, cpu_cache: torch.Tensor
+) -> tuple[int, int]:
+    """Host rows for swapped states and for lower tiers' snapshots (the module docstring)."""
+    cpu_bytes = cpu_cache.numel() * cpu_cache.element_size()
+    by_bytes = int(HOST_STATE_SHARE * cpu_bytes) // slot_bytes
+    num_snapshots = by_bytes if config.kv_disk_dir else min(by_bytes, cpu_cache.shape[2])
+    return min(by_bytes, num_slots), num_snapshots
+
+
+def copy_rows(source, destination, pairs: list[tuple[int, int]]) -> None:
+    """(source row, destination row) of every recurrent layer's states, across devices."""
+    rows_from = [src for src, _ in pairs]
+    rows_to = [dst for _, dst in pairs]
+    for src, dst in ((source.conv, destination.conv), (source.ssm, destination.ssm)):
+        dst[:, rows_to] = src[:, rows_from].to(dst.device)
 
 
 class StateCache:
@@ -62,8 +95,14 @@ class StateCache:
         self.num_slots = num_slots or states.conv.shape[1] - num_snapshot_slots
         self.num_snapshot_slots = num_snapshot_slots
         self.slot_bytes = slot_bytes  # one row of every recurrent layer
+        self.host = None  # host rows (make_state_cache), the same states' kind
+        self.num_host_slots = self.num_host_snapshot_slots = 0
 
     def before_forward(self, step: ScheduledStep) -> None:
+        if step.state_to_host:  # first: a slot swapped out may be reused in this step
+            copy_rows(self.states, self.host, step.state_to_host)
+        if step.state_from_host:
+            copy_rows(self.host, self.states, step.state_from_host)
         if step.state_resets:
             self.states.reset(step.state_resets)
         if step.state_restores:

@@ -32,6 +32,8 @@ class Capacity:
     group_windows: tuple[int, ...] = (0,)
     num_state_slots: int = 0  # recurrent layers' per-sequence state slots (0: none)
     num_snapshot_slots: int = 0  # the state rows past those: prefix snapshots
+    num_host_state_slots: int = 0  # host rows for swapped states (engine/kv/host_states.py)
+    num_host_snapshot_slots: int = 0  # host rows past those: lower tiers' snapshots
 
     @property
     def num_groups(self) -> int:
@@ -166,6 +168,25 @@ class StepCheck:
             num_tokens = step.num_scheduled_tokens.get(seq_id, 0)
             _require(0 < offset <= num_tokens, f"state snapshot: offset {offset} of {seq_id!r}")
             _require(first <= slot < end, f"state snapshot: {slot} is no snapshot slot")
+        self._check_host_rows(step, owned - {slot for _, slot in step.state_restores})
+
+    def _check_host_rows(self, step: ScheduledStep, owned: set[int]) -> None:
+        """Host rows inside the executor's; copies to the host write each row once, from any
+        state row; copies back read rows this step did not write, into scheduled sequences'
+        slots that nothing else fills."""
+        cap = self.capacity
+        num_host = cap.num_host_state_slots + cap.num_host_snapshot_slots
+        num_rows = cap.num_state_slots + cap.num_snapshot_slots
+        to_host, from_host = step.state_to_host, step.state_from_host
+        _in_range([row for row, _ in to_host], num_rows, "state rows to the host")
+        host_rows = [row for _, row in to_host] + [row for row, _ in from_host]
+        _in_range(host_rows, num_host, "host state rows")
+        written = {row for _, row in to_host}
+        _require(len(written) == len(to_host), "host state row: written twice in a step")
+        _require(not written & {row for row, _ in from_host}, "host state row: read as written")
+        slots = [slot for _, slot in from_host]
+        _require(len(set(slots)) == len(slots), "state slot: filled twice from the host")
+        _require(set(slots) <= owned, "state slot from the host: no scheduled sequence's")
 
     def _check_new(self, new: NewRequest, shadow: "_Shadow") -> None:
         cap, num_tokens = self.capacity, len(new.token_ids)

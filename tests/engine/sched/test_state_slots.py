@@ -1,5 +1,6 @@
 """Recurrent state slots in the scheduler (engine/kv/state_slots.py): a request needs a slot
-to be admitted, finish and abort free it, preemption recomputes (never swaps) and frees it, a
+to be admitted, finish and abort free it, preemption without host rows recomputes (never
+swaps: test_state_host_rows.py swaps with them) and frees it, a
 fork copies the parent's state into a slot of the child's own, prefix caching is off; every
 block and slot free at the end of each test."""
 
@@ -62,7 +63,7 @@ def test_preemption_recomputes_and_frees_the_slot(mode):
     add(scheduler, "a", 8, max_tokens=8)
     b = add(scheduler, "b", 8, max_tokens=8)
     run_step(scheduler)
-    run_step(scheduler)  # a needs a third block: b is preempted, recomputed (no swap)
+    run_step(scheduler)  # a needs a third block: b is preempted, recomputed (no host row)
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert "b" not in scheduler.block_manager.slots.owner
     assert scheduler.stats.num_swap_preemptions == 0
