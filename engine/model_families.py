@@ -22,6 +22,9 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
     qwen3_next              gated DeltaNet layers on state slots beside gated attention with
                             partial RoPE, (1 + w) norms, MoE with a gated shared expert
                             (engine/families/qwen3_next.py)
+    nemotron_h              one mixer a layer by pattern: Mamba2 on state slots, attention
+                            without RoPE, relu2 MLPs, grouped sigmoid MoE with a shared expert
+                            (engine/families/nemotron_h.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -29,6 +32,7 @@ Plain functions of the raw dict, so engine/config.py imports this and nothing im
 from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
+from kvpager.engine.families.nemotron_h import NEMOTRON_H, nemotron_fields
 from kvpager.engine.families.qwen3_next import QWEN3_NEXT, qwen3_next_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields
@@ -49,6 +53,7 @@ SUPPORTED_MODEL_TYPES = (
     DEEPSEEK_V2,
     GRANITE_HYBRID,
     QWEN3_NEXT,
+    NEMOTRON_H,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
@@ -84,6 +89,8 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         return {**fields, **granite_fields(raw)}
     if model_type == QWEN3_NEXT:
         return {**fields, **qwen3_next_fields(raw)}
+    if model_type == NEMOTRON_H:
+        return {**fields, **nemotron_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 

@@ -9,13 +9,14 @@ A recurrent layer's state does not grow with the sequence (engine/kv/state_slots
 The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
 engine/model/mamba2.py holds them (the scan accumulates in float32).
 
-`kvpager kv-size` uses this for these model types: kvpager serves none of them end to end yet
-(docs/user/models.md), but sizing them is what plans a deployment.
+`kvpager kv-size` uses this for these model types (each served end to end:
+docs/user/models.md); sizing them is what plans a deployment.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
+from kvpager.engine.families.nemotron_h import layer_pattern
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
@@ -62,9 +63,7 @@ def hybrid_size(raw: dict[str, Any]) -> HybridSize | None:
         dims, layers = mamba2_dims(raw), mamba_layers(raw)
         recurrent = sum(layers)
         attention = (
-            raw["hybrid_override_pattern"].count("*")
-            if model_type == "nemotron_h"
-            else len(layers) - recurrent
+            layer_pattern(raw).count("*") if model_type == "nemotron_h" else len(layers) - recurrent
         )
         return HybridSize(
             model_type,

@@ -53,6 +53,16 @@ def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if float32 else dtype
 
 
+def _activation(config: ModelConfig, ops: KernelOps):
+    if config.hidden_act == "relu2":  # Nemotron-H's, on up rows alone
+        return relu_squared
+    return ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
     return x if group is None else group.all_reduce(x)
 
@@ -100,9 +110,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("unit_norm", torch.ones(self.head_dim, dtype=dtype), False)
         else:
             self.unit_norm = None
-        self.activation = (
-            ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
-        )
+        self.activation = _activation(config, ops)
 
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
         self._attention_params(config, layer_idx, dtype, hidden)
@@ -114,7 +122,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         norm = norm_dtype(config, dtype)
         param, optional = _param_makers(dtype)
-        self.input_norm = param(hidden, dtype=norm)
+        # Nemotron-H's layers have one of the two blocks (config.layer_blocks)
+        has_mixer, has_mlp = config.has_mixer(layer_idx), config.has_mlp(layer_idx)
+        self.input_norm = optional(has_mixer, hidden, dtype=norm)
         # DeepSeek's latent attention (engine/model/mla.py) instead of q|k|v and o
         self.mla = MlaAttention(config, dtype, norm, self.shard) if config.mla else None
         # a recurrent layer's mixer (engine/model/recurrent.py) instead of attention
@@ -123,7 +133,7 @@ class DecoderLayer(nn.Module):
             kind = mixer_kind(config)
             self.mixer, self.run_mixer = kind.build(config, dtype), kind.run
         self.gated_attn, self.moe_block = build_pieces(config, layer_idx, dtype)  # Qwen3-Next
-        regular = self.mla is None and self.mixer is None and self.gated_attn is None
+        regular = has_mixer and self.mla is None and self.mixer is None and self.gated_attn is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
         self.q_norm = optional(config.qk_norm and regular, self.head_dim, dtype=norm)  # all heads
@@ -134,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.sinks = optional(config.attention_sinks, self.num_heads, dtype=torch.float32)
         # Gemma's sandwich norms: on the attention output and the MLP output, before the adds
         self.attn_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
-        self.post_attention_norm = param(hidden, dtype=norm)  # the MLP's input norm
+        self.post_attention_norm = optional(has_mlp, hidden, dtype=norm)  # the MLP's input norm
         self.mlp_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
 
     def _mlp_params(
@@ -150,9 +160,10 @@ class DecoderLayer(nn.Module):
             # 0: none; DeepSeek's split over the ranks (Llama 4's: one rank only)
             intermediate = shard.shared_expert_intermediate_size
         # the dense MLP, or a MoE layer's shared expert (Llama 4)
+        intermediate = intermediate if config.has_mlp(layer_idx) else 0
         self.has_mlp = intermediate > 0 and self.moe_block is None
-        if self.has_mlp:
-            self.gate_up_weight = param(2 * intermediate, hidden)
+        if self.has_mlp:  # gate rows, then up rows (Nemotron-H's: up rows alone)
+            self.gate_up_weight = param((1 + config.gated_mlp) * intermediate, hidden)
             self.down_weight = param(hidden, intermediate)
 
     def build_matmuls(self, pack: bool) -> None:
@@ -160,7 +171,7 @@ class DecoderLayer(nn.Module):
         plain weights are released (they are copies)."""
         if self.mla is not None:
             self.mla.build_matmuls(pack)
-        elif self.mixer is None and self.gated_attn is None:
+        elif self.qkv_weight is not None:
             self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
             self.o_proj = _matmul(self.o_weight, None, pack)
         if self.has_mlp:
@@ -181,8 +192,20 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + delta (delta None at the first layer); returns the next
         layer's (x, delta), so each residual add is fused into the norm that follows it. A
         recurrent layer's `layer_cache` is its RecurrentLayerCache (engine/model/recurrent.py)."""
+        if self.input_norm is not None:  # every layer's, but Nemotron-H's MLP layers
+            x, delta = self._mixer_block(x, delta, rope, attention, layer_cache, meta)
+        if self.post_attention_norm is None:  # Nemotron-H's attention and Mamba layers
+            return x, delta
+        h, x = self.ops.add_rms_norm(x, delta, self.post_attention_norm, self.eps)
+        if h.shape[0] <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
+            mlp = self._mlp(h, self.ops)
+        else:
+            mlp = torch.cat([self._mlp(part, self.ops) for part in h.split(MLP_CHUNK_TOKENS)])
+        return x, self._scaled(self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm))
+
+    def _mixer_block(self, x, delta, rope: "RopeRows", attention, layer_cache, meta):
+        """The first block: (the residual, the mixer's branch to add to it)."""
         ops = self.ops
-        num_tokens = x.shape[0]
         h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
         if self.mla is not None:
             attn = self.mla(h, rope.full, layer_cache, meta, ops, attention.scale,
@@ -196,15 +219,7 @@ class DecoderLayer(nn.Module):
             attn = self._attention(h, rope, attention, layer_cache, meta)
         if self.o_bias is not None:
             attn = attn + self.o_bias
-        h, x = ops.add_rms_norm(
-            x, self._scaled(self._norm(attn, self.attn_output_norm)), self.post_attention_norm,
-            self.eps,
-        )  # fmt: skip
-        if num_tokens <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
-            mlp = self._mlp(h, ops)
-        else:
-            mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
-        return x, self._scaled(self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm))
+        return x, self._scaled(self._norm(attn, self.attn_output_norm))
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         """A branch's output before its residual add: times Granite's residual_multiplier."""
@@ -277,7 +292,7 @@ class Decoder(nn.Module):
         self.shard = shard = shard or Shard.of(config)
         self.group = group
         self.kv = kv_groups(
-            config.layer_windows, config.num_layers, config.recurrent_layers
+            config.layer_windows, config.num_layers, config.cacheless_layers
         )  # each layer's cache slot
         self.state_idx = state_indices(config)  # each recurrent layer's states
         # [vocab_per_rank, hidden]: the rank's rows of the vocab, padded to N * vocab_per_rank
