@@ -39,8 +39,9 @@ def layer_pattern(raw: dict[str, Any]) -> str:
 
 def nemotron_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The common fields as the decoder reads them: a layer a pattern character, the norms'
-    epsilon, no q/k/v bias (transformers' NemotronHAttention has none, whatever
-    `attention_bias` says); other families' configs as they are."""
+    epsilon; no q/k/v bias and an lm_head of its own, whatever `attention_bias` and
+    `tie_word_embeddings` say (transformers' NemotronH has neither); other families' configs
+    as they are."""
     if raw.get("model_type") != NEMOTRON_H:
         return raw
     if raw.get("moe_latent_size") or raw.get("mlp_bias"):
@@ -50,6 +51,7 @@ def nemotron_config(raw: dict[str, Any]) -> dict[str, Any]:
         "num_hidden_layers": len(layer_pattern(raw)),
         "rms_norm_eps": raw.get("layer_norm_epsilon", 1e-5),
         "attention_bias": False,
+        "tie_word_embeddings": False,
         "hidden_act": raw.get("mlp_hidden_act", "relu2"),
         "head_dim": raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
     }

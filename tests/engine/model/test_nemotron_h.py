@@ -136,11 +136,12 @@ def test_a_repeated_prompt_resumes_from_a_state_snapshot(nemotron):
 
 @pytest.fixture(scope="module")
 def nemotron_variant(tmp_path_factory):
-    """A second layout: an MLP layer first, two attention layers in a row, MoE of 6 experts
-    in 3 groups (2 kept, top 3, not renormalised), one Mamba group, no conv bias, longer scan
-    chunks, tied embeddings."""
+    """A second layout: attention first, two MLP layers in a row, MoE of 6 experts in 3
+    groups (2 kept, top 3, not renormalised), a Mamba layer last with one group, no conv bias,
+    longer scan chunks; `tie_word_embeddings` set, which transformers' NemotronH ignores (its
+    lm_head is its own). (transformers' cache cannot start with an MLP layer.)"""
     path = build_nemotron_h(
-        tmp_path_factory.mktemp("nemotron_variant"), seed=22, hybrid_override_pattern="-M**EM-",
+        tmp_path_factory.mktemp("nemotron_variant"), seed=22, hybrid_override_pattern="*M--E*M",
         n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=3,
         norm_topk_prob=False, routed_scaling_factor=0.7, n_groups=1, use_conv_bias=False,
         chunk_size=8, tie_word_embeddings=True,
@@ -152,7 +153,8 @@ def nemotron_variant(tmp_path_factory):
 def test_a_second_layout_matches_transformers(nemotron_variant):
     path, prompts, expected = nemotron_variant
     config = ModelConfig.from_path(path)
-    assert config.layer_blocks[0] == "mlp" and config.num_kv_layers == 2
+    assert config.layer_blocks[2:4] == ("mlp", "mlp") and config.num_kv_layers == 2
+    assert not config.tie_word_embeddings
     with make_llm(path) as llm:
         assert greedy(llm, prompts) == expected
         assert_slots_free(llm)
