@@ -287,6 +287,8 @@ def load_weights(model: Decoder, path: Path) -> int:
                 )
             if zero_centred and "norm" in name:
                 tensor = tensor.to(model.embed_tokens.dtype).float() + 1.0
+            elif model.config.layer_blocks and "norm" in name:  # Nemotron-H: fp32 from the
+                tensor = tensor.to(model.embed_tokens.dtype)  # model dtype's weights, as there
             dest[offset : offset + tensor.shape[0]].copy_(tensor)
             filled[id(param)] = filled.get(id(param), 0) + tensor.numel()
     filled.update(pieces.filled())
