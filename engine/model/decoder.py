@@ -5,7 +5,8 @@ Llama 4's NoPE layers (no rotary, a temperature on q), its weightless q/k norm a
 its shared expert beside the routed ones (engine/llama4_family.py); DeepSeek V3's latent
 attention (engine/model/mla.py) in place of q|k|v and o, its grouped router
 (engine/model/deepseek_router.py); Qwen3-Next's gated attention and gated shared-expert MoE
-(engine/model/qwen3_next/layer_pieces.py).
+(engine/model/qwen3_next/layer_pieces.py); Nemotron-H's layers of one block each, attention
+or Mamba2 (the first) or a relu2 MLP or MoE (the second) (engine/families/nemotron_h.py).
 
 Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls. Under
 tensor parallelism each rank holds its Shard (engine/model/sharding.py) and the decoder adds
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from kvpager.engine.kv.kv_groups import kv_groups
 from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
-from kvpager.engine.model.linear import make_linear, release
+from kvpager.engine.model.linear import build_matmul, make_linear, param_makers, release
 from kvpager.engine.model.mla import MlaAttention
 from kvpager.engine.model.moe import RoutedExperts
 from kvpager.engine.model.qwen3_next.layer_pieces import build_pieces
@@ -29,14 +30,6 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
 from kvpager.kernels.backend import KernelOps
 from torch import nn
-
-
-def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
-    matmul, packed = make_linear(weight, bias, pack)
-    if packed:
-        release(weight)
-    return matmul
-
 
 # Long float32 batches (prefill) run the MLP in 512-row chunks, whose activation stays in cache
 # (rows are the same either way); bf16 runs whole, faster on an AMX host
@@ -65,19 +58,6 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
 
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
     return x if group is None else group.all_reduce(x)
-
-
-def _param_makers(dtype: torch.dtype):
-    """param(*shape): an uninitialised weight the loader fills; optional(on, *shape): the
-    same, or None where the family has no such weight."""
-
-    def param(*shape: int, dtype: torch.dtype = dtype) -> nn.Parameter:
-        return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-    def optional(on: bool, *shape: int, dtype: torch.dtype = dtype) -> nn.Parameter | None:
-        return param(*shape, dtype=dtype) if on else None
-
-    return param, optional
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +101,7 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, hidden: int
     ) -> None:
         norm = norm_dtype(config, dtype)
-        param, optional = _param_makers(dtype)
+        param, optional = param_makers(dtype)
         # Nemotron-H's layers have one of the two blocks (config.layer_blocks)
         has_mixer, has_mlp = config.has_mixer(layer_idx), config.has_mlp(layer_idx)
         self.input_norm = optional(has_mixer, hidden, dtype=norm)
@@ -151,7 +131,7 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, shard: Shard, hidden: int,
         intermediate: int,
     ) -> None:  # fmt: skip
-        param, _ = _param_makers(dtype)
+        param, _ = param_makers(dtype)
         self.experts = None
         if config.is_sparse(layer_idx) and self.moe_block is None:
             self.experts = RoutedExperts(
@@ -172,11 +152,11 @@ class DecoderLayer(nn.Module):
         if self.mla is not None:
             self.mla.build_matmuls(pack)
         elif self.qkv_weight is not None:
-            self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
-            self.o_proj = _matmul(self.o_weight, None, pack)
+            self.qkv = build_matmul(self.qkv_weight, self.qkv_bias, pack)
+            self.o_proj = build_matmul(self.o_weight, None, pack)
         if self.has_mlp:
-            self.gate_up = _matmul(self.gate_up_weight, None, pack)
-            self.down = _matmul(self.down_weight, None, pack)
+            self.gate_up = build_matmul(self.gate_up_weight, None, pack)
+            self.down = build_matmul(self.down_weight, None, pack)
         if self.experts is not None:
             self.experts.build_matmuls(pack and self.ops.pack_experts)
 
