@@ -8,7 +8,8 @@ states with it (engine/kv/recurrent_size.py), the model builds its mixers with i
   "linear_attention" as transformers 5 writes them back.
 - `nemotron_h`: `mamba_num_heads`, `mamba_head_dim`, `n_groups`, `ssm_state_size`,
   `conv_kernel`, `chunk_size`; the Mamba layers are the "M"s of `hybrid_override_pattern`
-  ("*" attention, "-" MLP, "E" MoE).
+  ("*" attention, "-" MLP, "E" MoE), or transformers 5's `layers_block_type` "linear_attention"
+  (the family's switches: engine/families/nemotron_h.py).
 """
 
 import math
