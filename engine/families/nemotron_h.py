@@ -46,6 +46,8 @@ def nemotron_config(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     if raw.get("moe_latent_size") or raw.get("mlp_bias"):
         raise CheckpointError("nemotron_h: moe_latent_size and mlp_bias are not supported")
+    if raw.get("mamba_hidden_act", "silu") != "silu":
+        raise CheckpointError("nemotron_h: a Mamba activation other than silu is not supported")
     return {
         **raw,
         "num_hidden_layers": len(layer_pattern(raw)),
