@@ -8,7 +8,8 @@ states with it (engine/kv/recurrent_size.py), the model builds its mixers with i
   "linear_attention" as transformers 5 writes them back.
 - `nemotron_h`: `mamba_num_heads`, `mamba_head_dim`, `n_groups`, `ssm_state_size`,
   `conv_kernel`, `chunk_size`; the Mamba layers are the "M"s of `hybrid_override_pattern`
-  ("*" attention, "-" MLP, "E" MoE).
+  ("*" attention, "-" MLP, "E" MoE), or transformers 5's `layers_block_type` "linear_attention"
+  (the family's switches: engine/families/nemotron_h.py).
 """
 
 import dataclasses
@@ -77,10 +78,10 @@ def mamba2_dims(raw: dict[str, Any]) -> Mamba2Dims:
             raw["hidden_size"],
             raw["mamba_num_heads"],
             raw["mamba_head_dim"],
-            raw.get("n_groups", 1),
+            raw.get("n_groups", 8),
             raw.get("ssm_state_size", 128),
             raw.get("conv_kernel", 4),
-            raw.get("chunk_size", 256),
+            raw.get("chunk_size", 128),
             raw.get("layer_norm_epsilon", 1e-5),
             limit,
         )
@@ -102,8 +103,9 @@ def mamba2_dims(raw: dict[str, Any]) -> Mamba2Dims:
 
 
 def mamba_layers(raw: dict[str, Any]) -> list[bool]:
-    """Per layer: whether it is a Mamba2 layer."""
-    if raw.get("model_type") == "nemotron_h":
+    """Per layer: whether it is a Mamba2 layer (transformers 5 writes nemotron_h's pattern as
+    `layers_block_type`, "linear_attention" for "M")."""
+    if raw.get("model_type") == "nemotron_h" and raw.get("hybrid_override_pattern"):
         return [kind == "M" for kind in raw["hybrid_override_pattern"]]
     kinds = raw.get("layer_types") or raw.get("layers_block_type")
     kinds = kinds or ["mamba"] * raw["num_hidden_layers"]

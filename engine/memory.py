@@ -61,7 +61,7 @@ def blocks_that_fit(
     budget = _kv_budget(config, model_config, device)
     if budget is None:  # CPU default: never more than every sequence at full length needs
         groups = kv_groups(
-            model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
+            model_config.layer_windows, model_config.num_layers, model_config.cacheless_layers
         ).num_groups
         max_useful = groups * config.max_num_seqs * -(-config.max_model_len // config.block_size)
         return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
@@ -116,7 +116,7 @@ def kv_bytes_per_block(
     shape (a draft model's, engine/worker/spec_decode/draft_model.py)."""
     per_token = model_config.kv_bytes_per_token(kv_dtype, config.tensor_parallel_size)
     groups = kv_groups(
-        model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
+        model_config.layer_windows, model_config.num_layers, model_config.cacheless_layers
     )
     num_slots = groups.num_slots + extra_slots
     return per_token // model_config.num_kv_layers * num_slots * config.block_size

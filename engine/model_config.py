@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpager.engine.deepseek_family import deepseek_config
+from kvpager.engine.families.nemotron_h import NEMOTRON_H, nemotron_config
 from kvpager.engine.families.qwen3_5 import QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.qwen3_next import DeltaNetDims
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_text_config
@@ -138,6 +139,9 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj doubled: q and a sigmoid gate on the output
     zero_centred_norms: bool = False  # (1 + w) norms in float32, without Gemma's extras
     shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(h . gate)
+    # Nemotron-H (engine/families/nemotron_h.py): one residual block a layer
+    layer_blocks: tuple[str, ...] = ()  # per layer: "mixer" or "mlp" only; () both, as others
+    gated_mlp: bool = True  # False: up -> activation -> down (relu2), no gate rows
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -147,15 +151,18 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "relu2"):
             raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
         if self.partial_rotary_factor != 1.0 and not self.attn_output_gate:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
         if self.mla and (self.kv_lora_rank + self.head_dim) % 2:
             raise CheckpointError("kv_lora_rank + qk_rope_head_dim must be even (latent pages)")
-        if self.recurrent_layers and all(self.recurrent_layers):
+        if self.cacheless_layers and all(self.cacheless_layers):
             raise CheckpointError("recurrent hybrids: at least one attention layer is needed")
-        for name in ("layer_windows", "sparse_layers", "nope_layers", "recurrent_layers"):
+        if (self.hidden_act == "relu2") == self.gated_mlp:
+            raise CheckpointError("relu2 goes with ungated MLPs (Nemotron-H), and only relu2")
+        names = ("layer_windows", "sparse_layers", "nope_layers", "recurrent_layers")
+        for name in (*names, "layer_blocks"):
             if len(getattr(self, name)) not in (0, self.num_layers):
                 raise CheckpointError(f"{name}: one entry per layer ({self.num_layers})")
 
@@ -173,10 +180,26 @@ class ModelConfig:
     def num_recurrent_layers(self) -> int:
         return sum(self.recurrent_layers)
 
+    def has_mixer(self, layer_idx: int) -> bool:
+        """Whether the layer has its first block (attention or a recurrent mixer)."""
+        return not self.layer_blocks or self.layer_blocks[layer_idx] != "mlp"
+
+    def has_mlp(self, layer_idx: int) -> bool:
+        """Whether the layer has its second block (an MLP or routed experts)."""
+        return not self.layer_blocks or self.layer_blocks[layer_idx] != "mixer"
+
+    @property
+    def cacheless_layers(self) -> tuple[bool, ...]:
+        """Per layer: no K/V in the paged cache (a recurrent mixer, or no first block);
+        () where every layer attends. What engine/kv/kv_groups.py leaves out."""
+        if not self.layer_blocks:
+            return self.recurrent_layers
+        return tuple(self.is_recurrent(i) or not self.has_mixer(i) for i in range(self.num_layers))
+
     @property
     def num_kv_layers(self) -> int:
         """Layers whose K/V the paged cache holds (recurrent layers hold state slots)."""
-        return self.num_layers - self.num_recurrent_layers
+        return self.num_layers - sum(self.cacheless_layers)
 
     def is_sparse(self, layer_idx: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
@@ -207,7 +230,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        raw = granite_config(deepseek_config(llama4_text_config(qwen3_5_text_config(raw))))
+        raw = granite_config(
+            deepseek_config(llama4_text_config(nemotron_config(qwen3_5_text_config(raw))))
+        )
         model_type = raw.get("model_type", "")
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
@@ -264,7 +289,8 @@ class ModelConfig:
     def check_tensor_parallel(self, size: int) -> None:
         """Raise ConfigError unless the heads, KV heads and MLP split evenly over `size`."""
         heads = f"num_attention_heads {self.num_heads}, num_key_value_heads {self.num_kv_heads}"
-        one_rank = (LLAMA4_TEXT, *QWEN3_5_TYPES)  # Qwen3.5's flat DeltaNet names have no spans
+        # Qwen3.5's flat DeltaNet names and Nemotron-H's have no per-rank spans yet
+        one_rank = (LLAMA4_TEXT, NEMOTRON_H, *QWEN3_5_TYPES)
         if size > 1 and self.model_type in one_rank:
             raise ConfigError(f"tensor_parallel_size: {self.model_type} is served on one rank only")
         # recurrent mixers split by heads (engine/model/sharding.py: Mamba2Shard; Qwen3-Next's

@@ -26,6 +26,9 @@ Every family is the Llama decoder plus a few switches (see engine/model/decoder.
     qwen3_5_moe_text        the same with experts and a gated shared expert on every layer;
                             both also the text part of multimodal qwen3_5 / qwen3_5_moe checkpoints
                             (engine/families/qwen3_5.py)
+    nemotron_h              one mixer a layer by pattern: Mamba2 on state slots, attention
+                            without RoPE, relu2 MLPs, grouped sigmoid MoE with a shared expert
+                            (engine/families/nemotron_h.py)
 
 Plain functions of the raw dict, so engine/config.py imports this and nothing imports back.
 """
@@ -34,6 +37,7 @@ from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
 from kvpager.engine.families.qwen3_5 import QWEN3_5_MOE_TEXT, QWEN3_5_TYPES, qwen3_5_fields
+from kvpager.engine.families.nemotron_h import NEMOTRON_H, nemotron_fields
 from kvpager.engine.families.qwen3_next import QWEN3_NEXT, qwen3_next_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields
@@ -55,6 +59,7 @@ SUPPORTED_MODEL_TYPES = (
     GRANITE_HYBRID,
     QWEN3_NEXT,
     *QWEN3_5_TYPES,
+    NEMOTRON_H,
 )
 GEMMA = ("gemma2", "gemma3_text")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", *QWEN3_5_TYPES)
@@ -92,6 +97,8 @@ def family_fields(raw: dict[str, Any]) -> dict[str, Any]:
         return {**fields, **qwen3_next_fields(raw)}
     if model_type in QWEN3_5_TYPES:
         return {**fields, **qwen3_5_fields(raw)}
+    if model_type == NEMOTRON_H:
+        return {**fields, **nemotron_fields(raw)}
     return {**fields, **llama4_fields(raw)} if model_type == LLAMA4_TEXT else fields
 
 

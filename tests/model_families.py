@@ -25,6 +25,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
@@ -286,3 +288,31 @@ def build_qwen3_next(path: Path, seed: int = 14, **overrides) -> Path:
     config = Qwen3NextConfig(**{**_common(tokenizer), **fields, **overrides})
     torch.manual_seed(seed)
     return save_deltanet_model(Qwen3NextForCausalLM(config), path)
+
+
+def build_nemotron_h(path: Path, seed: int = 15, **overrides) -> Path:
+    """Nemotron-H: one mixer a layer by `hybrid_override_pattern`, "M*-EME": Mamba2 (4 heads of
+    16, 2 groups, state 8, conv 4, scan chunks of 4 tokens), attention without RoPE (4 heads,
+    2 KV heads), a relu2 MLP 48 wide, MoE (8 experts of 32 in 2 groups, the best group kept,
+    top 2, sigmoid scores with a random e_score_correction_bias, times 1.5, a shared expert 40
+    wide); random dt_bias, A_log and D."""
+    fields = dict(hybrid_override_pattern="M*-EME", num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=48, mamba_num_heads=4,
+                  mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+                  routed_scaling_factor=1.5, layer_norm_epsilon=1e-5,
+                  tie_word_embeddings=False)  # fmt: skip
+    tokenizer = train_tokenizer(path)
+    common = {k: v for k, v in _common(tokenizer).items() if k != "num_hidden_layers"}
+    config = NemotronHConfig(**{**common, **fields, **overrides})
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log", "mixer.D")):
+                param.copy_(torch.randn_like(param) * 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn_like(buffer))
+    return _save(model, path, 1.0)

@@ -36,29 +36,33 @@ def weight_bytes_per_rank(config: ModelConfig, dtype: object, size: int = 1) -> 
     attention = (q + 2 * kv) * hidden + hidden * q + ((q + 2 * kv) if config.attention_bias else 0)
     if config.mla:
         attention = _mla_weights(config, size)
-    dense = 3 * hidden * (config.intermediate_size // size)
+    matrices = 2 + config.gated_mlp  # gate, up, down (Nemotron-H's ungated MLPs: up, down)
+    dense = matrices * hidden * (config.intermediate_size // size)
     expert_rows = config.moe_intermediate_size // size
-    experts = config.num_experts * (3 * hidden * expert_rows + hidden)
+    experts = config.num_experts * (matrices * hidden * expert_rows + hidden)
     if config.gpt_oss_experts:  # router, gate_up and down biases
         experts += config.num_experts * (1 + 2 * expert_rows + hidden)
     attention += hidden if config.o_proj_bias else 0
-    experts += 3 * hidden * (config.shared_expert_intermediate_size // size)  # Llama 4, DeepSeek
+    shared = config.shared_expert_intermediate_size // size  # Llama 4's, DeepSeek's
+    experts += matrices * hidden * shared
     mixer = _mamba2_weights(config, size) if config.mamba_dims else 0
     if config.deltanet_dims is not None:  # Qwen3-Next: its q_proj's gate rows too
         mixer = config.deltanet_dims.per_rank(size).weight_elements()
         attention += q * (hidden + config.attention_bias)
     experts += hidden if config.shared_expert_gate else 0  # one gate row a MoE layer
-    layers = sum(
-        (mixer if config.is_recurrent(i) else attention)
-        + (experts if config.is_sparse(i) else dense)
+    layers = sum(  # Nemotron-H's layers have one of the two blocks
+        config.has_mixer(i) * (mixer if config.is_recurrent(i) else attention)
+        + config.has_mlp(i) * (experts if config.is_sparse(i) else dense)
         for i in range(config.num_layers)
     )
     vocab = -(-config.vocab_size // size) * hidden
     embeddings = vocab * (1 if config.tie_word_embeddings else 2)
     qk_norms = 2 * head_dim if config.qk_norm else 0
-    layer_norms = (4 if config.gemma_norms else 2) * hidden + qk_norms
+    block_norms = (2 if config.gemma_norms else 1) * hidden  # a norm (Gemma: 2) a block
+    blocks = sum(config.has_mixer(i) + config.has_mlp(i) for i in range(config.num_layers))
     # the final norm too; recurrent layers have no q/k norms
-    norms = config.num_layers * layer_norms + hidden - config.num_recurrent_layers * qk_norms
+    norms = blocks * block_norms + hidden
+    norms += (config.num_layers - config.num_recurrent_layers) * qk_norms
     element = dtype_bytes(dtype)
     float32_norms = config.gemma_norms or config.float32_norms or config.zero_centred_norms
     norm_element = dtype_bytes("float32") if float32_norms else element

@@ -10,14 +10,16 @@ A recurrent layer's state does not grow with the sequence (engine/kv/state_slots
 The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
 engine/model/mamba2.py holds them (the scan accumulates in float32).
 
-`kvpager kv-size` uses this for these model types; with --tensor-parallel-size, the sizes are
-one rank's (its heads' state, its KV heads).
+`kvpager kv-size` uses this for these model types (each served end to end:
+docs/user/models.md); sizing them is what plans a deployment. With --tensor-parallel-size, the
+sizes are one rank's (its heads' state, its KV heads).
 """
 
 from dataclasses import dataclass
 from typing import Any
 
 from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwen3_5_text_config
+from kvpager.engine.families.nemotron_h import layer_pattern
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
@@ -73,9 +75,7 @@ def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSiz
         dims = dims.per_rank(size)
         recurrent = sum(layers)
         attention = (
-            raw["hybrid_override_pattern"].count("*")
-            if model_type == "nemotron_h"
-            else len(layers) - recurrent
+            layer_pattern(raw).count("*") if model_type == "nemotron_h" else len(layers) - recurrent
         )
         return HybridSize(
             model_type,

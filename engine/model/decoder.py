@@ -5,7 +5,8 @@ Llama 4's NoPE layers (no rotary, a temperature on q), its weightless q/k norm a
 its shared expert beside the routed ones (engine/llama4_family.py); DeepSeek V3's latent
 attention (engine/model/mla.py) in place of q|k|v and o, its grouped router
 (engine/model/deepseek_router.py); Qwen3-Next's gated attention and gated shared-expert MoE
-(engine/model/qwen3_next/layer_pieces.py).
+(engine/model/qwen3_next/layer_pieces.py); Nemotron-H's layers of one block each, attention
+or Mamba2 (the first) or a relu2 MLP or MoE (the second) (engine/families/nemotron_h.py).
 
 Weights are fused at load time (q|k|v and gate|up), so each layer runs four matmuls. Under
 tensor parallelism each rank holds its Shard (engine/model/sharding.py) and the decoder adds
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from kvpager.engine.kv.kv_groups import kv_groups
 from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
-from kvpager.engine.model.linear import make_linear, release
+from kvpager.engine.model.linear import build_matmul, make_linear, param_makers, release
 from kvpager.engine.model.mla import MlaAttention
 from kvpager.engine.model.moe import RoutedExperts
 from kvpager.engine.model.qwen3_next.layer_pieces import build_pieces
@@ -29,14 +30,6 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
 from kvpager.kernels.backend import KernelOps
 from torch import nn
-
-
-def _matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool):
-    matmul, packed = make_linear(weight, bias, pack)
-    if packed:
-        release(weight)
-    return matmul
-
 
 # Long float32 batches (prefill) run the MLP in 512-row chunks, whose activation stays in cache
 # (rows are the same either way); bf16 runs whole, faster on an AMX host
@@ -53,21 +46,18 @@ def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if float32 else dtype
 
 
+def _activation(config: ModelConfig, ops: KernelOps):
+    if config.hidden_act == "relu2":  # Nemotron-H's, on up rows alone
+        return relu_squared
+    return ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
     return x if group is None else group.all_reduce(x)
-
-
-def _param_makers(dtype: torch.dtype):
-    """param(*shape): an uninitialised weight the loader fills; optional(on, *shape): the
-    same, or None where the family has no such weight."""
-
-    def param(*shape: int, dtype: torch.dtype = dtype) -> nn.Parameter:
-        return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-    def optional(on: bool, *shape: int, dtype: torch.dtype = dtype) -> nn.Parameter | None:
-        return param(*shape, dtype=dtype) if on else None
-
-    return param, optional
 
 
 class DecoderLayer(nn.Module):
@@ -100,9 +90,7 @@ class DecoderLayer(nn.Module):
             self.register_buffer("unit_norm", torch.ones(self.head_dim, dtype=dtype), False)
         else:
             self.unit_norm = None
-        self.activation = (
-            ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
-        )
+        self.activation = _activation(config, ops)
 
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
         self._attention_params(config, layer_idx, dtype, hidden)
@@ -113,8 +101,10 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, hidden: int
     ) -> None:
         norm = norm_dtype(config, dtype)
-        param, optional = _param_makers(dtype)
-        self.input_norm = param(hidden, dtype=norm)
+        param, optional = param_makers(dtype)
+        # Nemotron-H's layers have one of the two blocks (config.layer_blocks)
+        has_mixer, has_mlp = config.has_mixer(layer_idx), config.has_mlp(layer_idx)
+        self.input_norm = optional(has_mixer, hidden, dtype=norm)
         # DeepSeek's latent attention (engine/model/mla.py) instead of q|k|v and o
         self.mla = MlaAttention(config, dtype, norm, self.shard) if config.mla else None
         # a recurrent layer's mixer (engine/model/recurrent.py) instead of attention
@@ -123,7 +113,7 @@ class DecoderLayer(nn.Module):
             kind = mixer_kind(config)
             self.mixer, self.run_mixer = kind.build(config, dtype, self.shard, self.group), kind.run
         self.gated_attn, self.moe_block = build_pieces(config, layer_idx, dtype, self.shard)
-        regular = self.mla is None and self.mixer is None and self.gated_attn is None
+        regular = has_mixer and self.mla is None and self.mixer is None and self.gated_attn is None
         self.qkv_weight = optional(regular, self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = optional(regular and config.attention_bias, self.q_size + 2 * self.kv_size)
         self.q_norm = optional(config.qk_norm and regular, self.head_dim, dtype=norm)  # all heads
@@ -134,14 +124,14 @@ class DecoderLayer(nn.Module):
         self.sinks = optional(config.attention_sinks, self.num_heads, dtype=torch.float32)
         # Gemma's sandwich norms: on the attention output and the MLP output, before the adds
         self.attn_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
-        self.post_attention_norm = param(hidden, dtype=norm)  # the MLP's input norm
+        self.post_attention_norm = optional(has_mlp, hidden, dtype=norm)  # the MLP's input norm
         self.mlp_output_norm = optional(config.gemma_norms, hidden, dtype=norm)
 
     def _mlp_params(
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, shard: Shard, hidden: int,
         intermediate: int,
     ) -> None:  # fmt: skip
-        param, _ = _param_makers(dtype)
+        param, _ = param_makers(dtype)
         self.experts = None
         if config.is_sparse(layer_idx) and self.moe_block is None:
             self.experts = RoutedExperts(
@@ -150,9 +140,10 @@ class DecoderLayer(nn.Module):
             # 0: none; DeepSeek's split over the ranks (Llama 4's: one rank only)
             intermediate = shard.shared_expert_intermediate_size
         # the dense MLP, or a MoE layer's shared expert (Llama 4)
+        intermediate = intermediate if config.has_mlp(layer_idx) else 0
         self.has_mlp = intermediate > 0 and self.moe_block is None
-        if self.has_mlp:
-            self.gate_up_weight = param(2 * intermediate, hidden)
+        if self.has_mlp:  # gate rows, then up rows (Nemotron-H's: up rows alone)
+            self.gate_up_weight = param((1 + config.gated_mlp) * intermediate, hidden)
             self.down_weight = param(hidden, intermediate)
 
     def build_matmuls(self, pack: bool) -> None:
@@ -160,12 +151,12 @@ class DecoderLayer(nn.Module):
         plain weights are released (they are copies)."""
         if self.mla is not None:
             self.mla.build_matmuls(pack)
-        elif self.mixer is None and self.gated_attn is None:
-            self.qkv = _matmul(self.qkv_weight, self.qkv_bias, pack)
-            self.o_proj = _matmul(self.o_weight, None, pack)
+        elif self.qkv_weight is not None:
+            self.qkv = build_matmul(self.qkv_weight, self.qkv_bias, pack)
+            self.o_proj = build_matmul(self.o_weight, None, pack)
         if self.has_mlp:
-            self.gate_up = _matmul(self.gate_up_weight, None, pack)
-            self.down = _matmul(self.down_weight, None, pack)
+            self.gate_up = build_matmul(self.gate_up_weight, None, pack)
+            self.down = build_matmul(self.down_weight, None, pack)
         if self.experts is not None:
             self.experts.build_matmuls(pack and self.ops.pack_experts)
 
@@ -181,8 +172,20 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + delta (delta None at the first layer); returns the next
         layer's (x, delta), so each residual add is fused into the norm that follows it. A
         recurrent layer's `layer_cache` is its RecurrentLayerCache (engine/model/recurrent.py)."""
+        if self.input_norm is not None:  # every layer's, but Nemotron-H's MLP layers
+            x, delta = self._mixer_block(x, delta, rope, attention, layer_cache, meta)
+        if self.post_attention_norm is None:  # Nemotron-H's attention and Mamba layers
+            return x, delta
+        h, x = self.ops.add_rms_norm(x, delta, self.post_attention_norm, self.eps)
+        if h.shape[0] <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
+            mlp = self._mlp(h, self.ops)
+        else:
+            mlp = torch.cat([self._mlp(part, self.ops) for part in h.split(MLP_CHUNK_TOKENS)])
+        return x, self._scaled(self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm))
+
+    def _mixer_block(self, x, delta, rope: "RopeRows", attention, layer_cache, meta):
+        """The first block: (the residual, the mixer's branch to add to it)."""
         ops = self.ops
-        num_tokens = x.shape[0]
         h, x = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
         if self.mla is not None:
             attn = self.mla(h, rope.full, layer_cache, meta, ops, attention.scale,
@@ -196,15 +199,7 @@ class DecoderLayer(nn.Module):
         attn = _all_reduce(self.group, attn)  # each branch's out / o_proj: this rank's heads'
         if self.o_bias is not None:
             attn = attn + self.o_bias
-        h, x = ops.add_rms_norm(
-            x, self._scaled(self._norm(attn, self.attn_output_norm)), self.post_attention_norm,
-            self.eps,
-        )  # fmt: skip
-        if num_tokens <= MLP_CHUNK_TOKENS or h.dtype != torch.float32:
-            mlp = self._mlp(h, ops)
-        else:
-            mlp = torch.cat([self._mlp(part, ops) for part in h.split(MLP_CHUNK_TOKENS)])
-        return x, self._scaled(self._norm(_all_reduce(self.group, mlp), self.mlp_output_norm))
+        return x, self._scaled(self._norm(attn, self.attn_output_norm))
 
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         """A branch's output before its residual add: times Granite's residual_multiplier."""
@@ -277,7 +272,7 @@ class Decoder(nn.Module):
         self.shard = shard = shard or Shard.of(config)
         self.group = group
         self.kv = kv_groups(
-            config.layer_windows, config.num_layers, config.recurrent_layers
+            config.layer_windows, config.num_layers, config.cacheless_layers
         )  # each layer's cache slot
         self.state_idx = state_indices(config)  # each recurrent layer's states
         # [vocab_per_rank, hidden]: the rank's rows of the vocab, padded to N * vocab_per_rank

@@ -88,3 +88,24 @@ def make_linear(
 def release(weight: nn.Parameter) -> None:
     """Drop a weight whose packed copy replaced it (keeps its dtype and device)."""
     weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
+def build_matmul(weight: nn.Parameter, bias: torch.Tensor | None, pack: bool) -> LinearFn:
+    """The weight's matmul (make_linear); once packed, the plain weight (a copy) is released."""
+    matmul, packed = make_linear(weight, bias, pack)
+    if packed:
+        release(weight)
+    return matmul
+
+
+def param_makers(dtype: torch.dtype):
+    """param(*shape): an uninitialised weight the loader fills; optional(on, *shape): the
+    same, or None where the family has no such weight."""
+
+    def param(*shape: int, dtype: torch.dtype = dtype) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+    def optional(on: bool, *shape: int, dtype: torch.dtype = dtype) -> nn.Parameter | None:
+        return param(*shape, dtype=dtype) if on else None
+
+    return param, optional

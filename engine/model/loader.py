@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from kvpager.engine.families.nemotron_h import checkpoint_name
 from kvpager.engine.families.qwen3_5 import text_weight_name
 from kvpager.engine.model import gpt_oss
 from kvpager.engine.model.decoder import Decoder
@@ -100,7 +101,7 @@ def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
         return _expert_targets(layer.experts, kind, shard)
     name = f"mlp.{kind}"  # DeepSeek's shared experts split by their own width
     kind = kind.removeprefix("shared_experts.")  # DeepSeek's, beside its routed ones
-    half = layer.gate_up_weight.shape[0] // 2
+    half = _up_rows(layer.gate_up_weight, layer.down_weight)
     if kind == "gate_up_proj.weight":  # Phi-3's fused gate|up
         return [Target(layer.gate_up_weight, i * half, shard.fused_part("gate_up_proj", i))
                 for i in range(2)]  # fmt: skip
@@ -125,12 +126,17 @@ def _expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
     if len(parts) != 4 or parts[0] != "experts":
         return None
     expert, proj = int(parts[1]), MIXTRAL_NAMES.get(parts[2], parts[2])
-    half = experts.gate_up.shape[1] // 2
+    half = _up_rows(experts.gate_up[0], experts.down[0])
     rows = {"gate_proj": (experts.gate_up, 0), "up_proj": (experts.gate_up, half),
             "down_proj": (experts.down, 0)}  # fmt: skip
     if proj not in rows:
         return None
     return [Target(*rows[proj], shard.layer_part(f"mlp.{kind}"), expert)]
+
+
+def _up_rows(gate_up: torch.Tensor, down: torch.Tensor) -> int:
+    """Where up's rows start in gate|up: after the gate's, none in an ungated MLP (Nemotron-H)."""
+    return gate_up.shape[0] - down.shape[1]
 
 
 def _gpt_oss_expert_targets(experts, kind: str, shard: Shard) -> list[Target] | None:
@@ -261,6 +267,8 @@ def _rope_rows_reordered(model: Decoder, name: str, targets: list[Target]) -> li
 
 def _targets(model: Decoder, name: str) -> list[Target] | None:
     """Where a checkpoint tensor goes (this rank's parts of it); None: not one of ours."""
+    if model.config.layer_blocks:  # Nemotron-H's names
+        name = checkpoint_name(name, model.config.layer_blocks, model.config.recurrent_layers)
     name = name.removeprefix("language_model.").removeprefix("model.")  # Llama 4's text part
     shard = model.shard
     vocab = shard.vocab_part(model.config.vocab_size) if shard.is_sharded else None
@@ -304,6 +312,8 @@ def load_weights(model: Decoder, path: Path) -> int:
             tensor = tensor if transform is None else transform(tensor)
             if zero_centred and "norm" in name:
                 tensor = tensor.to(model.embed_tokens.dtype).float() + 1.0
+            elif model.config.layer_blocks and "norm" in name:  # Nemotron-H: fp32 from the
+                tensor = tensor.to(model.embed_tokens.dtype)  # model dtype's weights, as there
             dest = param.data if expert is None else param.data[expert]
             _place(name, dest, tensor, offset, dim)
             filled[id(param)] = filled.get(id(param), 0) + tensor.numel()

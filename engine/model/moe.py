@@ -69,7 +69,8 @@ class RoutedExperts(nn.Module):
         if self.grouped and not self.v2_router:
             bias = torch.empty(num_experts, dtype=torch.float32)
             self.correction_bias = nn.Parameter(bias, requires_grad=False)
-        self.gate_up = param(num_experts, 2 * intermediate, hidden)
+        # gate rows, then up rows (Nemotron-H's ungated experts: up rows alone)
+        self.gate_up = param(num_experts, (1 + config.gated_mlp) * intermediate, hidden)
         self.down = param(num_experts, hidden, intermediate)
         self.router_bias = param(num_experts, on=self.gpt_oss)
         self.gate_up_bias = param(num_experts, 2 * intermediate, on=self.gpt_oss)

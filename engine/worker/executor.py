@@ -67,7 +67,7 @@ class Executor:
         rank, size = (group.rank, group.world_size) if group else (0, 1)
         self.shard = Shard.of(model_config, rank, size)
         self.kv_groups = kv_groups(
-            model_config.layer_windows, model_config.num_layers, model_config.recurrent_layers
+            model_config.layer_windows, model_config.num_layers, model_config.cacheless_layers
         )
         self._pick_device_and_kernels()
         started = time.perf_counter()

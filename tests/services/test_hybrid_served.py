@@ -1,14 +1,14 @@
-"""A recurrent hybrid (Granite 4's `granitemoehybrid`) served over NATS: the executor
-announces its state slots and snapshot rows, and a second request with the same 64-token
-prompt reports cached tokens (resumed from a state snapshot) and the same output, equal to
-transformers' greedy one (issue 46's done criterion, served)."""
+"""Recurrent hybrids (Granite 4's `granitemoehybrid`, Nemotron-H's `nemotron_h`) served over
+NATS: the executor announces its state slots and snapshot rows, and a second request with the
+same 64-token prompt reports cached tokens (resumed from a state snapshot) and the same output,
+equal to transformers' greedy one (issue 46's done criterion, served)."""
 
 import pytest
 from kvpager.services.client import Client
 
 from tests.engine.helpers import random_prompts
 from tests.engine.model.test_parity import hf_greedy
-from tests.model_families import build_granite_hybrid
+from tests.model_families import build_granite_hybrid, build_nemotron_h
 from tests.nats_server import nats_server  # noqa: F401  (fixture)
 from tests.services.conftest import start_services, stop_and_check, wait_all_blocks_free
 
@@ -16,9 +16,9 @@ PROMPT = random_prompts([64], seed=11)[0]
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def granite(tmp_path_factory):
-    return build_granite_hybrid(tmp_path_factory.mktemp("granite"))
+@pytest.fixture(scope="module", params=[build_granite_hybrid, build_nemotron_h])
+def granite(request, tmp_path_factory):
+    return request.param(tmp_path_factory.mktemp("hybrid"))
 
 
 @pytest.fixture(scope="module")

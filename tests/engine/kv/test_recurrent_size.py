@@ -113,3 +113,31 @@ def test_per_rank_sizes_under_tensor_parallelism(tmp_path, capsys):
     assert deltanet.state_bytes("bfloat16") == conv * 2 + 36 * 16 * 128 * 128 * 4
     with pytest.raises(ConfigError, match="32 does not divide the DeltaNet key heads"):
         hybrid_size(QWEN3_NEXT_LIKE, tensor_parallel_size=32)
+
+
+def test_nemotron_h_layer_list_sizes_as_its_pattern(tmp_path, capsys):
+    """transformers 5 writes the pattern as `layers_block_type`: kv-size reads it alike, and
+    its sizes are what the served model holds (ModelConfig's KV layers, the state tensors)."""
+    from kvpager.engine.model_config import ModelConfig
+    from kvpager.services.cli import main
+
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+    pattern = "M-M*EM*-"
+    raw = {"model_type": "nemotron_h", "vocab_size": 384, "hidden_size": 64,
+           "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+           "ssm_state_size": 32, "conv_kernel": 4, "n_routed_experts": 4,
+           "layers_block_type": [kinds[k] for k in pattern]}  # fmt: skip
+    size = hybrid_size(raw)
+    assert size == hybrid_size(
+        {**raw, "layers_block_type": None, "hybrid_override_pattern": pattern}
+    )
+    assert (size.num_recurrent_layers, size.num_attention_layers) == (3, 2)
+    config = ModelConfig.from_dict(raw)
+    assert size.kv_bytes_per_token("bfloat16") == config.kv_bytes_per_token("bfloat16")
+    states = RecurrentStates.allocate(config.mamba_dims, 3, 1, torch.bfloat16, "meta")
+    tensor_bytes = sum(t.numel() * t.element_size() for t in (states.conv, states.ssm))
+    assert size.state_bytes("bfloat16") == tensor_bytes
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["kv-size", str(tmp_path), "--tokens", "1024", "--budget-gib", "1"]) == 0
+    assert "nemotron_h: 3 recurrent layers, 2 attention layers" in capsys.readouterr().out

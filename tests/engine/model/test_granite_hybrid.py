@@ -6,31 +6,13 @@ preemption with small chunks, with n > 1 and beams (a fork copies its parent's s
 block and state slot is free after each run."""
 
 import pytest
-import torch
-from kvpager.engine import SamplingParams
-from kvpager.engine.kv.kv_size import weight_bytes_per_rank
-from kvpager.engine.kv.state_slots import RecurrentBlockManager
-from kvpager.engine.model.decoder import Decoder
-from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
-from kvpager.kernels.backend import get_kernel_ops
 
-from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
-from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
-from tests.engine.model.test_bf16 import assert_follows_transformers
+from tests.engine.helpers import make_llm, random_prompts
+from tests.engine.model import hybrid_checks as checks
+from tests.engine.model.hybrid_checks import assert_slots_free, greedy
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import build_granite_hybrid
-
-
-def greedy(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_slots_free(llm) -> None:
-    assert_all_free(llm)
-    slots = llm.scheduler.block_manager.slots
-    assert not slots.owner and slots.num_free == slots.num_slots
 
 
 @pytest.fixture(scope="module")
@@ -50,53 +32,25 @@ def test_config_reads_as_transformers_does(granite):
 
 
 def test_roomy_matches_transformers(granite):
-    path, prompts, expected = granite
-    with make_llm(path, num_blocks=256) as llm:
-        assert isinstance(llm.scheduler.block_manager, RecurrentBlockManager)
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] == 0
-        assert_slots_free(llm)
+    checks.check_roomy(*granite)
 
 
 def test_chunked_prefill_resumes_from_the_state(granite):
-    path, prompts, expected = granite
-    with make_llm(path, max_num_batched_tokens=6, max_num_seqs=4) as llm:
-        assert greedy(llm, prompts) == expected
-        assert_slots_free(llm)
+    checks.check_chunked(*granite, chunk=6)
 
 
 def test_recompute_preemption_with_small_chunks(granite):
-    path, prompts, expected = granite
-    with make_llm(
-        path, num_blocks=16, max_num_batched_tokens=6, max_num_seqs=4,
-        preemption_mode="recompute", enable_prefix_caching=False,
-    ) as llm:  # fmt: skip
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] > 0, llm.stats()
-        assert_slots_free(llm)
+    checks.check_recompute(*granite, num_blocks=16, chunk=6, seqs=4)
 
 
 def test_parallel_samples_copy_the_state(granite):
-    """n = 3 greedy samples fork as the prompt completes: each child's state is its parent's."""
     path, prompts, expected = granite
-    with make_llm(path, max_num_batched_tokens=16) as llm:
-        params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS)
-        out = llm.generate([prompts[-2]], params, use_tqdm=False)[0]
-        assert [c.token_ids for c in out.outputs] == [expected[-2]] * 3
-        assert_slots_free(llm)
+    checks.check_parallel_samples(path, prompts[-2], expected[-2])
 
 
 @pytest.mark.parametrize("width", [2, 3])
 def test_beam_search_equals_transformers(granite, width):
-    """Beams chosen twice fork before the pass: the state is copied, then advanced."""
-    path = granite[0]
-    prompts = random_prompts([1, 6, 17], seed=5)
-    with make_llm(path) as llm:
-        params = SamplingParams(beam_width=width, temperature=0.0, max_tokens=8)
-        got = [o.outputs[0].token_ids for o in llm.beam_search(prompts, params, use_tqdm=False)]
-        expected = hf_generate(path, prompts, max_new_tokens=8, num_beams=width, do_sample=False)
-        assert got == expected
-        assert_slots_free(llm)
+    checks.check_beams(granite[0], width)
 
 
 @pytest.fixture(scope="module")
@@ -117,38 +71,12 @@ def test_a_second_config_matches_transformers(granite_dense_nope):
     path, prompts, expected = granite_dense_nope
     config = ModelConfig.from_path(path)
     assert config.nope_layers == (True,) * 3 and not any(config.sparse_layers)
-    with make_llm(path) as llm:
-        assert greedy(llm, prompts) == expected
-        assert_slots_free(llm)
-    with make_llm(
-        path, num_blocks=12, max_num_batched_tokens=5, max_num_seqs=3,
-        preemption_mode="recompute", enable_prefix_caching=False,
-    ) as llm:  # fmt: skip
-        assert greedy(llm, prompts) == expected
-        assert llm.stats()["num_preemptions"] > 0
-        assert_slots_free(llm)
+    checks.check_roomy(path, prompts, expected)
+    checks.check_recompute(path, prompts, expected, num_blocks=12, chunk=5, seqs=3)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(granite):
-    """Done criterion of issue 46: a second request with the same 64-token prompt reports at
-    least 32 cached tokens (here 56: 7 of its 8 blocks, the last token is always computed)
-    and the same output; the snapshot hit and bytes are counted apart from blocks."""
-    path = granite[0]
-    prompt = random_prompts([64], seed=11)[0]
-    expected = hf_greedy(path, [prompt], MAX_TOKENS)
-    with make_llm(path, num_blocks=64) as llm:
-        assert greedy(llm, [prompt]) == expected
-        first = llm.stats()
-        assert first["num_state_snapshots"] > 0 and first["state_snapshot_bytes"] > 0
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        second = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert second.outputs[0].token_ids == expected[0]
-        assert second.num_cached_tokens == 56  # the request reports it too
-        stats = llm.stats()
-        hit_tokens = stats["prefix_cache_hit_tokens"] - first["prefix_cache_hit_tokens"]
-        assert hit_tokens >= 32 and hit_tokens == 56, stats
-        assert stats["state_snapshot_hits"] == 1 and stats["state_snapshot_hit_tokens"] == 56
-        assert_slots_free(llm)
+    checks.check_repeated_prompt(granite[0])
 
 
 def test_snapshots_inside_prefill_chunks_serve_a_shared_prefix(granite):
@@ -197,22 +125,11 @@ def test_recompute_preemption_resumes_from_snapshots(granite):
 def test_weights_are_what_kv_size_counts(request, variant):
     """Every checkpoint tensor has its place (mixers, shared MLP, stacked experts), and the
     memory budget counts what the decoder holds: a Mamba2 mixer in place of attention."""
-    path = request.getfixturevalue(variant)[0]
-    config = ModelConfig.from_path(path)
-    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
-    read = load_weights(decoder, path)
-    held = sum(p.numel() * p.element_size() for p in decoder.parameters())
-    assert read == held == weight_bytes_per_rank(config, torch.float32)
+    checks.check_weights_counted(request.getfixturevalue(variant)[0])
 
 
 def test_bf16_greedy_follows_transformers(granite):
     """bf16 (dt's bias and softplus in bf16, the scan and gated norm in fp32, rounded once,
     as transformers' layer): each greedy token within test_bf16.py's tie margin of
     transformers' bf16 best, up to the first near tie."""
-    path = granite[0]
-    prompts = random_prompts([1, 6, 17, 33], seed=5)
-    with make_llm(path, dtype="bfloat16") as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert_follows_transformers(path, prompts, outputs)
-        assert_slots_free(llm)
+    checks.check_bf16(granite[0])
