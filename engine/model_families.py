@@ -36,8 +36,8 @@ Plain functions of the raw dict, so engine/config.py imports this and nothing im
 from typing import Any
 
 from kvpager.engine.deepseek_family import DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V3, deepseek_fields
-from kvpager.engine.families.qwen3_5 import QWEN3_5_MOE_TEXT, QWEN3_5_TYPES, qwen3_5_fields
 from kvpager.engine.families.nemotron_h import NEMOTRON_H, nemotron_fields
+from kvpager.engine.families.qwen3_5 import QWEN3_5_MOE_TEXT, QWEN3_5_TYPES, qwen3_5_fields
 from kvpager.engine.families.qwen3_next import QWEN3_NEXT, qwen3_next_fields
 from kvpager.engine.llama4_family import LLAMA4_TEXT, llama4_fields
 from kvpager.engine.mamba2_config import GRANITE_HYBRID, granite_fields

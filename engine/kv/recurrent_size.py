@@ -18,8 +18,8 @@ sizes are one rank's (its heads' state, its KV heads).
 from dataclasses import dataclass
 from typing import Any
 
-from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.nemotron_h import layer_pattern
+from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
