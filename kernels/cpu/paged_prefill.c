@@ -1,0 +1,311 @@
+// Paged attention of prefill chunks on CPUs, over the token-major cache, read in place through
+// the block tables: flash-style, one query tile by one step of keys at a time, with an online
+// softmax, in fp32 arithmetic over fp32, bf16 or fp8 (e4m3 / e5m2) pages. The contract of
+// kernels/reference.py's chunk_attention_ref for the chunks of `min_q_len` tokens or more of a
+// varlen batch (shorter ones and decode tokens are the decode kernel's, paged_decode.c).
+//
+// Why: the torch path gathers each sequence's whole context into a contiguous copy (and widens
+// bf16 / fp8 pages) before SDPA, writing and reading the context again for every chunk and
+// layer. Here each step's keys are read once per query tile and land in a small buffer that
+// stays in L1/L2, and the products are register-blocked FMAs: a GEMM micro-kernel.
+//
+// Layouts (the engine's, see kernels/reference.py):
+//   query  [num_tokens, num_heads, head_dim]                  float32, rows query_stride apart
+//   cache  [num_blocks, block_size, num_kv_heads, head_dim]   float32 / bfloat16 / fp8 bytes
+//   block_tables int32 [num_seqs, table_stride], cu_seqlens_q int32 [num_seqs + 1],
+//   seq_lens int32 [num_seqs] (the context including the chunk)
+//   out    [num_tokens, num_heads, head_dim]                   float32; only the rows of the
+//                                                              chunks taken are written
+// A unit of work is one kv head and up to ROWS query rows of one chunk: a run of tokens, each
+// with its group of query heads (GQA: a key row is read once for the whole group). Per step of
+// KEYS keys (gathered through the block table, K transposed and V as rows into fp32 buffers):
+// S = Q K^T (`scores`), causal / window / chunk masks and soft-capping per row (`softmax_step`),
+// then O += P V (`accumulate`). Units go to OpenMP threads dynamically, the longest (the last
+// tiles of a causal chunk) first.
+// `window` > 0: a query at position p sees keys p - window < j <= p; < 0: the keys of its chunk
+// of -window tokens (Llama 4). `softcap` > 0 maps a score s to softcap * tanh(s / softcap).
+// `sinks` (NULL: none): a logit per query head joining each softmax's denominator. An fp8
+// cache's scales are the caller's (k_scale folded into `scale`, v_scale on the output).
+// Returns 0, or -1 for inputs it does not take (head_dim not a multiple of the lanes or over
+// MAX_DIM, a group over MAX_ROWS, a chunk longer than its context): the caller's twin answers.
+
+#include <omp.h>
+#include <stdlib.h>
+
+#include "fp8.h"
+#include "simd.h"
+
+#define ROWS 48      // query rows a unit aims at (tokens x group)
+#define MAX_ROWS 64
+#define KEYS (4 * LANES)  // keys a step: four vectors of scores a row
+#define MAX_DIM 256
+#define ROW_TILE 4        // rows of a register block (4 x 4 vectors: 16 accumulators)
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    const float *query;
+    const void *key_cache, *value_cache;
+    const int32_t *block_tables, *cu_seqlens_q, *seq_lens;
+    float *out;
+    const float *sinks;
+    int64_t query_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, group;
+    float scale, softcap;
+    int64_t window;
+} shape;
+
+typedef struct {
+    int32_t seq, kv_head, first_token, tokens;
+} unit;
+
+typedef struct {  // one thread's buffers, 64-byte aligned
+    float *q, *o, *p, *kt, *v, *m, *l;
+    int64_t *q_pos, *first;
+} workspace;
+
+// K rows [n keys] from the cache -> kt [head_dim][KEYS] (transposed) and v [KEYS][head_dim],
+// fp32; the lanes past n zeroed (0 x garbage could be NaN)
+typedef void (*pack_fn)(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0,
+                        int64_t n, float *kt, float *v);
+
+#define DEFINE_PACK(NAME, CACHE_T, LOAD)                                                       \
+static void NAME(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0, int64_t n, \
+                 float *kt, float *v) {                                                        \
+    const int64_t dim = s->head_dim, token_stride = s->num_kv_heads * dim;                     \
+    const CACHE_T *keys = s->key_cache, *values = s->value_cache;                              \
+    for (int64_t j = 0; j < KEYS; j++) {                                                       \
+        if (j >= n) {                                                                          \
+            for (int64_t d = 0; d < dim; d++) kt[d * KEYS + j] = v[j * dim + d] = 0.0f;        \
+            continue;                                                                          \
+        }                                                                                      \
+        const int64_t pos = k0 + j;                                                            \
+        const int64_t row = ((int64_t)table[pos / s->block_size] * s->block_size               \
+                             + pos % s->block_size) * token_stride + kv_head * dim;            \
+        for (int64_t c = 0; c < dim; c += LANES) {                                             \
+            const vec k = LOAD(keys + row + c), x = LOAD(values + row + c);                    \
+            memcpy(v + j * dim + c, &x, sizeof(x));                                            \
+            for (int64_t lane = 0; lane < LANES; lane++) kt[(c + lane) * KEYS + j] = k[lane];  \
+        }                                                                                      \
+    }                                                                                          \
+}
+
+DEFINE_PACK(pack_f32, float, load_f32)
+DEFINE_PACK(pack_bf16, uint16_t, load_bf16)
+DEFINE_PACK(pack_fp8_e4m3, uint8_t, load_fp8_e4m3)
+DEFINE_PACK(pack_fp8_e5m2, uint8_t, load_fp8_e5m2)
+
+static inline vec broadcast(float x) { return (vec){0} + x; }
+
+// p [rows][KEYS] = q [rows][dim] . kt [dim][KEYS], ROW_TILE rows at a time in registers
+INLINE void scores(const float *q, const float *kt, float *p, int64_t rows, int64_t dim) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        vec acc[ROW_TILE][4] = {{{0}}};
+        for (int64_t d = 0; d < dim; d++) {
+            vec k[4];
+            for (int v = 0; v < 4; v++) k[v] = load_f32(kt + d * KEYS + v * LANES);
+            for (int i = 0; i < ROW_TILE; i++) {
+                const vec qb = broadcast(q[(r0 + i) * dim + d]);
+                for (int v = 0; v < 4; v++) acc[i][v] += qb * k[v];
+            }
+        }
+        for (int i = 0; i < ROW_TILE; i++)
+            memcpy(p + (r0 + i) * KEYS, acc[i], sizeof(acc[i]));
+    }
+}
+
+// o [rows][width vectors at c] += p [rows][n] . v [n][same], width 4 or 1 vectors
+INLINE void accumulate_part(const float *p, const float *v, float *o, int64_t rows,
+                            int64_t dim, int64_t n, int64_t c, const int width) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        vec acc[ROW_TILE][4];
+        for (int i = 0; i < ROW_TILE; i++)
+            for (int w = 0; w < width; w++) acc[i][w] = load_f32(o + (r0 + i) * dim + c + w * LANES);
+        for (int64_t j = 0; j < n; j++) {
+            vec x[4];
+            for (int w = 0; w < width; w++) x[w] = load_f32(v + j * dim + c + w * LANES);
+            for (int i = 0; i < ROW_TILE; i++) {
+                const vec pb = broadcast(p[(r0 + i) * KEYS + j]);
+                for (int w = 0; w < width; w++) acc[i][w] += pb * x[w];
+            }
+        }
+        for (int i = 0; i < ROW_TILE; i++)
+            for (int w = 0; w < width; w++) memcpy(o + (r0 + i) * dim + c + w * LANES, &acc[i][w], sizeof(vec));
+    }
+}
+
+static void accumulate(const float *p, const float *v, float *o, int64_t rows, int64_t dim,
+                       int64_t n) {
+    int64_t c = 0;
+    for (; c + 4 * LANES <= dim; c += 4 * LANES) accumulate_part(p, v, o, rows, dim, n, c, 4);
+    for (; c < dim; c += LANES) accumulate_part(p, v, o, rows, dim, n, c, 1);
+}
+
+// Masks, soft-caps and exponentiates one step's scores in place (p), updating each row's
+// running max m and sum l and rescaling its output row o.
+static void softmax_step(const shape *s, workspace *w, int64_t rows, int64_t k0) {
+    ivec iota;
+    for (int lane = 0; lane < LANES; lane++) iota[lane] = lane;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = w->p + r * KEYS;
+        ivec keep[4];
+        float top = -INFINITY;
+        for (int v = 0; v < 4; v++) {
+            vec x = load_f32(row + v * LANES);
+            if (s->softcap > 0.0f)
+                for (int lane = 0; lane < LANES; lane++) x[lane] = s->softcap * tanhf(x[lane] / s->softcap);
+            const ivec pos = iota + (int32_t)(k0 + v * LANES);
+            keep[v] = (pos <= (int32_t)w->q_pos[r]) & (pos >= (int32_t)w->first[r]);
+            memcpy(row + v * LANES, &x, sizeof(x));
+            for (int lane = 0; lane < LANES; lane++)
+                if (keep[v][lane] && x[lane] > top) top = x[lane];
+        }
+        if (top == -INFINITY) {  // no key of this step is visible to the row
+            memset(row, 0, KEYS * sizeof(float));
+            continue;
+        }
+        const float m_new = top > w->m[r] ? top : w->m[r];
+        const float correction = expf(w->m[r] - m_new);
+        vec sum = (vec){0};
+        for (int v = 0; v < 4; v++) {
+            const vec e = vector_exp(load_f32(row + v * LANES) - m_new);
+            const vec x = (vec)((ivec)e & keep[v]);
+            sum += x;
+            memcpy(row + v * LANES, &x, sizeof(x));
+        }
+        float total = 0.0f;
+        for (int lane = 0; lane < LANES; lane++) total += sum[lane];
+        w->l[r] = w->l[r] * correction + total;
+        w->m[r] = m_new;
+        if (correction != 1.0f)
+            for (int64_t d = 0; d < s->head_dim; d++) w->o[r * s->head_dim + d] *= correction;
+    }
+}
+
+static int64_t first_visible(const shape *s, int64_t q_pos) {
+    if (s->window > 0) return q_pos - s->window + 1 > 0 ? q_pos - s->window + 1 : 0;
+    if (s->window < 0) return q_pos - q_pos % -s->window;
+    return 0;
+}
+
+// The unit's query rows (scaled), positions, running state and zeroed output; padding rows
+// (up to a multiple of ROW_TILE) see no key. Returns the rows, padded.
+static int64_t load_unit(const shape *s, const unit *u, workspace *w) {
+    const int64_t dim = s->head_dim, group = s->group;
+    const int64_t q_len = s->cu_seqlens_q[u->seq + 1] - s->cu_seqlens_q[u->seq];
+    const int64_t rows = u->tokens * group, padded = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t token = u->first_token + r / group, head = u->kv_head * group + r % group;
+        const int real = r < rows;
+        w->q_pos[r] = real ? s->seq_lens[u->seq] - q_len + token : -1;
+        w->first[r] = real ? first_visible(s, w->q_pos[r]) : 0;
+        w->m[r] = real && s->sinks ? s->sinks[head] : -INFINITY;
+        w->l[r] = real && s->sinks ? 1.0f : 0.0f;  // the sink: exp(sink - max) = 1
+        const float *q = s->query + (s->cu_seqlens_q[u->seq] + token) * s->query_stride + head * dim;
+        for (int64_t d = 0; d < dim; d++) {
+            w->q[r * dim + d] = real ? q[d] * s->scale : 0.0f;
+            w->o[r * dim + d] = 0.0f;
+        }
+    }
+    return padded;
+}
+
+static void store_unit(const shape *s, const unit *u, const workspace *w) {
+    const int64_t dim = s->head_dim, group = s->group;
+    for (int64_t r = 0; r < u->tokens * group; r++) {
+        const int64_t token = s->cu_seqlens_q[u->seq] + u->first_token + r / group;
+        float *out = s->out + (token * s->num_heads + u->kv_head * group + r % group) * dim;
+        const float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f;
+        for (int64_t d = 0; d < dim; d++) out[d] = w->o[r * dim + d] * inv;
+    }
+}
+
+static void attend_unit(const shape *s, const unit *u, workspace *w, pack_fn pack) {
+    const int64_t rows = load_unit(s, u, w);
+    const int64_t start = w->first[0], end = w->q_pos[u->tokens * s->group - 1] + 1;
+    const int32_t *table = s->block_tables + u->seq * s->table_stride;
+    for (int64_t k0 = start; k0 < end; k0 += KEYS) {
+        const int64_t n = end - k0 < KEYS ? end - k0 : KEYS;
+        pack(s, table, u->kv_head, k0, n, w->kt, w->v);
+        scores(w->q, w->kt, w->p, rows, s->head_dim);
+        softmax_step(s, w, rows, k0);
+        accumulate(w->p, w->v, w->o, rows, s->head_dim, n);
+    }
+    store_unit(s, u, w);
+}
+
+// The units of every chunk of min_q_len tokens or more, each chunk's last tile first; NULL
+// with *count -1 for a chunk longer than its context.
+static unit *make_units(const shape *s, int64_t num_seqs, int64_t min_q_len, int64_t *count) {
+    const int64_t tokens = ROWS / s->group > 0 ? ROWS / s->group : 1;
+    int64_t total = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        const int64_t q_len = s->cu_seqlens_q[seq + 1] - s->cu_seqlens_q[seq];
+        if (q_len < 0 || q_len > s->seq_lens[seq]) return *count = -1, NULL;
+        if (q_len >= min_q_len && q_len > 0) total += (q_len + tokens - 1) / tokens * s->num_kv_heads;
+    }
+    unit *units = malloc((total > 0 ? total : 1) * sizeof(unit));
+    int64_t n = 0;
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        const int64_t q_len = s->cu_seqlens_q[seq + 1] - s->cu_seqlens_q[seq];
+        if (q_len < min_q_len || q_len == 0) continue;
+        for (int64_t t = (q_len - 1) / tokens * tokens; t >= 0; t -= tokens)
+            for (int64_t h = 0; h < s->num_kv_heads; h++)
+                units[n++] = (unit){seq, h, t, q_len - t < tokens ? q_len - t : tokens};
+    }
+    *count = n;
+    return units;
+}
+
+static workspace workspace_for(const shape *s) {
+    const int64_t dim = s->head_dim;
+    const size_t floats = 2 * MAX_ROWS * dim + MAX_ROWS * KEYS + 2 * KEYS * dim + 2 * MAX_ROWS;
+    float *base = aligned_alloc(64, (floats * sizeof(float) + 2 * MAX_ROWS * sizeof(int64_t) + 63) / 64 * 64);
+    workspace w = {.q = base};
+    w.o = w.q + MAX_ROWS * dim;
+    w.p = w.o + MAX_ROWS * dim;
+    w.kt = w.p + MAX_ROWS * KEYS;
+    w.v = w.kt + KEYS * dim;
+    w.m = w.v + KEYS * dim;
+    w.l = w.m + MAX_ROWS;
+    w.q_pos = (int64_t *)(w.l + MAX_ROWS);
+    w.first = w.q_pos + MAX_ROWS;
+    return w;
+}
+
+static int run(shape *s, int64_t num_seqs, int64_t min_q_len, int64_t num_threads, pack_fn pack) {
+    if (s->num_kv_heads < 1 || s->num_heads % s->num_kv_heads) return -1;
+    s->group = s->num_heads / s->num_kv_heads;
+    if (s->head_dim % LANES || s->head_dim > MAX_DIM || s->group > MAX_ROWS) return -1;
+    int64_t count;
+    unit *units = make_units(s, num_seqs, min_q_len, &count);
+    if (count < 0) return -1;
+#pragma omp parallel num_threads(num_threads) if (count > 1)
+    {
+        workspace w = workspace_for(s);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; i++) attend_unit(s, &units[i], &w, pack);
+        free(w.q);
+    }
+    free(units);
+    return 0;
+}
+
+#define DEFINE_PREFILL(NAME, PACK)                                                             \
+int NAME(const float *query, int64_t query_stride, const void *key_cache,                      \
+         const void *value_cache, const int32_t *block_tables, int64_t table_stride,           \
+         const int32_t *cu_seqlens_q, const int32_t *seq_lens, float *out, int64_t num_seqs,   \
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,        \
+         int64_t num_threads, float scale, int64_t window, float softcap, const float *sinks,  \
+         int64_t min_q_len) {                                                                  \
+    shape s = {.query = query, .key_cache = key_cache, .value_cache = value_cache,             \
+               .block_tables = block_tables, .cu_seqlens_q = cu_seqlens_q,                     \
+               .seq_lens = seq_lens, .out = out, .sinks = sinks, .query_stride = query_stride, \
+               .table_stride = table_stride, .num_heads = num_heads,                           \
+               .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,   \
+               .scale = scale, .softcap = softcap, .window = window};                          \
+    return run(&s, num_seqs, min_q_len, num_threads, PACK);                                    \
+}
+
+DEFINE_PREFILL(paged_prefill_f32, pack_f32)
+DEFINE_PREFILL(paged_prefill_bf16, pack_bf16)
+DEFINE_PREFILL(paged_prefill_fp8_e4m3, pack_fp8_e4m3)
+DEFINE_PREFILL(paged_prefill_fp8_e5m2, pack_fp8_e5m2)
