@@ -18,10 +18,12 @@
 //                                                              chunks taken are written
 // A unit of work is one kv head and up to ROWS query rows of one chunk: a run of tokens, each
 // with its group of query heads (GQA: a key row is read once for the whole group). Per step of
-// KEYS keys (gathered through the block table, K transposed and V as rows into fp32 buffers):
-// S = Q K^T (`scores`), causal / window / chunk masks and soft-capping per row (`softmax_step`),
-// then O += P V (`accumulate`). Units go to OpenMP threads dynamically, the longest (the last
-// tiles of a causal chunk) first.
+// KEYS keys (gathered through the block table into fp32 rows): S^T = K Q^T (`scores`: the query
+// tile is transposed once per unit, so the keys are broadcast from their rows and a vector
+// holds one key's scores for LANES query rows), the causal / window / chunk masks, soft-capping
+// and the online softmax with rows in lanes (`softmax_step`: no horizontal reductions), then
+// O += P V (`accumulate`). Units go to OpenMP threads dynamically, the longest (the last tiles
+// of a causal chunk) first.
 // `window` > 0: a query at position p sees keys p - window < j <= p; < 0: the keys of its chunk
 // of -window tokens (Llama 4). `softcap` > 0 maps a score s to softcap * tanh(s / softcap).
 // `sinks` (NULL: none): a logit per query head joining each softmax's denominator. An fp8
@@ -35,11 +37,13 @@
 #include "fp8.h"
 #include "simd.h"
 
-#define ROWS 48      // query rows a unit aims at (tokens x group)
+#define ROWS 48           // query rows a unit aims at (tokens x group)
 #define MAX_ROWS 64
-#define KEYS (4 * LANES)  // keys a step: four vectors of scores a row
+#define KEYS 64           // keys a step
 #define MAX_DIM 256
-#define ROW_TILE 4        // rows of a register block (4 x 4 vectors: 16 accumulators)
+#define KEY_TILE 4        // keys of a register block of scores
+#define ROW_TILE 4        // rows of a register block of outputs
+#define NO_SCORE -1e30f   // a row's running max before any key: finite, so m - m is 0
 #define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -57,35 +61,38 @@ typedef struct {
     int32_t seq, kv_head, first_token, tokens;
 } unit;
 
-typedef struct {  // one thread's buffers, 64-byte aligned
-    float *q, *o, *p, *kt, *v, *m, *l;
-    int64_t *q_pos, *first;
+typedef struct {  // one thread's buffers (64-byte aligned); rows: a multiple of LANES
+    float *qt;    // [head_dim][rows]  the scaled queries, transposed
+    float *o;     // [rows][head_dim]  the unnormalised outputs
+    float *p;     // [KEYS][rows]      a step's scores, then its weights
+    float *k, *v; // [KEYS][head_dim]  a step's keys and values in fp32
+    float *m, *l; // [rows]            running max and sum
+    int32_t *q_pos, *first;  // [rows] each row's position and its first visible key
+    int64_t rows;
 } workspace;
 
-// K rows [n keys] from the cache -> kt [head_dim][KEYS] (transposed) and v [KEYS][head_dim],
-// fp32; the lanes past n zeroed (0 x garbage could be NaN)
+// K and V rows of keys k0..k0+n from the cache -> fp32 k, v [KEYS][head_dim]; the rows past n
+// zeroed (0 x garbage could be NaN)
 typedef void (*pack_fn)(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0,
-                        int64_t n, float *kt, float *v);
+                        int64_t n, float *k, float *v);
 
 #define DEFINE_PACK(NAME, CACHE_T, LOAD)                                                       \
 static void NAME(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0, int64_t n, \
-                 float *kt, float *v) {                                                        \
+                 float *k, float *v) {                                                         \
     const int64_t dim = s->head_dim, token_stride = s->num_kv_heads * dim;                     \
     const CACHE_T *keys = s->key_cache, *values = s->value_cache;                              \
-    for (int64_t j = 0; j < KEYS; j++) {                                                       \
-        if (j >= n) {                                                                          \
-            for (int64_t d = 0; d < dim; d++) kt[d * KEYS + j] = v[j * dim + d] = 0.0f;        \
-            continue;                                                                          \
-        }                                                                                      \
+    for (int64_t j = 0; j < n; j++) {                                                          \
         const int64_t pos = k0 + j;                                                            \
         const int64_t row = ((int64_t)table[pos / s->block_size] * s->block_size               \
                              + pos % s->block_size) * token_stride + kv_head * dim;            \
         for (int64_t c = 0; c < dim; c += LANES) {                                             \
-            const vec k = LOAD(keys + row + c), x = LOAD(values + row + c);                    \
-            memcpy(v + j * dim + c, &x, sizeof(x));                                            \
-            for (int64_t lane = 0; lane < LANES; lane++) kt[(c + lane) * KEYS + j] = k[lane];  \
+            const vec kc = LOAD(keys + row + c), vc = LOAD(values + row + c);                  \
+            memcpy(k + j * dim + c, &kc, sizeof(kc));                                          \
+            memcpy(v + j * dim + c, &vc, sizeof(vc));                                          \
         }                                                                                      \
     }                                                                                          \
+    memset(k + n * dim, 0, (KEYS - n) * dim * sizeof(float));                                  \
+    memset(v + n * dim, 0, (KEYS - n) * dim * sizeof(float));                                  \
 }
 
 DEFINE_PACK(pack_f32, float, load_f32)
@@ -95,88 +102,95 @@ DEFINE_PACK(pack_fp8_e5m2, uint8_t, load_fp8_e5m2)
 
 static inline vec broadcast(float x) { return (vec){0} + x; }
 
-// p [rows][KEYS] = q [rows][dim] . kt [dim][KEYS], ROW_TILE rows at a time in registers
-INLINE void scores(const float *q, const float *kt, float *p, int64_t rows, int64_t dim) {
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-        vec acc[ROW_TILE][4] = {{{0}}};
-        for (int64_t d = 0; d < dim; d++) {
-            vec k[4];
-            for (int v = 0; v < 4; v++) k[v] = load_f32(kt + d * KEYS + v * LANES);
-            for (int i = 0; i < ROW_TILE; i++) {
-                const vec qb = broadcast(q[(r0 + i) * dim + d]);
-                for (int v = 0; v < 4; v++) acc[i][v] += qb * k[v];
-            }
+// p [KEY_TILE keys from j0][width row vectors from c] = k . qt, in registers
+INLINE void score_tile(const workspace *w, int64_t dim, int64_t j0, int64_t c, const int width) {
+    vec acc[KEY_TILE][3] = {{{0}}};
+    for (int64_t d = 0; d < dim; d++) {
+        vec q[3];
+        for (int x = 0; x < width; x++) q[x] = load_f32(w->qt + d * w->rows + c + x * LANES);
+        for (int i = 0; i < KEY_TILE; i++) {
+            const vec kb = broadcast(w->k[(j0 + i) * dim + d]);
+            for (int x = 0; x < width; x++) acc[i][x] += kb * q[x];
         }
-        for (int i = 0; i < ROW_TILE; i++)
-            memcpy(p + (r0 + i) * KEYS, acc[i], sizeof(acc[i]));
+    }
+    for (int i = 0; i < KEY_TILE; i++)
+        for (int x = 0; x < width; x++)
+            memcpy(w->p + (j0 + i) * w->rows + c + x * LANES, &acc[i][x], sizeof(vec));
+}
+
+// S^T [n keys][rows] = K Q^T, three row vectors at a time
+static void scores(const workspace *w, int64_t dim, int64_t n) {
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
+        int64_t c = 0;
+        for (; c + 3 * LANES <= w->rows; c += 3 * LANES) score_tile(w, dim, j0, c, 3);
+        for (; c + 2 * LANES <= w->rows; c += 2 * LANES) score_tile(w, dim, j0, c, 2);
+        for (; c < w->rows; c += LANES) score_tile(w, dim, j0, c, 1);
     }
 }
 
-// o [rows][width vectors at c] += p [rows][n] . v [n][same], width 4 or 1 vectors
-INLINE void accumulate_part(const float *p, const float *v, float *o, int64_t rows,
-                            int64_t dim, int64_t n, int64_t c, const int width) {
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-        vec acc[ROW_TILE][4];
-        for (int i = 0; i < ROW_TILE; i++)
-            for (int w = 0; w < width; w++) acc[i][w] = load_f32(o + (r0 + i) * dim + c + w * LANES);
+// o [ROW_TILE rows from r0][width vectors from c] += p^T . v over n keys, width 4 or 1
+INLINE void accumulate_tile(const workspace *w, int64_t dim, int64_t n, int64_t r0, int64_t c,
+                            const int width) {
+    vec acc[ROW_TILE][4];
+    for (int i = 0; i < ROW_TILE; i++)
+        for (int x = 0; x < width; x++) acc[i][x] = load_f32(w->o + (r0 + i) * dim + c + x * LANES);
+    for (int64_t j = 0; j < n; j++) {
+        vec vv[4];
+        for (int x = 0; x < width; x++) vv[x] = load_f32(w->v + j * dim + c + x * LANES);
+        for (int i = 0; i < ROW_TILE; i++) {
+            const vec pb = broadcast(w->p[j * w->rows + r0 + i]);
+            for (int x = 0; x < width; x++) acc[i][x] += pb * vv[x];
+        }
+    }
+    for (int i = 0; i < ROW_TILE; i++)
+        for (int x = 0; x < width; x++)
+            memcpy(w->o + (r0 + i) * dim + c + x * LANES, &acc[i][x], sizeof(vec));
+}
+
+static void accumulate(const workspace *w, int64_t dim, int64_t n) {
+    for (int64_t r0 = 0; r0 < w->rows; r0 += ROW_TILE) {
+        int64_t c = 0;
+        for (; c + 4 * LANES <= dim; c += 4 * LANES) accumulate_tile(w, dim, n, r0, c, 4);
+        for (; c < dim; c += LANES) accumulate_tile(w, dim, n, r0, c, 1);
+    }
+}
+
+// One step's scores (keys k0..k0+n) soft-capped, masked and exponentiated in place, rows in
+// lanes; each row's running max and sum updated and its output row rescaled.
+static void softmax_step(const shape *s, workspace *w, int64_t k0, int64_t n) {
+    for (int64_t c = 0; c < w->rows; c += LANES) {
+        ivec q_pos, first;
+        memcpy(&q_pos, w->q_pos + c, sizeof(q_pos));
+        memcpy(&first, w->first + c, sizeof(first));
+        const vec m_old = load_f32(w->m + c);
+        vec top = m_old;
         for (int64_t j = 0; j < n; j++) {
-            vec x[4];
-            for (int w = 0; w < width; w++) x[w] = load_f32(v + j * dim + c + w * LANES);
-            for (int i = 0; i < ROW_TILE; i++) {
-                const vec pb = broadcast(p[(r0 + i) * KEYS + j]);
-                for (int w = 0; w < width; w++) acc[i][w] += pb * x[w];
-            }
-        }
-        for (int i = 0; i < ROW_TILE; i++)
-            for (int w = 0; w < width; w++) memcpy(o + (r0 + i) * dim + c + w * LANES, &acc[i][w], sizeof(vec));
-    }
-}
-
-static void accumulate(const float *p, const float *v, float *o, int64_t rows, int64_t dim,
-                       int64_t n) {
-    int64_t c = 0;
-    for (; c + 4 * LANES <= dim; c += 4 * LANES) accumulate_part(p, v, o, rows, dim, n, c, 4);
-    for (; c < dim; c += LANES) accumulate_part(p, v, o, rows, dim, n, c, 1);
-}
-
-// Masks, soft-caps and exponentiates one step's scores in place (p), updating each row's
-// running max m and sum l and rescaling its output row o.
-static void softmax_step(const shape *s, workspace *w, int64_t rows, int64_t k0) {
-    ivec iota;
-    for (int lane = 0; lane < LANES; lane++) iota[lane] = lane;
-    for (int64_t r = 0; r < rows; r++) {
-        float *row = w->p + r * KEYS;
-        ivec keep[4];
-        float top = -INFINITY;
-        for (int v = 0; v < 4; v++) {
-            vec x = load_f32(row + v * LANES);
+            float *row = w->p + j * w->rows + c;
+            vec x = load_f32(row);
             if (s->softcap > 0.0f)
                 for (int lane = 0; lane < LANES; lane++) x[lane] = s->softcap * tanhf(x[lane] / s->softcap);
-            const ivec pos = iota + (int32_t)(k0 + v * LANES);
-            keep[v] = (pos <= (int32_t)w->q_pos[r]) & (pos >= (int32_t)w->first[r]);
-            memcpy(row + v * LANES, &x, sizeof(x));
-            for (int lane = 0; lane < LANES; lane++)
-                if (keep[v][lane] && x[lane] > top) top = x[lane];
+            const int32_t pos = (int32_t)(k0 + j);
+            const ivec keep = (pos <= q_pos) & (pos >= first);
+            x = (vec)(((ivec)x & keep) | ((ivec)broadcast(NO_SCORE) & ~keep));
+            const ivec higher = x > top;
+            top = (vec)(((ivec)x & higher) | ((ivec)top & ~higher));
+            memcpy(row, &x, sizeof(x));
         }
-        if (top == -INFINITY) {  // no key of this step is visible to the row
-            memset(row, 0, KEYS * sizeof(float));
-            continue;
-        }
-        const float m_new = top > w->m[r] ? top : w->m[r];
-        const float correction = expf(w->m[r] - m_new);
         vec sum = (vec){0};
-        for (int v = 0; v < 4; v++) {
-            const vec e = vector_exp(load_f32(row + v * LANES) - m_new);
-            const vec x = (vec)((ivec)e & keep[v]);
-            sum += x;
-            memcpy(row + v * LANES, &x, sizeof(x));
+        for (int64_t j = 0; j < n; j++) {
+            float *row = w->p + j * w->rows + c;
+            const vec x = load_f32(row);
+            const vec e = (vec)((ivec)vector_exp(x - top) & (x > NO_SCORE));  // hidden: 0
+            sum += e;
+            memcpy(row, &e, sizeof(e));
         }
-        float total = 0.0f;
-        for (int lane = 0; lane < LANES; lane++) total += sum[lane];
-        w->l[r] = w->l[r] * correction + total;
-        w->m[r] = m_new;
-        if (correction != 1.0f)
-            for (int64_t d = 0; d < s->head_dim; d++) w->o[r * s->head_dim + d] *= correction;
+        const vec correction = vector_exp(m_old - top);
+        const vec l = load_f32(w->l + c) * correction + sum;
+        memcpy(w->l + c, &l, sizeof(l));
+        memcpy(w->m + c, &top, sizeof(top));
+        for (int lane = 0; lane < LANES; lane++)
+            if (correction[lane] != 1.0f)
+                for (int64_t d = 0; d < s->head_dim; d++) w->o[(c + lane) * s->head_dim + d] *= correction[lane];
     }
 }
 
@@ -186,26 +200,26 @@ static int64_t first_visible(const shape *s, int64_t q_pos) {
     return 0;
 }
 
-// The unit's query rows (scaled), positions, running state and zeroed output; padding rows
-// (up to a multiple of ROW_TILE) see no key. Returns the rows, padded.
-static int64_t load_unit(const shape *s, const unit *u, workspace *w) {
+// The unit's query rows (scaled, transposed), positions, running state and zeroed output;
+// padding rows (up to a multiple of LANES) see no key.
+static void load_unit(const shape *s, const unit *u, workspace *w) {
     const int64_t dim = s->head_dim, group = s->group;
     const int64_t q_len = s->cu_seqlens_q[u->seq + 1] - s->cu_seqlens_q[u->seq];
-    const int64_t rows = u->tokens * group, padded = (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
-    for (int64_t r = 0; r < padded; r++) {
+    const int64_t rows = u->tokens * group;
+    w->rows = (rows + LANES - 1) / LANES * LANES;
+    for (int64_t r = 0; r < w->rows; r++) {
         const int64_t token = u->first_token + r / group, head = u->kv_head * group + r % group;
         const int real = r < rows;
         w->q_pos[r] = real ? s->seq_lens[u->seq] - q_len + token : -1;
         w->first[r] = real ? first_visible(s, w->q_pos[r]) : 0;
-        w->m[r] = real && s->sinks ? s->sinks[head] : -INFINITY;
+        w->m[r] = real && s->sinks ? s->sinks[head] : NO_SCORE;
         w->l[r] = real && s->sinks ? 1.0f : 0.0f;  // the sink: exp(sink - max) = 1
         const float *q = s->query + (s->cu_seqlens_q[u->seq] + token) * s->query_stride + head * dim;
         for (int64_t d = 0; d < dim; d++) {
-            w->q[r * dim + d] = real ? q[d] * s->scale : 0.0f;
+            w->qt[d * w->rows + r] = real ? q[d] * s->scale : 0.0f;
             w->o[r * dim + d] = 0.0f;
         }
     }
-    return padded;
 }
 
 static void store_unit(const shape *s, const unit *u, const workspace *w) {
@@ -219,15 +233,15 @@ static void store_unit(const shape *s, const unit *u, const workspace *w) {
 }
 
 static void attend_unit(const shape *s, const unit *u, workspace *w, pack_fn pack) {
-    const int64_t rows = load_unit(s, u, w);
+    load_unit(s, u, w);
     const int64_t start = w->first[0], end = w->q_pos[u->tokens * s->group - 1] + 1;
     const int32_t *table = s->block_tables + u->seq * s->table_stride;
     for (int64_t k0 = start; k0 < end; k0 += KEYS) {
         const int64_t n = end - k0 < KEYS ? end - k0 : KEYS;
-        pack(s, table, u->kv_head, k0, n, w->kt, w->v);
-        scores(w->q, w->kt, w->p, rows, s->head_dim);
-        softmax_step(s, w, rows, k0);
-        accumulate(w->p, w->v, w->o, rows, s->head_dim, n);
+        pack(s, table, u->kv_head, k0, n, w->k, w->v);
+        scores(w, s->head_dim, (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
+        softmax_step(s, w, k0, n);
+        accumulate(w, s->head_dim, n);
     }
     store_unit(s, u, w);
 }
@@ -257,16 +271,15 @@ static unit *make_units(const shape *s, int64_t num_seqs, int64_t min_q_len, int
 
 static workspace workspace_for(const shape *s) {
     const int64_t dim = s->head_dim;
-    const size_t floats = 2 * MAX_ROWS * dim + MAX_ROWS * KEYS + 2 * KEYS * dim + 2 * MAX_ROWS;
-    float *base = aligned_alloc(64, (floats * sizeof(float) + 2 * MAX_ROWS * sizeof(int64_t) + 63) / 64 * 64);
-    workspace w = {.q = base};
-    w.o = w.q + MAX_ROWS * dim;
+    const size_t floats = 2 * MAX_ROWS * dim + MAX_ROWS * KEYS + 2 * KEYS * dim + 4 * MAX_ROWS;
+    workspace w = {.qt = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64)};
+    w.o = w.qt + MAX_ROWS * dim;
     w.p = w.o + MAX_ROWS * dim;
-    w.kt = w.p + MAX_ROWS * KEYS;
-    w.v = w.kt + KEYS * dim;
+    w.k = w.p + MAX_ROWS * KEYS;
+    w.v = w.k + KEYS * dim;
     w.m = w.v + KEYS * dim;
     w.l = w.m + MAX_ROWS;
-    w.q_pos = (int64_t *)(w.l + MAX_ROWS);
+    w.q_pos = (int32_t *)(w.l + MAX_ROWS);
     w.first = w.q_pos + MAX_ROWS;
     return w;
 }
@@ -283,7 +296,7 @@ static int run(shape *s, int64_t num_seqs, int64_t min_q_len, int64_t num_thread
         workspace w = workspace_for(s);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; i++) attend_unit(s, &units[i], &w, pack);
-        free(w.q);
+        free(w.qt);
     }
     free(units);
     return 0;
