@@ -24,13 +24,33 @@ _FUNCTIONS = {
     torch.float8_e4m3fn: "paged_prefill_fp8_e4m3",
     torch.float8_e5m2: "paged_prefill_fp8_e5m2",
 }
-_SIGNATURES = tuple((name, _ARGTYPES) for name in _FUNCTIONS.values())
+_SIGNATURES = (("prefill_lanes", ()), *((name, _ARGTYPES) for name in _FUNCTIONS.values()))
+MAX_DIM, MAX_GROUP = 256, 64  # paged_prefill.c's MAX_DIM and MAX_ROWS
 
 
 def load(march: str = NATIVE):
     """The compiled library (kernels/cpu/paged_prefill.c) for `march` (the host's; tests also
     load AVX2's), or None when it cannot be built."""
     return load_library("paged_prefill", _SIGNATURES, march)
+
+
+def fits(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes chunks of this query over these caches here: built, a cache
+    dtype it reads, head_dim a multiple of its lanes (16 on AVX-512 hosts, 8 on AVX2 ones)
+    up to MAX_DIM, at most MAX_GROUP query heads a kv head."""
+    library = load()
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    return (
+        library is not None
+        and key_cache.dtype in _FUNCTIONS
+        and value_cache.dtype == key_cache.dtype
+        and not query.is_cuda
+        and head_dim % library.prefill_lanes() == 0
+        and head_dim <= MAX_DIM
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
 
 
 def prefill_chunks(

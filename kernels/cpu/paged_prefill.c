@@ -322,3 +322,6 @@ DEFINE_PREFILL(paged_prefill_f32, pack_f32)
 DEFINE_PREFILL(paged_prefill_bf16, pack_bf16)
 DEFINE_PREFILL(paged_prefill_fp8_e4m3, pack_fp8_e4m3)
 DEFINE_PREFILL(paged_prefill_fp8_e5m2, pack_fp8_e5m2)
+
+// The lanes of a vector in this build: head_dim must be a multiple of them.
+int prefill_lanes(void) { return LANES; }
