@@ -41,7 +41,11 @@
 #define MAX_ROWS 64
 #define KEYS 64           // keys a step
 #define MAX_DIM 256
+#if LANES == 16  // 32 registers: 8 keys x 3 row vectors of accumulators
+#define KEY_TILE 8
+#else
 #define KEY_TILE 4        // keys of a register block of scores
+#endif
 #define ROW_TILE 4        // rows of a register block of outputs
 #define NO_SCORE -1e30f   // a row's running max before any key: finite, so m - m is 0
 #define INLINE static inline __attribute__((always_inline))
