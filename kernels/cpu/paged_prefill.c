@@ -6,8 +6,9 @@
 //
 // Why: the torch path gathers each sequence's whole context into a contiguous copy (and widens
 // bf16 / fp8 pages) before SDPA, writing and reading the context again for every chunk and
-// layer. Here each step's keys are read once per query tile and land in a small buffer that
-// stays in L1/L2, and the products are register-blocked FMAs: a GEMM micro-kernel.
+// layer. Here each step's keys are read in place once per query tile (fp32 pages straight from
+// the cache, bf16 / fp8 ones widened into a small buffer that stays in L1/L2), and the
+// products are register-blocked FMAs: a GEMM micro-kernel.
 //
 // Layouts (the engine's, see kernels/reference.py):
 //   query  [num_tokens, num_heads, head_dim]                  float32, rows query_stride apart
@@ -69,37 +70,53 @@ typedef struct {  // one thread's buffers (64-byte aligned); rows: a multiple of
     float *qt;    // [head_dim][rows]  the scaled queries, transposed
     float *o;     // [rows][head_dim]  the unnormalised outputs
     float *p;     // [KEYS][rows]      a step's scores, then its weights
-    float *k, *v; // [KEYS][head_dim]  a step's keys and values in fp32
+    float *k, *v; // [KEYS][head_dim]  a step's keys and values widened to fp32
+    float *zero;  // [head_dim]        the row of the keys past the step's end
+    const float *key_rows[KEYS], *value_rows[KEYS];  // a step's rows: cache or k / v
     float *m, *l; // [rows]            running max and sum
     int32_t *q_pos, *first;  // [rows] each row's position and its first visible key
     int64_t rows;
 } workspace;
 
-// K and V rows of keys k0..k0+n from the cache -> fp32 k, v [KEYS][head_dim]; the rows past n
-// zeroed (0 x garbage could be NaN)
+// Points key_rows / value_rows at the fp32 rows of keys k0..k0+n: in the cache itself for
+// fp32 pages (no copy), else widened into k / v; the rows past n at zeros (0 x garbage
+// could be NaN).
 typedef void (*pack_fn)(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0,
-                        int64_t n, float *k, float *v);
+                        int64_t n, workspace *w);
+
+static inline int64_t cache_row(const shape *s, const int32_t *table, int64_t kv_head,
+                                int64_t pos) {
+    return ((int64_t)table[pos / s->block_size] * s->block_size + pos % s->block_size)
+           * s->num_kv_heads * s->head_dim + kv_head * s->head_dim;
+}
+
+static void pack_f32(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0,
+                     int64_t n, workspace *w) {
+    for (int64_t j = 0; j < KEYS; j++) {
+        const int64_t row = j < n ? cache_row(s, table, kv_head, k0 + j) : 0;
+        w->key_rows[j] = j < n ? (const float *)s->key_cache + row : w->zero;
+        w->value_rows[j] = j < n ? (const float *)s->value_cache + row : w->zero;
+    }
+}
 
 #define DEFINE_PACK(NAME, CACHE_T, LOAD)                                                       \
 static void NAME(const shape *s, const int32_t *table, int64_t kv_head, int64_t k0, int64_t n, \
-                 float *k, float *v) {                                                         \
-    const int64_t dim = s->head_dim, token_stride = s->num_kv_heads * dim;                     \
-    const CACHE_T *keys = s->key_cache, *values = s->value_cache;                              \
-    for (int64_t j = 0; j < n; j++) {                                                          \
-        const int64_t pos = k0 + j;                                                            \
-        const int64_t row = ((int64_t)table[pos / s->block_size] * s->block_size               \
-                             + pos % s->block_size) * token_stride + kv_head * dim;            \
+                 workspace *w) {                                                               \
+    const int64_t dim = s->head_dim;                                                           \
+    for (int64_t j = 0; j < KEYS; j++) {                                                       \
+        w->key_rows[j] = j < n ? w->k + j * dim : w->zero;                                     \
+        w->value_rows[j] = j < n ? w->v + j * dim : w->zero;                                   \
+        if (j >= n) continue;                                                                  \
+        const int64_t row = cache_row(s, table, kv_head, k0 + j);                              \
         for (int64_t c = 0; c < dim; c += LANES) {                                             \
-            const vec kc = LOAD(keys + row + c), vc = LOAD(values + row + c);                  \
-            memcpy(k + j * dim + c, &kc, sizeof(kc));                                          \
-            memcpy(v + j * dim + c, &vc, sizeof(vc));                                          \
+            const vec kc = LOAD((const CACHE_T *)s->key_cache + row + c);                      \
+            const vec vc = LOAD((const CACHE_T *)s->value_cache + row + c);                    \
+            memcpy(w->k + j * dim + c, &kc, sizeof(kc));                                       \
+            memcpy(w->v + j * dim + c, &vc, sizeof(vc));                                       \
         }                                                                                      \
     }                                                                                          \
-    memset(k + n * dim, 0, (KEYS - n) * dim * sizeof(float));                                  \
-    memset(v + n * dim, 0, (KEYS - n) * dim * sizeof(float));                                  \
 }
 
-DEFINE_PACK(pack_f32, float, load_f32)
 DEFINE_PACK(pack_bf16, uint16_t, load_bf16)
 DEFINE_PACK(pack_fp8_e4m3, uint8_t, load_fp8_e4m3)
 DEFINE_PACK(pack_fp8_e5m2, uint8_t, load_fp8_e5m2)
@@ -113,7 +130,7 @@ INLINE void score_tile(const workspace *w, int64_t dim, int64_t j0, int64_t c, c
         vec q[3];
         for (int x = 0; x < width; x++) q[x] = load_f32(w->qt + d * w->rows + c + x * LANES);
         for (int i = 0; i < KEY_TILE; i++) {
-            const vec kb = broadcast(w->k[(j0 + i) * dim + d]);
+            const vec kb = broadcast(w->key_rows[j0 + i][d]);
             for (int x = 0; x < width; x++) acc[i][x] += kb * q[x];
         }
     }
@@ -140,7 +157,7 @@ INLINE void accumulate_tile(const workspace *w, int64_t dim, int64_t n, int64_t 
         for (int x = 0; x < width; x++) acc[i][x] = load_f32(w->o + (r0 + i) * dim + c + x * LANES);
     for (int64_t j = 0; j < n; j++) {
         vec vv[4];
-        for (int x = 0; x < width; x++) vv[x] = load_f32(w->v + j * dim + c + x * LANES);
+        for (int x = 0; x < width; x++) vv[x] = load_f32(w->value_rows[j] + c + x * LANES);
         for (int i = 0; i < ROW_TILE; i++) {
             const vec pb = broadcast(w->p[j * w->rows + r0 + i]);
             for (int x = 0; x < width; x++) acc[i][x] += pb * vv[x];
@@ -242,7 +259,7 @@ static void attend_unit(const shape *s, const unit *u, workspace *w, pack_fn pac
     const int32_t *table = s->block_tables + u->seq * s->table_stride;
     for (int64_t k0 = start; k0 < end; k0 += KEYS) {
         const int64_t n = end - k0 < KEYS ? end - k0 : KEYS;
-        pack(s, table, u->kv_head, k0, n, w->k, w->v);
+        pack(s, table, u->kv_head, k0, n, w);
         scores(w, s->head_dim, (n + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
         softmax_step(s, w, k0, n);
         accumulate(w, s->head_dim, n);
@@ -275,7 +292,7 @@ static unit *make_units(const shape *s, int64_t num_seqs, int64_t min_q_len, int
 
 static workspace workspace_for(const shape *s) {
     const int64_t dim = s->head_dim;
-    const size_t floats = 2 * MAX_ROWS * dim + MAX_ROWS * KEYS + 2 * KEYS * dim + 4 * MAX_ROWS;
+    const size_t floats = 2 * MAX_ROWS * dim + MAX_ROWS * KEYS + 2 * KEYS * dim + 4 * MAX_ROWS + dim;
     workspace w = {.qt = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64)};
     w.o = w.qt + MAX_ROWS * dim;
     w.p = w.o + MAX_ROWS * dim;
@@ -285,6 +302,8 @@ static workspace workspace_for(const shape *s) {
     w.l = w.m + MAX_ROWS;
     w.q_pos = (int32_t *)(w.l + MAX_ROWS);
     w.first = w.q_pos + MAX_ROWS;
+    w.zero = (float *)(w.first + MAX_ROWS);
+    memset(w.zero, 0, dim * sizeof(float));
     return w;
 }
 
