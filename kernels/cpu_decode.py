@@ -123,8 +123,8 @@ SDPA_MIN_CHUNK = 128
 BF16_SDPA_MIN_CHUNK = 16
 # Where the prefill kernel fits (cpu_prefill.fits), chunks from this length run on it, fp32 and
 # bf16 models alike: on a loaded 2-core AVX-512 host (1 thread, CPU time) it beat the row-per-
-# token kernel 1.1-2x from 8 tokens and SDPA over gathered copies 1.05-1.4x at 8-512 tokens
-# (benchmarks/kernels/prefill_attention.py).
+# token kernel 1.1-2x from 8 tokens, and SDPA over gathered copies 1.3-2.4x on 256- and
+# 512-token chunks (benchmarks/reports/2026-12-05-cpu-prefill-attention/).
 PREFILL_MIN_CHUNK = 8
 
 
