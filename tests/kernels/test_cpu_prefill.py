@@ -143,3 +143,11 @@ def test_greedy_equals_transformers_with_the_kernel(smol_shaped_llama, monkeypat
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert calls
     assert_all_free(llm)
+
+
+def test_avx2_build_takes_eight_lane_heads():
+    """An AVX2 host's build runs 8-lane vectors: head_dim 8 (the tiny test models') fits it."""
+    assert cpu_prefill.load(AVX2).prefill_lanes() == 8
+    batch = make_batch(*CASES["mixed"], 4, 2, 8, 8, torch.float32, "cpu")
+    out, twin = _run(batch, 8, 5, 0.0, None, AVX2)
+    assert_close("vs twin", out, twin, torch.float32)
