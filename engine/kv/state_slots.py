@@ -105,6 +105,7 @@ class RecurrentBlockManager:
         """`host_rows`: the executor's host rows for swapped states and for snapshots."""
         self.inner = inner
         self.slots = StateSlots(num_slots)
+        self.num_snapshot_slots, self.slot_bytes = num_snapshot_slots, slot_bytes  # stats
         self.host_swap = HostSwapRows(host_rows[0])
         self.snapshots = None
         if inner.enable_prefix_caching and num_snapshot_slots:
