@@ -62,7 +62,7 @@ class PoolSplit:
 
     def lines(self) -> list[str]:
         """The split for `kvpager kv-size`."""
-        gib = 1024**3
+        gib, budget = 1024**3, self.budget_bytes
         rows = [
             ("KV blocks", self.num_blocks, self.block_bytes),
             ("state slots", self.num_slots, self.slot_bytes),
@@ -71,7 +71,7 @@ class PoolSplit:
         return [
             f"  {name + ':':<16}{count:>9,} x {each:,} B = {count * each / gib:.3f} GiB"
             for name, count, each in rows
-        ] + [f"  {'total:':<16}{self.total_bytes / gib:>28.3f} GiB of {self.budget_bytes / gib:.3f}"]
+        ] + [f"  {'total:':<16}{self.total_bytes / gib:>28.3f} GiB of {budget / gib:.3f}"]
 
 
 def split_pool(
@@ -87,7 +87,9 @@ def split_pool(
         return _with_blocks(budget_bytes, block_bytes, 0, 0, 0, max_blocks)
     num_slots = max(1, min(max_num_seqs, int(STATE_SHARE * budget_bytes) // slot_bytes))
     num_snapshots = int(SNAPSHOT_SHARE * budget_bytes) // slot_bytes
-    split = _with_blocks(budget_bytes, block_bytes, slot_bytes, num_slots, num_snapshots, max_blocks)
+    split = _with_blocks(
+        budget_bytes, block_bytes, slot_bytes, num_slots, num_snapshots, max_blocks
+    )
     if split.num_snapshots > split.num_blocks:  # no more than one per block: the rest to KV
         split = _with_blocks(
             budget_bytes, block_bytes, slot_bytes, num_slots, split.num_blocks, max_blocks
@@ -116,7 +118,8 @@ def split_beside_blocks(
     if not slot_bytes:
         return PoolSplit(0, block_bytes, 0, num_blocks, 0, 0)
     by_bytes = max(int(SNAPSHOT_SHARE * num_blocks * block_bytes) // slot_bytes, max_num_seqs)
-    return PoolSplit(0, block_bytes, slot_bytes, num_blocks, max_num_seqs, min(num_blocks, by_bytes))
+    num_snapshots = min(num_blocks, by_bytes)
+    return PoolSplit(0, block_bytes, slot_bytes, num_blocks, max_num_seqs, num_snapshots)
 
 
 def split_host_pool(
