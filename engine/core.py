@@ -271,6 +271,8 @@ def check_ready(ready: ExecutorReady) -> None:
         "state_slot_bytes": (ready.state_slot_bytes, 0, 2**40),
         "num_host_state_slots": (ready.num_host_state_slots, 0, 65536),
         "num_host_snapshot_slots": (ready.num_host_snapshot_slots, 0, MAX_BLOCKS),
+        "kv_block_bytes": (ready.kv_block_bytes, 0, 2**40),
+        "kv_budget_bytes": (ready.kv_budget_bytes, 0, 2**50),
     }
     for name, (value, low, high) in sizes.items():
         if not low <= value <= high:
