@@ -14,6 +14,7 @@ from kvpager.engine.kv.state_pool import (
     split_host_pool,
     split_pool,
 )
+from kvpager.engine.worker import executor as executor_module
 from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import make_llm, random_prompts
@@ -96,12 +97,28 @@ def test_few_slots_queue_and_serve_every_request_exactly(hybrid):
         assert_slots_free(llm)
 
 
-def test_kv_size_prints_the_split_the_executor_allocates(hybrid, capsys):
+class _Recorder:
+    """Keeps what the executor logs at info level."""
+
+    def __init__(self, logs: list) -> None:
+        self.logs = logs
+
+    def info(self, event: str, **fields) -> None:
+        self.logs.append((event, fields))
+
+
+def test_kv_size_prints_the_split_the_executor_allocates(hybrid, capsys, monkeypatch):
     from kvpager.services.cli import main
 
     budget = 3 << 20  # 3 MiB: a whole number of GiB / 1024
+    logs: list[tuple[str, dict]] = []
+    monkeypatch.setattr(executor_module, "log", _Recorder(logs))  # the startup log's fields
     with make_llm(hybrid, num_blocks=None, kv_cache_memory=budget, max_num_seqs=64) as llm:
         split = llm.executor.pool
+        ready_log = next(fields for event, fields in logs if event == "executor ready")
+        assert ready_log["pool_num_slots"] == 64 and ready_log["pool_budget_bytes"] == budget
+        assert ready_log["pool_num_blocks"] == llm.executor.num_blocks
+        assert ready_log["pool_state_bytes"] == 64 * split.slot_bytes
         ready = llm.executor.ready("x", "m")
         assert (ready.kv_block_bytes, ready.kv_budget_bytes) == (split.block_bytes, budget)
         assert ready.num_state_slots == split.num_slots == 64
