@@ -271,6 +271,8 @@ def check_ready(ready: ExecutorReady) -> None:
         "state_slot_bytes": (ready.state_slot_bytes, 0, 2**40),
         "num_host_state_slots": (ready.num_host_state_slots, 0, 65536),
         "num_host_snapshot_slots": (ready.num_host_snapshot_slots, 0, MAX_BLOCKS),
+        "kv_block_bytes": (ready.kv_block_bytes, 0, 2**40),
+        "kv_budget_bytes": (ready.kv_budget_bytes, 0, 2**50),
     }
     for name, (value, low, high) in sizes.items():
         if not low <= value <= high:
@@ -296,5 +298,9 @@ def build_scheduler(config: EngineConfig, ready: ExecutorReady) -> Scheduler:
         num_host_state_slots=ready.num_host_state_slots,
         num_host_snapshot_slots=ready.num_host_snapshot_slots,
     )
-    limits = config.scheduler_config(ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
+    # recurrent layers: a sequence runs only with a state slot (engine/kv/state_pool.py); the
+    # slots, swapped sequences and pending forks count as with max_num_seqs, so a request
+    # waits for a slot and a fork or a swap-in always finds one
+    max_num_seqs = min(ready.max_num_seqs, ready.num_state_slots or ready.max_num_seqs)
+    limits = config.scheduler_config(max_num_seqs, ready.max_model_len, ready.vocab_size)
     return Scheduler(limits, cache_config)

@@ -4,6 +4,12 @@ import torch
 from kvpager.engine.config import ExecutorConfig, host_memory_bytes
 from kvpager.engine.kv.kv_groups import kv_groups
 from kvpager.engine.kv.kv_size import weight_bytes_per_rank
+from kvpager.engine.kv.state_pool import (
+    PoolSplit,
+    split_beside_blocks,
+    split_host_pool,
+    split_pool,
+)
 from kvpager.engine.model_config import ModelConfig, dtype_name
 from kvpager.schemas.errors import ConfigError
 
@@ -53,25 +59,42 @@ def blocks_that_fit(
     device: torch.device,
     extra_slots: int = 0,
 ) -> int:
-    """Device KV blocks: `num_blocks`, else what `kv_cache_memory` holds, else what the
-    `gpu_memory_utilization` share of the device (on CPU, of RAM) leaves after the weights."""
-    if config.num_blocks is not None:
-        return config.num_blocks
+    """Device KV blocks of a model without recurrent states (`device_pool`)."""
+    return device_pool(config, model_config, kv_dtype, device, 0, extra_slots).num_blocks
+
+
+def device_pool(
+    config: ExecutorConfig,
+    model_config: ModelConfig,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    slot_bytes: int,
+    extra_slots: int = 0,
+) -> PoolSplit:
+    """Device KV blocks and state rows of `slot_bytes` each (engine/kv/state_pool.py):
+    `num_blocks` with the states beside them, else split from what `kv_cache_memory` holds,
+    else from what the `gpu_memory_utilization` share of the device (on CPU, of RAM) leaves
+    after the weights."""
     per_block = kv_bytes_per_block(config, model_config, kv_dtype, extra_slots)
+    if config.num_blocks is not None:
+        return split_beside_blocks(config.num_blocks, per_block, slot_bytes, config.max_num_seqs)
     budget = _kv_budget(config, model_config, device)
     if budget is None:  # CPU default: never more than every sequence at full length needs
         groups = kv_groups(
             model_config.layer_windows, model_config.num_layers, model_config.cacheless_layers
         ).num_groups
         max_useful = groups * config.max_num_seqs * -(-config.max_model_len // config.block_size)
-        return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, max_useful))
-    if budget < per_block:
+        return split_pool(
+            DEFAULT_CPU_KV_CACHE_BYTES, per_block, slot_bytes, config.max_num_seqs, max_useful
+        )
+    if budget < per_block + slot_bytes:
         name = "kv_cache_memory" if config.kv_cache_memory is not None else "gpu_memory_utilization"
         raise ConfigError(
             f"{name}: {max(budget, 0)} bytes are left for the KV cache, not one {per_block}-byte "
-            f"block; raise it, or give --kv-cache-memory / --num-blocks"
-        )
-    return budget // per_block
+            f"block" + (f" and one {slot_bytes}-byte state slot" if slot_bytes else "")
+            + "; raise it, or give --kv-cache-memory / --num-blocks"
+        )  # fmt: skip
+    return split_pool(budget, per_block, slot_bytes, config.max_num_seqs)
 
 
 def _kv_budget(
@@ -92,20 +115,26 @@ def _kv_budget(
     return int(utilization * host_memory_bytes()) - weights
 
 
-def cpu_blocks_that_fit(
+def host_pool(
     config: ExecutorConfig,
     model_config: ModelConfig,
     kv_dtype: torch.dtype,
     device: torch.device,
-    num_blocks: int,
+    device_split: PoolSplit,
     extra_slots: int = 0,
-) -> int:
-    """Host blocks for swapped-out and evicted blocks: `swap_space` bytes, else a quarter of
-    the device cache on a CPU device (swapping there is a memcpy) and none on CUDA."""
+) -> PoolSplit:
+    """Host blocks for swapped-out and evicted blocks, and host rows of the states carved from
+    the same bytes (engine/kv/state_pool.py): `swap_space` bytes, else a quarter of the device
+    cache's blocks on a CPU device (swapping there is a memcpy) and none on CUDA."""
     per_block = kv_bytes_per_block(config, model_config, kv_dtype, extra_slots)
-    if config.swap_space is None:
-        return num_blocks // CPU_SWAP_FRACTION if device.type == "cpu" else 0
-    return config.swap_space // per_block
+    swap_bytes = config.swap_space
+    if swap_bytes is None:
+        swap_bytes = device_split.num_blocks // CPU_SWAP_FRACTION * per_block
+        swap_bytes = swap_bytes if device.type == "cpu" else 0
+    return split_host_pool(
+        swap_bytes, per_block, device_split.slot_bytes, device_split.num_slots,
+        bool(config.kv_disk_dir),
+    )  # fmt: skip
 
 
 def kv_bytes_per_block(

@@ -284,6 +284,14 @@ class Stats(msgspec.Struct, kw_only=True):
     host_state_snapshot_hits: Annotated[
         int, Meta(description="prefix hits resumed from a snapshot in host memory")
     ] = 0
+    num_state_slots: Annotated[
+        int, Meta(description="recurrent models: per-sequence state slots, out of the KV budget")
+    ] = 0
+    num_free_state_slots: Annotated[int, Meta(description="of them, held by no sequence")] = 0
+    num_state_snapshot_slots: Annotated[
+        int, Meta(description="state rows for prefix snapshots, out of the KV budget")
+    ] = 0
+    state_slot_bytes: Annotated[int, Meta(description="one state row's bytes")] = 0
     num_steps: int
     num_finished: Annotated[dict[str, int], Meta(description="per finish reason")]
     prefix_cache_queried_tokens: int

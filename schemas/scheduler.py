@@ -155,6 +155,10 @@ class ExecutorReady(msgspec.Struct, array_like=True):
     # snapshots of prefix blocks on the CPU and disk tiers
     num_host_state_slots: int = 0
     num_host_snapshot_slots: int = 0
+    # how the device budget was split (engine/kv/state_pool.py): one block's bytes (of every
+    # layer slot) and the budget the blocks and state rows share; 0: a fixed block count
+    kv_block_bytes: int = 0
+    kv_budget_bytes: int = 0
 
 
 class StepDone(msgspec.Struct, tag="done", array_like=True):

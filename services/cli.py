@@ -314,14 +314,13 @@ def _kv_size_recurrent(args: argparse.Namespace) -> bool:
     size = hybrid_size(raw, args.tensor_parallel_size or args.gpus or 1)
     if size is None:
         return False
-    dtype = kv_cache_dtype_name(
-        args.kv_cache_dtype
-        or args.dtype
-        or raw.get("torch_dtype")
-        or raw.get("dtype")
-        or "bfloat16"
-    )
-    print("\n".join(size.lines(dtype, args.tokens, int(args.budget_gib * 1024**3))))
+    checkpoint = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    dtype = kv_cache_dtype_name(args.kv_cache_dtype or args.dtype or checkpoint)
+    # the states are in the model's dtype, also beside an fp8 KV cache
+    state_dtype = dtype if not dtype.startswith("float8") else kv_cache_dtype_name(checkpoint)
+    budget = int(args.budget_gib * 1024**3)
+    lines = size.lines(dtype, args.tokens, budget, state_dtype, args.users, args.block_size)
+    print("\n".join(lines))
     return True
 
 

@@ -7,8 +7,10 @@ A recurrent layer's state does not grow with the sequence (engine/kv/state_slots
 - gated DeltaNet (`qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`, and multimodal `qwen3_5` /
   `qwen3_5_moe` by their text_config): a conv state [2 * k_heads * k_dim + v_heads * v_dim,
   kernel - 1] and a recurrent state [v_heads, k_dim, v_dim].
-The conv state is held in the KV dtype, the SSM / recurrent state in float32, as
-engine/model/mamba2.py holds them (the scan accumulates in float32).
+The conv state is held in the model's dtype (also beside an fp8 KV cache), the SSM /
+recurrent state in float32, as engine/model/mamba2.py holds them (the scan accumulates in
+float32). The states come out of the KV budget (engine/kv/state_pool.py): kv-size prints the
+split the executor makes of a budget.
 
 `kvpager kv-size` uses this for these model types (each served end to end:
 docs/user/models.md); sizing them is what plans a deployment. With --tensor-parallel-size, the
@@ -21,6 +23,7 @@ from typing import Any
 from kvpager.engine.families.nemotron_h import layer_pattern
 from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
+from kvpager.engine.kv.state_pool import split_pool
 from kvpager.engine.mamba2_config import mamba2_dims, mamba_layers
 from kvpager.engine.model_config import dtype_bytes
 from kvpager.schemas.errors import ConfigError
@@ -40,27 +43,43 @@ class HybridSize:
     tensor_parallel_size: int = 1  # the sizes are one rank's (its heads') of this many
 
     def state_bytes(self, dtype: object) -> int:
-        """One sequence's recurrent state: conv in `dtype`, SSM in float32."""
+        """One sequence's recurrent state: conv in `dtype` (the model's), SSM in float32."""
         return self.conv_elements * dtype_bytes(dtype) + self.ssm_elements * 4
 
     def kv_bytes_per_token(self, dtype: object) -> int:
         return self.kv_elements_per_token * dtype_bytes(dtype)
 
-    def lines(self, dtype: object, tokens: int, budget_bytes: int) -> list[str]:
-        state, per_token = self.state_bytes(dtype), self.kv_bytes_per_token(dtype)
+    def lines(
+        self,
+        dtype: object,
+        tokens: int,
+        budget_bytes: int,
+        state_dtype: object = None,
+        users: int = 256,
+        block_size: int = 16,
+    ) -> list[str]:
+        """The sizes, and how the executor splits `budget_bytes` between KV blocks of
+        `block_size` tokens in `dtype` and state rows in `state_dtype` (the model's; None:
+        `dtype`) for `users` sequences at most (engine/kv/state_pool.py)."""
+        state_dtype = state_dtype or dtype
+        state, per_token = self.state_bytes(state_dtype), self.kv_bytes_per_token(dtype)
         per_seq = state + per_token * tokens
         mib, gib = 1024**2, 1024**3
         ranks = self.tensor_parallel_size
+        split = split_pool(budget_bytes, per_token * block_size, state, users)
+        name = str(dtype).removeprefix("torch.")
         return [
             f"{self.model_type}: {self.num_recurrent_layers} recurrent layers, "
             f"{self.num_attention_layers} attention layers"
             + (f"; bytes below are per rank of {ranks} (its heads)" if ranks > 1 else ""),
             f"state bytes per sequence:  {state:,} ({state / mib:.2f} MiB; conv in "
-            f"{str(dtype).removeprefix('torch.')}, SSM in float32; any length)",
-            f"KV bytes per token:        {per_token:,} (attention layers only)",
+            f"{str(state_dtype).removeprefix('torch.')}, SSM in float32; any length)",
+            f"KV bytes per token:        {per_token:,} (attention layers only; KV in {name})",
             f"bytes per sequence:        {per_seq:,} ({per_seq / gib:.3f} GiB at {tokens} tokens)",
             f"sequences that fit:        {budget_bytes // per_seq if per_seq else 0} "
             f"in {budget_bytes / gib:.2f} GiB",
+            f"the budget's split (max_num_seqs {users}, block size {block_size}), states first:",
+            *split.lines(),
         ]
 
 

@@ -26,7 +26,9 @@ group or a HybridBlockManager for the attention layers), with its interface:
   manager logs why once. A block leaving the device for the CPU tier or the disk tier takes
   its snapshot along into a host row, so a hit there resumes from the deepest snapshot on any
   tier (`from_host` into the new slot).
-The pool holds `num_slots` slots; sized to at least max_num_seqs, a fork always finds one.
+The pool holds `num_slots` slots, at most max_num_seqs, carved out of the KV budget
+(engine/kv/state_pool.py); the scheduler runs at most that many sequences, swapped ones and
+pending forks counted (engine/core.py: build_scheduler), so a fork or a swap-in finds one.
 """
 
 from dataclasses import dataclass, field
@@ -105,6 +107,7 @@ class RecurrentBlockManager:
         """`host_rows`: the executor's host rows for swapped states and for snapshots."""
         self.inner = inner
         self.slots = StateSlots(num_slots)
+        self.num_snapshot_slots, self.slot_bytes = num_snapshot_slots, slot_bytes  # stats
         self.host_swap = HostSwapRows(host_rows[0])
         self.snapshots = None
         if inner.enable_prefix_caching and num_snapshot_slots:

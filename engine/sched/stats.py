@@ -29,6 +29,7 @@ def build_stats(instance: str, core: Scheduler, metrics: EngineMetrics) -> Stats
         **_block_fields(core),
         **_transfer_fields(core),
         **_snapshot_fields(core),
+        **_state_pool_fields(core),
         **_timing_fields(metrics),
     )
 
@@ -67,6 +68,19 @@ def _transfer_fields(core: Scheduler) -> dict:
         kv_transfer_mean_ms=kv.mean_ms,
         kv_transfer_failed=kv.num_failed,
         kv_handoffs=kv.num_held,
+    )
+
+
+def _state_pool_fields(core: Scheduler) -> dict:
+    """Recurrent models: the state rows carved out of the KV budget (engine/kv/state_pool.py)."""
+    manager = core.block_manager
+    if not hasattr(manager, "take_state_ops"):
+        return {}
+    return dict(
+        num_state_slots=manager.slots.num_slots,
+        num_free_state_slots=manager.slots.num_free,
+        num_state_snapshot_slots=manager.num_snapshot_slots,
+        state_slot_bytes=manager.slot_bytes,
     )
 
 

@@ -33,7 +33,7 @@ from kvpager.engine.worker.spec_decode.draft_model import (
     num_scratch_blocks,
 )
 from kvpager.engine.worker.spec_decode.proposer import make_proposer
-from kvpager.engine.worker.state_cache import make_state_cache
+from kvpager.engine.worker.state_cache import make_state_cache, state_slot_bytes
 from kvpager.engine.worker.step_check import Capacity, StepCheck
 from kvpager.engine.worker.step_sampling import StepSampler
 from kvpager.kernels.backend import (
@@ -78,10 +78,11 @@ class Executor:
         self.draft = load_draft(
             config, model_config, self.kv_groups, self.dtype, self.device, self.ops, size
         )
-        self._allocate_caches()
-        # recurrent layers' states (engine/worker/state_cache.py); None for other models
+        self._allocate_caches(size)
+        # recurrent layers' states (engine/worker/state_cache.py), carved out of the caches'
+        # budgets (engine/kv/state_pool.py); None for other models
         self.state_cache = make_state_cache(
-            config, model_config, self.dtype, self.device, self.kv_cache, size, self.cpu_cache
+            model_config, self.dtype, self.device, self.pool, self.host_pool, size
         )
         self.disk = open_disk(
             config, self.cpu_cache, self.kv_dtype, rank, size, self.kv_groups.windows,
@@ -144,16 +145,20 @@ class Executor:
             kv_layout=self.ops.kv_layout,
             num_threads=torch.get_num_threads(),  # on CPU: OMP_NUM_THREADS, or every core
             load_s=round(load_s, 2),
+            **(self.pool.fields("pool_") if self.pool.slot_bytes else {}),
+            **(self.host_pool.fields("host_pool_") if self.host_pool.slot_bytes else {}),
         )
 
-    def _allocate_caches(self) -> None:
-        """The device KV cache, sized to what fits, and the CPU pool for swapped blocks; with
-        a draft model, its layers' slots follow the target's and the last blocks are its
-        scratch, kept out of the scheduler's pool (spec_decode/draft_model.py)."""
+    def _allocate_caches(self, world_size: int) -> None:
+        """The device KV cache, sized to what fits beside the recurrent states, and the CPU
+        pool for swapped blocks; with a draft model, its layers' slots follow the target's and
+        the last blocks are its scratch, kept out of the scheduler's pool
+        (spec_decode/draft_model.py)."""
         draft_slots = 0 if self.draft is None else len(self.draft.layers)
-        self.kv_cache, self.cpu_cache = allocate_kv_caches(
+        slot_bytes = state_slot_bytes(self.config, self.model_config, self.dtype, world_size)
+        self.kv_cache, self.cpu_cache, self.pool, self.host_pool = allocate_kv_caches(
             self.config, self.model_config, self.shard, self.kv_groups, self.kv_dtype,
-            self.device, self.group, draft_slots,
+            self.device, self.group, draft_slots, slot_bytes,
         )  # fmt: skip
         self.num_blocks = self.kv_cache.shape[2] - num_scratch_blocks(self.config)
         self.num_cpu_blocks = self.cpu_cache.shape[2]
@@ -222,6 +227,8 @@ class Executor:
             state_slot_bytes=self.state_cache.slot_bytes if self.state_cache is not None else 0,
             num_host_state_slots=self.host_state_rows[0],
             num_host_snapshot_slots=self.host_state_rows[1],
+            kv_block_bytes=self.pool.block_bytes,
+            kv_budget_bytes=self.pool.budget_bytes,
         )
 
     def reset(self) -> None:

@@ -11,71 +11,59 @@ fork that samples (a parallel sample forked as its parent's prompt completes: th
 holds the whole prompt).
 
 Rows 0..num_slots-1 are the sequences'; the `num_snapshot_slots` rows past them hold prefix
-snapshots (engine/kv/state_snapshots.py): as many as fit in SNAPSHOT_SHARE of the KV cache's
-bytes, but at least one per sequence slot (no more state than the sequences' own), and at
-most one per block.
-
-Host rows (engine/kv/host_states.py) twin the state rows in host memory, as many as
-HOST_STATE_SHARE of the CPU pool's bytes hold for swapped-out sequences (at most one per
-sequence slot) and as many again for snapshots of prefix blocks on the CPU tier (at most one
-per CPU block; with a disk tier, as many as the bytes hold). No CPU pool: no host rows, and
-swap preemption recomputes. They are copied first of all in a step: device to host, then host
-to device.
+snapshots (engine/kv/state_snapshots.py). How many of each there are comes out of the KV
+cache's own budget (engine/kv/state_pool.py: the executor carves them out before sizing the
+blocks), as do the host rows (engine/kv/host_states.py) out of the CPU pool's swap bytes:
+rows for swapped-out sequences, then rows for snapshots of prefix blocks on lower tiers. No
+host rows: swap preemption recomputes. They are copied first of all in a step: device to
+host, then host to device.
 """
 
 import torch
 from kvpager.engine.config import ExecutorConfig
+from kvpager.engine.kv.state_pool import PoolSplit
 from kvpager.engine.model.recurrent import RecurrentBatch, allocate_states
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import ScheduledStep
 
-SNAPSHOT_SHARE = 0.25  # of the KV cache's bytes, at most, for prefix snapshots
-HOST_STATE_SHARE = 0.25  # of the CPU pool's bytes, at most, for each use of host rows
 
-
-def make_state_cache(
-    config: ExecutorConfig,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    kv_cache: torch.Tensor,
-    world_size: int = 1,
-    cpu_cache: torch.Tensor | None = None,
-) -> "StateCache | None":
-    """A slot per sequence that can run at once (a fork finds one: engine/kv/state_slots.py);
-    None for a model without recurrent layers. One of `world_size` tensor-parallel ranks
-    holds its heads' share of each slot (as of the KV cache: the snapshot count is the same
-    on every rank)."""
+def state_slot_bytes(
+    config: ExecutorConfig, model_config: ModelConfig, dtype: torch.dtype, world_size: int = 1
+) -> int:
+    """One state row's bytes (every recurrent layer's, one rank's heads); 0 without
+    recurrent layers. Refuses what recurrent layers cannot run with."""
     if not model_config.num_recurrent_layers:
-        return None
+        return 0
     if config.speculative_config is not None:
         # a rejected draft token would stay in the state: there is no rolling it back
         raise ConfigError("speculative_config: not with recurrent (Mamba2) layers")
-    num_slots = config.max_num_seqs
     one = allocate_states(model_config, 1, dtype, "meta", world_size)
-    slot_bytes = sum(t.numel() * t.element_size() for t in (one.conv, one.ssm))
-    kv_bytes = kv_cache.numel() * kv_cache.element_size()
-    by_bytes = max(int(SNAPSHOT_SHARE * kv_bytes) // slot_bytes, num_slots)
-    num_snapshots = min(kv_cache.shape[2], by_bytes)
-    states = allocate_states(model_config, num_slots + num_snapshots, dtype, device, world_size)
-    cache = StateCache(states, num_slots, num_snapshots, slot_bytes)
-    if cpu_cache is not None and cpu_cache.shape[2]:
-        host_rows = _host_rows(config, num_slots, slot_bytes, cpu_cache)
-        if sum(host_rows):
-            cache.host = allocate_states(model_config, sum(host_rows), dtype, "cpu", world_size)
-            cache.num_host_slots, cache.num_host_snapshot_slots = host_rows
+    return sum(t.numel() * t.element_size() for t in (one.conv, one.ssm))
+
+
+def make_state_cache(
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    split: PoolSplit,
+    host: PoolSplit,
+    world_size: int = 1,
+) -> "StateCache | None":
+    """The state rows `split` and `host` carved out of the device and CPU pools (a fork finds
+    a slot: the scheduler runs at most `num_slots` sequences); None for a model without
+    recurrent layers. One of `world_size` tensor-parallel ranks holds its heads' share of
+    each row (the counts are the same on every rank)."""
+    if not model_config.num_recurrent_layers:
+        return None
+    num_rows = split.num_slots + split.num_snapshots
+    states = allocate_states(model_config, num_rows, dtype, device, world_size)
+    cache = StateCache(states, split.num_slots, split.num_snapshots, split.slot_bytes)
+    if host.num_blocks and host.num_slots + host.num_snapshots:  # no CPU pool: no host rows
+        num_host = host.num_slots + host.num_snapshots
+        cache.host = allocate_states(model_config, num_host, dtype, "cpu", world_size)
+        cache.num_host_slots, cache.num_host_snapshot_slots = host.num_slots, host.num_snapshots
     return cache
-
-
-def _host_rows(
-    config: ExecutorConfig, num_slots: int, slot_bytes: int, cpu_cache: torch.Tensor
-) -> tuple[int, int]:
-    """Host rows for swapped states and for lower tiers' snapshots (the module docstring)."""
-    cpu_bytes = cpu_cache.numel() * cpu_cache.element_size()
-    by_bytes = int(HOST_STATE_SHARE * cpu_bytes) // slot_bytes
-    num_snapshots = by_bytes if config.kv_disk_dir else min(by_bytes, cpu_cache.shape[2])
-    return min(by_bytes, num_slots), num_snapshots
 
 
 def copy_rows(source, destination, pairs: list[tuple[int, int]]) -> None:

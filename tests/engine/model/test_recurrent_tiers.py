@@ -110,8 +110,9 @@ def test_a_prefix_on_the_disk_tier_resumes_from_its_snapshot(light_state, tmp_pa
     path = light_state
     prompt, *others = random_prompts([64] * 7, seed=32)
     expected = hf_greedy(path, [prompt], 4)[0]
+    # 200 KiB: the host rows come out of it (engine/kv/state_pool.py), 8 CPU blocks remain
     with make_llm(
-        path, num_blocks=16, max_num_seqs=16, swap_space=128 << 10, kv_disk_dir=str(tmp_path),
+        path, num_blocks=16, max_num_seqs=16, swap_space=200 << 10, kv_disk_dir=str(tmp_path),
         kv_disk_bytes=1 << 24, kv_disk_key_file=str(tmp_path.parent / "kv-disk.key"),
     ) as llm:  # fmt: skip
         manager = llm.scheduler.block_manager
