@@ -99,6 +99,8 @@ def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
 def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
     if layer.experts is not None and not kind.startswith("shared_experts."):
         return _expert_targets(layer.experts, kind, shard)
+    if kind.startswith("shared_experts.") and not layer.has_mlp:
+        return []  # DeepSeek's n_shared_experts 0: transformers still saves them, 0 rows wide
     name = f"mlp.{kind}"  # DeepSeek's shared experts split by their own width
     kind = kind.removeprefix("shared_experts.")  # DeepSeek's, beside its routed ones
     half = _up_rows(layer.gate_up_weight, layer.down_weight)
