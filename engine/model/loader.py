@@ -73,7 +73,7 @@ class Target(NamedTuple):
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
-    if layer.mla is not None:  # DeepSeek's latent attention: its own names, split by heads
+    if layer.mla is not None and kind != "o_proj.bias":  # DeepSeek's: its own names, by heads
         param, transform, part = layer.mla.checkpoint_params().get(kind, (None, None, None))
         return None if param is None else [Target(param, 0, part, transform=transform)]
     q, kv = layer.q_size, layer.kv_size

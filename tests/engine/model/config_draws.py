@@ -37,6 +37,7 @@ def _deepseek_fields(rng: random.Random, v2: bool) -> dict:
         moe_intermediate_size=rng.choice([16, 24]), n_shared_experts=rng.choice([0, 1, 2]),
         routed_scaling_factor=rng.choice([1.0, 2.5]), norm_topk_prob=rng.random() < 0.5,
         tie_word_embeddings=rng.random() < 0.3, rope_parameters=_deepseek_rope(rng),
+        attention_bias=rng.random() < 0.2, hidden_act=rng.choice(["silu", "silu", "gelu"]),
     )  # fmt: skip
     fields["num_key_value_heads"] = fields["num_attention_heads"]
     if v2:
@@ -70,7 +71,8 @@ def _gpt_oss_fields(rng: random.Random) -> dict:
         sliding_window=rng.choice([3, 5, 8, 13]), num_local_experts=experts,
         num_experts_per_tok=rng.randint(1, min(4, experts)),
         intermediate_size=rng.choice([16, 40]), swiglu_limit=rng.choice([0.5, 1.5, 7.0]),
-        rope_parameters=rope, tie_word_embeddings=rng.random() < 0.3,
+        rope_parameters=rope if rng.random() < 0.7 else {"rope_type": "default", "rope_theta": 1e4},
+        tie_word_embeddings=rng.random() < 0.3, attention_bias=rng.random() < 0.7,
     )  # fmt: skip
 
 
@@ -86,8 +88,15 @@ def _llama4_fields(rng: random.Random) -> dict:
         attn_temperature_tuning=rng.random() < 0.7, floor_scale=rng.choice([2, 5, 8192]),
         attn_scale=rng.choice([0.1, 0.7]), num_local_experts=experts,
         num_experts_per_tok=rng.randint(1, min(2, experts)),
-        tie_word_embeddings=rng.random() < 0.3,
+        tie_word_embeddings=rng.random() < 0.3, attention_bias=rng.random() < 0.2,
+        hidden_act=rng.choice(["silu", "silu", "gelu"]),
     )  # fmt: skip
+    if rng.random() < 0.3:
+        fields["moe_layers"] = [i for i in range(layers) if rng.random() < 0.5]
+    if rng.random() < 0.3:
+        fields["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 16}  # fmt: skip
     if rng.random() < 0.5:
         fields["no_rope_layers"] = [rng.choice([0, 1]) for _ in range(layers)]
     else:
@@ -112,6 +121,8 @@ def build(family: str, path: Path, seed: int, fields: dict, legacy_rope: bool = 
     """The checkpoint; `legacy_rope`: config.json as DeepSeek V3 ships it (`rope_scaling`
     with "type", `rope_theta` beside), not transformers 5's `rope_parameters`."""
     path = BUILDERS[family][0](path, seed=100 + seed, **fields)
+    if family.startswith("deepseek") and fields.get("attention_bias"):
+        _draw_biases(path, seed)
     if legacy_rope:
         raw = json.loads((path / "config.json").read_text())
         rope = dict(raw.pop("rope_parameters"))
@@ -120,6 +131,17 @@ def build(family: str, path: Path, seed: int, fields: dict, legacy_rope: bool = 
         raw["rope_scaling"] = None if kind == "default" else {**rope, "type": kind}
         (path / "config.json").write_text(json.dumps(raw))
     return path
+
+
+def _draw_biases(path: Path, seed: int) -> None:
+    """Latent attention's q_a / kv_a / o biases drawn so they matter (transformers: zeros)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias") or name.endswith("mqa.bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
 
 
 def hf_reference(path: Path, prompts: list[list[int]], max_tokens: int):

@@ -1,0 +1,69 @@
+"""A handful of configs drawn unlike tests/model_families.py's (tests/engine/model/config_draws.py)
+for deepseek_v3, deepseek_v2, gpt_oss and llama4_text, greedy-equal to transformers
+(tie-guarded): roomy on the C kernels with n=2, and recompute-preempted in 5-token chunks;
+every block free after each run. Some are saved as the real checkpoints ship their
+config.json (`rope_scaling` with "type", `rope_theta` beside). What the engine cannot serve
+is refused at load with a typed error."""
+
+import pytest
+from kvpager.engine.model_config import ModelConfig
+from kvpager.schemas.errors import CheckpointError, ConfigError
+
+from tests.engine.helpers import make_llm
+from tests.engine.model.config_draws import build, check_exact, draw
+
+YARN_AS_V3_SHIPS = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale": 1.0,
+                    "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "original_max_position_embeddings": 16}  # fmt: skip
+
+CASES = {
+    # n_shared_experts 0: transformers saves 0-row shared experts (once a load error)
+    "deepseek_v3-no-shared": ("deepseek_v3", 0, True, dict(
+        draw("deepseek_v3", 0), n_shared_experts=0, q_lora_rank=None,
+        rope_parameters=YARN_AS_V3_SHIPS)),
+    "deepseek_v2-no-shared-tied": ("deepseek_v2", 3, False, dict(
+        draw("deepseek_v2", 3), n_shared_experts=0, tie_word_embeddings=True)),
+    "deepseek_v3-drawn": ("deepseek_v3", 8, True, draw("deepseek_v3", 8)),
+    "deepseek_v2-drawn": ("deepseek_v2", 9, True, dict(draw("deepseek_v2", 9), hidden_act="silu")),
+    "gpt_oss-drawn": ("gpt_oss", 16, False, draw("gpt_oss", 16)),
+    "gpt_oss-as-shipped": ("gpt_oss", 17, True, draw("gpt_oss", 17)),
+    "llama4_text-drawn": ("llama4_text", 20, False, draw("llama4_text", 20)),
+    "llama4_text-as-shipped": ("llama4_text", 21, True, draw("llama4_text", 21)),
+    # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj biased (once refused)
+    "deepseek_v3-biased": ("deepseek_v3", 1, False, dict(
+        draw("deepseek_v3", 1), attention_bias=True, q_lora_rank=16, hidden_act="silu")),
+    "deepseek_v2-biased-no-q-lora": ("deepseek_v2", 3, True, dict(
+        draw("deepseek_v2", 3), attention_bias=True, q_lora_rank=None, hidden_act="silu")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_drawn_config_matches_transformers(case, tmp_path):
+    family, seed, legacy_rope, fields = CASES[case]
+    path = build(family, tmp_path, seed, fields, legacy_rope=legacy_rope)
+    assert ModelConfig.from_path(path).model_type == family
+    assert check_exact(path) > 0  # preempted
+
+
+REFUSED = {
+    "odd latent row": ("deepseek_v3", dict(kv_lora_rank=7), CheckpointError,
+                       "kv_lora_rank \\+ qk_rope_head_dim must be even"),
+    "biased MLPs": ("deepseek_v2", dict(mlp_bias=True), CheckpointError,
+                    "deepseek_v2: mlp_bias is not supported"),
+    "exact gelu": ("llama4_text", dict(hidden_act="gelu"), CheckpointError,
+                   "hidden activation 'gelu' is not supported"),
+    "dynamic rope": ("deepseek_v2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                          "rope_theta": 1e4}),
+                     CheckpointError, "rope_scaling type 'dynamic' is not supported"),
+    "chunk off the block grid": ("llama4_text", dict(attention_chunk_size=12), ConfigError,
+                                 "chunk size 12 is not a multiple of block_size 8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_configs_the_engine_cannot_serve_are_refused_at_load(case, tmp_path):
+    """transformers runs these; the engine says why it will not, before any step."""
+    family, fields, error, message = REFUSED[case]
+    path = build(family, tmp_path, 0, {**draw(family, 2), **fields})
+    with pytest.raises(error, match=message):
+        make_llm(path)
