@@ -6,11 +6,24 @@ config.json (`rope_scaling` with "type", `rope_theta` beside). What the engine c
 is refused at load with a typed error."""
 
 import pytest
+import torch
+from kvpager.engine.kv.kv_size import weight_bytes_per_rank
+from kvpager.engine.model.decoder import Decoder
+from kvpager.engine.model.loader import load_weights
+from kvpager.engine.model.sharding import Shard
 from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
-from tests.engine.helpers import make_llm
-from tests.engine.model.config_draws import build, check_exact, draw
+from tests.engine.helpers import assert_all_free, make_llm, random_prompts
+from tests.engine.model.config_draws import (
+    assert_tie_guarded,
+    build,
+    check_exact,
+    draw,
+    greedy,
+    hf_reference,
+)
 
 YARN_AS_V3_SHIPS = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale": 1.0,
                     "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -67,3 +80,27 @@ def test_configs_the_engine_cannot_serve_are_refused_at_load(case, tmp_path):
     path = build(family, tmp_path, 0, {**draw(family, 2), **fields})
     with pytest.raises(error, match=message):
         make_llm(path)
+
+
+def test_biased_latent_attention_over_two_ranks(tmp_path):
+    """Heads split over two gloo ranks: q_a / kv_a biases whole on each (their projections
+    are every head's), o_proj's added once after the all-reduce; each rank reads what it
+    holds and kv-size counts; greedy as transformers."""
+    from tests.engine.worker.test_tensor_parallel import tp_llm
+
+    fields = dict(draw("deepseek_v3", 5), attention_bias=True, hidden_act="silu",
+                  num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    path = build("deepseek_v3", tmp_path, 5, fields)
+    config = ModelConfig.from_path(path)
+    for rank in (0, 1):
+        decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"),
+                          Shard.of(config, rank, 2))  # fmt: skip
+        held = sum(p.numel() * p.element_size() for p in decoder.parameters())
+        assert (
+            load_weights(decoder, path) == held == weight_bytes_per_rank(config, torch.float32, 2)
+        )
+    prompts = random_prompts([4, 19], seed=8)
+    model, expected = hf_reference(path, prompts, 10)
+    with tp_llm(path, num_blocks=64, max_num_batched_tokens=7) as llm:
+        assert_tie_guarded(model, prompts, expected, greedy(llm, prompts, 10))
+        assert_all_free(llm)
