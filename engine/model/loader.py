@@ -282,6 +282,8 @@ def _targets(model: Decoder, name: str) -> list[Target] | None:
         return [Target(None if model.config.tie_word_embeddings else model.lm_head, 0, vocab)]
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
+        if int(idx) >= len(model.layers):  # DeepSeek V3's MTP layer 61: transformers' skip too
+            return None
         targets = _layer_targets(model.layers[int(idx)], rest, shard, model.config.gemma_norms)
         return None if targets is None else _rope_rows_reordered(model, rest, targets)
     return None

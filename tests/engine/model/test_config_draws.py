@@ -104,3 +104,23 @@ def test_biased_latent_attention_over_two_ranks(tmp_path):
     with tp_llm(path, num_blocks=64, max_num_batched_tokens=7) as llm:
         assert_tie_guarded(model, prompts, expected, greedy(llm, prompts, 10))
         assert_all_free(llm)
+
+
+def test_a_multi_token_prediction_layer_past_the_last_is_left_unread(tmp_path):
+    """DeepSeek V3 checkpoints carry their MTP module as layer num_hidden_layers (61 of 61:
+    `model.layers.61.*`, with `num_nextn_predict_layers` 1); transformers leaves it, so does
+    the loader, reading the same bytes as without it."""
+    from safetensors.torch import save_file
+
+    fields = dict(draw("deepseek_v3", 4), hidden_act="silu")
+    path = build("deepseek_v3", tmp_path, 4, fields)
+    config = ModelConfig.from_path(path)
+    decoder = Decoder(config, torch.float32, 64, get_kernel_ops("torch"))
+    without = load_weights(decoder, path)
+    mtp = f"model.layers.{config.num_layers}"
+    extra = {f"{mtp}.eh_proj.weight": torch.randn(64, 128),
+             f"{mtp}.self_attn.kv_a_proj_with_mqa.weight": torch.randn(40, 64),
+             f"{mtp}.mlp.experts.0.gate_proj.weight": torch.randn(16, 64)}  # fmt: skip
+    save_file(extra, str(tmp_path / "mtp.safetensors"))
+    assert load_weights(decoder, path) == without
+    check_exact(path, lengths=(5, 21), n2=False)
