@@ -321,8 +321,15 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return float(rope_params(raw).get("rope_theta", raw.get("rope_theta", default)))
 
 
+# GptOssConfig's RoPE where config.json gives none (`rope_scaling` null, no rope_parameters)
+GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+
+
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     scaling = rope_params(raw) or raw.get("rope_scaling")
+    if not scaling and raw.get("model_type") == "gpt_oss":
+        scaling = GPT_OSS_DEFAULT_ROPE
     if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         return None
     # Phi-3 keeps the pre-training length beside the scaling, not inside it

@@ -174,12 +174,15 @@ def greedy(llm, prompts, max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def check_exact(path: Path, lengths=(3, 14, 30), max_tokens: int = 12, n2: bool = True) -> int:
-    """Roomy (C kernels), in 5-token chunks on 6 blocks a KV group (recompute preemption
-    where a group holds every token), n=2: all as transformers. The preemptions counted."""
-    prompts = random_prompts(list(lengths), seed=len(str(path)))
+def check_exact(
+    path: Path, lengths=(3, 14, 30), max_tokens: int = 12, n2: bool = True, **engine
+) -> int:
+    """Roomy (C kernels), in 5-token chunks on one long sequence's blocks a KV group
+    (recompute preemption where a group holds every token), n=2: all as transformers, on
+    `engine`'s settings beside. The preemptions counted."""
+    prompts = random_prompts(list(lengths), seed=sum(lengths))
     model, expected = hf_reference(path, prompts, max_tokens)
-    with make_llm(path, attention_backend="cpu", num_blocks=256) as llm:
+    with make_llm(path, **{"attention_backend": "cpu", "num_blocks": 256, **engine}) as llm:
         assert_tie_guarded(model, prompts, expected, greedy(llm, prompts, max_tokens))
         if n2:
             params = SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens)
@@ -189,8 +192,10 @@ def check_exact(path: Path, lengths=(3, 14, 30), max_tokens: int = 12, n2: bool 
         assert_all_free(llm)
     config = ModelConfig.from_path(path)
     groups = kv_groups(config.layer_windows, config.num_layers).num_groups
-    with make_llm(path, num_blocks=6 * groups, max_num_batched_tokens=5, max_num_seqs=3,
-                  enable_prefix_caching=False) as llm:  # fmt: skip
+    per_sequence = -(-(max(lengths) + max_tokens) // engine.get("block_size", 8))
+    tight = dict(num_blocks=per_sequence * groups, max_num_batched_tokens=5, max_num_seqs=3,
+                 enable_prefix_caching=False)  # fmt: skip
+    with make_llm(path, **{**tight, **engine}) as llm:
         assert_tie_guarded(model, prompts, expected, greedy(llm, prompts, max_tokens))
         assert_all_free(llm)
         return llm.stats()["num_preemptions"]

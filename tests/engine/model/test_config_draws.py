@@ -40,6 +40,8 @@ CASES = {
     "deepseek_v2-drawn": ("deepseek_v2", 9, True, dict(draw("deepseek_v2", 9), hidden_act="silu")),
     "gpt_oss-drawn": ("gpt_oss", 16, False, draw("gpt_oss", 16)),
     "gpt_oss-as-shipped": ("gpt_oss", 17, True, draw("gpt_oss", 17)),
+    # `rope_scaling` null: GptOssConfig's YaRN defaults (factor 32 over 4096), not plain RoPE
+    "gpt_oss-rope-scaling-null": ("gpt_oss", 47, True, draw("gpt_oss", 47)),
     "llama4_text-drawn": ("llama4_text", 20, False, draw("llama4_text", 20)),
     "llama4_text-as-shipped": ("llama4_text", 21, True, draw("llama4_text", 21)),
     # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj biased (once refused)
