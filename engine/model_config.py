@@ -151,7 +151,7 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "relu2"):
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu", "relu2"):
             raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
         if self.partial_rotary_factor != 1.0 and not self.attn_output_gate:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")

@@ -37,7 +37,9 @@ CASES = {
     "deepseek_v2-no-shared-tied": ("deepseek_v2", 3, False, dict(
         draw("deepseek_v2", 3), n_shared_experts=0, tie_word_embeddings=True)),
     "deepseek_v3-drawn": ("deepseek_v3", 8, True, draw("deepseek_v3", 8)),
-    "deepseek_v2-drawn": ("deepseek_v2", 9, True, dict(draw("deepseek_v2", 9), hidden_act="silu")),
+    # hidden_act "gelu" (exact, erf): once refused
+    "deepseek_v2-drawn-gelu": ("deepseek_v2", 9, True, draw("deepseek_v2", 9)),
+    "llama4_text-gelu": ("llama4_text", 18, False, draw("llama4_text", 18)),
     "gpt_oss-drawn": ("gpt_oss", 16, False, draw("gpt_oss", 16)),
     "gpt_oss-as-shipped": ("gpt_oss", 17, True, draw("gpt_oss", 17)),
     # `rope_scaling` null: GptOssConfig's YaRN defaults (factor 32 over 4096), not plain RoPE
@@ -65,8 +67,8 @@ REFUSED = {
                        "kv_lora_rank \\+ qk_rope_head_dim must be even"),
     "biased MLPs": ("deepseek_v2", dict(mlp_bias=True), CheckpointError,
                     "deepseek_v2: mlp_bias is not supported"),
-    "exact gelu": ("llama4_text", dict(hidden_act="gelu"), CheckpointError,
-                   "hidden activation 'gelu' is not supported"),
+    "relu MLPs": ("llama4_text", dict(hidden_act="relu"), CheckpointError,
+                  "hidden activation 'relu' is not supported"),
     "dynamic rope": ("deepseek_v2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                           "rope_theta": 1e4}),
                      CheckpointError, "rope_scaling type 'dynamic' is not supported"),
