@@ -23,6 +23,8 @@ the best single score; the chosen scores, never renormalised, times `routed_scal
 
 from typing import Any
 
+from kvpager.schemas.errors import CheckpointError
+
 DEEPSEEK_V3 = "deepseek_v3"
 DEEPSEEK_V2 = "deepseek_v2"
 DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
@@ -45,6 +47,8 @@ def deepseek_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     if not v2:
         return fields
+    if raw.get("mlp_bias"):  # V2's MLPs and experts with biases: none of the checkpoints'
+        raise CheckpointError("deepseek_v2: mlp_bias is not supported")
     grouped = raw.get("topk_method", "greedy") == "group_limited_greedy"
     groups = (raw.get("n_group") or 1, raw.get("topk_group") or 1) if grouped else (1, 1)
     return {**fields, "rope_interleaved": True, "moe_router": "deepseek_v2",
@@ -70,4 +74,5 @@ def _v3_fields(raw: dict[str, Any]) -> dict[str, Any]:
         moe_router="deepseek",
         expert_groups=(raw.get("n_group", 8) or 1, raw.get("topk_group", 4) or 1),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
+        o_proj_bias=bool(raw.get("attention_bias", False)),  # added after the all-reduce
     )

@@ -151,7 +151,7 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "relu2"):
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu", "relu2"):
             raise CheckpointError(f"hidden activation {self.hidden_act!r} is not supported")
         if self.partial_rotary_factor != 1.0 and not self.attn_output_gate:
             raise CheckpointError("partial_rotary_factor other than 1.0 is not supported")
@@ -321,8 +321,15 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return float(rope_params(raw).get("rope_theta", raw.get("rope_theta", default)))
 
 
+# GptOssConfig's RoPE where config.json gives none (`rope_scaling` null, no rope_parameters)
+GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+
+
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     scaling = rope_params(raw) or raw.get("rope_scaling")
+    if not scaling and raw.get("model_type") == "gpt_oss":
+        scaling = GPT_OSS_DEFAULT_ROPE
     if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         return None
     # Phi-3 keeps the pre-training length beside the scaling, not inside it

@@ -27,6 +27,7 @@ class KernelOps:
     add_rms_norm: ops.AddRmsNorm = reference.add_rms_norm_ref
     silu_and_mul: ops.SiluAndMul = reference.silu_and_mul_ref
     gelu_tanh_and_mul: ops.GeluTanhAndMul = reference.gelu_tanh_and_mul_ref
+    gelu_and_mul: ops.GeluAndMul = reference.gelu_and_mul_ref  # hidden_act "gelu" (exact)
     fused_moe: ops.FusedMoe = reference.fused_moe_ref
     mla_attention: ops.MlaAttention = reference.mla_paged_attention_ref  # DeepSeek's latents
     # routed experts on oneDNN-packed matmuls where the decoder packs its weights and that pays

@@ -94,6 +94,11 @@ class GeluTanhAndMul(Protocol):
         """gelu_tanh(gate) * up over the two halves of the last dimension (GeGLU)."""
 
 
+class GeluAndMul(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * up (exact, erf) over the two halves of the last dimension."""
+
+
 class FusedMoe(Protocol):
     def __call__(
         self,
@@ -136,6 +141,7 @@ CONTRACTS: dict[str, type] = {
     "add_rms_norm": AddRmsNorm,
     "silu_and_mul": SiluAndMul,
     "gelu_tanh_and_mul": GeluTanhAndMul,
+    "gelu_and_mul": GeluAndMul,
     "fused_moe": FusedMoe,
     "mla_attention": MlaAttention,
 }

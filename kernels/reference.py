@@ -99,6 +99,12 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def gelu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] -> gelu(gate) * up, exact (erf) GELU: transformers' "gelu" activation."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
 def clamped_swiglu_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[T, 2 * inter] -> gpt-oss's clamped SwiGLU (gate half first): the gate clamped from
     above and the up half both ways to `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""

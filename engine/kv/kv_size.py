@@ -102,6 +102,8 @@ def _mla_weights(config: ModelConfig, size: int) -> int:
     q_rank = config.q_lora_rank
     q = q_rank * hidden + q_rank + q_rows * q_rank if q_rank else q_rows * hidden
     kv = (latent + config.head_dim) * hidden + latent
+    if config.attention_bias:  # q_a_proj's and kv_a_proj_with_mqa's (o_proj's: o_proj_bias)
+        q, kv = q + q_rank, kv + latent + config.head_dim
     return (
         q
         + kv

@@ -49,7 +49,8 @@ def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
 def _activation(config: ModelConfig, ops: KernelOps):
     if config.hidden_act == "relu2":  # Nemotron-H's, on up rows alone
         return relu_squared
-    return ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
+    gelus = {"gelu_pytorch_tanh": ops.gelu_tanh_and_mul, "gelu": ops.gelu_and_mul}
+    return gelus.get(config.hidden_act, ops.silu_and_mul)
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

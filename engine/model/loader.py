@@ -73,7 +73,7 @@ class Target(NamedTuple):
 
 
 def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
-    if layer.mla is not None:  # DeepSeek's latent attention: its own names, split by heads
+    if layer.mla is not None and kind != "o_proj.bias":  # DeepSeek's: its own names, by heads
         param, transform, part = layer.mla.checkpoint_params().get(kind, (None, None, None))
         return None if param is None else [Target(param, 0, part, transform=transform)]
     q, kv = layer.q_size, layer.kv_size
@@ -99,6 +99,8 @@ def _attention_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
 def _mlp_targets(layer, kind: str, shard: Shard) -> list[Target] | None:
     if layer.experts is not None and not kind.startswith("shared_experts."):
         return _expert_targets(layer.experts, kind, shard)
+    if kind.startswith("shared_experts.") and not layer.has_mlp:
+        return []  # DeepSeek's n_shared_experts 0: transformers still saves them, 0 rows wide
     name = f"mlp.{kind}"  # DeepSeek's shared experts split by their own width
     kind = kind.removeprefix("shared_experts.")  # DeepSeek's, beside its routed ones
     half = _up_rows(layer.gate_up_weight, layer.down_weight)
@@ -280,6 +282,8 @@ def _targets(model: Decoder, name: str) -> list[Target] | None:
         return [Target(None if model.config.tie_word_embeddings else model.lm_head, 0, vocab)]
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
+        if int(idx) >= len(model.layers):  # DeepSeek V3's MTP layer 61: transformers' skip too
+            return None
         targets = _layer_targets(model.layers[int(idx)], rest, shard, model.config.gemma_norms)
         return None if targets is None else _rope_rows_reordered(model, rest, targets)
     return None

@@ -25,7 +25,6 @@ from kvpager.engine.model.sharding import Shard
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import KernelOps
 from kvpager.kernels.reference import reshape_and_cache_ref
-from kvpager.schemas.errors import CheckpointError
 from torch import nn
 
 
@@ -57,8 +56,6 @@ class MlaAttention(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype, norm_dtype: torch.dtype, shard: Shard
     ) -> None:
         super().__init__()
-        if config.attention_bias:
-            raise CheckpointError("deepseek_v3: attention_bias is not supported")
         hidden, heads = config.hidden_size, shard.num_heads  # this rank's heads
         self.heads, self.eps, self.shard = heads, config.rms_norm_eps, shard
         self.nope, self.rope, self.v_dim = (
@@ -77,6 +74,10 @@ class MlaAttention(nn.Module):
         self.kv_a = _param(self.latent_rank + self.rope, hidden, dtype=dtype)
         self.kv_a_norm = _param(self.latent_rank, dtype=norm_dtype)
         self.kv_b = _param(heads * (self.nope + self.v_dim), self.latent_rank, dtype=dtype)
+        # attention_bias: q_a_proj's and kv_a_proj_with_mqa's (o_proj's is the decoder's o_bias)
+        biased = config.attention_bias
+        self.q_a_bias = _param(self.q_rank, dtype=dtype) if biased and self.q_rank else None
+        self.kv_a_bias = _param(self.latent_rank + self.rope, dtype=dtype) if biased else None
         self.o = _param(hidden, heads * self.v_dim, dtype=dtype)
 
     def checkpoint_params(self) -> dict[str, tuple[nn.Parameter, object, object]]:
@@ -92,6 +93,10 @@ class MlaAttention(nn.Module):
             "kv_b_proj.weight": (self.kv_b, None, heads_of(0, self.nope + self.v_dim)),
             "o_proj.weight": (self.o, None, heads_of(1, self.v_dim)),
         }
+        if self.kv_a_bias is not None:
+            params["kv_a_proj_with_mqa.bias"] = (self.kv_a_bias, kv_order, None)
+        if self.q_a_bias is not None:
+            params["q_a_proj.bias"] = (self.q_a_bias, None, None)
         if self.q_a is None:
             return {**params, "q_proj.weight": q_b}
         return {
@@ -103,9 +108,10 @@ class MlaAttention(nn.Module):
 
     def build_matmuls(self, pack: bool) -> None:
         """The projections' matmuls; the plain weights stay (kv_b's rows are W_UK / W_UV)."""
-        self.q_a_proj = make_linear(self.q_a, None, False)[0] if self.q_a is not None else None
+        q_a = make_linear(self.q_a, self.q_a_bias, False)[0] if self.q_a is not None else None
+        self.q_a_proj = q_a
         self.q_b_proj = make_linear(self.q_b, None, False)[0]
-        self.kv_a_proj = make_linear(self.kv_a, None, False)[0]
+        self.kv_a_proj = make_linear(self.kv_a, self.kv_a_bias, False)[0]
         self.o_proj = make_linear(self.o, None, False)[0]
 
     def forward(

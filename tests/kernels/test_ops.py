@@ -40,6 +40,7 @@ IMPLEMENTATIONS = {
     "add_rms_norm": [reference.add_rms_norm_ref, cpu_layer_ops.add_rms_norm],
     "silu_and_mul": [reference.silu_and_mul_ref, cpu_layer_ops.silu_and_mul],
     "gelu_tanh_and_mul": [reference.gelu_tanh_and_mul_ref],
+    "gelu_and_mul": [reference.gelu_and_mul_ref],
     "fused_moe": [reference.fused_moe_ref, moe.fused_moe],
     "mla_attention": [
         reference.mla_paged_attention_ref,
