@@ -27,6 +27,7 @@ def run_one(name: str, build, root: Path) -> str:
     checks.check_roomy(path, SWEEP_PROMPTS, expected)
     checks.check_recompute(path, SWEEP_PROMPTS, expected, num_blocks=10, chunk=5, seqs=4)
     SWEEP[name].check_repeated(path)
+    checks.check_parallel_samples(path, SWEEP_PROMPTS[3], expected[3])
     return "ok"
 
 

@@ -100,6 +100,21 @@ GRANITE = {
         num_experts_per_tok=3,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     ),
+    "granite_heads6_groups3_expand3_mqa": lambda p: build_granite_hybrid(
+        p,
+        seed=64,
+        num_hidden_layers=4,
+        layer_types=[M, A, M, M],
+        mamba_expand=3,
+        mamba_n_heads=6,
+        mamba_d_head="auto",
+        mamba_n_groups=3,
+        mamba_chunk_size=6,
+        num_key_value_heads=1,
+        num_local_experts=2,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
 }
 
 NEMOTRON = {
@@ -128,6 +143,7 @@ NEMOTRON = {
         mamba_head_dim=8,
         chunk_size=7,
         conv_kernel=3,
+        sliding_window=5,  # transformers' NemotronH reads no window: full attention
     ),
     "nemotron_long_M_run_biases": lambda p: build_nemotron_h(
         p,
@@ -144,7 +160,22 @@ NEMOTRON = {
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=24,
+        mlp_hidden_act="silu",
     ),
+    "nemotron_mha_groups2_keep2_top4_gelu": lambda p: build_nemotron_h(
+        p,
+        seed=74,
+        hybrid_override_pattern="M*E-*M",
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=2,
+        num_experts_per_tok=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        chunk_size=16,
+        n_groups=4,
+        mlp_hidden_act="gelu_pytorch_tanh",
+    ),  # fmt: skip
 }
 
 QWEN3_NEXT = {
@@ -175,7 +206,22 @@ QWEN3_NEXT = {
         num_experts=5,
         num_experts_per_tok=3,
         mlp_only_layers=[0],
+        attention_bias=True,
     ),
+    "qwen3_next_keydim32_value8_top1_sparse3": lambda p: build_qwen3_next(
+        p,
+        seed=83,
+        num_hidden_layers=6,
+        linear_key_head_dim=32,
+        linear_value_head_dim=8,
+        num_experts_per_tok=1,
+        decoder_sparse_step=3,
+        mlp_only_layers=[2],
+        head_dim=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.75,
+    ),  # fmt: skip
 }
 
 QWEN3_5 = {
@@ -209,6 +255,15 @@ QWEN3_5 = {
         linear_key_head_dim=8,
         linear_value_head_dim=24,
     ),
+    "qwen3_5_text_full_rotary_head32_bias": _qwen3_5(
+        "qwen3_5_text",
+        94,
+        num_hidden_layers=5,
+        layer_types=[L, F, L, F, L],
+        head_dim=32,
+        rope_parameters=_rope(1.0, [8, 4, 4]),
+        attention_bias=True,
+    ),  # fmt: skip
 }
 
 SWEEP: dict[str, Variant] = {
