@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
 
+from tests.engine.helpers import make_llm  # noqa: E402
 from tests.engine.model import hybrid_checks as checks  # noqa: E402
 from tests.engine.model.hybrid_variants import SWEEP, SWEEP_PROMPTS  # noqa: E402
 from tests.engine.model.test_parity import MAX_TOKENS  # noqa: E402
@@ -28,6 +29,9 @@ def run_one(name: str, build, root: Path) -> str:
     checks.check_recompute(path, SWEEP_PROMPTS, expected, num_blocks=10, chunk=5, seqs=4)
     SWEEP[name].check_repeated(path)
     checks.check_parallel_samples(path, SWEEP_PROMPTS[3], expected[3])
+    with make_llm(path, attention_backend="cpu", max_num_batched_tokens=7) as llm:
+        assert checks.greedy(llm, SWEEP_PROMPTS) == expected, "C kernels"
+        checks.assert_slots_free(llm)
     return "ok"
 
 

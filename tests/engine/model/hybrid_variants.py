@@ -115,6 +115,19 @@ GRANITE = {
         num_experts_per_tok=2,
         tie_word_embeddings=True,
     ),  # fmt: skip
+    "granite_yarn_attention_last": lambda p: build_granite_hybrid(
+        p,
+        seed=65,
+        layer_types=[M, M, A],
+        mamba_chunk_size=2,
+        mamba_d_state=6,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),  # fmt: skip
 }
 
 NEMOTRON = {
@@ -176,6 +189,19 @@ NEMOTRON = {
         n_groups=4,
         mlp_hidden_act="gelu_pytorch_tanh",
     ),  # fmt: skip
+    "nemotron_tiny_heads_chunk2_eps": lambda p: build_nemotron_h(
+        p,
+        seed=75,
+        hybrid_override_pattern="MEM*E",
+        mamba_num_heads=8,
+        mamba_head_dim=4,
+        ssm_state_size=4,
+        n_groups=1,
+        chunk_size=2,
+        layer_norm_epsilon=1e-6,
+        residual_in_fp32=True,
+        moe_shared_expert_intermediate_size=8,
+    ),  # fmt: skip
 }
 
 QWEN3_NEXT = {
@@ -222,6 +248,22 @@ QWEN3_NEXT = {
         num_key_value_heads=2,
         partial_rotary_factor=0.75,
     ),  # fmt: skip
+    "qwen3_next_heads8_dim8_linear_rope": lambda p: build_qwen3_next(
+        p,
+        seed=84,
+        num_hidden_layers=3,
+        full_attention_interval=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        partial_rotary_factor=0.5,
+        rope_parameters={
+            "rope_type": "linear",
+            "factor": 2.0,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+    ),  # fmt: skip
 }
 
 QWEN3_5 = {
@@ -263,6 +305,17 @@ QWEN3_5 = {
         head_dim=32,
         rope_parameters=_rope(1.0, [8, 4, 4]),
         attention_bias=True,
+    ),  # fmt: skip
+    "qwen3_5_moe_text_6_layers_head8": _qwen3_5(
+        "qwen3_5_moe_text",
+        95,
+        num_hidden_layers=6,
+        layer_types=[L, L, F, L, L, F],
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=8,
+        rope_parameters=_rope(0.5, [1, 1, 0]),
     ),  # fmt: skip
 }
 
