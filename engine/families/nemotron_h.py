@@ -50,8 +50,8 @@ def nemotron_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The common fields as the decoder reads them: a layer a pattern character, the norms'
     epsilon; no q/k/v bias, no window and an lm_head of its own, whatever `attention_bias`,
     `sliding_window` and `tie_word_embeddings` say (transformers' NemotronH has none of
-    them); other families' configs
-    as they are."""
+    them); the older field names (ALIASES) as the current ones; other families' configs as
+    they are."""
     if raw.get("model_type") != NEMOTRON_H:
         return raw
     raw = {**raw, **{name: raw[alias] for alias, name in ALIASES.items() if alias in raw}}
