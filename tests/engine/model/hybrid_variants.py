@@ -96,7 +96,7 @@ NEMOTRON = {
     ),
     "nemotron_long_M_run_biases": lambda p: build_nemotron_h(
         p, seed=73, hybrid_override_pattern="MMMM*M-", mamba_num_heads=2, mamba_head_dim=32,
-        n_groups=2, time_step_limit=(0.0, 1.0), use_conv_bias=False, mamba_proj_bias=True,
+        n_groups=2, time_step_limit=(0.0, 1.0), use_conv_bias=False, use_bias=True,
         rescale_prenorm_residual=False, residual_in_fp32=True, num_attention_heads=2,
         num_key_value_heads=1, head_dim=24, mlp_hidden_act="silu",
     ),
