@@ -3,14 +3,17 @@
 Why C here: on CPU the torch twin gathers every sequence's K/V blocks into a padded copy and then
 runs SDPA, reading and writing the context three times; the kernel reads each K/V row once, in
 place, through the block table. It takes one query token per row, so a short prefill chunk runs on
-it too, a row per token over the keys that token sees; long chunks stay on SDPA's matmuls. It is the
-CPU counterpart of the Triton kernel, tested against the same torch twin.
+it too, a row per token over the keys that token sees; chunks of PREFILL_MIN_CHUNK tokens or more
+go to the prefill kernel (kernels/cpu_prefill.py: flash-style, in place too), or, where that one
+does not fit, to SDPA's matmuls over gathered copies. It is the CPU counterpart of the Triton
+kernel, tested against the same torch twin.
 
 Built and loaded by kernels/cpu_build.py.
 """
 
 import torch
 import torch.nn.functional as F
+from kvpager.kernels import cpu_prefill
 from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 from kvpager.kernels.cpu_layer_ops import rows_of_heads
 from kvpager.kernels.reference import (
@@ -118,6 +121,11 @@ SDPA_MIN_CHUNK = 128
 # A bf16 model's chunks go to bf16 SDPA from 16 tokens (on a bf16 host SDPA won from there,
 # the kernel below it): suffixes after a cached prefix are short.
 BF16_SDPA_MIN_CHUNK = 16
+# Where the prefill kernel fits (cpu_prefill.fits), chunks from this length run on it, fp32 and
+# bf16 models alike: on a loaded 2-core AVX-512 host (1 thread, CPU time) it beat the row-per-
+# token kernel 1.1-2x from 8 tokens, and SDPA over gathered copies 1.3-2.4x on 256- and
+# 512-token chunks (benchmarks/reports/2026-12-05-cpu-prefill-attention/).
+PREFILL_MIN_CHUNK = 8
 
 
 def _token_rows(
@@ -153,27 +161,31 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """`paged_attention_ref` with decode tokens and short prefill chunks on the C kernel, read
     in place through the block tables (bf16 and fp8 caches without widening), and chunks of
-    SDPA_MIN_CHUNK tokens or more on the twin's SDPA (fp8 dequantised on its gather); a bf16
-    model's from BF16_SDPA_MIN_CHUNK, on SDPA in bf16, assembled in bf16 (sinks as one more
-    key column: reference.with_sink_column). Returns query's dtype."""
+    PREFILL_MIN_CHUNK tokens or more on the prefill kernel, in place too, where it fits
+    (cpu_prefill.fits). Where it does not: chunks of SDPA_MIN_CHUNK tokens or more on the
+    twin's SDPA (fp8 dequantised on its gather); a bf16 model's from BF16_SDPA_MIN_CHUNK, on
+    SDPA in bf16, assembled in bf16 (sinks as one more key column: reference.with_sink_column).
+    Returns query's dtype."""
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
     scales = dict(k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     masking = dict(window=window, softcap=softcap, **scales)
     if max_seqlen_q == 1:
         out = _decode_rows(query, *args[:3], seq_lens, scale, window, softcap, **scales)
         return out.to(query.dtype)
-    native_bf16 = _native_bf16_chunks(query, key_cache, softcap)
-    min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
+    in_place = cpu_prefill.fits(query, key_cache, value_cache)
+    native_bf16 = not in_place and _native_bf16_chunks(query, key_cache, softcap)
+    min_chunk = (
+        PREFILL_MIN_CHUNK if in_place else BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
+    )
     out = torch.empty(query.shape, dtype=query.dtype if native_bf16 else torch.float32)
     long_chunks = _short_rows(query, *args[:-1], min_chunk, out, **masking)
     if long_chunks is None:
         return paged_attention_ref(query, *args, decode=_decode_rows, **masking)
+    chunks = (window, softcap, (k_scale, v_scale), sinks)
     if native_bf16:
         _bf16_chunk_attention(query, *args[:-1], long_chunks, out, window, sinks)
-    else:
-        chunk_attention_ref(
-            query, *args[:-1], long_chunks, out, window, softcap, (k_scale, v_scale), sinks
-        )  # fmt: skip
+    elif not (in_place and cpu_prefill.prefill_chunks(query, *args[:-1], min_chunk, out, *chunks)):
+        chunk_attention_ref(query, *args[:-1], long_chunks, out, *chunks)
     return out.to(query.dtype)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from kvpager.engine.download import resolve_model
-from kvpager.kernels import cpu_decode, reference
+from kvpager.kernels import cpu_decode, cpu_prefill, reference
 from kvpager.kernels.isa import isa_flags
 from kvpager.services.bench.offline import warm_up
 from kvpager.services.bench.workloads import multi_prefix, uniform
@@ -46,6 +46,7 @@ OPS = ("reshape_and_cache", "rotary", "add_rms_norm", "silu_and_mul")
 LONG_CHUNKS = "attention: long chunks (SDPA)"
 SEQUENCE_ATTENTION = reference._sequence_attention  # wrapped afresh for each run
 BF16_CHUNKS = cpu_decode._bf16_chunk_attention  # a bf16 model's long chunks
+PREFILL_CHUNKS = cpu_prefill.prefill_chunks  # chunks of 8+ tokens in place, where it fits
 
 
 class Clock:
@@ -85,6 +86,7 @@ def instrument(llm, clock: Clock) -> None:
     # the twin's per-sequence SDPA, which the CPU kernel leaves long chunks to
     reference._sequence_attention = clock.wrap(LONG_CHUNKS, SEQUENCE_ATTENTION)
     cpu_decode._bf16_chunk_attention = clock.wrap(LONG_CHUNKS, BF16_CHUNKS)
+    cpu_prefill.prefill_chunks = clock.wrap("attention: chunks (C prefill kernel)", PREFILL_CHUNKS)
     model.lm_head_matmul = clock.wrap("lm_head", model.lm_head_matmul)
     model.forward = clock.wrap("forward", model.forward)
     executor._execute = clock.wrap("step", executor._execute)

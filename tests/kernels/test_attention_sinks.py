@@ -24,7 +24,8 @@ from tests.kernels.test_paged_attention import (
 )
 
 needs_c = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler here")
-LONG_PREFILL = ([130, 1, 20], [150, 40, 20])  # a chunk past SDPA_MIN_CHUNK: the SDPA path
+# a long chunk: the prefill kernel (SDPA where it does not fit)
+LONG_PREFILL = ([130, 1, 20], [150, 40, 20])
 CASES = [DECODE, MIXED, PREFILL, CHUNKED]
 WINDOWS = [0, 5, 16, -16]  # -16: chunks of 16 tokens
 

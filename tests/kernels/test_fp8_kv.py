@@ -140,8 +140,8 @@ def test_c_attention_matches_the_twin(
 
 @FP8
 def test_long_prefill_dequantises_on_the_gather(fp8):
-    """Chunks of SDPA_MIN_CHUNK tokens or more take the twin's SDPA over gathered blocks: equal
-    to dense attention over the dequantised K/V."""
+    """Long chunks take the C prefill kernel (widening each step's keys) where it fits, else
+    the twin's SDPA over gathered blocks: equal to dense attention over the dequantised K/V."""
     batch = _fp8_batch(([1, 150], [40, 150]), 4, 2, 64, 16, fp8, torch.float32)
     scales = dict(k_scale=SCALES[0], v_scale=SCALES[1])
     dense = make_batch([1, 150], [40, 150], 4, 2, 64, 16, torch.float32, "cpu")
