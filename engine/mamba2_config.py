@@ -139,9 +139,10 @@ def granite_config(raw: dict[str, Any]) -> dict[str, Any]:
 def granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields Granite 4 sets beyond (or instead of) the common ones."""
     num_layers = raw["num_hidden_layers"]
-    num_experts = raw.get("num_local_experts", 0) or 0
+    # missing fields read as GraniteMoeHybridConfig's defaults: 8 experts, no RoPE
+    num_experts = raw.get("num_local_experts", 8) or 0
     shared = raw.get("shared_intermediate_size", 1024)
-    rope = raw.get("position_embedding_type", "rope") == "rope"
+    rope = raw.get("position_embedding_type") == "rope"
     return dict(
         recurrent_layers=tuple(mamba_layers(raw)[:num_layers]),
         recurrent_mixer="mamba2",
@@ -152,7 +153,7 @@ def granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
         sparse_layers=(num_experts > 0,) * num_layers,
         num_experts=num_experts,
         num_experts_per_tok=raw.get("num_experts_per_tok", 2),
-        moe_intermediate_size=raw.get("intermediate_size", 1024),
+        moe_intermediate_size=raw.get("intermediate_size", 11008),
         norm_topk_prob=True,  # a softmax over the top-k logits: renormalised top-k
         shared_expert_intermediate_size=shared if num_experts else 0,
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),

@@ -159,8 +159,8 @@ class ModelConfig:
             raise CheckpointError("kv_lora_rank + qk_rope_head_dim must be even (latent pages)")
         if self.cacheless_layers and all(self.cacheless_layers):
             raise CheckpointError("recurrent hybrids: at least one attention layer is needed")
-        if (self.hidden_act == "relu2") == self.gated_mlp:
-            raise CheckpointError("relu2 goes with ungated MLPs (Nemotron-H), and only relu2")
+        if self.hidden_act == "relu2" and self.gated_mlp:
+            raise CheckpointError("relu2 goes with ungated MLPs (Nemotron-H) alone")
         names = ("layer_windows", "sparse_layers", "nope_layers", "recurrent_layers")
         for name in (*names, "layer_blocks"):
             if len(getattr(self, name)) not in (0, self.num_layers):

@@ -153,7 +153,9 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         num_experts_per_tok=raw.get("num_experts_per_tok", 2),
         # Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size
         moe_intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
-        norm_topk_prob=model_type == "mixtral" or raw.get("norm_topk_prob", False),
+        # a missing norm_topk_prob reads as each config class's default
+        norm_topk_prob=model_type == "mixtral"
+        or raw.get("norm_topk_prob", model_type == "qwen3_next"),
     )
 
 

@@ -23,6 +23,15 @@ from kvpager.engine.mamba2_config import mamba2_dims, time_step_limit
 from kvpager.schemas.errors import CheckpointError
 
 NEMOTRON_H = "nemotron_h"
+# older spellings NemotronHConfig still reads, which win over the current names (as there)
+ALIASES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_expand": "expand",
+    "mamba_dt_limit": "time_step_limit",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+}
 PATTERN_KINDS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 
 
@@ -39,11 +48,13 @@ def layer_pattern(raw: dict[str, Any]) -> str:
 
 def nemotron_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The common fields as the decoder reads them: a layer a pattern character, the norms'
-    epsilon; no q/k/v bias and an lm_head of its own, whatever `attention_bias` and
-    `tie_word_embeddings` say (transformers' NemotronH has neither); other families' configs
-    as they are."""
+    epsilon; no q/k/v bias, no window and an lm_head of its own, whatever `attention_bias`,
+    `sliding_window` and `tie_word_embeddings` say (transformers' NemotronH has none of
+    them); the older field names (ALIASES) as the current ones; other families' configs as
+    they are."""
     if raw.get("model_type") != NEMOTRON_H:
         return raw
+    raw = {**raw, **{name: raw[alias] for alias, name in ALIASES.items() if alias in raw}}
     if raw.get("moe_latent_size") or raw.get("mlp_bias"):
         raise CheckpointError("nemotron_h: moe_latent_size and mlp_bias are not supported")
     if raw.get("mamba_hidden_act", "silu") != "silu":
@@ -54,6 +65,7 @@ def nemotron_config(raw: dict[str, Any]) -> dict[str, Any]:
         "rms_norm_eps": raw.get("layer_norm_epsilon", 1e-5),
         "attention_bias": False,
         "tie_word_embeddings": False,
+        "sliding_window": None,  # full attention: transformers' NemotronH reads no window
         "hidden_act": raw.get("mlp_hidden_act", "relu2"),
         "head_dim": raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
     }

@@ -20,7 +20,7 @@ sizes are one rank's (its heads' state, its KV heads).
 from dataclasses import dataclass
 from typing import Any
 
-from kvpager.engine.families.nemotron_h import layer_pattern
+from kvpager.engine.families.nemotron_h import layer_pattern, nemotron_config
 from kvpager.engine.families.qwen3_5 import MULTIMODAL_TYPES, QWEN3_5_TYPES, qwen3_5_text_config
 from kvpager.engine.families.qwen3_next import deltanet_dims, deltanet_layers
 from kvpager.engine.kv.state_pool import split_pool
@@ -88,7 +88,7 @@ def hybrid_size(raw: dict[str, Any], tensor_parallel_size: int = 1) -> HybridSiz
     share: engine/model/sharding.py, Mamba2Shard); None for other model types."""
     model_type, size = raw.get("model_type", ""), tensor_parallel_size
     if model_type in ("granitemoehybrid", "nemotron_h"):
-        dims, layers = mamba2_dims(raw), mamba_layers(raw)
+        dims, layers = mamba2_dims(nemotron_config(raw)), mamba_layers(raw)
         if (why := dims.check_tensor_parallel(size)) is not None:
             raise ConfigError(f"tensor_parallel_size: {why}")
         dims = dims.per_rank(size)

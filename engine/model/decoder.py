@@ -46,15 +46,19 @@ def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if float32 else dtype
 
 
+# ungated MLPs (Nemotron-H's: relu2, or what `mlp_hidden_act` names) act on the up rows alone
+UNGATED = {
+    "relu2": lambda x: torch.square(F.relu(x)),
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
 def _activation(config: ModelConfig, ops: KernelOps):
-    if config.hidden_act == "relu2":  # Nemotron-H's, on up rows alone
-        return relu_squared
+    if not config.gated_mlp:
+        return UNGATED[config.hidden_act]
     gelus = {"gelu_pytorch_tanh": ops.gelu_tanh_and_mul, "gelu": ops.gelu_and_mul}
     return gelus.get(config.hidden_act, ops.silu_and_mul)
-
-
-def relu_squared(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
 
 
 def _all_reduce(group: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:

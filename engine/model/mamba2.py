@@ -3,7 +3,7 @@ batch of sequences, each reading and updating its own recurrent state slot.
 
 A mixer computes, per token: in_proj -> (gate z, conv input xBC, dt); a causal depthwise
 conv1d with SiLU over xBC (state: the last d_conv - 1 inputs); x, B, C split from it;
-dt = clamp(softplus(dt + dt_bias), time_step_limit) (bias and softplus in the model's dtype);
+dt = softplus(dt + dt_bias) (in the model's dtype), clamped to time_step_limit on prompt tokens;
 the selective scan with A = -exp(A_log) and the D skip (state: [heads, head_dim, d_state]); a
 gated RMSNorm (y * silu(z), normalised per group of intermediate / n_groups channels, times its
 weight, in fp32, rounded once); out_proj.
@@ -99,21 +99,25 @@ class Mamba2Mixer(torch.nn.Module):
         conv_states: torch.Tensor,
         ssm_states: torch.Tensor,
         cuts: list[list[tuple[int, int]]] | None = None,
+        prompt_counts: list[int] | None = None,
     ) -> torch.Tensor:
         """hidden [T, hidden]: the sequences' tokens back to back, `seq_lens` each, sequence i
         in state slot `slots[i]` of this layer's conv_states [slots, ...] / ssm_states.
         `cuts[i]`: (offset, snapshot slot) pairs, the state after `offset` of sequence i's
-        tokens copied into that slot (prefix snapshots at block boundaries)."""
+        tokens copied into that slot (prefix snapshots at block boundaries).
+        `prompt_counts[i]`: how many of sequence i's leading tokens are prompt tokens, the
+        only ones whose dt is clamped (None: every token's)."""
         d = self.dims
         proj = F.linear(hidden, self.in_proj, self.in_proj_bias)
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
         # dt's bias and softplus in the model's dtype, as transformers' layer computes them
-        dt = F.softplus(dt + self.dt_bias).float().clamp(*d.time_step_limit)
+        dt = F.softplus(dt + self.dt_bias).float()
         A = -torch.exp(self.A_log.float())
         y = torch.empty(
             hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32, device=hidden.device
         )
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+        dt = self._limit(dt, starts, prompt_counts)
         steps = [i for i, n in enumerate(seq_lens) if n == 1]
         cuts = cuts or [[] for _ in seq_lens]
         states = (conv_states, ssm_states)
@@ -164,6 +168,20 @@ class Mamba2Mixer(torch.nn.Module):
         y[rows] = ssm_scan_chunked(
             x, dt[rows], A, B, C, self.D, ssm_states[slot], self.dims.chunk_size
         )
+
+    def _limit(self, dt: torch.Tensor, starts: list[int], prompt_counts) -> torch.Tensor:
+        """dt clamped to time_step_limit on the prompt tokens alone: transformers (as
+        mamba_ssm and vLLM) clamps in the chunked scan of a prompt, not in a decode step, so
+        outputs (recomputed after a preemption too) stay unclamped."""
+        low, high = self.dims.time_step_limit
+        if low <= 0.0 and high == float("inf"):
+            return dt  # softplus is positive: nothing to clamp
+        if prompt_counts is None:
+            return dt.clamp(low, high)
+        rows = [r for start, n in zip(starts, prompt_counts) for r in range(start, start + n)]
+        if rows:
+            dt[rows] = dt[rows].clamp(low, high)
+        return dt
 
     def _on_triton(self, x: torch.Tensor) -> bool:
         return bool(self.triton or (self.triton is None and x.is_cuda))

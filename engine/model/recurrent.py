@@ -32,6 +32,10 @@ class RecurrentBatch:
     # per sequence: (offset in its tokens, snapshot slot), ascending; the state after that
     # many of its tokens is copied into the snapshot slot (engine/kv/state_snapshots.py)
     cuts: list[list[tuple[int, int]]] | None = None
+    # per sequence: how many of its tokens this step are prompt tokens (the rest are outputs,
+    # or a recomputed sequence's outputs): Mamba2 clamps dt to time_step_limit on those alone,
+    # as transformers does in the prompt's chunked scan and never in a decode step
+    prompt_counts: list[int] | None = None
 
     def layer(self, state_idx: int) -> "RecurrentLayerCache":
         return RecurrentLayerCache(self, state_idx)
@@ -71,7 +75,7 @@ def _allocate_mamba2(
 def _run_mamba2(mixer, hidden: torch.Tensor, cache: RecurrentLayerCache) -> torch.Tensor:
     batch, idx = cache.batch, cache.state_idx
     conv, ssm = batch.states.conv[idx], batch.states.ssm[idx]
-    return mixer(hidden, batch.seq_lens, batch.slots, conv, ssm, batch.cuts)
+    return mixer(hidden, batch.seq_lens, batch.slots, conv, ssm, batch.cuts, batch.prompt_counts)
 
 
 MIXERS: dict[str, MixerKind] = {

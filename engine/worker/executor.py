@@ -291,7 +291,10 @@ class Executor:
         if not step.num_scheduled_tokens:
             return StepOutput(step_id=step.step_id)
         inputs = self.batch.prepare(step.num_scheduled_tokens)
-        recurrent = self.state_cache.batch(step) if self.state_cache is not None else None
+        recurrent = None
+        if self.state_cache is not None:
+            prompt_counts = self.batch.prompt_counts(step.num_scheduled_tokens)
+            recurrent = self.state_cache.batch(step, prompt_counts)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta,
             recurrent,

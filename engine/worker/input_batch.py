@@ -222,6 +222,16 @@ class InputBatch:
             prompt_spans=spans,
         )
 
+    def prompt_counts(self, num_scheduled: dict[str, int]) -> list[int]:
+        """Per scheduled sequence, how many of this step's tokens are prompt tokens; after
+        `prepare`, which moved each one's computed count past them."""
+        counts = []
+        for seq_id, count in num_scheduled.items():
+            state = self.states[seq_id]
+            start = state.num_computed_tokens - count
+            counts.append(min(max(state.num_prompt_tokens - start, 0), count))
+        return counts
+
     def _draft_indices(self, states, sampled: list[int], cu_seqlens) -> torch.Tensor | None:
         lasts = [(int(cu_seqlens[i + 1]) - 1, len(states[i].draft_token_ids)) for i in sampled]
         indices = [last - num + j for last, num in lasts for j in range(num)]

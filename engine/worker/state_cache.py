@@ -100,14 +100,19 @@ class StateCache:
     def after_forward(self, step: ScheduledStep) -> None:
         self._copy_forks(step, sample=True)
 
-    def batch(self, step: ScheduledStep) -> RecurrentBatch:
-        """The step's sequences' token counts and slots, in the batch's order."""
+    def batch(self, step: ScheduledStep, prompt_counts: list[int] | None = None) -> RecurrentBatch:
+        """The step's sequences' token counts and slots, in the batch's order; `prompt_counts`:
+        how many of each one's tokens are prompt tokens (InputBatch.prompt_counts)."""
         rows = {seq_id: i for i, seq_id in enumerate(step.num_scheduled_tokens)}
         cuts: list[list[tuple[int, int]]] = [[] for _ in rows]
         for seq_id, offset, snapshot in step.state_snapshots:
             cuts[rows[seq_id]].append((offset, snapshot))
         return RecurrentBatch(
-            self.states, list(step.num_scheduled_tokens.values()), self.slots(step), cuts
+            self.states,
+            list(step.num_scheduled_tokens.values()),
+            self.slots(step),
+            cuts,
+            prompt_counts,
         )
 
     @staticmethod
