@@ -67,15 +67,42 @@ class NatsServer:
             self.process.wait()
 
 
-def nats_cluster(size: int = 3) -> list[NatsServer]:
-    """`size` nodes of one cluster on loopback, each routing to all the others."""
-    route_ports = [free_port() for _ in range(size)]
-    routes = ",".join(f"nats://127.0.0.1:{port}" for port in route_ports)
-    nodes = []
-    for port in route_ports:
-        cluster = ("--cluster_name", "kvpager", "--cluster", f"nats://127.0.0.1:{port}")
-        nodes.append(NatsServer(extra_args=(*cluster, "--routes", routes)))
-    return nodes
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: held together while chosen, so none is handed out twice."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def nats_cluster(size: int = 3, attempts: int = 3) -> list[NatsServer]:
+    """`size` nodes of one cluster on loopback, each routing to all the others. Every client
+    and route port is chosen at once; a node that exits at start-up (a port taken between
+    choosing and binding it) stops the others and the cluster starts again on fresh ports."""
+    for attempt in range(attempts):
+        ports = free_ports(2 * size)
+        routes = ",".join(f"nats://127.0.0.1:{port}" for port in ports[size:])
+        nodes: list[NatsServer] = []
+        try:
+            for client_port, route_port in zip(ports[:size], ports[size:], strict=True):
+                cluster = (
+                    "--cluster_name",
+                    "kvpager",
+                    "--cluster",
+                    f"nats://127.0.0.1:{route_port}",
+                )
+                nodes.append(NatsServer(client_port, extra_args=(*cluster, "--routes", routes)))
+            return nodes
+        except AssertionError:
+            for node in nodes:
+                node.stop()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="session")
