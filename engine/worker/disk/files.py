@@ -28,7 +28,9 @@ import json
 import os
 import secrets
 import struct
+from array import array
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -57,7 +59,7 @@ class BlockLayout:
     dtype: torch.dtype
     layout_id: bytes  # 32 bytes
 
-    @property
+    @cached_property  # asked once a read: computed once
     def num_bytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
@@ -187,18 +189,38 @@ def read_block(
 ) -> torch.Tensor | None:
     """The block stored under `block_hash` for exactly `token_ids`, or None: missing, torn,
     of another layout or of other tokens. ForgedBlockError: a whole file failing its MAC.
-    `buffer`: bytes to read into, reused from call to call (a reader thread's; it must hold
-    a whole file), so a read allocates nothing; the block returned views it."""
+    `buffer`: as read_open_block's."""
+    try:
+        fd = os.open(folder / file_name(block_hash), os.O_RDONLY)
+    except OSError:
+        return None  # vanished (evicted by a sharing instance), unreadable
+    try:
+        return read_open_block(fd, layout, key, block_hash, token_ids, buffer)
+    finally:
+        os.close(fd)
+
+
+def read_open_block(
+    fd: int,
+    layout: BlockLayout,
+    key: bytes,
+    block_hash: bytes,
+    token_ids: list[int],
+    buffer: bytearray | None = None,
+) -> torch.Tensor | None:
+    """read_block's answer for the file open as `fd`: one read of the whole file into
+    `buffer` (bytes reused from call to call, a reader thread's: it must hold a whole file,
+    so a read allocates nothing; the block returned views it), then one MAC over it (one
+    call, so BLAKE3 hashes it wide and without the GIL)."""
     expected = HEADER.size + 8 * len(token_ids) + layout.num_bytes
     data = bytearray(expected) if buffer is None else buffer
     assert len(data) >= expected, "the read buffer is smaller than a file"
     view = memoryview(data)[:expected]
     try:
-        with open(folder / file_name(block_hash), "rb", buffering=0) as f:
-            if os.fstat(f.fileno()).st_size != expected or f.readinto(view) != expected:
-                return None  # short, long or torn
+        if os.fstat(fd).st_size != expected or os.readv(fd, [view]) != expected:
+            return None  # short, long or torn
     except OSError:
-        return None  # vanished (evicted by a sharing instance), unreadable
+        return None  # unreadable
     header = bytearray(view[: HEADER.size])
     header[MAC_OFFSET:] = bytes(32)
     if not hmac.compare_digest(
@@ -214,10 +236,9 @@ def read_block(
     )
     if not header_ok or num_tokens != len(token_ids) or num_bytes != layout.num_bytes:
         return None
-    tokens = torch.frombuffer(data, dtype=torch.int64, count=num_tokens, offset=HEADER.size)
-    if tokens.tolist() != list(token_ids):
-        return None
     offset = HEADER.size + 8 * num_tokens
+    if view[HEADER.size : offset] != array("q", token_ids).tobytes():  # written in host order
+        return None
     raw = torch.frombuffer(data, dtype=torch.uint8, count=num_bytes, offset=offset)
     return raw.view(layout.dtype).view(layout.shape)
 

@@ -39,7 +39,7 @@ from kvpager.engine.worker.disk.files import (
     hash_of,
     load_key,
     private_dir,
-    read_block,
+    read_open_block,
     write_block,
 )
 from kvpager.kernels.cpu_block_ops import copy_block_in
@@ -107,6 +107,7 @@ class DiskStore:
         self._loads: list[Future] = []
         self._reader = ThreadPoolExecutor(NUM_READERS, thread_name_prefix="kvpager-disk-read")
         self._buffers = threading.local()  # each reader's file buffer, reused
+        self._dir_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)  # reads open in it
         self._writes: queue.Queue = queue.Queue()
         self.rescan()
         self._report_all()
@@ -188,69 +189,87 @@ class DiskStore:
         self._writes.put(None)
         self._writer.join(timeout=60)
         self._reader.shutdown(wait=True)
+        os.close(self._dir_fd)
 
     # --- reads (the reader thread) --------------------------------------------------------
 
     def _read_all(self, blocks: list[DiskBlock], cpu_cache: torch.Tensor):
-        self._advise_will_need(blocks)
+        """One reader thread's part: every file opened (and announced to the kernel) first,
+        then each read straight into its CPU block."""
+        rows = _block_rows(cpu_cache)
+        fds = [self._open(block) for block in blocks]
         loaded, failed = [], []
-        for block in blocks:
-            content = self._read(block)
-            if content is None:
-                failed.append(block.block_hash)
-                continue
-            copy_block_in(content, cpu_cache, block.block_id)  # C memcpy, this thread only
-            loaded.append(block.block_hash)
+        try:
+            for idx, block in enumerate(blocks):
+                if fds[idx] is None:  # perhaps written since: one more try
+                    fds[idx] = self._open(block, advise=False)
+                ok = self._read(block, fds[idx], cpu_cache, rows)
+                (loaded if ok else failed).append(block.block_hash)
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
         return loaded, failed
 
-    def _advise_will_need(self, blocks: list[DiskBlock]) -> None:
-        """Ask the kernel for every file of this part at once (POSIX_FADV_WILLNEED): a cold
-        disk then has the whole part queued, not one file at a time behind each MAC."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for block in blocks:
-            try:
-                fd = os.open(self.folder / file_name(block.block_hash), os.O_RDONLY)
-            except OSError:
-                continue  # a miss: found as such by the read
+    def _open(self, block: DiskBlock, advise: bool = True) -> int | None:
+        """The block's file, open, or None (a miss, or a block only its snapshot holds yet).
+        `advise`: ask the kernel to read it ahead now (POSIX_FADV_WILLNEED), so a cold disk has
+        the whole part queued, not one file at a time behind each MAC."""
+        try:
+            fd = os.open(file_name(block.block_hash), os.O_RDONLY, dir_fd=self._dir_fd)
+        except OSError:
+            return None
+        if advise and hasattr(os, "posix_fadvise"):
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             except OSError:
                 pass  # a file system without readahead hints
-            finally:
-                os.close(fd)
+        return fd
 
-    def _read(self, block: DiskBlock) -> torch.Tensor | None:
+    def _read(self, block: DiskBlock, fd: int | None, cache: torch.Tensor, rows) -> bool:
         try:
-            return self._read_block(block)
+            return self._read_block(block, fd, cache, rows)
         except Exception:  # whatever the file held, a miss: never a failed step
             log.exception("disk tier read failed", block_hash=block.block_hash.hex())
-            return None
+            return False
 
-    def _read_block(self, block: DiskBlock) -> torch.Tensor | None:
+    def _read_block(self, block: DiskBlock, fd: int | None, cache: torch.Tensor, rows) -> bool:
+        """Fill CPU block `block.block_id`: from the snapshot of a block not yet written, else
+        from its open file `fd` (read whole into this thread's buffer, checked, copied in)."""
         with self._lock:
             pending = self._pending.get(block.block_hash)
         if pending is not None:
-            return pending
+            copy_block_in(pending, cache, block.block_id)
+            return True
+        ok = False
         try:
-            content = read_block(
-                self.folder, self.layout, self.key, block.block_hash, block.token_ids,
-                self._buffer(len(block.token_ids)),
-            )  # fmt: skip
+            ok = fd is not None and self._read_file(block, fd, cache, rows)
         except ForgedBlockError:
             log.warning("disk tier file failed its MAC: deleted", block_hash=block.block_hash.hex())
             _unlink(self.folder / file_name(block.block_hash))
             with self._lock:
                 self.num_rejected += 1
-            content = None
         with self._lock:
-            if content is None:
+            if not ok:
                 self._forget(block.block_hash)
             elif block.block_hash in self.index:
                 self.index.move_to_end(block.block_hash)
-        if content is not None:
-            _touch(self.folder / file_name(block.block_hash))
-        return content
+        if ok:
+            _touch(fd)  # the LRU order, kept in mtimes across restarts
+        return ok
+
+    def _read_file(self, block: DiskBlock, fd: int, cache: torch.Tensor, rows) -> bool:
+        content = read_open_block(
+            fd, self.layout, self.key, block.block_hash, block.token_ids,
+            self._buffer(len(block.token_ids)),
+        )  # fmt: skip
+        if content is None:
+            return False
+        if rows is None:
+            copy_block_in(content, cache, block.block_id)
+        else:  # a numpy copy: no per-call setup, and no GIL held while it runs
+            rows[:, block.block_id] = content.view(torch.uint8).numpy().reshape(len(rows), -1)
+        return True
 
     def _buffer(self, num_tokens: int) -> bytearray:
         """This reader thread's file buffer (allocated once: every file has one size)."""
@@ -356,8 +375,17 @@ def _unlink(path: Path) -> None:
         pass  # already gone (a sharing instance evicted it)
 
 
-def _touch(path: Path) -> None:
+def _touch(fd: int) -> None:
     try:
-        os.utime(path)
+        os.utime(fd)
     except OSError:
         pass
+
+
+def _block_rows(cache: torch.Tensor):
+    """The cache as [layers * 2, blocks, block bytes] numpy bytes, whose [:, block_id] rows a
+    file's payload fills in order; None for a cache that is not a contiguous host tensor."""
+    if cache.device.type != "cpu" or not cache.is_contiguous():
+        return None
+    num_rows = cache.shape[0] * cache.shape[1]
+    return cache.view(torch.uint8).view(num_rows, cache.shape[2], -1).numpy()

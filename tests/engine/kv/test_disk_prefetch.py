@@ -123,9 +123,9 @@ def hold_reads(engine: AsyncEngine) -> threading.Event:
     store = engine.runner.executor.disk
     read_block, go = store._read_block, threading.Event()
 
-    def held(block):
+    def held(*args):
         assert go.wait(30.0), "the test never let the disk reads go"
-        return read_block(block)
+        return read_block(*args)
 
     store._read_block = held
     return go
