@@ -1,8 +1,10 @@
 """A step's disk reads split over the reader threads, into reused buffers, land byte for byte
 as one-file-at-a-time reads (files.read_block) do, misses included."""
 
+import os
 import threading
 
+import pytest
 import torch
 from kvpager.engine.worker.disk import store as store_module
 from kvpager.engine.worker.disk.files import read_block
@@ -82,4 +84,45 @@ def test_a_block_still_waiting_for_its_write_reads_from_its_snapshot(tmp_path, m
     release.set()
     store.flush()
     assert len(list(store.folder.iterdir())) == 3
+    store.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds through /proc")
+def test_a_read_opens_each_file_once_closes_it_and_writes_nothing_for_a_miss(tmp_path, monkeypatch):
+    """Each file is opened once (the readahead advice and the read share it) and closed
+    whatever the read found; a torn file and a missing one fail without touching their CPU
+    blocks; a file read refreshes its mtime (the LRU order a restart lists)."""
+    cache = cpu_cache(6, seed=6)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
+    step_report(store)
+    store.save(blocks(range(6)), cache, cache)
+    store.flush()
+    path = {i: store.folder / f"{block_hash(i).hex()}.kvb" for i in range(6)}
+    os.truncate(path[2], path[2].stat().st_size - 1)  # torn
+    path[4].unlink()  # gone
+    os.utime(path[0], ns=(10**9, 10**9))
+    before, opened, real_open = _open_fds(), [], os.open
+
+    def counted_open(name, *args, **kwargs):
+        opened.append(os.fspath(name))
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counted_open)
+    target = torch.zeros_like(cache)
+    store.load(blocks(range(6)), target)
+    output = step_report(store)
+    monkeypatch.undo()
+    for i in (0, 1, 2, 3, 5):  # the advice and the read share one open
+        assert sum(name.endswith(path[i].name) for name in opened) == 1
+    assert output.disk_loaded == [block_hash(i) for i in (0, 1, 3, 5)]
+    assert output.disk_failed == [block_hash(2), block_hash(4)]
+    assert _open_fds() == before  # every file closed, hits and misses alike
+    for i in (0, 1, 3, 5):
+        assert torch.equal(target[:, :, i].view(torch.uint8), cache[:, :, i].view(torch.uint8))
+    assert not target[:, :, 2].any() and not target[:, :, 4].any()
+    assert path[0].stat().st_mtime_ns > 10**9  # touched by the read
     store.close()
