@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 from kvpager.engine.download import resolve_model
@@ -25,6 +23,7 @@ from kvpager.kernels.isa import isa_flags
 from kvpager.services.serve.processes import python_module
 
 from benchmarks.serving.nats_peer import free_port, stop
+from benchmarks.serving.servers import wait_http as wait_healthy
 
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 NAME = "bench-model"
@@ -74,21 +73,6 @@ def vllm_server(args: argparse.Namespace, port: int, log) -> subprocess.Popen:
         "OMP_NUM_THREADS": str(args.threads),
     }
     return subprocess.Popen(command, env=env, stdout=log, stderr=log)
-
-
-def wait_healthy(server: subprocess.Popen, port: int, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("server not healthy in time")
 
 
 def bench(args, port: int, dataset: str, rate: str, num_prompts: int, out: Path) -> dict:

@@ -65,7 +65,8 @@ def vllm_server(args: argparse.Namespace, model: str, port: int) -> subprocess.P
 def wait_http(server: subprocess.Popen, port: int, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited with {server.returncode}"
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}; see its log")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                 if reply.status == 200:
