@@ -256,7 +256,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     model = str(resolve_model(args.model))
     args.vocab = args.vocab or model_vocab(model)
-    print(f"isa: {' '.join(isa_flags())}")
+    print(f"isa: {' '.join(isa_flags())}", flush=True)
     print(
         f"{args.conversations} conversations x {args.turns} turns: {args.first_tokens} tokens, "
         f"then +{args.user_tokens} a turn, {args.output_tokens} out (greedy); up to "
@@ -272,13 +272,14 @@ def main(argv=None) -> None:
             f"{mode:>9}: TTFT first turns {result['ttft_first']}, later turns "
             f"{result['ttft_later']} (p50 / p90); {result['tokens_per_s']:.1f} out tok/s over "
             f"{result['wall_s']:.1f} s; {result['cached_tokens']} prompt tokens cached; "
-            f"{result['disk']}; other programs {watch.other_cores():.2f} cores"
+            f"{result['disk']}; other programs {watch.other_cores():.2f} cores",
+            flush=True,
         )
-    print("\n".join(ratios(results)))
+    print("\n".join(ratios(results)), flush=True)
     if len(set(map(str, outputs.values()))) > 1:
-        print("WARNING: the modes' greedy outputs differ")
+        print("WARNING: the modes' greedy outputs differ", flush=True)
     else:
-        print("outputs: identical across modes")
+        print("outputs: identical across modes", flush=True)
 
 
 if __name__ == "__main__":
