@@ -47,6 +47,18 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
+def best_ms_synced(fn, args) -> float:
+    """best_ms over `args.repeats`, waiting for the GPU after each call when `args.device` is
+    CUDA (kernels launch asynchronously), rounded to microseconds."""
+
+    def run():
+        fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    return round(best_ms(run, args.repeats), 3)
+
+
 def attention_rows(args, dtype) -> dict:
     """Per decode step (all layers): C kernel, torch twin, and the memory floor."""
     blocks_per_seq = -(-args.context // BLOCK)

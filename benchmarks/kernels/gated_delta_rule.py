@@ -20,7 +20,7 @@ from kvpager.kernels.gated_delta_rule import (
 )
 from kvpager.kernels.gated_delta_rule_ref import gated_delta_rule_ref
 
-from benchmarks.kernels.cpu_kernels import best_ms
+from benchmarks.kernels.cpu_kernels import best_ms_synced as timed
 
 KEY_HEADS, HEADS, DIM, CHUNK = 16, 32, 128, 64
 
@@ -43,15 +43,6 @@ def inputs(num_tokens: int, device) -> tuple[torch.Tensor, ...]:
     g = -F.softplus(torch.randn(num_tokens, HEADS, device=device))
     beta = torch.rand(num_tokens, HEADS, device=device, dtype=torch.bfloat16)
     return q, k, v, g, beta
-
-
-def timed(fn, args) -> float:
-    def run():
-        fn()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
-    return round(best_ms(run, args.repeats), 3)
 
 
 def main(argv=None) -> dict:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from kvpager.kernels.mamba2_scan import ssm_scan_chunked, ssm_step_slots_ref
 
-from benchmarks.kernels.cpu_kernels import best_ms
+from benchmarks.kernels.cpu_kernels import best_ms_synced as timed
 
 HEADS, HEAD_DIM, GROUPS, STATE, CHUNK = 128, 64, 8, 128, 256
 
@@ -36,15 +36,6 @@ def inputs(num_tokens: int, heads: int, device) -> tuple[torch.Tensor, ...]:
     B = torch.randn(num_tokens, GROUPS, STATE, device=device, dtype=torch.bfloat16)
     C = torch.randn(num_tokens, GROUPS, STATE, device=device, dtype=torch.bfloat16)
     return x, dt, A, B, C, D
-
-
-def timed(fn, args) -> float:
-    def run():
-        fn()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
-    return round(best_ms(run, args.repeats), 3)
 
 
 def main(argv=None) -> dict:

@@ -1,8 +1,11 @@
-"""The checks every recurrent hybrid family passes against transformers (Granite 4's and
-Nemotron-H's tests run them on their own tiny checkpoints): roomy, chunked prefill, recompute
+"""The checks every recurrent family passes against transformers (the Mamba2 hybrids, Granite 4
+and Nemotron-H, and the gated DeltaNet ones, Qwen3-Next and Qwen3.5, run them on their own tiny
+checkpoints): roomy, chunked prefill, recompute
 preemption with small chunks, n > 1 and beams (a fork copies its parent's state), a repeated
 prompt served from a state snapshot, the weights kv-size counts, bf16 within the tie margin;
 every block and state slot free after each run."""
+
+from collections.abc import Callable
 
 import torch
 from kvpager.engine import SamplingParams
@@ -17,6 +20,9 @@ from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_
 from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
 from tests.engine.model.test_bf16 import assert_follows_transformers
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy
+
+# prompts -> transformers' greedy new tokens of each
+HfGreedy = Callable[[list[list[int]]], list[list[int]]]
 
 
 def greedy(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -44,11 +50,14 @@ def check_chunked(path, prompts, expected, chunk: int) -> None:
         assert_slots_free(llm)
 
 
-def check_recompute(path, prompts, expected, num_blocks: int, chunk: int, seqs: int) -> None:
-    """Recompute preemption with small chunks, prefix caching off (the state restarts)."""
+def check_recompute(
+    path, prompts, expected, num_blocks: int, chunk: int, seqs: int, prefix_caching: bool = False
+) -> None:
+    """Recompute preemption with small chunks: prefix caching off (the state restarts), or on
+    (a recomputed sequence may resume from its own snapshot)."""
     with make_llm(
         path, num_blocks=num_blocks, max_num_batched_tokens=chunk, max_num_seqs=seqs,
-        preemption_mode="recompute", enable_prefix_caching=False,
+        preemption_mode="recompute", enable_prefix_caching=prefix_caching,
     ) as llm:  # fmt: skip
         assert greedy(llm, prompts) == expected
         assert llm.stats()["num_preemptions"] > 0, llm.stats()
@@ -75,13 +84,14 @@ def check_beams(path, width: int) -> None:
         assert_slots_free(llm)
 
 
-def check_repeated_prompt(path) -> None:
+def check_repeated_prompt(path, reference: HfGreedy | None = None, **engine) -> None:
     """Done criterion of issue 46: a second request with the same 64-token prompt reports at
     least 32 cached tokens (here 56: 7 of its 8 blocks, the last token is always computed)
-    and the same output; the snapshot hit and bytes are counted apart from blocks."""
+    and the same output; the snapshot hit and bytes are counted apart from blocks.
+    `reference` gives transformers' greedy tokens (default: AutoModelForCausalLM's)."""
     prompt = random_prompts([64], seed=11)[0]
-    expected = hf_greedy(path, [prompt], MAX_TOKENS)
-    with make_llm(path, num_blocks=64) as llm:
+    expected = (reference or (lambda ps: hf_greedy(path, ps, MAX_TOKENS)))([prompt])
+    with make_llm(path, num_blocks=64, **engine) as llm:
         assert greedy(llm, [prompt]) == expected
         first = llm.stats()
         assert first["num_state_snapshots"] > 0 and first["state_snapshot_bytes"] > 0

@@ -5,7 +5,7 @@ projections, a dense MLP or experts with a gated shared expert on every layer, i
 M-RoPE on text positions, tied embeddings. Roomy, under chunked prefill with small chunks and
 recompute preemption, n = 3 forks and beams, and a repeated prompt resumes from a state
 snapshot; every block and state slot is free after each run
-(tests/engine/model/deltanet_checks.py)."""
+(tests/engine/model/hybrid_checks.py)."""
 
 import json
 
@@ -14,7 +14,7 @@ from kvpager.engine.kv.recurrent_size import hybrid_size
 from kvpager.engine.model_config import ModelConfig
 from kvpager.schemas.errors import CheckpointError, ConfigError
 
-from tests.engine.model import deltanet_checks as checks
+from tests.engine.model import hybrid_checks as checks
 from tests.engine.model.test_parity import MAX_TOKENS, make_prompts
 from tests.qwen3_5_models import VARIANTS, build_qwen3_5, hf_greedy_by_class
 
@@ -53,7 +53,7 @@ def test_roomy_matches_transformers(qwen3_5):
 
 def test_chunked_prefill_and_recompute_preemption(qwen3_5):
     path, _, prompts, expected = qwen3_5
-    checks.check_recompute_preemption(path, prompts, expected)
+    checks.check_recompute(path, prompts, expected, 16, chunk=6, seqs=4, prefix_caching=True)
 
 
 def test_parallel_samples_and_beams_fork_the_state(qwen3_5):
@@ -62,12 +62,13 @@ def test_parallel_samples_and_beams_fork_the_state(qwen3_5):
     path, variant, prompts, expected = qwen3_5
     checks.check_parallel_samples(path, prompts[-2], expected[-2])
     if variant.endswith("_text"):
-        checks.check_beams(path)
+        checks.check_beams(path, 2)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_5):
     path, variant = qwen3_5[:2]
-    checks.check_snapshot_resume(path, lambda ps: hf_greedy_by_class(path, variant, ps, MAX_TOKENS))
+    reference = lambda ps: hf_greedy_by_class(path, variant, ps, MAX_TOKENS)  # noqa: E731
+    checks.check_repeated_prompt(path, reference, max_num_batched_tokens=20)
 
 
 def test_weights_are_what_kv_size_counts(qwen3_5):

@@ -6,21 +6,11 @@ and recompute preemption, n > 1 and beams, and a repeated prompt resumes from a 
 snapshot; every block and state slot is free after each run."""
 
 import pytest
-from kvpager.engine import SamplingParams
 from kvpager.engine.model_config import ModelConfig
 
-from tests.engine.helpers import make_llm, random_prompts
-from tests.engine.model.deltanet_checks import (
-    check_beams,
-    check_parallel_samples,
-    check_recompute_preemption,
-    check_roomy,
-    check_snapshot_resume,
-    check_weights_counted,
-)
-from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS
-from tests.engine.model.test_bf16 import assert_follows_transformers
-from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
+from tests.engine.helpers import make_llm
+from tests.engine.model import hybrid_checks as checks
+from tests.engine.model.hybrid_checks import assert_slots_free, greedy
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import build_qwen3_next
 
@@ -42,7 +32,7 @@ def test_config_reads_as_transformers_does(qwen3_next):
 
 
 def test_roomy_matches_transformers(qwen3_next):
-    check_roomy(*qwen3_next)
+    checks.check_roomy(*qwen3_next)
 
 
 def test_chunked_prefill_and_recompute_preemption(qwen3_next):
@@ -50,24 +40,23 @@ def test_chunked_prefill_and_recompute_preemption(qwen3_next):
     with make_llm(path, max_num_batched_tokens=6, max_num_seqs=4) as llm:
         assert greedy(llm, prompts) == expected
         assert_slots_free(llm)
-    check_recompute_preemption(path, prompts, expected)
+    checks.check_recompute(path, prompts, expected, 16, chunk=6, seqs=4, prefix_caching=True)
 
 
 def test_parallel_samples_and_beams(qwen3_next):
     """n = 3 forks copy the parent's state; beams chosen twice fork before the pass."""
     path, prompts, expected = qwen3_next
-    check_parallel_samples(path, prompts[-2], expected[-2])
-    check_beams(path)
+    checks.check_parallel_samples(path, prompts[-2], expected[-2])
+    checks.check_beams(path, 2)
 
 
 def test_a_repeated_prompt_resumes_from_a_state_snapshot(qwen3_next):
-    path = qwen3_next[0]
-    check_snapshot_resume(path, lambda prompts: hf_greedy(path, prompts, MAX_TOKENS))
+    checks.check_repeated_prompt(qwen3_next[0], max_num_batched_tokens=20)
 
 
 def test_weights_are_what_kv_size_counts(qwen3_next):
     """DeltaNet mixers, gated attention, per-expert MoE tensors, the dense layer."""
-    check_weights_counted(qwen3_next[0])
+    checks.check_weights_counted(qwen3_next[0])
 
 
 def test_bf16_greedy_follows_transformers(tmp_path):
@@ -75,10 +64,4 @@ def test_bf16_greedy_follows_transformers(tmp_path):
     transformers' layers): each greedy token within test_bf16.py's tie margin of
     transformers' bf16 best, up to the first near tie. Smaller weights than the fp32 tests':
     with theirs transformers' own bf16 forward strays up to 3.9 from its fp32 one."""
-    path = build_qwen3_next(tmp_path, initializer_range=0.05)
-    prompts = random_prompts([1, 6, 17, 33], seed=5)
-    with make_llm(path, dtype="bfloat16") as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True)
-        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert_follows_transformers(path, prompts, outputs)
-        assert_slots_free(llm)
+    checks.check_bf16(build_qwen3_next(tmp_path, initializer_range=0.05))

@@ -12,7 +12,7 @@ from kvpager.engine import SamplingParams
 from kvpager.engine.kv.block_hash import prompt_block_hashes
 
 from tests.engine.helpers import make_llm, random_prompts
-from tests.engine.model.test_granite_hybrid import assert_slots_free, greedy
+from tests.engine.model.hybrid_checks import assert_slots_free, greedy
 from tests.engine.model.test_parity import MAX_TOKENS, hf_greedy, make_prompts
 from tests.model_families import build_granite_hybrid, build_qwen3_next
 

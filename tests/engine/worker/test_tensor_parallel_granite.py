@@ -21,7 +21,7 @@ from kvpager.kernels.backend import get_kernel_ops
 from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import random_prompts
-from tests.engine.model.test_granite_hybrid import assert_slots_free
+from tests.engine.model.hybrid_checks import assert_slots_free
 from tests.engine.worker.test_tensor_parallel import (  # noqa: F401 (an autouse fixture)
     greedy,
     hf_greedy,
