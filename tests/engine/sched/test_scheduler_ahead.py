@@ -281,7 +281,8 @@ def test_a_served_core_hands_on_each_step_before_awaiting_the_next():
         runner = BookRunner(scheduler, RowBook())
         core = EngineCore(scheduler, runner, publish, 1, True, plan_ahead_with_room=False)
         params = SamplingParams(max_tokens=4)
-        requests = [Request(f"r{i}", list(range(10 + 20 * i, 30 + 20 * i)), params) for i in range(3)]
+        prompts = [list(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]  # no shared blocks
+        requests = [Request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
         for request in requests:  # 3 prompts of 20 tokens, a 32-token budget: one waits
             core.add(request)
         answer, answered, late = runner.result, [0], []
