@@ -7,7 +7,8 @@ the deltas of their sums and counts over one client run split the client's mean 
            hops to the scheduler, and the first token's way back (detokenizer, gateway, SSE)
   queue    arrival at the scheduler to the request's first step
   prefill  first step to first token: the prefill steps (and any decode steps they share)
-and `engine_steps` over the run's requests counts steps per request (one at a time: the prefill's).
+and `engine_steps` over the run's requests counts steps per request (every step: with 4 tokens
+out and one request at a time, the prefill's steps and 3 or 4 decode steps).
 """
 
 import re
@@ -55,5 +56,5 @@ def describe(parts: dict) -> str:
     return (
         f"TTFT mean {parts['client_ttft_mean_ms']:.1f} ms = hops {parts['hops_ms']:.1f} + queue "
         f"{parts['queue_ms']:.1f} + prefill {parts['prefill_ms']:.1f} "
-        f"({parts['steps_per_request']:.2f} steps a request)"
+        f"({parts['steps_per_request']:.2f} steps a request, decodes too)"
     )
