@@ -13,7 +13,8 @@ kvpager / vLLM, and the host's ISA flags. Nothing else of yours should run meanw
     python -m benchmarks.serving.serve_bench --datasets first-token --rates inf --concurrency 1 4
 
 `first-token` sends 1,000-token random prompts for 4 tokens each (issue #48's first turns),
-`--concurrency` N at a time; for kvpager every row also splits the mean TTFT into the hops,
+`--concurrency` N at a time, each run (warm-up too) its own prompts, so no prefill starts on
+blocks an earlier run left in the prefix cache; for kvpager every row also splits the mean TTFT into the hops,
 the queue and the prefill steps from its /metrics (benchmarks/serving/ttft_split.py).
 `--kvpager-args "--long-prefill-token-threshold 0"` passes flags on to `kvpager serve`.
 """
@@ -45,6 +46,9 @@ DATASETS = {
     "first-token": ["--random-input-len", "1000", "--random-output-len", "4"],
 }  # fmt: skip
 CLIENT_DATASET = {"first-token": "random"}  # vllm bench's name, where ours differs
+# datasets whose every run (warm-up too) draws its own prompts, so none starts on blocks an
+# earlier run left in the prefix cache: a first token measured on cached blocks is no prefill
+FRESH_PROMPTS = {"first-token"}
 METRICS = [
     ("out tok/s", "output_throughput"),
     ("goodput req/s", "request_goodput"),
@@ -102,7 +106,14 @@ def wait_healthy(server: subprocess.Popen, port: int, timeout_s: float = 900) ->
 
 
 def bench(
-    args, port: int, dataset: str, rate: str, num_prompts: int, out: Path, concurrency: int
+    args,
+    port: int,
+    dataset: str,
+    rate: str,
+    num_prompts: int,
+    out: Path,
+    concurrency: int,
+    seed: int = 0,
 ) -> dict:
     """One `vllm bench serve` run, at most `concurrency` requests at once; its saved JSON."""
     name = f"{out.name}.json"
@@ -113,7 +124,7 @@ def bench(
         "--dataset-name", CLIENT_DATASET.get(dataset, dataset), *DATASETS[dataset],
         "--num-prompts", str(num_prompts), "--request-rate", rate,
         "--max-concurrency", str(concurrency), "--ignore-eos",
-        "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--goodput", *args.goodput,
         "--save-result", "--result-dir", str(out.parent), "--result-filename", name,
     ]  # fmt: skip
@@ -134,7 +145,8 @@ def run_engine(args, engine: str, out_dir: Path) -> dict[tuple[str, str], dict]:
         wait_healthy(server, port)
         for dataset in args.datasets:  # warm-up: new shapes compile in vLLM on first use
             warm = out_dir / f"{engine}-warmup-{dataset}"
-            bench(args, port, dataset, "inf", args.warmup, warm, args.max_num_seqs)
+            seed = 1000 if dataset in FRESH_PROMPTS else 0
+            bench(args, port, dataset, "inf", args.warmup, warm, args.max_num_seqs, seed)
         for row in rows(args):
             results[row] = bench_row(args, engine, port, row, out_dir)
             print(f"{engine} {' '.join(map(str, row))}: {summary(results[row])}")
@@ -156,7 +168,8 @@ def bench_row(args, engine: str, port: int, row: tuple[str, str, int], out_dir: 
     prompts = args.num_prompts if rate == "inf" else args.moderate_prompts
     out = out_dir / f"{engine}-{dataset}-{rate}-c{concurrency}"
     before = scrape(port) if engine == "kvpager" else None
-    result = bench(args, port, dataset, rate, prompts, out, concurrency)
+    seed = 1 + rows(args).index(row) if dataset in FRESH_PROMPTS else 0
+    result = bench(args, port, dataset, rate, prompts, out, concurrency, seed)
     if before is not None:
         result["ttft_split"] = split(before, scrape(port), result.get("mean_ttft_ms", 0.0))
         print(f"kvpager {dataset} rate {rate} x{concurrency}: {describe(result['ttft_split'])}")
