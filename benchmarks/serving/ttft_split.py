@@ -11,22 +11,22 @@ and `engine_steps` over the run's requests counts steps per request (every step:
 out and one request at a time, the prefill's steps and 3 or 4 decode steps).
 """
 
-import re
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
 HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "queue": "request_queue_time_seconds"}
-_SAMPLE = re.compile(r"^kvpager:(\w+?)(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
 def scrape(port: int) -> dict[str, float]:
-    """Every unlabelled-or-instance sample of kvpager's /metrics page, summed over instances."""
+    """Every sample of kvpager's /metrics page by name (no `kvpager:`), summed over labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and "_bucket" not in match[1]:
-            values[match[1]] = values.get(match[1], 0.0) + float(match[2])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("kvpager:")
+            values[name] = values.get(name, 0.0) + sample.value
     return values
 
 
@@ -42,7 +42,7 @@ def split(before: dict[str, float], after: dict[str, float], client_ttft_ms: flo
     requests = after.get(f"{HISTOGRAMS['ttft']}_count", 0) - before.get(
         f"{HISTOGRAMS['ttft']}_count", 0
     )
-    steps = after.get("engine_steps", 0.0) - before.get("engine_steps", 0.0)
+    steps = after.get("engine_steps_total", 0.0) - before.get("engine_steps_total", 0.0)
     return {
         "client_ttft_mean_ms": client_ttft_ms,
         "hops_ms": client_ttft_ms - ttft,
