@@ -15,8 +15,7 @@ kvpager / vLLM, and the host's ISA flags. Nothing else of yours should run meanw
 `first-token` sends 1,000-token random prompts for 4 tokens each (issue #48's first turns),
 `--concurrency` N at a time, each run (warm-up too) its own prompts, so no prefill starts
 on blocks an earlier run left in the prefix cache; for kvpager every row also splits the mean
-TTFT into the hops,
-the queue and the prefill steps from its /metrics (benchmarks/serving/ttft_split.py).
+TTFT into the hops, the queue and the prefill steps from its /metrics (serving/ttft_split.py).
 `--kvpager-args "--long-prefill-token-threshold 0"` passes flags on to `kvpager serve`.
 """
 
