@@ -162,16 +162,22 @@ class EngineCore:
 
     async def run_step(self) -> bool:
         """Fill the pipeline, then absorb the oldest step's output. False: nothing in flight."""
+        planned = False
         while self._may_plan():
             step = self.scheduler.schedule()
             self.metrics.scheduled(step, time.monotonic())
             await self.runner.submit(step)
             self._in_flight.append((step, self._busy or len(self._in_flight) > 0))
             await self.publish(step.step_id)  # while the executor works
+            planned = True
             if not step.num_scheduled_tokens:
                 break
         if not self._in_flight:
             return False
+        if not planned and self.deltas.pending:
+            # the pipeline drains (nothing planned while a step runs): the last step's tokens
+            # go now, or they would wait out the step in flight (a first token a step late)
+            await self.publish()
         step, back_to_back = self._in_flight.popleft()
         self._absorbing = True
         try:

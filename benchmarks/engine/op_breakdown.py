@@ -114,9 +114,12 @@ def table(clock: Clock, elapsed: float) -> list[tuple[str, float, int]]:
 def workload_requests(model_path: Path, num_requests: int, name: str) -> tuple[list, list]:
     """Prompts and sampling params: run.py's own sharegpt-like workload (same lengths, seed), or
     one of serve_bench's saturated ones: random (256 prompt tokens, 128 output tokens each) or
-    prefix-repetition (8 prefixes of 256 tokens, each request's own 64-token suffix, 64 out)."""
+    prefix-repetition (8 prefixes of 256 tokens, each request's own 64-token suffix, 64 out),
+    or first-token (1,000-token prompts, one token out: where prefill time goes)."""
     if name == "random":
         work = uniform(token_source(model_path), num_requests, (256, 256), (128, 128), 0)
+    elif name == "first-token":  # serve_bench's ttft dataset: 1,000-token prompts, 1 token out
+        work = uniform(token_source(model_path), num_requests, (1000, 1000), (1, 1), 0)
     elif name == "prefix-repetition":
         users = max(1, num_requests // 8)
         work = multi_prefix(token_source(model_path), 8, users, 256, (64, 64), 64, 0)
@@ -195,7 +198,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--workload", choices=["sharegpt-like", "random", "prefix-repetition"],
+        "--workload", choices=["sharegpt-like", "random", "prefix-repetition", "first-token"],
         default="sharegpt-like",
     )  # fmt: skip
     parser.add_argument("--kv-layout", choices=["auto", "token-major"], default="auto")

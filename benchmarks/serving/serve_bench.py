@@ -10,11 +10,19 @@ kvpager / vLLM, and the host's ISA flags. Nothing else of yours should run meanw
 
     python -m benchmarks.serving.serve_bench                        # both engines, every row
     python -m benchmarks.serving.serve_bench --engines kvpager --datasets random --rates inf
+    python -m benchmarks.serving.serve_bench --datasets first-token --rates inf --concurrency 1 4
+
+`first-token` sends 1,000-token random prompts for 4 tokens each (issue #48's first turns),
+`--concurrency` N at a time, each run (warm-up too) its own prompts, so no prefill starts
+on blocks an earlier run left in the prefix cache; for kvpager every row also splits the mean
+TTFT into the hops, the queue and the prefill steps from its /metrics (serving/ttft_split.py).
+`--kvpager-args "--long-prefill-token-threshold 0"` passes flags on to `kvpager serve`.
 """
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -24,6 +32,7 @@ from kvpager.services.serve.processes import python_module
 
 from benchmarks.serving.nats_peer import free_port, stop
 from benchmarks.serving.servers import wait_http as wait_healthy
+from benchmarks.serving.ttft_split import describe, scrape, split
 
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 NAME = "bench-model"
@@ -33,7 +42,12 @@ DATASETS = {
         "--prefix-repetition-prefix-len", "256", "--prefix-repetition-suffix-len", "64",
         "--prefix-repetition-num-prefixes", "8", "--prefix-repetition-output-len", "64",
     ],
+    "first-token": ["--random-input-len", "1000", "--random-output-len", "4"],
 }  # fmt: skip
+CLIENT_DATASET = {"first-token": "random"}  # vllm bench's name, where ours differs
+# datasets whose every run (warm-up too) draws its own prompts, so none starts on blocks an
+# earlier run left in the prefix cache: a first token measured on cached blocks is no prefill
+FRESH_PROMPTS = {"first-token"}
 METRICS = [
     ("out tok/s", "output_throughput"),
     ("goodput req/s", "request_goodput"),
@@ -52,7 +66,7 @@ def kvpager_server(args: argparse.Namespace, port: int, log) -> subprocess.Popen
         "--dtype", args.dtype, "--http-port", str(port), "--nats-port", str(free_port()),
         "--served-model-name", NAME, "--max-num-seqs", str(args.max_num_seqs),
         "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_gib << 30),
-        "--log-level", "warning",
+        "--log-level", "warning", *shlex.split(args.kvpager_args),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     return subprocess.Popen(command, env=env, stdout=log, stderr=log)
@@ -75,16 +89,26 @@ def vllm_server(args: argparse.Namespace, port: int, log) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stdout=log, stderr=log)
 
 
-def bench(args, port: int, dataset: str, rate: str, num_prompts: int, out: Path) -> dict:
-    """One `vllm bench serve` run; its saved JSON result."""
+def bench(
+    args,
+    port: int,
+    dataset: str,
+    rate: str,
+    num_prompts: int,
+    out: Path,
+    concurrency: int,
+    seed: int = 0,
+) -> dict:
+    """One `vllm bench serve` run, at most `concurrency` requests at once; its saved JSON."""
     name = f"{out.name}.json"
     command = [
         str(args.vllm_python), str(HERE / "peers" / "vllm_cli.py"), "bench", "serve",
         "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
         "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", str(args.model),
-        "--dataset-name", dataset, *DATASETS[dataset], "--num-prompts", str(num_prompts),
-        "--request-rate", rate, "--max-concurrency", str(args.max_num_seqs), "--ignore-eos",
-        "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--dataset-name", CLIENT_DATASET.get(dataset, dataset), *DATASETS[dataset],
+        "--num-prompts", str(num_prompts), "--request-rate", rate,
+        "--max-concurrency", str(concurrency), "--ignore-eos",
+        "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--goodput", *args.goodput,
         "--save-result", "--result-dir", str(out.parent), "--result-filename", name,
     ]  # fmt: skip
@@ -104,17 +128,36 @@ def run_engine(args, engine: str, out_dir: Path) -> dict[tuple[str, str], dict]:
     try:
         wait_healthy(server, port)
         for dataset in args.datasets:  # warm-up: new shapes compile in vLLM on first use
-            bench(args, port, dataset, "inf", args.warmup, out_dir / f"{engine}-warmup-{dataset}")
-        for dataset in args.datasets:
-            for rate in args.rates:
-                prompts = args.num_prompts if rate == "inf" else args.moderate_prompts
-                out = out_dir / f"{engine}-{dataset}-{rate}"
-                results[dataset, rate] = bench(args, port, dataset, rate, prompts, out)
-                print(f"{engine} {dataset} rate {rate}: {summary(results[dataset, rate])}")
+            warm = out_dir / f"{engine}-warmup-{dataset}"
+            seed = 1000 if dataset in FRESH_PROMPTS else 0
+            bench(args, port, dataset, "inf", args.warmup, warm, args.max_num_seqs, seed)
+        for row in rows(args):
+            results[row] = bench_row(args, engine, port, row, out_dir)
+            print(f"{engine} {' '.join(map(str, row))}: {summary(results[row])}")
     finally:
         stop(server, timeout_s=60)
         log.close()
     return results
+
+
+def rows(args) -> list[tuple[str, str, int]]:
+    """(dataset, rate, concurrency) of every measured run."""
+    levels = args.concurrency or [args.max_num_seqs]
+    return [(d, r, c) for d in args.datasets for r in args.rates for c in levels]
+
+
+def bench_row(args, engine: str, port: int, row: tuple[str, str, int], out_dir: Path) -> dict:
+    """One row's result; kvpager's carries its TTFT split (`ttft_split`) from /metrics."""
+    dataset, rate, concurrency = row
+    prompts = args.num_prompts if rate == "inf" else args.moderate_prompts
+    out = out_dir / f"{engine}-{dataset}-{rate}-c{concurrency}"
+    before = scrape(port) if engine == "kvpager" else None
+    seed = 1 + rows(args).index(row) if dataset in FRESH_PROMPTS else 0
+    result = bench(args, port, dataset, rate, prompts, out, concurrency, seed)
+    if before is not None:
+        result["ttft_split"] = split(before, scrape(port), result.get("mean_ttft_ms", 0.0))
+        print(f"kvpager {dataset} rate {rate} x{concurrency}: {describe(result['ttft_split'])}")
+    return result
 
 
 def summary(result: dict) -> str:
@@ -122,18 +165,17 @@ def summary(result: dict) -> str:
 
 
 def table(runs: dict[str, dict], args) -> str:
-    lines = ["| dataset | rate | engine | " + " | ".join(m[0] for m in METRICS) + " |"]
-    lines.append("|" + "---|" * (3 + len(METRICS)))
-    for dataset in args.datasets:
-        for rate in args.rates:
-            for engine, results in runs.items():
-                row = results[dataset, rate]
-                values = " | ".join(f"{row.get(key, float('nan')):.1f}" for _, key in METRICS)
-                lines.append(f"| {dataset} | {rate} | {engine} | {values} |")
-            if len(runs) == 2:
-                a, b = (runs[e][dataset, rate] for e in ("kvpager", "vllm"))
-                ratio = " | ".join(_ratio(a.get(k), b.get(k)) for _, k in METRICS)
-                lines.append(f"| {dataset} | {rate} | kvpager / vLLM | {ratio} |")
+    lines = ["| dataset | rate | at once | engine | " + " | ".join(m[0] for m in METRICS) + " |"]
+    lines.append("|" + "---|" * (4 + len(METRICS)))
+    for row in rows(args):
+        where = " | ".join(map(str, row))
+        for engine, results in runs.items():
+            values = " | ".join(f"{results[row].get(k, float('nan')):.1f}" for _, k in METRICS)
+            lines.append(f"| {where} | {engine} | {values} |")
+        if len(runs) == 2:
+            a, b = (runs[e][row] for e in ("kvpager", "vllm"))
+            ratio = " | ".join(_ratio(a.get(k), b.get(k)) for _, k in METRICS)
+            lines.append(f"| {where} | kvpager / vLLM | {ratio} |")
     return "\n".join(lines)
 
 
@@ -154,6 +196,10 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["inf", "1.0", "1.5"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--moderate-prompts", type=int, default=32)
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", help="requests at once (default: --max-num-seqs)"
+    )
+    parser.add_argument("--kvpager-args", default="", help="more `kvpager serve` flags")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"])
     parser.add_argument("--top-p", type=float, help="sent with every request (default: none)")

@@ -29,6 +29,11 @@ class SampleDeltas:
     def track(self, request_id: str, num_samples: int) -> None:
         self.open[request_id] = set(range(num_samples))
 
+    @property
+    def pending(self) -> bool:
+        """Whether deltas were collected since the last `take()`."""
+        return bool(self._deltas)
+
     def take(self) -> list[SampleDelta]:
         deltas, self._deltas = self._deltas, []
         return deltas

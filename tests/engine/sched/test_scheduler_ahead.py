@@ -264,3 +264,43 @@ def test_a_served_core_plans_ahead_only_while_full():
 
     assert asyncio.run(most_in_flight(3)) == 1  # 3 of 8 seats taken: lockstep
     assert asyncio.run(most_in_flight(8)) == 2  # all 8 running: one step planned ahead
+
+
+def test_a_served_core_hands_on_each_step_before_awaiting_the_next():
+    """When the pipeline drains (prompts stopped waiting, so nothing more is planned ahead),
+    the tokens of the step just absorbed still go out before the core awaits the step in
+    flight: before, they waited a whole step and reached the client with the next step's
+    (issue #48: 1,000-token prompts 4 at a time got their first tokens a step late)."""
+    published: list[int] = []
+
+    async def publish(deltas, step_id) -> None:
+        published.extend(len(delta.token_ids) for delta in deltas)
+
+    async def run() -> list[int]:
+        scheduler = make_scheduler(num_blocks=64)
+        runner = BookRunner(scheduler, RowBook())
+        core = EngineCore(scheduler, runner, publish, 1, True, plan_ahead_with_room=False)
+        params = SamplingParams(max_tokens=4)
+        prompts = [list(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]  # no shared blocks
+        requests = [Request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        for request in requests:  # 3 prompts of 20 tokens, a 32-token budget: one waits
+            core.add(request)
+        answer, answered, late = runner.result, [0], []
+
+        async def checked_result(step_id: int):
+            late.append(answered[0] - sum(published))  # sampled by earlier steps, not yet out
+            done = await answer(step_id)
+            answered[0] += len(done.output.sampled_token_ids) if done is not None else 0
+            return done
+
+        runner.result = checked_result
+        while core.has_work:
+            await core.run_step()
+        await core.publish()
+        assert all(r.status is RequestStatus.FINISHED_LENGTH for r in requests)
+        assert scheduler.block_manager.num_free_blocks == 64
+        assert sum(published) == answered[0] == 12
+        return late
+
+    late = asyncio.run(run())
+    assert len(late) > 4 and not any(late)  # every step awaited with nothing held back
