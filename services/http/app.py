@@ -105,7 +105,7 @@ async def _complete(request: Request, kind: Kind) -> Response:
         if job.structured is not None:  # compiled in a worker process, awaited
             await check_compiles(gateway.grammars, *job.structured)
         buffered = gateway.http.stream_buffer_events
-        return await respond(gateway.client, job, request, buffered)
+        return await respond(gateway.client, job, request, buffered, http.sse_keepalive)
     except (HttpError, PoisonedRequestError) as exc:
         error = exc if isinstance(exc, HttpError) else HttpError.invalid(str(exc), None)
         log.info("request refused", path=request.url.path, status=error.status, code=error.code)

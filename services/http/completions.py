@@ -28,10 +28,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 
-async def respond(client, job: Job, request: Request, max_buffered: int | None = None) -> Response:
-    """`max_buffered`: events a stream may hold for a client that does not read."""
+async def respond(
+    client, job: Job, request: Request, max_buffered: int | None = None, keepalive_s: float = 0.0
+) -> Response:
+    """`max_buffered`: events a stream may hold for a client that does not read; `keepalive_s`:
+    the silence before an SSE comment (0: none)."""
     texts = TokenTexts()  # what the events say of their tokens
-    streams = Streams(client, job.requests, max_buffered if job.stream else None)
+    streams = Streams(
+        client, job.requests, max_buffered if job.stream else None, keepalive_s or None
+    )
     if not job.stream:
         try:
             return await _whole(job, streams, texts, request)

@@ -27,6 +27,7 @@ from kvpager.services.http.request_id import REQUEST_ID
 from kvpager.services.http.requests import Job, build_job, chat_messages
 from kvpager.services.http.stream_waits import (
     CLIENT_CLOSED,
+    KEEPALIVE_S,
     collect_unless_gone,
     events_after,
     first_event,
@@ -109,7 +110,7 @@ async def _job(gateway: Gateway, request: Request) -> Job:
 
 async def _respond(gateway: Gateway, job: Job, request: Request) -> Response:
     buffered = gateway.http.stream_buffer_events if job.stream else None
-    streams = Streams(gateway.client, job.requests, buffered)
+    streams = Streams(gateway.client, job.requests, buffered, KEEPALIVE_S)  # pings
     if not job.stream:
         try:
             return await _whole(job, streams, request)

@@ -80,7 +80,8 @@ async def create(request: Request) -> Response:
         builder = ResponseBuilder(job, parsed, response_id)
         keep = _Keeper(request, parsed, history) if parsed.store else None
         buffered = gateway.http.stream_buffer_events
-        streams = Streams(gateway.client, job.requests, buffered if job.stream else None)
+        keepalive = gateway.http.sse_keepalive or None
+        streams = Streams(gateway.client, job.requests, buffered if job.stream else None, keepalive)
         if not job.stream:
             return await _whole(streams, builder, request, keep)
         return await _stream(streams, builder, keep)

@@ -78,6 +78,13 @@ class HttpSettings:
         "(refused only when all have requests in flight); above --http-max-concurrency",
         default=4096,
     )
+    sse_keepalive: float = option(
+        "seconds an OpenAI-style event stream (chat, completions, responses) may stay silent "
+        "before it gets an SSE comment (`: keepalive`), for proxies that close silent "
+        "streams; 0: never, as vLLM (vllm bench serve 0.32 loses the next event after a "
+        "comment). The Messages API always pings, as Anthropic's does",
+        default=0.0,
+    )
     stream_buffer_events: int = option(
         "events one stream may have waiting for a client that does not read; past it, the "
         "client is cut off and the request aborted",
@@ -123,6 +130,8 @@ class HttpSettings:
         for name in ("http_header_timeout", "http_keep_alive_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive")
+        if self.sse_keepalive < 0:
+            raise ConfigError("sse_keepalive: must be >= 0 (0: never)")
         for name in ("http_max_concurrency", "stream_buffer_events"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")

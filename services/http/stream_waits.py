@@ -15,7 +15,7 @@ from kvpager.services.http.streams import Streams
 from starlette.requests import Request
 
 ADMISSION_S = 5.0  # refusals come back in milliseconds; the first token may take much longer
-KEEPALIVE_S = 15.0  # an SSE comment when a stream is silent this long (proxies, load balancers)
+KEEPALIVE_S = 15.0  # Anthropic's ping when a Messages stream is silent this long
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
 
 T = TypeVar("T")
@@ -47,13 +47,13 @@ async def first_event(streams: Streams) -> tuple[int, GenerateEvent] | None:
 
 
 async def events_after(streams: Streams, first) -> AsyncIterator:
-    """(request index, event)s; None after KEEPALIVE_S of silence; an HttpError last if the
-    stream failed."""
+    """(request index, event)s; None after `streams.keepalive_s` of silence (if set); an
+    HttpError last if the stream failed."""
     if first is not None:
         yield first
     while True:
         try:
-            item = await streams.next(KEEPALIVE_S)
+            item = await streams.next(streams.keepalive_s)
         except TimeoutError:
             yield None
             continue

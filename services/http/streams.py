@@ -29,8 +29,15 @@ _END = None  # a reader's last item
 
 class Streams:
     def __init__(
-        self, client: Client, requests: list[GenerateRequest], max_buffered: int | None = None
+        self,
+        client: Client,
+        requests: list[GenerateRequest],
+        max_buffered: int | None = None,
+        keepalive_s: float | None = None,
     ) -> None:
+        """`keepalive_s`: the silence after which events_after (stream_waits.py) yields a
+        keepalive; None: never."""
+        self.keepalive_s = keepalive_s
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(requests)
         self._max_buffered = max_buffered
