@@ -128,9 +128,8 @@ def _rotary_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     num_heads = q.shape[1] + k.shape[1]
     one_row = q.shape[0] == 1  # a single token's row stride is never read
     adjacent = (
-        (one_row or q.stride(0) == k.stride(0) >= num_heads * q.shape[2])
-        and k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size()
-    )
+        one_row or q.stride(0) == k.stride(0) >= num_heads * q.shape[2]
+    ) and k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size()
     if not adjacent or q.shape[2] != k.shape[2]:
         return (q, k)
     return (q.as_strided((q.shape[0], num_heads, q.shape[2]), q.stride()),)

