@@ -4,6 +4,7 @@ than `tail_rows` sequences left). Pure Python on step records, so both virtualen
 (benchmarks/engine/phase_split.py for kvpager, benchmarks/peers/vllm_phases.py for vLLM).
 """
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ def split(steps: list[StepRecord], tail_rows: int = 16) -> dict:
     prefill_end = max(firsts.values(), default=0.0)
     prefill = [s for s in steps if s.end_s <= prefill_end]
     rest = steps[len(prefill) :]
-    decode = [s for s in rest if len(s.rows) >= tail_rows]
+    decode = list(itertools.takewhile(lambda s: len(s.rows) >= tail_rows, rest))
     tail = rest[len(decode) :]
     ttft = sorted(firsts.values())
     return {
