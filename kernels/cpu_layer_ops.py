@@ -108,7 +108,7 @@ def rotary(
     if kernel is None or not (rows_of_heads(q) and rows_of_heads(k)) or q.shape[-1] % 2:
         return reference.rotary_ref(q, k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
-    for x in (q, k):
+    for x in _rotary_rows(q, k):
         num_tokens, num_heads, head_dim = x.shape
         kernel(
             x.data_ptr(),
@@ -120,6 +120,19 @@ def rotary(
             sin.data_ptr(),
         )
     return q, k
+
+
+def _rotary_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q and k as the kernel's calls take them: one call over both when k's heads follow q's
+    in the same rows (views of one qkv row), so the layer has one parallel region, not two."""
+    num_heads = q.shape[1] + k.shape[1]
+    one_row = q.shape[0] == 1  # a single token's row stride is never read
+    adjacent = (
+        one_row or q.stride(0) == k.stride(0) >= num_heads * q.shape[2]
+    ) and k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size()
+    if not adjacent or q.shape[2] != k.shape[2]:
+        return (q, k)
+    return (q.as_strided((q.shape[0], num_heads, q.shape[2]), q.stride()),)
 
 
 def _norm_kernel(rows: tuple[torch.Tensor, ...], weight: torch.Tensor):

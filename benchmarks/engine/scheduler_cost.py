@@ -18,7 +18,7 @@ from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.scheduler import StepOutput
 
 
-def _step_output(scheduler: Scheduler, step, rng: random.Random) -> StepOutput:
+def step_output(scheduler: Scheduler, step, rng: random.Random) -> StepOutput:
     seq_ids = [  # a placeholder marks the requests that sample in the step
         seq_id
         for seq_id in step.num_scheduled_tokens
@@ -48,13 +48,13 @@ def measure(num_running: int, num_steps: int, prompt_len: int = 128, block_size:
         scheduler.add_request(Request(str(idx), prompt, params))
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         step = scheduler.schedule()  # prefill, untimed
-        scheduler.update_from_output(step, _step_output(scheduler, step, rng))
+        scheduler.update_from_output(step, step_output(scheduler, step, rng))
     schedule_s, update_s = [], []
     for _ in range(num_steps):
         tic = time.perf_counter()
         step = scheduler.schedule()
         mid = time.perf_counter()
-        output = _step_output(scheduler, step, rng)
+        output = step_output(scheduler, step, rng)
         toc = time.perf_counter()
         scheduler.update_from_output(step, output)
         schedule_s.append(mid - tic)

@@ -45,9 +45,10 @@ def timed_generate(llm, prompts, params) -> float:
     return time.perf_counter() - start
 
 
-def main(request_path: str) -> None:
+def load_request(request_path: str) -> tuple:
+    """The engine in this process (no engine-core process), warmed up, and REQUEST.json's
+    prompts and sampling params."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model's ops on this thread
-    import torch
     from vllm import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -61,6 +62,13 @@ def main(request_path: str) -> None:
         sampling_params(SimpleNamespace(**r), RequestOutputKind.FINAL_ONLY)
         for r in request["sampling"]
     ]
+    return llm, prompts, params
+
+
+def main(request_path: str) -> None:
+    llm, prompts, params = load_request(request_path)
+    import torch
+
     plain = timed_generate(llm, prompts, params)
     llm.reset_prefix_cache()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

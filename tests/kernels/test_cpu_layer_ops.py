@@ -49,11 +49,26 @@ def test_rotary_matches_twin_in_place_on_qkv_views(num_tokens, build):
     cos, sin = _cos_sin(num_tokens)
     want_q, want_k = rotary_ref(q.clone(), k.clone(), cos, sin)
     v_before = v.clone()
+    assert len(cpu_layer_ops._rotary_rows(q, k)) == 1  # q's and k's heads in one call
     got_q, got_k = cpu_layer_ops.rotary(q, k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr()  # rotated in place, no copy
     torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(v, v_before), "rotary wrote outside q and k"
+
+
+def test_rotary_of_separate_q_and_k_matches_twin(build):
+    """q and k in tensors of their own (after Qwen3's head norms): two calls, not one over
+    both, and the same rows as the twin."""
+    torch.manual_seed(3)
+    _, q, k, _ = _qkv(9)
+    q, k = q.clone(), k.clone()
+    cos, sin = _cos_sin(9)
+    want_q, want_k = rotary_ref(q.clone(), k.clone(), cos, sin)
+    assert len(cpu_layer_ops._rotary_rows(q, k)) == 2
+    got_q, got_k = cpu_layer_ops.rotary(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
 
 
 def test_rotary_falls_back_to_the_twin_for_other_dtypes():
