@@ -39,6 +39,12 @@ PLAIN_MARGIN = 1.1
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 40, 0.1
 
 
+# rows up to this count may run the C kernel over the packed weight (kernels/small_linear.py):
+# it streamed SmolLM2's weights 1.2-4x faster than oneDNN at M = 1-4, tied at 8 and lost from
+# 16 on (docs/design/packed-linears.md)
+KERNEL_ROWS = 4
+
+
 @dataclass(frozen=True)
 class LinearChoice:
     """Whether the packed linear runs for small (<= SMALL_ROWS) and for larger row counts."""
@@ -54,6 +60,7 @@ class LinearChoice:
 
 ALWAYS_PACKED = LinearChoice(True, True)
 _cache: dict[tuple, LinearChoice] = {}
+_kernel_cache: dict[tuple, bool] = {}
 
 
 def fastest_call_us(
@@ -115,3 +122,38 @@ def _measure(
     choice = LinearChoice(packed_small=wins[0], packed_large=wins[1])
     log.info("linear choice", shape=key[:2], dtype=str(dtype), choice=choice, **timings)
     return choice
+
+
+def choose_small_kernel(weight: torch.Tensor, packed: LinearFn, kernel: LinearFn) -> bool:
+    """Whether `kernel` (the C kernel over the packed weight) beats `packed` (oneDNN) at both 1
+    and KERNEL_ROWS rows of `weight`'s shape, timed once per shape in this process as
+    `choose_linear` times (one thread, fastest single call)."""
+    out_f, in_f = weight.shape
+    key = (out_f, in_f, weight.dtype)
+    if key not in _kernel_cache:
+        _kernel_cache[key] = _kernel_wins(in_f, weight.dtype, packed, kernel, key)
+    return _kernel_cache[key]
+
+
+def _kernel_wins(
+    in_f: int, dtype: torch.dtype, packed: LinearFn, kernel: LinearFn, key: tuple
+) -> bool:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in _measure: no barrier to wait at
+    try:
+        with torch.inference_mode():
+            timings = {
+                rows: fastest_call_us([packed, kernel], torch.zeros(rows, in_f, dtype=dtype))
+                for rows in (1, KERNEL_ROWS)
+            }
+    finally:
+        torch.set_num_threads(threads)
+    wins = all(kernel_us <= packed_us for packed_us, kernel_us in timings.values())
+    log.info(
+        "small-row kernel choice",
+        shape=key[:2],
+        dtype=str(dtype),
+        kernel=wins,
+        **{f"M={m}": f"oneDNN {a:.0f} us, kernel {b:.0f} us" for m, (a, b) in timings.items()},
+    )
+    return wins
