@@ -2,7 +2,7 @@
 op_breakdown's long-tailed offline workload through `LLM.generate`, the linears and lm_head
 timed where they are called (op_breakdown's timers), per dtype.
 
-    python -m benchmarks.engine.small_linear_ab --dtype bfloat16 float32 [-n 64] [--rounds 3]
+    python -m benchmarks.engine.small_linear_ab --dtype float32 bfloat16 [-n 64] [--rounds 3]
 
 One LLM per dtype; each round runs the workload with the kernel taking rows up to
 KERNEL_ROWS, then with it off (oneDNN's packed matmul at every row count: the same packed
@@ -12,28 +12,23 @@ weights, so nothing else changes), and prints each arm's median over rounds. Off
 
 import argparse
 import statistics
-import time
 
-import torch
-from kvpager.engine.download import resolve_model
 from kvpager.engine.model import linear
-from kvpager.kernels.isa import isa_flags
-from kvpager.services.bench.offline import warm_up
 
-from benchmarks.common.config import BenchConfig
-from benchmarks.engine.kvpager_offline import build_llm
-from benchmarks.engine.op_breakdown import LINEARS, Clock, instrument, workload_requests
+from benchmarks.engine.op_breakdown import (
+    LINEARS,
+    Clock,
+    base_parser,
+    instrumented_llm,
+    run_each_dtype,
+    timed_generate,
+)
 
 ARMS = {"kernel": linear.KERNEL_ROWS, "oneDNN": 0}
 
 
 def one_round(llm, clock: Clock, prompts, params) -> dict[str, float]:
-    clock.seconds.clear()
-    clock.calls.clear()
-    llm.scheduler.block_manager.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    outputs, elapsed = timed_generate(llm, clock, prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     linears = sum(clock.seconds[f"linear {n}"] for n in LINEARS)
     return {
@@ -45,13 +40,7 @@ def one_round(llm, clock: Clock, prompts, params) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, dtype: str) -> None:
-    model_path = resolve_model(args.model)
-    cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
-    prompts, params = workload_requests(model_path, args.num_requests, "sharegpt-like")
-    llm = build_llm(cfg)
-    clock = Clock()
-    instrument(llm, clock)
-    warm_up(llm)
+    _, llm, clock, prompts, params = instrumented_llm(args, dtype, "sharegpt-like")
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     try:
         for _ in range(args.rounds):
@@ -69,17 +58,7 @@ def run(args: argparse.Namespace, dtype: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("-n", "--num-requests", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"ISA flags: {' '.join(isa_flags()) or 'none'}")
-    for dtype in args.dtype:
-        run(args, dtype)
+    run_each_dtype(base_parser(__doc__, rounds=3).parse_args(), run)
 
 
 if __name__ == "__main__":
