@@ -27,7 +27,7 @@
 #define TILES 4    // 16-column vectors a block holds
 #define PREFETCH 1024  // bytes ahead of the loads (4 k pairs of bf16, 4 k of fp32)
 #ifdef __AVX512F__
-#define ROWS 8  // rows a block pass holds: up to 4 as 4 x 4 zmm, 5-8 as two passes of 8 x 2
+#define ROWS 4  // rows an accumulator block holds: 4 x 4 zmm
 #else
 #define ROWS 1  // AVX2: 4 x 2 ymm a row, so more rows would spill
 #endif
@@ -42,9 +42,8 @@ INLINE v16 load_v16(const void *p) {
     return v;
 }
 
-// lines [t0, t0 + nt) of one k step's 256 bytes (a line is one 16-column vector)
-INLINE void prefetch_lines(const char *p, const int t0, const int nt) {
-    for (int t = t0; t < t0 + nt; t++) __builtin_prefetch(p + PREFETCH + 64 * t, 0, 0);
+INLINE void prefetch_lines(const char *p) {  // the four lines of one k step's 256 bytes
+    for (int line = 0; line < 4; line++) __builtin_prefetch(p + PREFETCH + 64 * line, 0, 0);
 }
 
 // acc += the 16 pairs of w (bf16, k even in the low half) times the pair x2 (same order)
@@ -78,31 +77,29 @@ INLINE uint16_t f32_to_bf16(float f) {  // to nearest even; NaN stays a quiet Na
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// rows [0, R) x vectors [t0, t0 + nt) of one 64-column block: acc[r][t] holds columns
-// 16t..16t+15 of row r. Each weight vector loaded serves R rows, each broadcast nt vectors.
+// rows [0, R) of one 64-column block: acc[r][t] holds columns 16t..16t+15 of row r
 INLINE void block_bf16(const uint16_t *w, const uint16_t *x, int64_t K, v16 acc[][TILES],
-                       const int R, const int t0, const int nt) {
+                       const int R) {
     for (int r = 0; r < R; r++)
-        for (int t = t0; t < t0 + nt; t++) acc[r][t] = (v16){0};
+        for (int t = 0; t < TILES; t++) acc[r][t] = (v16){0};
     for (int64_t p = 0; p < K / 2; p++, w += 2 * COLS) {
-        prefetch_lines((const char *)w, t0, nt);
+        prefetch_lines((const char *)w);
         for (int r = 0; r < R; r++) {
             uint32_t x2;
             memcpy(&x2, x + r * K + 2 * p, 4);
-            for (int t = t0; t < t0 + nt; t++) acc[r][t] = dot_pairs(acc[r][t], w + 32 * t, x2);
+            for (int t = 0; t < TILES; t++) acc[r][t] = dot_pairs(acc[r][t], w + 32 * t, x2);
         }
     }
 }
 
-INLINE void block_f32(const float *w, const float *x, int64_t K, v16 acc[][TILES], const int R,
-                      const int t0, const int nt) {
+INLINE void block_f32(const float *w, const float *x, int64_t K, v16 acc[][TILES], const int R) {
     for (int r = 0; r < R; r++)
-        for (int t = t0; t < t0 + nt; t++) acc[r][t] = (v16){0};
+        for (int t = 0; t < TILES; t++) acc[r][t] = (v16){0};
     for (int64_t k = 0; k < K; k++, w += COLS) {
-        prefetch_lines((const char *)w, t0, nt);
+        prefetch_lines((const char *)w);
         for (int r = 0; r < R; r++) {
             const float xk = x[r * K + k];
-            for (int t = t0; t < t0 + nt; t++) acc[r][t] += load_v16(w + 16 * t) * xk;
+            for (int t = 0; t < TILES; t++) acc[r][t] += load_v16(w + 16 * t) * xk;
         }
     }
 }
@@ -117,30 +114,16 @@ INLINE void block_f32(const float *w, const float *x, int64_t K, v16 acc[][TILES
 
 #define IDENTITY(v) (v)
 
-// R rows of a block: up to 4 in one pass over all 4 vectors; 5-8 in two passes of 2 vectors
-// (8 x 2 accumulators), each pass reading its own lines, so the weight is still read once
-#define PASSES(BLOCK, RR)                                                                      \
-    if ((RR) <= 4) {                                                                           \
-        BLOCK(w, x, K, acc, (RR), 0, TILES);                                                   \
-    } else {                                                                                   \
-        BLOCK(w, x, K, acc, (RR), 0, TILES / 2);                                               \
-        BLOCK(w, x, K, acc, (RR), TILES / 2, TILES / 2);                                       \
-    }
-
 // one 64-column block for rows [0, R): x, out and bias already offset to it
 #define DEFINE_BLOCK_ROWS(NAME, TYPE, BLOCK, TO_OUT, FROM_BIAS)                                \
     static void NAME(const TYPE *w, const TYPE *x, int64_t K, int64_t N, const TYPE *bias,     \
                      TYPE *out, int R) {                                                       \
-        v16 acc[8][TILES];                                                                     \
+        v16 acc[ROWS][TILES];                                                                  \
         switch (R) { /* a constant row count, so the accumulators stay in registers */        \
-            case 1: PASSES(BLOCK, 1) break;                                                    \
-            case 2: PASSES(BLOCK, 2) break;                                                    \
-            case 3: PASSES(BLOCK, 3) break;                                                    \
-            case 4: PASSES(BLOCK, 4) break;                                                    \
-            case 5: PASSES(BLOCK, 5) break;                                                    \
-            case 6: PASSES(BLOCK, 6) break;                                                    \
-            case 7: PASSES(BLOCK, 7) break;                                                    \
-            default: PASSES(BLOCK, 8) break;                                                   \
+            case 1: BLOCK(w, x, K, acc, 1); break;                                             \
+            case 2: BLOCK(w, x, K, acc, ROWS >= 2 ? 2 : 1); break;                             \
+            case 3: BLOCK(w, x, K, acc, ROWS >= 3 ? 3 : 1); break;                             \
+            default: BLOCK(w, x, K, acc, ROWS); break;                                         \
         }                                                                                      \
         STORE_BLOCK(TYPE, TO_OUT, FROM_BIAS)                                                   \
     }

@@ -1,6 +1,6 @@
 """The small-row linear (kernels/small_linear.py) against its twin (small_linear_ref), reading
 oneDNN's packed buffer in place: the host's build and AVX2's (x86-64-v3), bf16 and fp32, row
-counts across its 4- and 8-row register blocks, with and without bias.
+counts across its 4-row register blocks, with and without bias.
 
 Tolerance: the kernel sums the same float32 products as the twin in another order (by 16- and
 64-column blocks, k ascending), so fp32 results agree to a few float32 ulps of the row's
@@ -38,7 +38,7 @@ def march(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 def test_kernel_matches_twin(march, dtype, shape, rows):
     weight, view, gen = _packed(*shape, dtype)
     x = torch.randn(rows, shape[1], generator=gen).to(dtype)
