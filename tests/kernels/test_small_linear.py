@@ -38,7 +38,7 @@ def march(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9])
 def test_kernel_matches_twin(march, dtype, shape, rows):
     weight, view, gen = _packed(*shape, dtype)
     x = torch.randn(rows, shape[1], generator=gen).to(dtype)
