@@ -56,8 +56,8 @@ def fits(weight: torch.Tensor) -> bool:
 def view_packed(weight: torch.Tensor, packed: torch.Tensor) -> PackedView | None:
     """The C code's view of `packed` (oneDNN's reorder of `weight`), or None where the buffer
     is not in the layout it reads."""
-    if not fits(weight) or not packed.is_mkldnn:
-        return None
+    if not fits(weight) or not packed.is_mkldnn or not hasattr(torch.ops.mkldnn, "data_ptr"):
+        return None  # (data_ptr and _nbytes: the ops inductor's C++ wrapper reads buffers by)
     nbytes = torch.ops.mkldnn._nbytes(packed)
     if nbytes != weight.numel() * weight.element_size():
         return None
