@@ -65,3 +65,10 @@ def test_the_view_checks_the_buffer_against_the_weight():
     weight, _, _ = _packed(128, 64, torch.float32)
     other = pack_weight(torch.randn(128, 64))
     assert small_linear.view_packed(weight, other) is None
+
+
+def test_a_buffer_that_differs_in_its_last_block_is_refused():
+    """The check reads the first and the last block: the order of blocks counts."""
+    weight, _, _ = _packed(192, 64, torch.float32)
+    swapped = torch.cat([weight[:64], weight[128:], weight[64:128]])  # blocks 1 and 2 swapped
+    assert small_linear.view_packed(swapped, pack_weight(weight)) is None
