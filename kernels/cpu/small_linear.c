@@ -27,7 +27,7 @@
 #define TILES 4    // 16-column vectors a block holds
 #define PREFETCH 1024  // bytes ahead of the loads (4 k pairs of bf16, 4 k of fp32)
 #ifdef __AVX512F__
-#define ROWS 4  // rows an accumulator block holds: 4 x 4 zmm
+#define ROWS 6  // rows an accumulator block holds: 6 x 4 zmm (of 32)
 #else
 #define ROWS 1  // AVX2: 4 x 2 ymm a row, so more rows would spill
 #endif
@@ -123,6 +123,8 @@ INLINE void block_f32(const float *w, const float *x, int64_t K, v16 acc[][TILES
             case 1: BLOCK(w, x, K, acc, 1); break;                                             \
             case 2: BLOCK(w, x, K, acc, ROWS >= 2 ? 2 : 1); break;                             \
             case 3: BLOCK(w, x, K, acc, ROWS >= 3 ? 3 : 1); break;                             \
+            case 4: BLOCK(w, x, K, acc, ROWS >= 4 ? 4 : 1); break;                             \
+            case 5: BLOCK(w, x, K, acc, ROWS >= 5 ? 5 : 1); break;                             \
             default: BLOCK(w, x, K, acc, ROWS); break;                                         \
         }                                                                                      \
         STORE_BLOCK(TYPE, TO_OUT, FROM_BIAS)                                                   \
