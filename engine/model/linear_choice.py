@@ -40,9 +40,9 @@ MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 40, 0.1
 
 
 # rows up to this count may run the C kernel over the packed weight (kernels/small_linear.py):
-# it streamed SmolLM2's weights 1.2-4x faster than oneDNN at M = 1-4, tied at 8 and lost from
-# 16 on (docs/design/packed-linears.md)
-KERNEL_ROWS = 4
+# it streamed SmolLM2's weights faster than oneDNN at M = 1-8 (1.2-5x in most cells), tied at
+# 12 and lost from 16 on (docs/design/packed-linears.md)
+KERNEL_ROWS = 8
 
 
 @dataclass(frozen=True)
