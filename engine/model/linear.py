@@ -16,10 +16,14 @@ import torch.nn.functional as F
 from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model.linear_choice import (
     ALWAYS_PACKED,
+    KERNEL_ROWS,
     SMALL_ROWS,
     LinearFn,
     choose_linear,
+    choose_small_kernel,
 )
+from kvpager.kernels import small_linear
+from kvpager.kernels.isa import isa_flags
 from torch import nn
 
 log = structlog.get_logger(__name__)
@@ -75,14 +79,44 @@ def make_linear(
     if packed is None:
         return plain_fn, False
 
-    def packed_fn(x: torch.Tensor) -> torch.Tensor:
+    def onednn_fn(x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, packed, bias)
 
+    packed_fn = with_small_kernel(weight, packed, bias, onednn_fn, measure)
     choice = choose_linear(weight, bias, plain_fn, packed_fn) if measure else ALWAYS_PACKED
     if not choice.mixed:
         return (packed_fn, True) if choice.packed_small else (plain_fn, False)
     small_fn, large_fn = (packed_fn, plain_fn) if choice.packed_small else (plain_fn, packed_fn)
     return lambda x: small_fn(x) if x.shape[0] <= SMALL_ROWS else large_fn(x), False
+
+
+# the ISA flag a dtype's kernel needs to pay (docs/design/packed-linears.md): vdpbf16ps for
+# bf16, AVX-512 FMAs for fp32; on AVX2 it still runs (tests) but is only taken when timed
+_KERNEL_ISA = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
+
+
+def with_small_kernel(
+    weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, onednn: LinearFn,
+    measure: bool,
+) -> LinearFn:  # fmt: skip
+    """`onednn`, with rows up to KERNEL_ROWS on the C kernel that reads the same packed buffer
+    (kernels/small_linear.py): where the host has the ISA it pays on (or, with `measure`,
+    where it was timed faster) and oneDNN's layout is the one it reads. No second copy."""
+    isa = _KERNEL_ISA.get(weight.dtype)
+    wanted = measure or isa in isa_flags()
+    view = small_linear.view_packed(weight, packed) if wanted else None
+    if view is None or not small_linear.available(weight.dtype):
+        return onednn
+    mixed_bias = bias is not None and bias.dtype != weight.dtype
+
+    def kernel_fn(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != view.dtype or mixed_bias:  # oneDNN takes these
+            return onednn(x)
+        return small_linear.small_linear(x, view, bias)
+
+    if measure and not choose_small_kernel(weight, onednn, kernel_fn):
+        return onednn
+    return lambda x: kernel_fn(x) if x.shape[0] <= KERNEL_ROWS else onednn(x)
 
 
 def release(weight: nn.Parameter) -> None:

@@ -39,6 +39,12 @@ PLAIN_MARGIN = 1.1
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 40, 0.1
 
 
+# rows up to this count may run the C kernel over the packed weight (kernels/small_linear.py):
+# it streamed SmolLM2's weights faster than oneDNN at M = 1-8 (1.2-5x in most cells), tied at
+# 12 and lost from 16 on (docs/design/packed-linears.md)
+KERNEL_ROWS = 8
+
+
 @dataclass(frozen=True)
 class LinearChoice:
     """Whether the packed linear runs for small (<= SMALL_ROWS) and for larger row counts."""
@@ -54,6 +60,7 @@ class LinearChoice:
 
 ALWAYS_PACKED = LinearChoice(True, True)
 _cache: dict[tuple, LinearChoice] = {}
+_kernel_cache: dict[tuple, bool] = {}
 
 
 def fastest_call_us(
@@ -94,24 +101,52 @@ def choose_linear(
     return _cache[key]
 
 
-def _measure(
-    in_f: int, dtype: torch.dtype, plain: LinearFn, packed: LinearFn, key: tuple
-) -> LinearChoice:
-    wins, timings = [], {}
+def _timed_on_one_thread(
+    fns: list[LinearFn], in_f: int, dtype: torch.dtype, row_counts: tuple[int, ...]
+) -> dict[int, list[float]]:
+    """fastest_call_us of `fns` on zero rows, per row count, on one thread: with two, a call
+    whose second thread is descheduled waits at oneDNN's or MKL's barrier for a whole time
+    slice; on a busy 2-core host every call did (20 ms for a 30 µs matmul), and the choice was
+    noise. One thread has no barrier to wait at."""
     threads = torch.get_num_threads()
-    # one thread: with two, a call whose second thread is descheduled waits at oneDNN's or
-    # MKL's barrier for a whole time slice; on a busy 2-core host every call did (20 ms for a
-    # 30 µs matmul), and the choice was noise. One thread has no barrier to wait at.
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            for rows in TIMED_ROWS:
-                x = torch.zeros(rows, in_f, dtype=dtype)
-                plain_us, packed_us = fastest_call_us([plain, packed], x)
-                wins.append(plain_us * PLAIN_MARGIN >= packed_us)
-                timings[f"M={rows}"] = f"plain {plain_us:.0f} us, packed {packed_us:.0f} us"
+            return {
+                rows: fastest_call_us(fns, torch.zeros(rows, in_f, dtype=dtype))
+                for rows in row_counts
+            }
     finally:
         torch.set_num_threads(threads)
+
+
+def _measure(
+    in_f: int, dtype: torch.dtype, plain: LinearFn, packed: LinearFn, key: tuple
+) -> LinearChoice:
+    timed = _timed_on_one_thread([plain, packed], in_f, dtype, TIMED_ROWS)
+    wins = [plain_us * PLAIN_MARGIN >= packed_us for plain_us, packed_us in timed.values()]
+    timings = {f"M={m}": f"plain {a:.0f} us, packed {b:.0f} us" for m, (a, b) in timed.items()}
     choice = LinearChoice(packed_small=wins[0], packed_large=wins[1])
     log.info("linear choice", shape=key[:2], dtype=str(dtype), choice=choice, **timings)
     return choice
+
+
+def choose_small_kernel(weight: torch.Tensor, packed: LinearFn, kernel: LinearFn) -> bool:
+    """Whether `kernel` (the C kernel over the packed weight) beats `packed` (oneDNN) at both 1
+    and KERNEL_ROWS rows of `weight`'s shape, timed once per shape in this process as
+    `choose_linear` times (one thread, fastest single call)."""
+    out_f, in_f = weight.shape
+    key = (out_f, in_f, weight.dtype)
+    if key not in _kernel_cache:
+        _kernel_cache[key] = _kernel_wins(in_f, weight.dtype, packed, kernel, key)
+    return _kernel_cache[key]
+
+
+def _kernel_wins(
+    in_f: int, dtype: torch.dtype, packed: LinearFn, kernel: LinearFn, key: tuple
+) -> bool:
+    timed = _timed_on_one_thread([packed, kernel], in_f, dtype, (1, KERNEL_ROWS))
+    wins = all(kernel_us <= packed_us for packed_us, kernel_us in timed.values())
+    timings = {f"M={m}": f"oneDNN {a:.0f} us, kernel {b:.0f} us" for m, (a, b) in timed.items()}
+    log.info("small-row kernel choice", shape=key[:2], dtype=str(dtype), kernel=wins, **timings)
+    return wins

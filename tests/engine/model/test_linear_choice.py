@@ -1,7 +1,8 @@
 """Linears that pack once (engine/model/linear.py, engine/model/linear_choice.py): whatever
 path a row count takes, the output is F.linear's (fp32 tightly, bf16 within a few ulps); a
 mixed choice keeps the plain weight and runs each side; the timing runs once per shape;
-small weights pack without timing; a tied lm_head packs a copy and leaves the embedding."""
+small weights pack without timing; a tied lm_head packs a copy and leaves the embedding; small
+row counts run the C kernel over the packed weight where it pays."""
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model import linear, linear_choice
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.linear import make_linear, onednn_packing_supported
-from kvpager.engine.model.linear_choice import SMALL_ROWS, LinearChoice
+from kvpager.engine.model.linear_choice import KERNEL_ROWS, SMALL_ROWS, LinearChoice
 from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
+from kvpager.kernels import small_linear
 from kvpager.kernels.backend import get_kernel_ops
+from kvpager.kernels.isa import isa_flags
 
 pytestmark = pytest.mark.skipif(
     not onednn_packing_supported(torch.empty(1)), reason="no oneDNN packed linear in this build"
@@ -49,6 +52,8 @@ def test_every_choice_gives_plain_outputs(monkeypatch, dtype, choice):
     forced = LinearChoice(*choice)
     monkeypatch.setattr(linear_choice, "_measure", lambda *args: forced)
     monkeypatch.setattr(linear_choice, "_cache", {})
+    # oneDNN's side alone here: the small-row kernel has its own test below
+    monkeypatch.setattr(linear, "with_small_kernel", lambda weight, packed, bias, fn, _: fn)
     calls = []
     packed_linear = linear.packed_linear
     monkeypatch.setattr(linear, "packed_linear", lambda *a: calls.append(a) or packed_linear(*a))
@@ -109,8 +114,48 @@ def test_a_tied_lm_head_packs_a_copy_and_keeps_the_embedding(monkeypatch, tiny_q
     decoder.build_matmuls(pack=True)
     assert decoder.lm_head is decoder.embed_tokens
     assert torch.equal(decoder.embed_tokens, embedding)  # the table stays plain, unreleased
-    hidden = torch.randn(5, config.hidden_size).to(dtype)
+    hidden = torch.randn(KERNEL_ROWS + 1, config.hidden_size).to(dtype)  # oneDNN's rows
     tol = TOLERANCE[dtype]
     logits = decoder.compute_logits(hidden)
     assert len(calls) == 1  # the lm_head ran on its packed copy
     torch.testing.assert_close(logits, F.linear(hidden, embedding).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("kernel_wins", [True, False])
+def test_small_rows_take_the_kernel_where_it_wins(monkeypatch, dtype, kernel_wins):
+    """Rows up to KERNEL_ROWS run the C kernel over the packed buffer where timing picks it
+    (once per shape), others oneDNN; the outputs are F.linear's either way."""
+    if small_linear.load() is None:
+        pytest.skip("no C compiler here")
+    verdicts = []
+    monkeypatch.setattr(linear_choice, "_kernel_cache", {})
+    monkeypatch.setattr(linear_choice, "_measure", lambda *a: LinearChoice(True, True))
+    monkeypatch.setattr(linear_choice, "_kernel_wins", lambda *a: verdicts.append(a) or kernel_wins)
+    calls = []
+    kernel = small_linear.small_linear
+    monkeypatch.setattr(
+        small_linear, "small_linear", lambda x, *a: calls.append(len(x)) or kernel(x, *a)
+    )
+    weight, bias = weights(320, 256, dtype, bias=True)
+    fn, unused = make_linear(weight, bias, measure=True)
+    make_linear(weight + 1, bias, measure=True)  # same shape: no second timing
+    assert unused and len(verdicts) == 1
+    assert_matches_plain(fn, weight, bias)
+    kernel_rows = [m for m in ROWS if m <= KERNEL_ROWS]
+    assert calls == (kernel_rows if kernel_wins else [])
+
+
+def test_unmeasured_small_rows_follow_the_isa(monkeypatch):
+    """Without timing the kernel runs where the host has the dtype's ISA (AVX-512 for fp32)."""
+    monkeypatch.setattr(linear_choice, "_kernel_wins", lambda *a: pytest.fail("timed"))
+    calls = []
+    kernel = small_linear.small_linear
+    monkeypatch.setattr(
+        small_linear, "small_linear", lambda x, *a: calls.append(len(x)) or kernel(x, *a)
+    )
+    weight, _ = weights(512, 256, torch.float32)
+    fn, _ = make_linear(weight, None)
+    assert_matches_plain(fn, weight, None)
+    takes_kernel = "avx512f" in isa_flags() and small_linear.load() is not None
+    assert calls == ([m for m in ROWS if m <= KERNEL_ROWS] if takes_kernel else [])

@@ -1,0 +1,111 @@
+"""Decode-sized linears on C (kernels/cpu/small_linear.c), reading the weight oneDNN packed at
+load in place: no second copy. Its twin is kernels/reference.py's `small_linear_ref`.
+
+`view_packed` checks, once per weight, that oneDNN's buffer is in the layout the C code reads
+(AB16b64a2b in bf16, AB16b64a in fp32: what oneDNN chose on AVX-512 hosts) by comparing its
+first and last 64-column blocks with the same reorder done in torch; a host, shape or version
+with another layout gets None and keeps oneDNN's matmul. The engine runs it for small row
+counts only (engine/model/linear.py); docs/design/packed-linears.md has why and the timings.
+"""
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+from kvpager.kernels.cpu_build import I64, NATIVE, PTR, load_library
+
+COLS = 64  # output columns of a packed block
+K_ALIGN = {torch.bfloat16: 32, torch.float32: 16}
+_ARGS = (PTR, I64, I64, PTR, I64, PTR, PTR, I64)
+_SIGNATURES = (("small_linear_bf16", _ARGS), ("small_linear_f32", _ARGS))
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def load(march: str = NATIVE):
+    """The compiled library for `march` (the host's; tests also load AVX2's), or None."""
+    return load_library("small_linear", _SIGNATURES, march)
+
+
+@dataclass(frozen=True)
+class PackedView:
+    """oneDNN's packed weight [out, in] (kept alive here) and its buffer's address."""
+
+    packed: torch.Tensor
+    address: int
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+
+
+def blocked_ref(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in the C code's layout, flat: bf16 [N/64][K/2][64][2], fp32 [N/64][K][64]."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.view(n // COLS, COLS, k // 2, 2).permute(0, 2, 1, 3).flatten()
+    return weight.view(n // COLS, COLS, k).permute(0, 2, 1).flatten()
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """A shape and dtype the C code takes (oneDNN pads other shapes)."""
+    n, k = weight.shape
+    align = K_ALIGN.get(weight.dtype)
+    return align is not None and n % COLS == 0 and k % align == 0 and weight.device.type == "cpu"
+
+
+def view_packed(weight: torch.Tensor, packed: torch.Tensor) -> PackedView | None:
+    """The C code's view of `packed` (oneDNN's reorder of `weight`), or None where the buffer
+    is not in the layout it reads."""
+    if not fits(weight) or not packed.is_mkldnn or not hasattr(torch.ops.mkldnn, "data_ptr"):
+        return None  # (data_ptr and _nbytes: the ops inductor's C++ wrapper reads buffers by)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes != weight.numel() * weight.element_size():
+        return None
+    address = torch.ops.mkldnn.data_ptr(packed)
+    buffer = (ctypes.c_char * nbytes).from_address(address)
+    in_place = torch.frombuffer(buffer, dtype=weight.dtype)  # no copy
+    n, k = weight.shape
+    # the first and last 64-column blocks: the layout inside a block and the blocks' order
+    # (the whole weight took 0.4-0.5 s for SmolLM2's lm_head, at every load)
+    block = COLS * k
+    if not (
+        torch.equal(in_place[:block], blocked_ref(weight[:COLS]))
+        and torch.equal(in_place[-block:], blocked_ref(weight[-COLS:]))
+    ):
+        return None
+    return PackedView(packed, address, n, k, weight.dtype)
+
+
+@functools.cache
+def available(dtype: torch.dtype) -> bool:
+    """The library builds here (the engine also asks isa.py whether it pays)."""
+    return dtype in _SUFFIX and load() is not None
+
+
+def small_linear(
+    x: torch.Tensor, weight: PackedView, bias: torch.Tensor | None, march: str = NATIVE
+) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype, accumulated in float32."""
+    library = load(march)
+    assert library is not None, "the caller checks available()"
+    assert x.dtype == weight.dtype and x.dim() == 2 and x.shape[1] == weight.in_features, (
+        f"x {tuple(x.shape)} {x.dtype} against a {weight.out_features}x{weight.in_features} "
+        f"{weight.dtype} weight"
+    )
+    assert bias is None or (bias.dtype == x.dtype and bias.shape == (weight.out_features,))
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    function = getattr(library, f"small_linear_{_SUFFIX[x.dtype]}")
+    status = function(
+        x.data_ptr(),
+        x.shape[0],
+        weight.in_features,
+        weight.address,
+        weight.out_features,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert status == 0, "small_linear: shapes the caller should have checked"
+    return out

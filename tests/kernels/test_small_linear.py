@@ -1,0 +1,74 @@
+"""The small-row linear (kernels/small_linear.py) against its twin (small_linear_ref), reading
+oneDNN's packed buffer in place: the host's build and AVX2's (x86-64-v3), bf16 and fp32, row
+counts across its 4-row register blocks, with and without bias.
+
+Tolerance: the kernel sums the same float32 products as the twin in another order (by 16- and
+64-column blocks, k ascending), so fp32 results agree to a few float32 ulps of the row's
+magnitude (|a - b| <= 1e-5 * (1 + |ref|) with K <= 1536); bf16 results are the same float32 sums
+rounded once to bf16, so they agree to one bf16 ulp (where a sum lands on a rounding boundary)."""
+
+import pytest
+import torch
+from kvpager.engine.model.linear import pack_weight
+from kvpager.kernels import small_linear
+from kvpager.kernels.reference import small_linear_ref
+
+AVX2 = "x86-64-v3"
+SHAPES = [(64, 32), (128, 64), (960, 576), (576, 1536)]
+
+
+def _packed(out_f: int, in_f: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype)
+    packed = pack_weight(weight)
+    if packed is None:
+        pytest.skip(f"no oneDNN packed path for {dtype} here")
+    view = small_linear.view_packed(weight, packed)
+    if view is None:
+        pytest.skip("oneDNN chose another packed layout on this host")
+    return weight, view, gen
+
+
+@pytest.fixture(params=["native", AVX2])
+def march(request):
+    if small_linear.load(request.param) is None:
+        pytest.skip(f"no C compiler or no {request.param} build here")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9])
+def test_kernel_matches_twin(march, dtype, shape, rows):
+    weight, view, gen = _packed(*shape, dtype)
+    x = torch.randn(rows, shape[1], generator=gen).to(dtype)
+    bias = torch.randn(shape[0], generator=gen).to(dtype) if rows % 2 else None
+    out = small_linear.small_linear(x, view, bias, march=march)
+    ref = small_linear_ref(x, weight, bias)
+    assert out.dtype == dtype and out.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-3)
+        assert ((out.float() - ref.float()).abs() <= ulp).all()
+
+
+def test_a_weight_oneDNN_laid_out_otherwise_is_refused():
+    """Shapes oneDNN pads (out not a multiple of 64) get no view, and so keep oneDNN."""
+    weight = torch.randn(72, 64)
+    packed = pack_weight(weight)
+    assert packed is None or small_linear.view_packed(weight, packed) is None
+
+
+def test_the_view_checks_the_buffer_against_the_weight():
+    """A packed buffer that is not this weight's reorder is refused (the layout check)."""
+    weight, _, _ = _packed(128, 64, torch.float32)
+    other = pack_weight(torch.randn(128, 64))
+    assert small_linear.view_packed(weight, other) is None
+
+
+def test_a_buffer_that_differs_in_its_last_block_is_refused():
+    """The check reads the first and the last block: the order of blocks counts."""
+    weight, _, _ = _packed(192, 64, torch.float32)
+    swapped = torch.cat([weight[:64], weight[128:], weight[64:128]])  # blocks 1 and 2 swapped
+    assert small_linear.view_packed(swapped, pack_weight(weight)) is None
