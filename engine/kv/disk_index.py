@@ -16,15 +16,18 @@ the request computes from there (a file failing its MAC too, also counted apart)
 tries the disk once per admission.
 
 Reads start early: the first `prefetch_depth` queued requests have theirs issued as soon as the
-scheduler sees them queued (`prefetch`), into at most half the CPU pool, without leaving the
-queue. The reads overlap the steps before their turn; at its turn a request finds the blocks
-read as CPU hits and waits, as above, only for those still being read. A request finished or
-aborted meanwhile leaves its reads to finish into the CPU pool's cache, as any read.
+scheduler sees them queued (`prefetch`), without leaving the queue. The reads overlap the
+steps before their turn; at its turn a request finds the blocks read as CPU hits and waits, as
+above, only for those still being read. What a request will hit in the CPU pool (its CPU hits
+and the blocks read for it) is held there until it is admitted (engine/kv/disk_holds.py):
+early reads hold at most half the pool in all. A request finished or aborted meanwhile leaves
+its reads to finish into the CPU pool's cache, as any read, unheld.
 """
 
 from collections import OrderedDict
 
 from kvpager.engine.kv.cpu_pool import CpuBlockPool
+from kvpager.engine.kv.disk_holds import ReadHolds
 from kvpager.engine.request import Request
 from kvpager.schemas.executor import DiskBlock
 from kvpager.schemas.scheduler import StepOutput
@@ -48,6 +51,7 @@ class DiskTier:
         self.prefetched: set[str] = set()  # queued requests whose reads started early
         self.prefetch_depth = PREFETCH_DEPTH
         self.num_prefetched_blocks = 0
+        self.holds = ReadHolds(cpu)
         self.stores: list[DiskBlock] = []
         self.loads: list[DiskBlock] = []
         self.kv_events: list[KvEvent] | None = None
@@ -61,7 +65,7 @@ class DiskTier:
         """Waiting on the executor: for its listing, or for reads."""
         return not self.listed or bool(self.waiting)
 
-    def start_load(self, request: Request, num_hits: int, num_cpu_hits: int) -> bool:
+    def start_load(self, request: Request, num_hits: int) -> bool:
         """Read the blocks after the request's `num_hits` cached ones that are on disk into
         the CPU pool; True if the request now waits for them (it left the waiting queue)."""
         if not self.enabled or request.seq_id in self.tried:
@@ -69,19 +73,20 @@ class DiskTier:
         run = self._disk_run(request, num_hits)
         if len(run) < MIN_DISK_LOAD_BLOCKS:
             return False
-        self._keep_cpu_hits(request, num_hits)
-        room = self.cpu.num_available - num_cpu_hits  # so the reads never evict them
+        self._hold_cpu_hits(request, num_hits, self.cpu.num_blocks)  # the reads never evict them
+        room = self.cpu.num_available
         awaited = set()
         for block_idx, block_hash in run:
-            if block_hash not in self.loading:
+            reserved = block_hash not in self.loading
+            if reserved:
                 if room <= 0:
                     break
                 room -= 1
                 self._reserve(request, block_idx, block_hash)
+            self.holds.note_read(request, block_hash, False, reserved)
             awaited.add(block_hash)
         if not awaited:
             return False
-        request.num_disk_hit_blocks = len(awaited)  # read into the CPU pool: its disk hits
         self.tried.add(request.seq_id)
         self.waiting[request.seq_id] = (request, awaited)
         return True
@@ -92,36 +97,43 @@ class DiskTier:
             request.seq_id in self.prefetched or request.seq_id in self.tried
         )
 
-    def prefetch(self, request: Request, num_hits: int, num_cpu_hits: int) -> int:
+    def prefetch(self, request: Request, num_hits: int) -> int:
         """Start reading a queued request's disk run (after its `num_hits` cached blocks) into
-        the CPU pool ahead of its turn; it stays queued. Returns the blocks newly reserved."""
+        the CPU pool ahead of its turn; it stays queued, holding its CPU hits and the blocks
+        read within half the pool for all early reads. Returns the blocks newly reserved."""
         if not self.wants_prefetch(request):
             return 0
         self.prefetched.add(request.seq_id)
         run = self._disk_run(request, num_hits)
         if len(run) < MIN_DISK_LOAD_BLOCKS:
             return 0
-        self._keep_cpu_hits(request, num_hits)
-        room = min(
-            self.cpu.num_available - num_cpu_hits,  # its CPU hits are never evicted for it
-            self.cpu.num_blocks // 2 - len(self.loading),  # the rest of the pool serves others
-        )
+        kept = self.cpu.held.keys() | self.loading.keys()
+        room = self.cpu.num_blocks // 2 - len(kept)  # the rest of the pool serves others
+        room -= self._hold_cpu_hits(request, num_hits, room)
         num_reserved = 0
         for block_idx, block_hash in run:
-            if block_hash in self.loading:
-                continue
-            if num_reserved >= room:
+            if room <= 0:
                 break
-            self._reserve(request, block_idx, block_hash)
-            num_reserved += 1
+            reserved = block_hash not in self.loading
+            if reserved:
+                if self.cpu.num_available <= 0:
+                    break
+                self._reserve(request, block_idx, block_hash)
+                num_reserved += 1
+            room -= self.holds.note_read(request, block_hash, True, reserved)
         self.num_prefetched_blocks += num_reserved
         return num_reserved
 
-    def _keep_cpu_hits(self, request: Request, num_hits: int) -> None:
-        """The request's CPU hits go last in the pool's LRU order."""
+    def _hold_cpu_hits(self, request: Request, num_hits: int, room: int) -> int:
+        """Hold the request's hits in the CPU pool, the first `room` not held yet; returns how
+        many were newly held."""
+        num_held = 0
         for block_hash in request.block_hashes[:num_hits]:
+            if num_held >= room:
+                break
             if block_hash in self.cpu.cached:
-                self.cpu.cached.move_to_end(block_hash)
+                num_held += self.holds.hold(request, block_hash)
+        return num_held
 
     def _disk_run(self, request: Request, num_hits: int) -> list[tuple[int, bytes]]:
         """(block index, hash) of the blocks after the hits that are on disk or being read."""
@@ -144,7 +156,9 @@ class DiskTier:
         self.loads.append(DiskBlock(block_hash, cpu_block, list(tokens)))
         self.on_disk.move_to_end(block_hash)
 
-    def admitted(self, request: Request) -> None:
+    def admitted(self, request: Request, num_hits: int) -> None:
+        """The request took its first `num_hits` blocks as hits (engine/kv/disk_holds.py)."""
+        self.holds.admitted(request, num_hits)
         self.tried.discard(request.seq_id)
         self.prefetched.discard(request.seq_id)
 
@@ -152,6 +166,7 @@ class DiskTier:
         """The request finished or was aborted: it waits no more (its reads go on, into the
         CPU pool's cache)."""
         self.waiting.pop(request.seq_id, None)
+        self.holds.left(request)
         self.tried.discard(request.seq_id)
         self.prefetched.discard(request.seq_id)
 
@@ -220,5 +235,6 @@ class DiskTier:
     def check_invariants(self) -> None:
         reserved = {cpu_block for cpu_block, _ in self.loading.values()}
         assert reserved == self.cpu.loading, "CPU blocks being read disagree with the reads"
+        self.holds.check_invariants()
         for seq_id, (_, awaited) in self.waiting.items():
             assert awaited and awaited <= set(self.loading), f"{seq_id}: awaits no read"
