@@ -252,8 +252,8 @@ class Stats(msgspec.Struct, kw_only=True):
     num_disk_prefetch_dropped_blocks: Annotated[
         int,
         Meta(
-            description="blocks read while their request was queued that did not become its"
-            " hits (a failed read before them, or the request left)"
+            description="disk reads (early or at the turn) that did not become their request's"
+            " hits: a failed read before them, the request left, or evicted and read again"
         ),
     ] = 0
     num_disk_rejected_files: Annotated[

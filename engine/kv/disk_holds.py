@@ -8,10 +8,10 @@ hits and the blocks read for it) until it is admitted (they are swapped in then)
 eviction skips held blocks (engine/kv/cpu_pool.py). Early reads (`prefetch`) hold at most half
 the pool in all, so the other half still serves swap-outs and the queue head's own reads.
 
-Per request it also remembers which blocks were read for it, and whether early: at admission,
-the reads that became hits are its disk hits (`num_disk_hit_blocks`), and early reads that did
-not (a failed read before them in its prefix, the request aborted, or evicted and read
-again) are counted as dropped.
+Per request it also remembers which blocks were read for it (early or at its turn): at
+admission, the reads that became hits are its disk hits (`num_disk_hit_blocks`); reads that did
+not (a failed read before them in its prefix, the request aborted, or evicted and read again)
+are counted as dropped, the disk work wasted.
 """
 
 from kvpager.engine.kv.cpu_pool import CpuBlockPool
@@ -22,8 +22,8 @@ class ReadHolds:
     def __init__(self, cpu: CpuBlockPool) -> None:
         self.cpu = cpu
         self.holds: dict[str, set[bytes]] = {}  # seq id -> hashes held for it
-        self.reads: dict[str, dict[bytes, bool]] = {}  # seq id -> hash read for it -> early
-        self.num_dropped_early_reads = 0  # read while queued, never its hit
+        self.reads: dict[str, set[bytes]] = {}  # seq id -> hashes read for it
+        self.num_dropped_reads = 0  # read for a request, never its hit
 
     @property
     def num_held(self) -> int:
@@ -40,30 +40,27 @@ class ReadHolds:
         self.cpu.hold(block_hash)
         return fresh
 
-    def note_read(self, request: Request, block_hash: bytes, early: bool, reserved: bool) -> bool:
+    def note_read(self, request: Request, block_hash: bytes, reserved: bool) -> bool:
         """A block the request waits on or will hit from disk (`reserved` for it now, or being
         read for another); True if its hold is new."""
-        reads = self.reads.setdefault(request.seq_id, {})
-        if reserved and reads.get(block_hash):
-            self.num_dropped_early_reads += 1  # read early, gone before its turn: read again
-        reads[block_hash] = reads.get(block_hash, False) or early
+        reads = self.reads.setdefault(request.seq_id, set())
+        if reserved and block_hash in reads:
+            self.num_dropped_reads += 1  # read before, gone before its turn: read again
+        reads.add(block_hash)
         return self.hold(request, block_hash)
 
     def admitted(self, request: Request, num_hits: int) -> None:
         """The request took its hits (its first `num_hits` blocks): its disk hits are the
         reads among them; its holds end."""
         hits = set(request.block_hashes[:num_hits])
-        reads = self.reads.pop(request.seq_id, {})
-        request.num_disk_hit_blocks = sum(block_hash in hits for block_hash in reads)
-        self.num_dropped_early_reads += sum(
-            early and block_hash not in hits for block_hash, early in reads.items()
-        )
+        reads = self.reads.pop(request.seq_id, set())
+        request.num_disk_hit_blocks = len(reads & hits)
+        self.num_dropped_reads += len(reads - hits)
         self.release(request)
 
     def left(self, request: Request) -> None:
-        """The request finished or was aborted while queued: its early reads were for nothing."""
-        reads = self.reads.pop(request.seq_id, {})
-        self.num_dropped_early_reads += sum(reads.values())
+        """The request finished or was aborted while queued: its reads were for nothing."""
+        self.num_dropped_reads += len(self.reads.pop(request.seq_id, ()))
         self.release(request)
 
     def release(self, request: Request) -> None:

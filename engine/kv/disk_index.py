@@ -83,7 +83,7 @@ class DiskTier:
                     break
                 room -= 1
                 self._reserve(request, block_idx, block_hash)
-            self.holds.note_read(request, block_hash, False, reserved)
+            self.holds.note_read(request, block_hash, reserved)
             awaited.add(block_hash)
         if not awaited:
             return False
@@ -120,7 +120,7 @@ class DiskTier:
                     break
                 self._reserve(request, block_idx, block_hash)
                 num_reserved += 1
-            room -= self.holds.note_read(request, block_hash, True, reserved)
+            room -= self.holds.note_read(request, block_hash, reserved)
         self.num_prefetched_blocks += num_reserved
         return num_reserved
 

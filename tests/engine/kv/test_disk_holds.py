@@ -45,7 +45,7 @@ def test_a_block_read_early_survives_pool_pressure_until_its_request_is_admitted
     assert hits == [CachedBlock(0, on_cpu=True), CachedBlock(1, on_cpu=True)]
     manager.disk.admitted(request, len(hits))
     assert request.num_disk_hit_blocks == 2 and not manager.cpu.held
-    assert manager.disk.holds.num_dropped_early_reads == 0
+    assert manager.disk.holds.num_dropped_reads == 0
     manager.check_invariants()
 
 
@@ -64,7 +64,7 @@ def test_early_reads_hold_at_most_half_the_pool_and_a_request_leaving_counts_the
     manager.disk.apply(StepOutput(step_id=2, disk_loaded=prompt_block_hashes(prompts[0], 4)))
     assert len(manager.cpu.held) == 2
     manager.disk.forget(first)  # aborted while queued: its two reads were for nothing
-    assert manager.disk.holds.num_dropped_early_reads == 2 and not manager.cpu.held
+    assert manager.disk.holds.num_dropped_reads == 2 and not manager.cpu.held
     assert manager.disk.prefetch(third, 0) == 2  # room again (evicting no held block)
     manager.check_invariants()
 
