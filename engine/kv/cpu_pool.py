@@ -8,7 +8,7 @@ With a disk tier, a block may also be reserved for a read from disk (`loading`),
 block evicted here is handed to `on_evict` (engine/kv/disk_index.py); one cached in this very
 step comes with the device block it is swapped out of, as its content reaches the pool only
 with this step's swap-outs, after the disk's snapshot is taken. A cached block may be held for
-a queued request (`held`, by hash, counted per request: engine/kv/disk_holds.py): eviction
+a queued request (`held`, by hash, counted per request: engine/kv/disk_index.py): eviction
 skips it, so a block read from disk for a request stays until that request is admitted; a
 device block finding no room goes straight on to disk.
 """

@@ -1,5 +1,5 @@
 """Blocks read from disk for a queued request stay in the CPU pool until its turn
-(engine/kv/disk_holds.py): by hand-made step outputs, then end to end on a tiny model with a
+(engine/kv/disk_index.py): by hand-made step outputs, then end to end on a tiny model with a
 small CPU pool, where every block read early for the returning requests is their hit."""
 
 from kvpager.engine.kv.block_hash import prompt_block_hashes
