@@ -249,6 +249,13 @@ class Stats(msgspec.Struct, kw_only=True):
     num_disk_prefetched_blocks: Annotated[
         int, Meta(description="disk reads issued while their request was still queued")
     ] = 0
+    num_disk_prefetch_dropped_blocks: Annotated[
+        int,
+        Meta(
+            description="disk reads (early or at the turn) that did not become their request's"
+            " hits: a failed read before them, the request left, or evicted and read again"
+        ),
+    ] = 0
     num_disk_rejected_files: Annotated[
         int, Meta(description="disk-tier files that failed their MAC (forged or altered): deleted")
     ] = 0

@@ -92,6 +92,7 @@ class Turn:
     ttft_s: float
     num_output_tokens: int
     num_cached_tokens: int
+    num_disk_tokens: int = 0  # of those, read from the disk tier
 
 
 def serve(args: argparse.Namespace, model: str, port: int, disk_dir: str | None):
@@ -133,7 +134,13 @@ async def one_turn(backend, conv: Conversation, args, turn_idx: int) -> Turn:
     answer = await backend.complete(list(conv.token_ids), args.output_tokens)
     conv.token_ids += answer.token_ids
     conv.outputs.append(answer.token_ids)
-    return Turn(turn_idx, answer.ttft_s, len(answer.token_ids), answer.num_cached_tokens)
+    return Turn(
+        turn_idx,
+        answer.ttft_s,
+        len(answer.token_ids),
+        answer.num_cached_tokens,
+        answer.num_disk_tokens,
+    )
 
 
 async def drive(backend, args: argparse.Namespace, convs: list[Conversation]) -> tuple:
@@ -189,13 +196,20 @@ def summarize(turns: list[Turn], wall_s: float, stats) -> dict:
         "cached_tokens": sum(t.num_cached_tokens for t in turns),
         "ttft_first_p50_s": statistics.median(first) if first else 0.0,
         "ttft_later_p50_s": statistics.median(later) if later else 0.0,
-        "disk": "-"
-        if stats is None
-        else (
-            f"stored {stats.num_disk_stored_blocks}, loaded {stats.num_disk_loaded_blocks}, "
-            f"failed {stats.num_disk_failed_loads} blocks"
-        ),
+        "disk": "-" if stats is None else disk_summary(turns, stats),
     }
+
+
+def disk_summary(turns: list[Turn], stats) -> str:
+    """The disk tier's blocks: written, read (early ones, and early ones that were no hit),
+    read and hit by their request, failed."""
+    num_hit = sum(t.num_disk_tokens for t in turns) // stats.block_size
+    return (
+        f"stored {stats.num_disk_stored_blocks}, loaded {stats.num_disk_loaded_blocks} "
+        f"(prefetched {stats.num_disk_prefetched_blocks}, dropped "
+        f"{stats.num_disk_prefetch_dropped_blocks}), hit {num_hit}, "
+        f"failed {stats.num_disk_failed_loads} blocks"
+    )
 
 
 def model_vocab(model: str) -> int:

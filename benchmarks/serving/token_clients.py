@@ -16,6 +16,7 @@ class Completion:
     ttft_s: float
     token_ids: list[int]
     num_cached_tokens: int  # prompt tokens served from the cache, any tier
+    num_disk_tokens: int = 0  # of those, read from kvpager's disk tier for this request
 
 
 class KvpagerTokens:
@@ -23,7 +24,7 @@ class KvpagerTokens:
         self.client = client
 
     async def complete(self, prompt_token_ids: list[int], max_tokens: int) -> Completion:
-        sent, ttft, tokens, cached = time.perf_counter(), None, [], 0
+        sent, ttft, tokens, cached, disk = time.perf_counter(), None, [], 0, 0
         async for event in self.client.generate(
             prompt_token_ids=prompt_token_ids,
             temperature=0.0,
@@ -36,7 +37,8 @@ class KvpagerTokens:
             tokens += event.token_ids
             if event.is_final:
                 cached = event.usage.num_cached_prompt_tokens
-        return Completion(ttft or 0.0, tokens, cached)
+                disk = event.usage.cached_tokens_by_tier.get("disk", 0)
+        return Completion(ttft or 0.0, tokens, cached, disk)
 
 
 class VllmTokens:

@@ -7,7 +7,10 @@ swap-ins, so a block read by a swap-in must not be rewritten by a swap-out of th
 With a disk tier, a block may also be reserved for a read from disk (`loading`), and a cached
 block evicted here is handed to `on_evict` (engine/kv/disk_index.py); one cached in this very
 step comes with the device block it is swapped out of, as its content reaches the pool only
-with this step's swap-outs, after the disk's snapshot is taken.
+with this step's swap-outs, after the disk's snapshot is taken. A cached block may be held for
+a queued request (`held`, by hash, counted per request: engine/kv/disk_index.py): eviction
+skips it, so a block read from disk for a request stays until that request is admitted; a
+device block finding no room goes straight on to disk.
 """
 
 from collections import OrderedDict
@@ -23,6 +26,7 @@ class CpuBlockPool:
         self.released: list[int] = []
         self.loading: set[int] = set()  # being filled from disk
         self.filled: dict[int, int] = {}  # cached in this step: CPU block -> device source
+        self.held: dict[bytes, int] = {}  # hash -> queued requests holding it (never evicted)
         # (hash, block id, token ids, whether the id is the device source)
         self.on_evict: Callable[[bytes, int, tuple[int, ...], bool], None] | None = None
 
@@ -33,7 +37,21 @@ class CpuBlockPool:
     @property
     def num_available(self) -> int:
         """Blocks an allocation can take now: free ones plus evictable cached ones."""
-        return len(self.free) + len(self.cached)
+        return len(self.free) + len(self.cached) - self.num_held_cached
+
+    @property
+    def num_held_cached(self) -> int:
+        """Cached blocks eviction skips: held for queued requests."""
+        return sum(block_hash in self.cached for block_hash in self.held)
+
+    def hold(self, block_hash: bytes) -> None:
+        """Keep the block (cached now, or once its read lands) until `unhold`."""
+        self.held[block_hash] = self.held.get(block_hash, 0) + 1
+
+    def unhold(self, block_hash: bytes) -> None:
+        count = self.held.pop(block_hash) - 1
+        if count:
+            self.held[block_hash] = count
 
     def allocate(self) -> int | None:
         """A block for a swapped-out request; evicts the oldest cached block if none is free."""
@@ -51,6 +69,8 @@ class CpuBlockPool:
         if block_id is not None:
             self.cached[block_hash] = (block_id, token_ids)
             self.filled[block_id] = device_block
+        elif self.on_evict is not None:  # no room (held blocks): on to disk from the device
+            self.on_evict(block_hash, device_block, token_ids, True)
         return block_id
 
     def reserve(self) -> int | None:
@@ -94,8 +114,9 @@ class CpuBlockPool:
     def _take(self) -> int | None:
         if self.free:
             return self.free.pop()
-        if self.cached:
-            block_hash, (block_id, token_ids) = self.cached.popitem(last=False)
+        victim = next((h for h in self.cached if h not in self.held), None)
+        if victim is not None:
+            block_hash, (block_id, token_ids) = victim, self.cached.pop(victim)
             if self.on_evict is not None:
                 source = self.filled.get(block_id)
                 on_device = source is not None

@@ -16,10 +16,12 @@ the request computes from there (a file failing its MAC too, also counted apart)
 tries the disk once per admission.
 
 Reads start early: the first `prefetch_depth` queued requests have theirs issued as soon as the
-scheduler sees them queued (`prefetch`), into at most half the CPU pool, without leaving the
-queue. The reads overlap the steps before their turn; at its turn a request finds the blocks
-read as CPU hits and waits, as above, only for those still being read. A request finished or
-aborted meanwhile leaves its reads to finish into the CPU pool's cache, as any read.
+scheduler sees them queued (`prefetch`), without leaving the queue. The reads overlap the
+steps before their turn; at its turn a request finds the blocks read as CPU hits and waits, as
+above, only for those still being read. What a request will hit in the CPU pool (its CPU hits
+and the blocks read for it) is held there until it is admitted (`ReadHolds`, below):
+early reads hold at most half the pool in all. A request finished or aborted meanwhile leaves
+its reads to finish into the CPU pool's cache, as any read, unheld.
 """
 
 from collections import OrderedDict
@@ -35,6 +37,79 @@ MIN_DISK_LOAD_BLOCKS = 2
 PREFETCH_DEPTH = 8  # queued requests whose reads start before their turn (0: at their turn)
 
 
+class ReadHolds:
+    """The CPU-pool blocks kept for queued requests that the disk tier read for.
+
+    A block read from disk lands in the CPU pool as a cached block, the pool's least recently used
+    kind: without a hold, the swap-outs and the other reads of the steps before the request's turn
+    evicted it again (in a smoke run 222 blocks were read and only 132 became hits; the rest were
+    read, dropped and computed anyway). So the request holds what it will hit in the pool (its CPU
+    hits and the blocks read for it) until it is admitted (they are swapped in then) or leaves;
+    eviction skips held blocks (engine/kv/cpu_pool.py). Early reads (`prefetch`) hold at most half
+    the pool in all, so the other half still serves swap-outs and the queue head's own reads.
+
+    Per request it also remembers which blocks were read for it (early or at its turn): at
+    admission, the reads that became hits are its disk hits (`num_disk_hit_blocks`); reads that did
+    not (a failed read before them in its prefix, the request aborted, or evicted and read again)
+    are counted as dropped, the disk work wasted.
+    """
+
+    def __init__(self, cpu: CpuBlockPool) -> None:
+        self.cpu = cpu
+        self.holds: dict[str, set[bytes]] = {}  # seq id -> hashes held for it
+        self.reads: dict[str, set[bytes]] = {}  # seq id -> hashes read for it
+        self.num_dropped_reads = 0  # read for a request, never its hit
+
+    @property
+    def num_held(self) -> int:
+        """Distinct blocks held: cached, or still being read."""
+        return len(self.cpu.held)
+
+    def hold(self, request: Request, block_hash: bytes) -> bool:
+        """Hold the block for the request; True if it was not held by anyone before."""
+        held = self.holds.setdefault(request.seq_id, set())
+        if block_hash in held:
+            return False
+        held.add(block_hash)
+        fresh = block_hash not in self.cpu.held
+        self.cpu.hold(block_hash)
+        return fresh
+
+    def note_read(self, request: Request, block_hash: bytes, reserved: bool) -> bool:
+        """A block the request waits on or will hit from disk (`reserved` for it now, or being
+        read for another); True if its hold is new."""
+        reads = self.reads.setdefault(request.seq_id, set())
+        if reserved and block_hash in reads:
+            self.num_dropped_reads += 1  # read before, gone before its turn: read again
+        reads.add(block_hash)
+        return self.hold(request, block_hash)
+
+    def admitted(self, request: Request, num_hits: int) -> None:
+        """The request took its hits (its first `num_hits` blocks): its disk hits are the
+        reads among them; its holds end."""
+        hits = set(request.block_hashes[:num_hits])
+        reads = self.reads.pop(request.seq_id, set())
+        request.num_disk_hit_blocks = len(reads & hits)
+        self.num_dropped_reads += len(reads - hits)
+        self.release(request)
+
+    def left(self, request: Request) -> None:
+        """The request finished or was aborted while queued: its reads were for nothing."""
+        self.num_dropped_reads += len(self.reads.pop(request.seq_id, ()))
+        self.release(request)
+
+    def release(self, request: Request) -> None:
+        for block_hash in self.holds.pop(request.seq_id, ()):
+            self.cpu.unhold(block_hash)
+
+    def check_invariants(self) -> None:
+        counts: dict[bytes, int] = {}
+        for held in self.holds.values():
+            for block_hash in held:
+                counts[block_hash] = counts.get(block_hash, 0) + 1
+        assert counts == self.cpu.held, "CPU-pool holds disagree with the requests holding"
+
+
 class DiskTier:
     def __init__(self, cpu: CpuBlockPool, block_size: int, enabled: bool) -> None:
         self.cpu = cpu
@@ -48,6 +123,7 @@ class DiskTier:
         self.prefetched: set[str] = set()  # queued requests whose reads started early
         self.prefetch_depth = PREFETCH_DEPTH
         self.num_prefetched_blocks = 0
+        self.holds = ReadHolds(cpu)
         self.stores: list[DiskBlock] = []
         self.loads: list[DiskBlock] = []
         self.kv_events: list[KvEvent] | None = None
@@ -61,7 +137,7 @@ class DiskTier:
         """Waiting on the executor: for its listing, or for reads."""
         return not self.listed or bool(self.waiting)
 
-    def start_load(self, request: Request, num_hits: int, num_cpu_hits: int) -> bool:
+    def start_load(self, request: Request, num_hits: int) -> bool:
         """Read the blocks after the request's `num_hits` cached ones that are on disk into
         the CPU pool; True if the request now waits for them (it left the waiting queue)."""
         if not self.enabled or request.seq_id in self.tried:
@@ -69,19 +145,20 @@ class DiskTier:
         run = self._disk_run(request, num_hits)
         if len(run) < MIN_DISK_LOAD_BLOCKS:
             return False
-        self._keep_cpu_hits(request, num_hits)
-        room = self.cpu.num_available - num_cpu_hits  # so the reads never evict them
+        self._hold_cpu_hits(request, num_hits, self.cpu.num_blocks)  # the reads never evict them
+        room = self.cpu.num_available
         awaited = set()
         for block_idx, block_hash in run:
-            if block_hash not in self.loading:
+            reserved = block_hash not in self.loading
+            if reserved:
                 if room <= 0:
                     break
                 room -= 1
                 self._reserve(request, block_idx, block_hash)
+            self.holds.note_read(request, block_hash, reserved)
             awaited.add(block_hash)
         if not awaited:
             return False
-        request.num_disk_hit_blocks = len(awaited)  # read into the CPU pool: its disk hits
         self.tried.add(request.seq_id)
         self.waiting[request.seq_id] = (request, awaited)
         return True
@@ -92,36 +169,43 @@ class DiskTier:
             request.seq_id in self.prefetched or request.seq_id in self.tried
         )
 
-    def prefetch(self, request: Request, num_hits: int, num_cpu_hits: int) -> int:
+    def prefetch(self, request: Request, num_hits: int) -> int:
         """Start reading a queued request's disk run (after its `num_hits` cached blocks) into
-        the CPU pool ahead of its turn; it stays queued. Returns the blocks newly reserved."""
+        the CPU pool ahead of its turn; it stays queued, holding its CPU hits and the blocks
+        read within half the pool for all early reads. Returns the blocks newly reserved."""
         if not self.wants_prefetch(request):
             return 0
         self.prefetched.add(request.seq_id)
         run = self._disk_run(request, num_hits)
         if len(run) < MIN_DISK_LOAD_BLOCKS:
             return 0
-        self._keep_cpu_hits(request, num_hits)
-        room = min(
-            self.cpu.num_available - num_cpu_hits,  # its CPU hits are never evicted for it
-            self.cpu.num_blocks // 2 - len(self.loading),  # the rest of the pool serves others
-        )
+        kept = self.cpu.held.keys() | self.loading.keys()
+        room = self.cpu.num_blocks // 2 - len(kept)  # the rest of the pool serves others
+        room -= self._hold_cpu_hits(request, num_hits, room)
         num_reserved = 0
         for block_idx, block_hash in run:
-            if block_hash in self.loading:
-                continue
-            if num_reserved >= room:
+            if room <= 0:
                 break
-            self._reserve(request, block_idx, block_hash)
-            num_reserved += 1
+            reserved = block_hash not in self.loading
+            if reserved:
+                if self.cpu.num_available <= 0:
+                    break
+                self._reserve(request, block_idx, block_hash)
+                num_reserved += 1
+            room -= self.holds.note_read(request, block_hash, reserved)
         self.num_prefetched_blocks += num_reserved
         return num_reserved
 
-    def _keep_cpu_hits(self, request: Request, num_hits: int) -> None:
-        """The request's CPU hits go last in the pool's LRU order."""
+    def _hold_cpu_hits(self, request: Request, num_hits: int, room: int) -> int:
+        """Hold the request's hits in the CPU pool, the first `room` not held yet; returns how
+        many were newly held."""
+        num_held = 0
         for block_hash in request.block_hashes[:num_hits]:
+            if num_held >= room:
+                break
             if block_hash in self.cpu.cached:
-                self.cpu.cached.move_to_end(block_hash)
+                num_held += self.holds.hold(request, block_hash)
+        return num_held
 
     def _disk_run(self, request: Request, num_hits: int) -> list[tuple[int, bytes]]:
         """(block index, hash) of the blocks after the hits that are on disk or being read."""
@@ -144,7 +228,9 @@ class DiskTier:
         self.loads.append(DiskBlock(block_hash, cpu_block, list(tokens)))
         self.on_disk.move_to_end(block_hash)
 
-    def admitted(self, request: Request) -> None:
+    def admitted(self, request: Request, num_hits: int) -> None:
+        """The request took its first `num_hits` blocks as hits (`ReadHolds`)."""
+        self.holds.admitted(request, num_hits)
         self.tried.discard(request.seq_id)
         self.prefetched.discard(request.seq_id)
 
@@ -152,6 +238,7 @@ class DiskTier:
         """The request finished or was aborted: it waits no more (its reads go on, into the
         CPU pool's cache)."""
         self.waiting.pop(request.seq_id, None)
+        self.holds.left(request)
         self.tried.discard(request.seq_id)
         self.prefetched.discard(request.seq_id)
 
@@ -220,5 +307,6 @@ class DiskTier:
     def check_invariants(self) -> None:
         reserved = {cpu_block for cpu_block, _ in self.loading.values()}
         assert reserved == self.cpu.loading, "CPU blocks being read disagree with the reads"
+        self.holds.check_invariants()
         for seq_id, (_, awaited) in self.waiting.items():
             assert awaited and awaited <= set(self.loading), f"{seq_id}: awaits no read"

@@ -91,11 +91,11 @@ class Admission:
             if (
                 request.status is RequestStatus.SWAPPED
                 or request.sampling_params.prompt_logprobs is not None
+                or request.kv_import is not None  # its blocks come from another instance
                 or not disk.wants_prefetch(request)
             ):
                 continue
-            hits = self._prefix_hits(request)
-            disk.prefetch(request, len(hits), sum(hit.on_cpu for hit in hits))
+            disk.prefetch(request, len(self._prefix_hits(request)))
 
     def _resume_or_admit(self, request: Request, plan: StepPlan) -> bool:
         if request.num_output_placeholders:
@@ -120,7 +120,7 @@ class Admission:
         disk = self.block_manager.disk
         if not disk.enabled or request.sampling_params.prompt_logprobs is not None:
             return False
-        return disk.start_load(request, len(hits), sum(hit.on_cpu for hit in hits))
+        return disk.start_load(request, len(hits))
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         hits = self._prefix_hits(request)
@@ -138,7 +138,7 @@ class Admission:
         if self.block_manager.allocate_slots(request, num_new, hits) is None:
             return False
         self.waiting.remove(request)
-        self.block_manager.disk.admitted(request)
+        self.block_manager.disk.admitted(request, num_hit_tokens // self.cache_config.block_size)
         self._note_prefix_hits(request, num_hit_tokens, hits)
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING

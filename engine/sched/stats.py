@@ -48,6 +48,7 @@ def _block_fields(core: Scheduler) -> dict:
         num_disk_loaded_blocks=manager.disk.num_loaded_blocks,
         num_disk_failed_loads=manager.disk.num_failed_loads,
         num_disk_prefetched_blocks=manager.disk.num_prefetched_blocks,
+        num_disk_prefetch_dropped_blocks=manager.disk.holds.num_dropped_reads,
         num_disk_rejected_files=manager.disk.num_rejected_files,
         num_blocks=manager.num_blocks,
         block_size=manager.block_size,

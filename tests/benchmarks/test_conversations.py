@@ -29,14 +29,17 @@ def test_conversations_are_seeded_and_sized():
 
 
 def test_summary_splits_first_and_later_turns():
-    turns = [Turn(0, 0.5, 4, 0), Turn(0, 0.7, 4, 0), Turn(1, 0.1, 4, 32), Turn(1, 0.3, 4, 16)]
+    turns = [Turn(0, 0.5, 4, 0), Turn(0, 0.7, 4, 0), Turn(1, 0.1, 4, 32, 32), Turn(1, 0.3, 4, 16)]
     stats = SimpleNamespace(
-        num_disk_stored_blocks=5, num_disk_loaded_blocks=3, num_disk_failed_loads=0
-    )
+        num_disk_stored_blocks=5, num_disk_loaded_blocks=3, num_disk_failed_loads=0,
+        num_disk_prefetched_blocks=2, num_disk_prefetch_dropped_blocks=1, block_size=16,
+    )  # fmt: skip
     summary = summarize(turns, 2.0, stats)
     assert summary["ttft_first"] == "600 / 700 ms" and summary["ttft_later"] == "200 / 300 ms"
     assert summary["tokens_per_s"] == 8.0 and summary["cached_tokens"] == 48
-    assert summary["disk"] == "stored 5, loaded 3, failed 0 blocks"
+    assert summary["disk"] == (
+        "stored 5, loaded 3 (prefetched 2, dropped 1), hit 2, failed 0 blocks"
+    )
 
 
 def test_vllm_gets_the_device_budget_or_the_device_and_cpu_budgets():

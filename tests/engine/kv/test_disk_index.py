@@ -57,7 +57,7 @@ def test_a_read_waits_then_serves_cpu_hits_and_a_failed_read_is_a_miss():
     assert manager.disk.listed
     request = make_request("a", tokens)
     assert manager.find_cached_prefix(request) == []
-    assert manager.disk.start_load(request, 0, 0)  # 3 blocks on disk, room in CPU for 2
+    assert manager.disk.start_load(request, 0)  # 3 blocks on disk, room in CPU for 2
     ops = manager.take_ops()
     assert ops.from_disk == [
         DiskBlock(hashes[0], 0, tokens[:4]),
@@ -70,12 +70,12 @@ def test_a_read_waits_then_serves_cpu_hits_and_a_failed_read_is_a_miss():
     )
     assert ready == [request]
     assert manager.find_cached_prefix(request) == [CachedBlock(0, on_cpu=True)]
-    assert not manager.disk.start_load(request, 1, 1)  # one read an admission
+    assert not manager.disk.start_load(request, 1)  # one read an admission
     assert hashes[1] not in manager.disk.on_disk and manager.cpu.released == [1]
     events = manager.take_kv_events()
     assert events[:3] == [BlockStored(h, None, tier="disk") for h in hashes]
     assert events[3:] == [BlockRemoved(hashes[1], tier="disk")]
-    manager.disk.admitted(request)
+    manager.disk.admitted(request, 1)
     manager.check_invariants()
     manager.take_ops()
     assert sorted(manager.cpu.free) == [1]
@@ -94,7 +94,7 @@ def test_reads_never_evict_the_requests_own_cpu_hits():
     request = make_request("a", tokens)
     hits = manager.find_cached_prefix(request)
     assert hits == [CachedBlock(0, on_cpu=True)]
-    assert manager.disk.start_load(request, 1, 1)
+    assert manager.disk.start_load(request, 1)
     ops = manager.take_ops()
     # the two reads took the other entries' blocks (which went to disk), not block 0
     assert ops.from_disk == [

@@ -33,18 +33,18 @@ def test_a_queued_request_reads_into_half_the_pool_and_its_turn_waits_for_the_re
     manager = on_disk_manager(tokens)
     request = make_request("a", tokens)
     assert manager.find_cached_prefix(request) == []  # as admission asks first (its hashes)
-    assert manager.disk.prefetch(request, 0, 0) == 2  # half of the 4 CPU blocks
-    assert manager.disk.prefetch(request, 0, 0) == 0  # once while queued
+    assert manager.disk.prefetch(request, 0) == 2  # half of the 4 CPU blocks
+    assert manager.disk.prefetch(request, 0) == 0  # once while queued
     assert not manager.disk.waiting  # it stays queued
     assert [b.block_hash for b in manager.take_ops().from_disk] == hashes[:2]
     manager.check_invariants()
     # its turn: the blocks being read are awaited, the third one is read now
-    assert manager.disk.start_load(request, 0, 0)
+    assert manager.disk.start_load(request, 0)
     assert [b.block_hash for b in manager.take_ops().from_disk] == hashes[2:]
     assert manager.disk.apply(StepOutput(step_id=2, disk_loaded=hashes[:2])) == []
     assert manager.disk.apply(StepOutput(step_id=3, disk_loaded=hashes[2:])) == [request]
     assert manager.find_cached_prefix(request) == [CachedBlock(b, on_cpu=True) for b in (0, 1, 2)]
-    manager.disk.admitted(request)
+    manager.disk.admitted(request, 3)
     assert not manager.disk.prefetched
     manager.check_invariants()
 
@@ -54,12 +54,12 @@ def test_a_read_landing_before_the_turn_is_a_cpu_hit_without_waiting():
     manager = on_disk_manager(tokens)
     request = make_request("a", tokens)
     assert manager.find_cached_prefix(request) == []  # as admission asks first (its hashes)
-    assert manager.disk.prefetch(request, 0, 0) == 2
+    assert manager.disk.prefetch(request, 0) == 2
     manager.take_ops()
     manager.disk.apply(StepOutput(step_id=2, disk_loaded=prompt_block_hashes(tokens, 4)))
     hits = manager.find_cached_prefix(request)
     assert hits == [CachedBlock(0, on_cpu=True), CachedBlock(1, on_cpu=True)]
-    assert not manager.disk.start_load(request, len(hits), 2)  # nothing left on disk to read
+    assert not manager.disk.start_load(request, len(hits))  # nothing left on disk to read
     manager.check_invariants()
 
 
@@ -69,7 +69,7 @@ def test_a_request_aborted_with_its_early_reads_in_flight_leaks_nothing():
     manager = on_disk_manager(tokens)
     request = make_request("a", tokens)
     assert manager.find_cached_prefix(request) == []  # as admission asks first (its hashes)
-    assert manager.disk.prefetch(request, 0, 0) == 2
+    assert manager.disk.prefetch(request, 0) == 2
     manager.take_ops()
     manager.disk.forget(request)  # aborted while queued
     manager.free(request)
