@@ -35,7 +35,7 @@ async def _check(url: str) -> None:
 
 def test_serve_starts_two_instances(tiny_llama, tmp_path):
     port = free_port()
-    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "128"]
+    args = ["serve", "--model", str(tiny_llama), "--nats-port", str(port), "--num-blocks", "320"]
     # a generous drain: a loaded machine still finishes the streams (with no drain at all
     # they would fail at once, whatever the timeout)
     process = start(
@@ -96,7 +96,10 @@ async def _until_attached(url: str, before: list[str], timeout_s: float = 60.0) 
     raise TimeoutError(f"no new executor attached: {before} -> {ids}")
 
 
-NUM_DRAIN_STREAMS, DRAIN_TOKENS = 16, 128  # still running when the signal goes
+# still running when the signal goes: at 128 tokens the tiny model finished one instance's
+# streams within the second the stats take on a quick host (2026-12-05, AVX2 EPYC); 512 take
+# several seconds. 16 streams of 33 blocks, about 8 an instance, fit 320 blocks.
+NUM_DRAIN_STREAMS, DRAIN_TOKENS = 16, 512
 
 
 async def _drained(url: str, process: subprocess.Popen) -> list[list]:
