@@ -4,11 +4,11 @@ timed where they are called (op_breakdown's timers), per dtype.
 
     python -m benchmarks.engine.small_linear_ab --dtype float32 bfloat16 [-n 64] [--rounds 3]
 
-One LLM per dtype; each round runs the workload with the kernel taking rows up to
-KERNEL_ROWS, then with it off (oneDNN's packed matmul at every row count: the same packed
-weights, so nothing else changes), and prints each arm's fastest round (a loaded host only
-slows a round down) and every round's seconds. Off is
-`linear.KERNEL_ROWS = 0`, which every built linear reads at call time.
+One LLM per dtype; each round runs the workload with the kernel taking the rows it takes on
+this host (engine/model/linear.py's `kernel_rows`), then with it off (oneDNN's packed matmul at
+every row count: the same packed weights, so nothing else changes), and prints each arm's
+fastest round (a loaded host only slows a round down) and every round's seconds. Off is
+`linear.KERNEL_ON = False`, which every built linear reads at call time.
 """
 
 import argparse
@@ -24,7 +24,7 @@ from benchmarks.engine.op_breakdown import (
     workload_parser,
 )
 
-ARMS = {"kernel": linear.KERNEL_ROWS, "oneDNN": 0}
+ARMS = {"kernel": True, "oneDNN": False}
 
 
 def one_round(llm, clock: Clock, prompts, params) -> dict[str, float]:
@@ -44,11 +44,11 @@ def run(args: argparse.Namespace, dtype: str) -> None:
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     try:
         for _ in range(args.rounds):
-            for arm, rows in ARMS.items():
-                linear.KERNEL_ROWS = rows
+            for arm, on in ARMS.items():
+                linear.KERNEL_ON = on
                 results[arm].append(one_round(llm, clock, prompts, params))
     finally:
-        linear.KERNEL_ROWS = ARMS["kernel"]
+        linear.KERNEL_ON = True
         llm.close()
     print(f"\n{dtype}, {args.num_requests} requests, fastest of {args.rounds} rounds alternated")
     print("| arm | tok/s | s | linears s | lm_head s | every round's s |")

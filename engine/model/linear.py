@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model.linear_choice import (
     ALWAYS_PACKED,
+    AVX2_KERNEL_ROWS,
+    KERNEL_OUT_ELEMENTS,
     KERNEL_ROWS,
     SMALL_ROWS,
     LinearFn,
@@ -90,21 +92,39 @@ def make_linear(
     return lambda x: small_fn(x) if x.shape[0] <= SMALL_ROWS else large_fn(x), False
 
 
-# the ISA flag a dtype's kernel needs to pay (docs/design/packed-linears.md): vdpbf16ps for
-# bf16, AVX-512 FMAs for fp32; on AVX2 it still runs (tests) but is only taken when timed
-_KERNEL_ISA = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
+# the ISA flag a dtype's kernel needs to pay, and the rows it takes there
+# (docs/design/packed-linears.md): vdpbf16ps for bf16, AVX-512 FMAs for fp32, up to
+# KERNEL_ROWS; fp32's AVX2 build (kernels/cpu/small_linear_avx2.h) up to AVX2_KERNEL_ROWS, and
+# fewer where the output would be large (an lm_head's 64 rows, 49152 wide, wrote slower than
+# oneDNN's). Without the ISA it still runs (tests) but is only taken when timed.
+_KERNEL_ISA = {
+    torch.bfloat16: (("avx512_bf16", KERNEL_ROWS),),
+    torch.float32: (("avx512f", KERNEL_ROWS), ("avx2", AVX2_KERNEL_ROWS)),
+}
+# False turns the small-row kernel off in every built linear, read at call time (the A/B
+# benchmark, benchmarks/engine/small_linear_ab.py)
+KERNEL_ON = True
+
+
+def kernel_rows(weight: torch.Tensor, isa: list[str] | None = None) -> int:
+    """Rows up to which the small-row kernel runs `weight` on this host's ISA (0: it does not
+    pay here, so only timing would take it)."""
+    flags = isa_flags() if isa is None else isa
+    for flag, rows in _KERNEL_ISA.get(weight.dtype, ()):
+        if flag in flags:
+            return min(rows, KERNEL_OUT_ELEMENTS // weight.shape[0])
+    return 0
 
 
 def with_small_kernel(
     weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, onednn: LinearFn,
     measure: bool,
 ) -> LinearFn:  # fmt: skip
-    """`onednn`, with rows up to KERNEL_ROWS on the C kernel that reads the same packed buffer
+    """`onednn`, with small row counts on the C kernel that reads the same packed buffer
     (kernels/small_linear.py): where the host has the ISA it pays on (or, with `measure`,
     where it was timed faster) and oneDNN's layout is the one it reads. No second copy."""
-    isa = _KERNEL_ISA.get(weight.dtype)
-    wanted = measure or isa in isa_flags()
-    view = small_linear.view_packed(weight, packed) if wanted else None
+    rows = kernel_rows(weight) or (KERNEL_ROWS if measure else 0)
+    view = small_linear.view_packed(weight, packed) if rows else None
     if view is None or not small_linear.available(weight.dtype):
         return onednn
     mixed_bias = bias is not None and bias.dtype != weight.dtype
@@ -116,7 +136,7 @@ def with_small_kernel(
 
     if measure and not choose_small_kernel(weight, onednn, kernel_fn):
         return onednn
-    return lambda x: kernel_fn(x) if x.shape[0] <= KERNEL_ROWS else onednn(x)
+    return lambda x: kernel_fn(x) if KERNEL_ON and x.shape[0] <= rows else onednn(x)
 
 
 def release(weight: nn.Parameter) -> None:

@@ -43,6 +43,12 @@ MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 40, 0.1
 # it streamed SmolLM2's weights faster than oneDNN at M = 1-8 (1.2-5x in most cells), tied at
 # 12 and lost from 16 on (docs/design/packed-linears.md)
 KERNEL_ROWS = 8
+# fp32's AVX2 build (kernels/cpu/small_linear_avx2.h) beat oneDNN 1.15-1.45x at 1-96 rows of
+# SmolLM2's decoder linears from memory on a 2-core Zen 3, tied at 128 (oneDNN's large-M
+# kernel is as good); on an lm_head 49152 wide it lost at 64 rows (0.68x: its stores, a row
+# each 196 KB apart, miss the TLB), so rows x out_features stays under KERNEL_OUT_ELEMENTS
+AVX2_KERNEL_ROWS = 64
+KERNEL_OUT_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)

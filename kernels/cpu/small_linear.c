@@ -152,4 +152,8 @@ DEFINE_BLOCK_ROWS(block_rows_f32, float, block_f32, IDENTITY, IDENTITY)
     }
 
 DEFINE_SMALL_LINEAR(small_linear_bf16, uint16_t, block_rows_bf16, 32)
+#if defined(__AVX512F__) || !defined(__AVX2__)
 DEFINE_SMALL_LINEAR(small_linear_f32, float, block_rows_f32, 16)
+#else
+#include "small_linear_avx2.h"
+#endif

@@ -72,3 +72,30 @@ def test_a_buffer_that_differs_in_its_last_block_is_refused():
     weight, _, _ = _packed(192, 64, torch.float32)
     swapped = torch.cat([weight[:64], weight[128:], weight[64:128]])  # blocks 1 and 2 swapped
     assert small_linear.view_packed(swapped, pack_weight(weight)) is None
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(3072, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 8, 13, 37, 64, 70])
+def test_avx2_fp32_tiles_match_the_twin(shape, rows):
+    """AVX2's fp32 build (kernels/cpu/small_linear_avx2.h) over its tilings: one row over whole
+    blocks, two or three over half blocks, more in even tiles of up to six over 16 columns."""
+    if small_linear.load(AVX2) is None:
+        pytest.skip("no C compiler or no AVX2 build here")
+    weight, view, gen = _packed(*shape, torch.float32)
+    x = torch.randn(rows, shape[1], generator=gen)
+    bias = torch.randn(shape[0], generator=gen) if rows % 2 else None
+    out = small_linear.small_linear(x, view, bias, march=AVX2)
+    torch.testing.assert_close(out, small_linear_ref(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_avx2_fp32_rows_do_not_depend_on_the_batch():
+    """Each output sums k in order whatever the tiling, so a row computed in a batch of 13 is
+    bitwise the row computed alone (speculation's verify rows equal plain decoding's)."""
+    if small_linear.load(AVX2) is None:
+        pytest.skip("no C compiler or no AVX2 build here")
+    weight, view, gen = _packed(960, 576, torch.float32)
+    x = torch.randn(13, 576, generator=gen)
+    batch = small_linear.small_linear(x, view, None, march=AVX2)
+    for size in (1, 2, 3, 5):
+        alone = small_linear.small_linear(x[:size], view, None, march=AVX2)
+        assert torch.equal(alone, batch[:size])

@@ -11,12 +11,16 @@ from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model import linear, linear_choice
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.linear import make_linear, onednn_packing_supported
-from kvpager.engine.model.linear_choice import KERNEL_ROWS, SMALL_ROWS, LinearChoice
+from kvpager.engine.model.linear_choice import (
+    AVX2_KERNEL_ROWS,
+    KERNEL_ROWS,
+    SMALL_ROWS,
+    LinearChoice,
+)
 from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels import small_linear
 from kvpager.kernels.backend import get_kernel_ops
-from kvpager.kernels.isa import isa_flags
 
 pytestmark = pytest.mark.skipif(
     not onednn_packing_supported(torch.empty(1)), reason="no oneDNN packed linear in this build"
@@ -114,7 +118,7 @@ def test_a_tied_lm_head_packs_a_copy_and_keeps_the_embedding(monkeypatch, tiny_q
     decoder.build_matmuls(pack=True)
     assert decoder.lm_head is decoder.embed_tokens
     assert torch.equal(decoder.embed_tokens, embedding)  # the table stays plain, unreleased
-    hidden = torch.randn(KERNEL_ROWS + 1, config.hidden_size).to(dtype)  # oneDNN's rows
+    hidden = torch.randn(AVX2_KERNEL_ROWS + 1, config.hidden_size).to(dtype)  # oneDNN's rows
     tol = TOLERANCE[dtype]
     logits = decoder.compute_logits(hidden)
     assert len(calls) == 1  # the lm_head ran on its packed copy
@@ -124,8 +128,9 @@ def test_a_tied_lm_head_packs_a_copy_and_keeps_the_embedding(monkeypatch, tiny_q
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("kernel_wins", [True, False])
 def test_small_rows_take_the_kernel_where_it_wins(monkeypatch, dtype, kernel_wins):
-    """Rows up to KERNEL_ROWS run the C kernel over the packed buffer where timing picks it
-    (once per shape), others oneDNN; the outputs are F.linear's either way."""
+    """Rows up to the kernel's limit (the ISA's, or KERNEL_ROWS where it has none) run the C
+    kernel over the packed buffer where timing picks it (once per shape), others oneDNN; the
+    outputs are F.linear's either way."""
     if small_linear.load() is None:
         pytest.skip("no C compiler here")
     verdicts = []
@@ -142,12 +147,13 @@ def test_small_rows_take_the_kernel_where_it_wins(monkeypatch, dtype, kernel_win
     make_linear(weight + 1, bias, measure=True)  # same shape: no second timing
     assert unused and len(verdicts) == 1
     assert_matches_plain(fn, weight, bias)
-    kernel_rows = [m for m in ROWS if m <= KERNEL_ROWS]
-    assert calls == (kernel_rows if kernel_wins else [])
+    limit = linear.kernel_rows(weight) or KERNEL_ROWS
+    assert calls == ([m for m in ROWS if m <= limit] if kernel_wins else [])
 
 
 def test_unmeasured_small_rows_follow_the_isa(monkeypatch):
-    """Without timing the kernel runs where the host has the dtype's ISA (AVX-512 for fp32)."""
+    """Without timing the kernel runs where the host has the dtype's ISA (AVX-512 or AVX2 for
+    fp32), up to that ISA's rows."""
     monkeypatch.setattr(linear_choice, "_kernel_wins", lambda *a: pytest.fail("timed"))
     calls = []
     kernel = small_linear.small_linear
@@ -157,5 +163,17 @@ def test_unmeasured_small_rows_follow_the_isa(monkeypatch):
     weight, _ = weights(512, 256, torch.float32)
     fn, _ = make_linear(weight, None)
     assert_matches_plain(fn, weight, None)
-    takes_kernel = "avx512f" in isa_flags() and small_linear.load() is not None
-    assert calls == ([m for m in ROWS if m <= KERNEL_ROWS] if takes_kernel else [])
+    limit = linear.kernel_rows(weight) if small_linear.load() is not None else 0
+    assert calls == [m for m in ROWS if m <= limit]
+
+
+def test_kernel_rows_follow_the_isa_and_the_output_size():
+    """AVX-512 takes KERNEL_ROWS rows, fp32 on AVX2 up to AVX2_KERNEL_ROWS, fewer on a wide
+    output (an lm_head); bf16 needs AVX512-BF16, and a host with neither takes none."""
+    layer, lm_head = torch.empty(3072, 576), torch.empty(49152, 576)
+    assert linear.kernel_rows(layer, ["avx2", "fma", "avx512f"]) == KERNEL_ROWS
+    assert linear.kernel_rows(layer, ["avx2", "fma"]) == AVX2_KERNEL_ROWS
+    assert linear.kernel_rows(lm_head, ["avx2", "fma"]) == linear.KERNEL_OUT_ELEMENTS // 49152
+    assert linear.kernel_rows(layer.bfloat16(), ["avx2", "fma", "avx512f"]) == 0
+    assert linear.kernel_rows(layer.bfloat16(), ["avx512f", "avx512_bf16"]) == KERNEL_ROWS
+    assert linear.kernel_rows(layer, []) == 0

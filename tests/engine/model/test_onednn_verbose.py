@@ -34,7 +34,7 @@ fns = [make_linear(torch.randn(576, n).to(dtype), None, measure=False) for n in 
 assert all(packed for _, packed in fns)
 print("{mark}", flush=True)
 for (fn, _), n in zip(fns, (576, 1536)):
-    for rows in (1, 4, 64):
+    for rows in (1, 4, 128):
         fn(torch.randn(rows, n).to(dtype))
 print("kernel calls", len(kernel_calls), flush=True)
 """
