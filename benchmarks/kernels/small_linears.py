@@ -2,7 +2,11 @@
 C kernel that reads the same packed buffer (kernels/small_linear.py), SmolLM2-135M's shapes,
 rows M, bf16 and fp32; lscpu flags printed first.
 
-    python -m benchmarks.kernels.small_linears [--threads 2] [--rows 1,2,4,8,16,32,64]
+    python -m benchmarks.kernels.small_linears [--threads 2] [--rows 1,2,4,8,16,32,64] \
+        [--dtypes bfloat16,float32] [--step]
+
+`--step`: one decode step's four decoder linears over 30 layers' own weights, ms a step, the
+two paths alternated (what a step of the engine pays at M rows).
 
 Each shape cycles through enough copies of its weight (30 layers' worth; 3 lm_heads) that every
 call reads from DRAM, not cache. The two paths take turns, round after round; each number is
@@ -54,12 +58,54 @@ def onednn_and_kernel_us(
     return results
 
 
+# [out, in] of SmolLM2's four decoder linears: qkv, o_proj, gate_up, down
+DECODER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def step_ms(rows_list: list[int], dtype: torch.dtype, rounds: int) -> list[tuple[float, float]]:
+    """(oneDNN ms, kernel ms) of one decode step's decoder linears, 30 layers, per M: each
+    layer its own weights (so from DRAM), the two paths alternated, fastest round."""
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        plain = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for o, i in DECODER]
+        packed = [pack_weight(w) for w in plain]
+        layers.append([(p, small_linear.view_packed(w, p)) for w, p in zip(plain, packed)])
+    results = []
+    for rows in rows_list:
+        xs = [torch.randn(rows, i, generator=gen).to(dtype) for _, i in DECODER]
+        steps = (
+            lambda xs=xs: [packed_linear(x, p, None) for layer in layers
+                           for x, (p, _) in zip(xs, layer)],
+            lambda xs=xs: [small_linear.small_linear(x, v, None) for layer in layers
+                           for x, (_, v) in zip(xs, layer)],
+        )  # fmt: skip
+        best = [float("inf")] * 2
+        for _ in range(rounds):
+            for idx, step in enumerate(steps):
+                start = time.perf_counter()
+                step()
+                best[idx] = min(best[idx], (time.perf_counter() - start) * 1e3)
+        results.append((best[0], best[1]))
+    return results
+
+
+def print_steps(rows: list[int], dtype: torch.dtype, rounds: int) -> None:
+    flops = sum(2 * o * i for o, i in DECODER) * LAYERS
+    print(f"{str(dtype)[6:]}: a decode step's decoder linears (30 layers, from DRAM), ms")
+    print("| M | oneDNN ms | kernel ms | oneDNN / kernel | kernel GFLOP/s |\n|---|---|---|---|---|")
+    for m, (a, b) in zip(rows, step_ms(rows, dtype, rounds)):
+        print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {flops * m / b / 1e6:.0f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="M values, comma-separated")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated")
     parser.add_argument("--smoke", action="store_true", help="one small shape, 2 copies")
+    parser.add_argument("--step", action="store_true", help="whole decode steps, not shapes")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes, rows = SHAPES, [int(m) for m in args.rows.split(",")]
@@ -69,7 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.threads} threads; µs a call and GB/s of weight,")
     print("oneDNN packed / kernel (same packed buffer)")
     with torch.inference_mode():
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in [getattr(torch, name) for name in args.dtypes.split(",")]:
+            if pack_weight(torch.zeros(64, 64, dtype=dtype)) is None:
+                print(f"{str(dtype)[6:]}: oneDNN does not pack it on this host (no native path)")
+                continue
+            if args.step:
+                print_steps(rows, dtype, args.rounds)
+                continue
             for name, out_f, in_f in shapes:
                 copies = 2 if args.smoke else (3 if name == "lm_head" else LAYERS)
                 timings = onednn_and_kernel_us(out_f, in_f, rows, dtype, args.rounds, copies)
