@@ -1,6 +1,11 @@
 """Decode-sized linears on C (kernels/cpu/small_linear.c), reading the weight oneDNN packed at
 load in place: no second copy. Its twin is kernels/reference.py's `small_linear_ref`.
 
+Where oneDNN has no native bf16 (AVX2 hosts) it packs no bf16 weight, so `block_bf16` lays one
+out in its fp32 block order, [N/64][K][64] (a copy, made once at load), and
+`small_linear_bf16w` runs rows of any count over it: fp32 sums of the widened bf16 products,
+rounded once to bf16, as oneDNN's bf16 matmul computes them.
+
 `view_packed` checks, once per weight, that oneDNN's buffer is in the layout the C code reads
 (AB16b64a2b in bf16, AB16b64a in fp32: what oneDNN chose on AVX-512 hosts) by comparing its
 first and last 64-column blocks with the same reorder done in torch; a host, shape or version
@@ -18,7 +23,11 @@ from kvpager.kernels.cpu_build import I64, NATIVE, PTR, load_library
 COLS = 64  # output columns of a packed block
 K_ALIGN = {torch.bfloat16: 32, torch.float32: 16}
 _ARGS = (PTR, I64, I64, PTR, I64, PTR, PTR, I64)
-_SIGNATURES = (("small_linear_bf16", _ARGS), ("small_linear_f32", _ARGS))
+_SIGNATURES = (
+    ("small_linear_bf16", _ARGS),
+    ("small_linear_f32", _ARGS),
+    ("small_linear_bf16w", _ARGS),
+)
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -109,3 +118,41 @@ def small_linear(
     )
     assert status == 0, "small_linear: shapes the caller should have checked"
     return out
+
+
+def block_bf16(weight: torch.Tensor) -> PackedView | None:
+    """A bf16 `weight` [N, K] copied into 64-column blocks, [N/64][K][64], for
+    `small_linear_bf16w`; None where the shape does not fit or the library does not build."""
+    if weight.dtype != torch.bfloat16 or not fits(weight) or load() is None:
+        return None
+    n, k = weight.shape
+    blocked = weight.view(n // COLS, COLS, k).permute(0, 2, 1).contiguous()
+    return PackedView(blocked, blocked.data_ptr(), n, k, torch.bfloat16)
+
+
+def small_linear_bf16w(
+    x: torch.Tensor, weight: PackedView, bias: torch.Tensor | None, march: str = NATIVE
+) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype, `weight` from block_bf16: each
+    product in float32 (bf16 values multiply exactly there), summed in float32, rounded once."""
+    library = load(march)
+    assert library is not None, "block_bf16 checked the library"
+    assert x.dim() == 2 and x.shape[1] == weight.in_features, (
+        f"x {tuple(x.shape)} against a {weight.out_features}x{weight.in_features} weight"
+    )
+    assert bias is None or bias.shape == (weight.out_features,)
+    rows = x.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    status = library.small_linear_bf16w(
+        rows.data_ptr(),
+        x.shape[0],
+        weight.in_features,
+        weight.address,
+        weight.out_features,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert status == 0, "small_linear_bf16w: shapes the caller should have checked"
+    return out.to(x.dtype)

@@ -79,7 +79,8 @@ def make_linear(
         return F.linear(x, weight, bias)
 
     if packed is None:
-        return plain_fn, False
+        blocked = bf16_blocks_linear(weight, bias) if pack else None
+        return (blocked, True) if blocked is not None else (plain_fn, False)
 
     def onednn_fn(x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, packed, bias)
@@ -137,6 +138,33 @@ def with_small_kernel(
     if measure and not choose_small_kernel(weight, onednn, kernel_fn):
         return onednn
     return lambda x: kernel_fn(x) if KERNEL_ON and x.shape[0] <= rows else onednn(x)
+
+
+def bf16_blocks_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
+    """A bf16 weight on an AVX2 host where oneDNN has no native bf16 (so packs none, and its
+    bf16 matmul ran ~4x slower than fp32's): the C kernel over the weight blocked once at load
+    (kernels/small_linear.py's block_bf16), for every row count; rows past the output cap run
+    in slices. None elsewhere (then F.linear)."""
+    if (
+        weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or cpu_has_native_bf16()
+        or "avx2" not in isa_flags()
+    ):
+        return None
+    blocked = small_linear.block_bf16(weight)
+    if blocked is None:
+        return None
+    out_features = weight.shape[0]  # the plain weight is released once this is built
+    rows = max(1, KERNEL_OUT_ELEMENTS // out_features)
+
+    def blocked_fn(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        parts = [small_linear.small_linear_bf16w(part, blocked, bias) for part in flat.split(rows)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.view(*x.shape[:-1], out_features)
+
+    return blocked_fn
 
 
 def release(weight: nn.Parameter) -> None:

@@ -19,7 +19,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -131,7 +131,9 @@ INLINE void block_f32(const float *w, const float *x, int64_t K, v16 acc[][TILES
     }
 
 DEFINE_BLOCK_ROWS(block_rows_bf16, uint16_t, block_bf16, f32_to_bf16, bf16_to_f32)
+#ifdef __AVX512F__
 DEFINE_BLOCK_ROWS(block_rows_f32, float, block_f32, IDENTITY, IDENTITY)
+#endif
 
 // out [M, N] = x [M, K] @ W^T + bias; W packed as above, N a multiple of 64, K of 32 (bf16)
 // or 16 (fp32); bias [N] or NULL. Threads take contiguous runs of column blocks.
@@ -152,8 +154,7 @@ DEFINE_BLOCK_ROWS(block_rows_f32, float, block_f32, IDENTITY, IDENTITY)
     }
 
 DEFINE_SMALL_LINEAR(small_linear_bf16, uint16_t, block_rows_bf16, 32)
-#if defined(__AVX512F__) || !defined(__AVX2__)
+#if defined(__AVX512F__)
 DEFINE_SMALL_LINEAR(small_linear_f32, float, block_rows_f32, 16)
-#else
-#include "small_linear_avx2.h"
 #endif
+#include "small_linear_avx2.h"  // AVX2's small_linear_f32; small_linear_bf16w everywhere

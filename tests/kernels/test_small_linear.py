@@ -99,3 +99,28 @@ def test_avx2_fp32_rows_do_not_depend_on_the_batch():
     for size in (1, 2, 3, 5):
         alone = small_linear.small_linear(x[:size], view, None, march=AVX2)
         assert torch.equal(alone, batch[:size])
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(3072, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 13, 64, 97])
+def test_bf16_blocks_match_the_twin(march, shape, rows):
+    """bf16 weights blocked by block_bf16 (hosts where oneDNN packs no bf16), every tiling:
+    the float32 sums of the twin, rounded once to bf16, so within one bf16 ulp of it."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(*shape, generator=gen) * 0.05).bfloat16()
+    blocked = small_linear.block_bf16(weight)
+    assert blocked is not None and blocked.packed.shape == (shape[0] // 64, shape[1], 64)
+    x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16() if rows % 2 else None
+    out = small_linear.small_linear_bf16w(x, blocked, bias, march=march)
+    ref = small_linear_ref(x, weight, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-3)
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+
+
+def test_block_bf16_refuses_what_it_cannot_run():
+    """Other dtypes and shapes (out not a multiple of 64, in not of 16) get no blocked copy."""
+    assert small_linear.block_bf16(torch.randn(128, 64)) is None
+    assert small_linear.block_bf16(torch.randn(72, 64).bfloat16()) is None
+    assert small_linear.block_bf16(torch.randn(128, 40).bfloat16()) is None
