@@ -6,7 +6,8 @@ rows M, bf16 and fp32; lscpu flags printed first.
         [--dtypes bfloat16,float32] [--step]
 
 `--step`: one decode step's four decoder linears over 30 layers' own weights, ms a step, the
-two paths alternated (what a step of the engine pays at M rows).
+two paths alternated (what a step of the engine pays at M rows); for bf16 on a host where
+oneDNN packs none, the bf16 weights blocked at load against plain `F.linear`.
 
 Each shape cycles through enough copies of its weight (30 layers' worth; 3 lm_heads) that every
 call reads from DRAM, not cache. The two paths take turns, round after round; each number is
@@ -17,6 +18,7 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 from kvpager.engine.model.linear import pack_weight, packed_linear
 from kvpager.kernels import small_linear
 
@@ -90,11 +92,47 @@ def step_ms(rows_list: list[int], dtype: torch.dtype, rounds: int) -> list[tuple
     return results
 
 
+def blocked_step_ms(rows_list: list[int], rounds: int) -> list[tuple[float, float]]:
+    """(F.linear ms, blocked-kernel ms) of one decode step's decoder linears in bf16, 30
+    layers, per M: where oneDNN packs no bf16 (AVX2), the engine's path (block_bf16 and
+    small_linear_bf16w) against the plain bf16 matmul it replaced."""
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        plain = [(torch.randn(o, i, generator=gen) * 0.05).bfloat16() for o, i in DECODER]
+        layers.append([(w, small_linear.block_bf16(w)) for w in plain])
+    results = []
+    for rows in rows_list:
+        xs = [torch.randn(rows, i, generator=gen).bfloat16() for _, i in DECODER]
+        steps = (
+            lambda xs=xs: [F.linear(x, w) for layer in layers for x, (w, _) in zip(xs, layer)],
+            lambda xs=xs: [small_linear.small_linear_bf16w(x, b, None) for layer in layers
+                           for x, (_, b) in zip(xs, layer)],
+        )  # fmt: skip
+        best = [float("inf")] * 2
+        for _ in range(rounds):
+            for idx, step in enumerate(steps):
+                start = time.perf_counter()
+                step()
+                best[idx] = min(best[idx], (time.perf_counter() - start) * 1e3)
+        results.append((best[0], best[1]))
+    return results
+
+
 def print_steps(rows: list[int], dtype: torch.dtype, rounds: int) -> None:
     flops = sum(2 * o * i for o, i in DECODER) * LAYERS
     print(f"{str(dtype)[6:]}: a decode step's decoder linears (30 layers, from DRAM), ms")
     print("| M | oneDNN ms | kernel ms | oneDNN / kernel | kernel GFLOP/s |\n|---|---|---|---|---|")
     for m, (a, b) in zip(rows, step_ms(rows, dtype, rounds)):
+        print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {flops * m / b / 1e6:.0f} |", flush=True)
+
+
+def print_blocked_steps(rows: list[int], rounds: int) -> None:
+    flops = sum(2 * o * i for o, i in DECODER) * LAYERS
+    print("bfloat16 blocked at load (block_bf16): a decode step's decoder linears, ms")
+    print("| M | F.linear ms | kernel ms | F.linear / kernel | kernel GFLOP/s |")
+    print("|---|---|---|---|---|")
+    for m, (a, b) in zip(rows, blocked_step_ms(rows, rounds)):
         print(f"| {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {flops * m / b / 1e6:.0f} |", flush=True)
 
 
@@ -118,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in [getattr(torch, name) for name in args.dtypes.split(",")]:
             if pack_weight(torch.zeros(64, 64, dtype=dtype)) is None:
                 print(f"{str(dtype)[6:]}: oneDNN does not pack it on this host (no native path)")
+                if args.step and dtype == torch.bfloat16:
+                    print_blocked_steps(rows, args.rounds)
                 continue
             if args.step:
                 print_steps(rows, dtype, args.rounds)
