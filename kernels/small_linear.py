@@ -102,10 +102,14 @@ def small_linear(
         f"{weight.dtype} weight"
     )
     assert bias is None or (bias.dtype == x.dtype and bias.shape == (weight.out_features,))
+    return _run(getattr(library, f"small_linear_{_SUFFIX[x.dtype]}"), x, weight, bias)
+
+
+def _run(function, x: torch.Tensor, weight: PackedView, bias: torch.Tensor | None):
+    """One of the library's entry points over `weight`: out [M, N] in x's dtype (checked)."""
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    function = getattr(library, f"small_linear_{_SUFFIX[x.dtype]}")
     status = function(
         x.data_ptr(),
         x.shape[0],
@@ -116,7 +120,7 @@ def small_linear(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    assert status == 0, "small_linear: shapes the caller should have checked"
+    assert status == 0, f"{function.__name__}: shapes the caller should have checked"
     return out
 
 
@@ -141,18 +145,5 @@ def small_linear_bf16w(
         f"x {tuple(x.shape)} against a {weight.out_features}x{weight.in_features} weight"
     )
     assert bias is None or bias.shape == (weight.out_features,)
-    rows = x.float().contiguous()
-    bias = None if bias is None else bias.float().contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    status = library.small_linear_bf16w(
-        rows.data_ptr(),
-        x.shape[0],
-        weight.in_features,
-        weight.address,
-        weight.out_features,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    assert status == 0, "small_linear_bf16w: shapes the caller should have checked"
-    return out.to(x.dtype)
+    fp32_bias = None if bias is None else bias.float()
+    return _run(library.small_linear_bf16w, x.float(), weight, fp32_bias).to(x.dtype)

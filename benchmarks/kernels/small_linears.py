@@ -64,6 +64,17 @@ def onednn_and_kernel_us(
 DECODER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
+def _fastest_ms(steps, rounds: int) -> tuple[float, float]:
+    """Each of two steps' fastest round in ms, the two alternated round by round."""
+    best = [float("inf")] * 2
+    for _ in range(rounds):
+        for idx, step in enumerate(steps):
+            start = time.perf_counter()
+            step()
+            best[idx] = min(best[idx], (time.perf_counter() - start) * 1e3)
+    return best[0], best[1]
+
+
 def step_ms(rows_list: list[int], dtype: torch.dtype, rounds: int) -> list[tuple[float, float]]:
     """(oneDNN ms, kernel ms) of one decode step's decoder linears, 30 layers, per M: each
     layer its own weights (so from DRAM), the two paths alternated, fastest round."""
@@ -82,13 +93,7 @@ def step_ms(rows_list: list[int], dtype: torch.dtype, rounds: int) -> list[tuple
             lambda xs=xs: [small_linear.small_linear(x, v, None) for layer in layers
                            for x, (_, v) in zip(xs, layer)],
         )  # fmt: skip
-        best = [float("inf")] * 2
-        for _ in range(rounds):
-            for idx, step in enumerate(steps):
-                start = time.perf_counter()
-                step()
-                best[idx] = min(best[idx], (time.perf_counter() - start) * 1e3)
-        results.append((best[0], best[1]))
+        results.append(_fastest_ms(steps, rounds))
     return results
 
 
@@ -109,13 +114,7 @@ def blocked_step_ms(rows_list: list[int], rounds: int) -> list[tuple[float, floa
             lambda xs=xs: [small_linear.small_linear_bf16w(x, b, None) for layer in layers
                            for x, (_, b) in zip(xs, layer)],
         )  # fmt: skip
-        best = [float("inf")] * 2
-        for _ in range(rounds):
-            for idx, step in enumerate(steps):
-                start = time.perf_counter()
-                step()
-                best[idx] = min(best[idx], (time.perf_counter() - start) * 1e3)
-        results.append((best[0], best[1]))
+        results.append(_fastest_ms(steps, rounds))
     return results
 
 
