@@ -47,12 +47,18 @@ class PackedView:
     dtype: torch.dtype
 
 
+def column_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as 64-column blocks, a view [N/64][K][64] (oneDNN's fp32 AB16b64a)."""
+    n, k = weight.shape
+    return weight.view(n // COLS, COLS, k).permute(0, 2, 1)
+
+
 def blocked_ref(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] in the C code's layout, flat: bf16 [N/64][K/2][64][2], fp32 [N/64][K][64]."""
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
         return weight.view(n // COLS, COLS, k // 2, 2).permute(0, 2, 1, 3).flatten()
-    return weight.view(n // COLS, COLS, k).permute(0, 2, 1).flatten()
+    return column_blocks(weight).flatten()
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -129,9 +135,8 @@ def block_bf16(weight: torch.Tensor) -> PackedView | None:
     `small_linear_bf16w`; None where the shape does not fit or the library does not build."""
     if weight.dtype != torch.bfloat16 or not fits(weight) or load() is None:
         return None
-    n, k = weight.shape
-    blocked = weight.view(n // COLS, COLS, k).permute(0, 2, 1).contiguous()
-    return PackedView(blocked, blocked.data_ptr(), n, k, torch.bfloat16)
+    blocked = column_blocks(weight).contiguous()
+    return PackedView(blocked, blocked.data_ptr(), *weight.shape, torch.bfloat16)
 
 
 def small_linear_bf16w(

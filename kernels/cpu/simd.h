@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #ifndef LANES  // a source may fix its own width before including this header
 #ifdef __AVX512F__
@@ -28,14 +31,22 @@ static inline vec load_f32(const float *p) {
     return v;
 }
 
-// bf16 is the top half of a float32: widen, shift, reinterpret (one vpmovzxwd + vpslld)
+// bf16 is the top half of a float32: widen, shift, reinterpret (one vpmovzxwd + vpslld).
+// Eight lanes on AVX2 say so in intrinsics: GCC's generic convert widened them as two
+// halves (vpmovzxwd xmm twice, vpsrldq, vinserti128), which ran the AVX2 small-row linear's
+// bf16 weights 2x slower (kernels/cpu/small_linear_avx2.h).
 static inline vec load_bf16(const uint16_t *p) {
+#if defined(__AVX2__) && LANES == 8
+    return (vec)_mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
     u16vec half;
     memcpy(&half, p, sizeof(half));
     const u32vec bits = __builtin_convertvector(half, u32vec) << 16;
     vec v;
     memcpy(&v, &bits, sizeof(v));
     return v;
+#endif
 }
 
 static inline vec clamp(vec x, float lo, float hi) {

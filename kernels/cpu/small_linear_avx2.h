@@ -21,34 +21,13 @@
 // Each output is the same sum in the same order (k = 0 .. K-1, one FMA each) whatever M and
 // the tiling, so a row's result does not depend on the batch it came in.
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
+#define LANES 8  // ymm vectors, also on AVX-512 builds (small_linear_bf16w is in every build)
+#include "simd.h"   // vec, load_f32, load_bf16
 #define MAX_TILE_ROWS 6
 #define AHEAD_K 16  // whole-block tiles: k rows prefetched ahead
 #define LINE 64     // bytes
 
-INLINE v8 load_v8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-INLINE v8 widen_v8(const uint16_t *p) {  // 8 bf16 -> 8 fp32 (the top halves)
-#ifdef __AVX2__  // one vpmovzxwd from memory (GCC's generic convert took two halves, 2x slower)
-    return (v8)_mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#else
-    u16x8 half;
-    memcpy(&half, p, sizeof(half));
-    const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
-    v8 v;
-    memcpy(&v, &bits, sizeof(v));
-    return v;
-#endif
-}
-
-INLINE void store_v8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
+static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof(v)); }
 
 #define STRIP_TILE(NAME, RR, SS) \
     NAME##_tile(w, x, K, N, bias, out, RR, SS, pf, pf_lines, pf_step, pf_every)
@@ -60,11 +39,11 @@ INLINE void store_v8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
     INLINE void NAME##_tile(const WT *w, const float *x, int64_t K, int64_t N,                 \
                             const float *bias, float *out, const int R, const int S,           \
                             const WT *pf, int64_t pf_lines, int64_t pf_step, int pf_every) {   \
-        v8 acc[MAX_TILE_ROWS][8];                                                              \
+        vec acc[MAX_TILE_ROWS][8];                                                              \
         for (int r = 0; r < R; r++)                                                            \
-            for (int s = 0; s < S; s++) acc[r][s] = (v8){0};                                   \
-        const int lines = S * 8 * (int)sizeof(WT) / LINE > 1 && pf_step == COLS                \
-                              ? S * 8 * (int)sizeof(WT) / LINE : 1;                            \
+            for (int s = 0; s < S; s++) acc[r][s] = (vec){0};                                   \
+        /* the lines a strip's k row spans, at least one */                                    \
+        const int lines = S * 8 * (int)sizeof(WT) > LINE ? S * 8 * (int)sizeof(WT) / LINE : 1; \
         int countdown = 1;                                                                     \
         for (int64_t k = 0; k < K; k++, w += COLS) {                                           \
             if (pf && pf_lines > 0 && --countdown == 0) {                                      \
@@ -79,9 +58,9 @@ INLINE void store_v8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
         }                                                                                      \
         for (int r = 0; r < R; r++)                                                            \
             for (int s = 0; s < S; s++) {                                                      \
-                v8 v = acc[r][s];                                                              \
-                if (bias) v += load_v8(bias + 8 * s);                                          \
-                store_v8(out + r * N + 8 * s, v);                                              \
+                vec v = acc[r][s];                                                             \
+                if (bias) v += load_f32(bias + 8 * s);                                         \
+                store_vec(out + r * N + 8 * s, v);                                             \
             }                                                                                  \
     }                                                                                          \
     /* a constant (R, S) per call, so the accumulators stay in registers */                   \
@@ -139,6 +118,6 @@ INLINE void store_v8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
     }
 
 #if !defined(__AVX512F__)
-DEFINE_STRIPS(small_linear_f32, float, load_v8)
+DEFINE_STRIPS(small_linear_f32, float, load_f32)
 #endif
-DEFINE_STRIPS(small_linear_bf16w, uint16_t, widen_v8)
+DEFINE_STRIPS(small_linear_bf16w, uint16_t, load_bf16)
