@@ -1,5 +1,5 @@
 // Paged decode attention for CPUs: one query token per sequence, K/V read straight from the
-// paged cache through the block table (no gathered copy), online softmax per block, GQA.
+// paged cache through the block table (no gathered copy), online softmax, GQA.
 //
 // Layouts (the engine's, see kernels/reference.py):
 //   query  [num_seqs, num_heads, head_dim]                   float32, rows query_stride apart
@@ -7,21 +7,22 @@
 //                                                            e5m2 (K and V; decoded by fp8.h)
 //   block_tables int32 [num_seqs, table_stride], seq_lens int32 [num_seqs]
 //   out    [num_seqs, num_heads, head_dim]                   float32
-// Work is split over (sequence, kv head) pairs on `num_threads` OpenMP threads; with enough
-// sequences a thread takes every kv head of a sequence in turn (the lines the hardware fetched
-// beside its head's rows are then in that core's L2 for the next head, where pairs dealt one
-// by one to either thread would fetch them twice). The library
+// Work is split over tasks on `num_threads` OpenMP threads: a task is a sequence's kv heads
+// together (up to MAX_GROUP query rows), or one kv head where there are too few sequences to
+// keep the threads busy. A task goes block by block: a block's K rows, contiguous for all its
+// heads, are read once for all of them (a head at a time, its rows 256 bytes in every 768 for
+// SmolLM2, left the lines beside them to be fetched again for the next head). The library
 // links the libgomp that torch already loaded, so both share one runtime. Each K/V row is
 // loaded once for all the query heads of its group: their dot products are independent FMA
 // chains, which is what keeps the core busy (one chain per token stalls on FMA latency, 3x
-// slower).
-// While it works through a block it prefetches the next one, a row per token, into L2
-// (locality 2): blocks sit anywhere, so the hardware prefetcher never sees them coming. Into
-// L1 the prefetches stall on its few fill buffers; L2 keeps more misses in flight.
+// slower). The softmax runs over segments of up to SEGMENT tokens, not block by block.
+// While it works through a block it prefetches the next one's keys into L2 (locality 2):
+// blocks sit anywhere, so the hardware prefetcher never sees them coming. Into L1 the
+// prefetches stall on its few fill buffers; L2 keeps more misses in flight.
 // `window` > 0 keeps the keys j with seq_len - 1 - window < j (the sliding window of the query
 // at position seq_len - 1), `window` < 0 the keys of that query's chunk of -window tokens
 // (Llama 4's chunked attention): the loop starts at the block holding the first of them and
-// zeroes the weights before it. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
+// masks the keys before it out. `softcap` > 0 maps each score s to softcap * tanh(s / softcap).
 // `sinks` (NULL: none) holds a logit per query head (gpt-oss) that joins the softmax's
 // denominator and adds no value: each head's running max starts at its sink, the sum at 1.
 // An fp8 cache's scales are the caller's: it folds k_scale into `scale` and multiplies the
@@ -66,110 +67,191 @@ static inline vec sum8(const vec d[8]) {
            __builtin_shufflevector(s0123, s4567, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// One (sequence, kv head) pair. Always inlined into the dispatch below with literal `group`
-// and `chunks`, so the per-head loops unroll and the accumulators stay in registers (2.5x
-// faster than the same code with runtime sizes). Keys go eight at a time: their dot products
-// with every head of the group, summed by sum8, a block's running max, exponentials by
-// vector_exp (lanes past the sequence's end are zeroed), then the weighted V rows.
-#define DEFINE_ATTEND(NAME, CACHE_T, LOAD)                                                     \
+static inline vec vmax(vec a, vec b) {
+    const ivec greater = a > b;
+    return (vec)(((ivec)a & greater) | ((ivec)b & ~greater));
+}
+
+static inline float hmax(vec v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+// Tokens a score tile takes at once, by group size: tokens x group FMA chains, enough to keep
+// both FMA pipes busy through their latency and few enough for 16 registers.
+#define MAX_TILE 8
+#define TILE_TOKENS(group) ((group) == 1 ? 8 : (group) <= 3 ? 4 : (group) <= 6 ? 2 : 1)
+// Softmax segments: the scores of up to SEGMENT tokens (whole blocks) are all computed before
+// their softmax and weighted values, so its bookkeeping (the running max's correction, the
+// accumulators' rescale and reloads) is paid per segment, not per block.
+#define SEGMENT 256
+#define SEGMENT_OCTETS (SEGMENT / LANES)
+
+// One segment's two passes for one kv head, always inlined with literal group and chunks.
+//   scores: one block's keys against the group's query rows, TILE_TOKENS keys at a time (a key
+//     row is loaded once for the whole group), eight tokens' dot products summed by sum8.
+//     Rows past the block's end are not loaded (a short block may be the cache's last).
+//     Meanwhile it prefetches this head's rows of the next block's keys, a token row at a
+//     time, spread over the arithmetic so that the prefetches never queue up. (Prefetching
+//     the values too measured no faster: within a block they are read in order.)
+//   values: acc = acc * correction + sum_t p_t v_t over the segment's blocks, a query row at a
+//     time, up to eight chunks of its accumulators in registers across all the tokens: eight
+//     independent FMA chains, each a token apart, which is what the FMA latency needs (the
+//     group's rows together, fewer chunks each, waited on it: 1.3x slower from L2).
+#define DEFINE_SEGMENT_PASSES(SUFFIX, CACHE_T, LOAD)                                           \
+static inline __attribute__((always_inline)) void scores_##SUFFIX(                            \
+    const int64_t group, const int64_t chunks, vec (*q)[MAX_CHUNKS], const CACHE_T *k,         \
+    const CACHE_T *next_k, const int64_t token_stride, const int64_t n,                        \
+    const int64_t octet0, vec (*scores)[SEGMENT_OCTETS]) {                                     \
+    const int64_t tile = TILE_TOKENS(group), row_bytes = chunks * LANES * sizeof(CACHE_T);     \
+    for (int64_t o = 0; o * LANES < n; o++) {                                                  \
+        vec dot[MAX_GROUP][LANES];                                                             \
+        for (int64_t j0 = 0; j0 < LANES; j0 += tile) {                                         \
+            const int64_t t0 = o * LANES + j0;                                                 \
+            const int64_t live = n - t0 < tile ? (n - t0 > 0 ? n - t0 : 0) : tile;             \
+            for (int64_t i = 0; next_k && i < live; i++) {                                     \
+                const char *row = (const char *)(next_k + (t0 + i) * token_stride);            \
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2); \
+            }                                                                                  \
+            vec d[MAX_TILE][MAX_GROUP];                                                        \
+            for (int64_t i = 0; i < tile; i++)                                                 \
+                for (int64_t g = 0; g < group; g++) d[i][g] = (vec){0};                        \
+            _Pragma("GCC unroll 32") for (int64_t c = 0; c < chunks; c++) {                  \
+                vec kc[MAX_TILE];                                                              \
+                if (live == tile) /* the common case: no row checks */                         \
+                    for (int64_t i = 0; i < tile; i++)                                         \
+                        kc[i] = LOAD(k + (t0 + i) * token_stride + c * LANES);                 \
+                else                                                                           \
+                    for (int64_t i = 0; i < tile; i++)                                         \
+                        kc[i] = i < live ? LOAD(k + (t0 + i) * token_stride + c * LANES)       \
+                                         : (vec){0};                                           \
+                for (int64_t g = 0; g < group; g++) {                                          \
+                    const vec qc = q[g][c];                                                    \
+                    for (int64_t i = 0; i < tile; i++) d[i][g] += qc * kc[i];                  \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t i = 0; i < tile; i++)                                                 \
+                for (int64_t g = 0; g < group; g++) dot[g][j0 + i] = d[i][g];                  \
+        }                                                                                      \
+        for (int64_t g = 0; g < group; g++) scores[g][octet0 + o] = sum8(dot[g]);              \
+    }                                                                                          \
+}                                                                                              \
+static inline __attribute__((always_inline)) void values_##SUFFIX(                             \
+    const int64_t group, const int64_t chunks, vec (*acc)[MAX_CHUNKS], const float *correction, \
+    const CACHE_T *value_cache, const int32_t *table, const int64_t block_stride,              \
+    const int64_t offset, const int64_t token_stride, const int64_t block_size,                \
+    const int64_t skip, const int64_t n, vec (*p)[SEGMENT_OCTETS]) {                           \
+    for (int64_t g = 0; g < group; g++) {                                                      \
+        const float *pg = (const float *)p[g];                                                 \
+        for (int64_t c0 = 0; c0 < chunks; c0 += 8) {                                           \
+            const int64_t width = chunks - c0 < 8 ? chunks - c0 : 8;                           \
+            vec a[8];                                                                          \
+            for (int64_t i = 0; i < width; i++) a[i] = acc[g][c0 + i] * correction[g];        \
+            for (int64_t start = skip / block_size * block_size; start < n;                    \
+                 start += block_size) {                                                        \
+                const CACHE_T *v = value_cache                                                 \
+                    + (int64_t)table[start / block_size] * block_stride + offset               \
+                    + c0 * LANES - start * token_stride;                                       \
+                const int64_t end = n - start < block_size ? n : start + block_size;           \
+                for (int64_t t = start > skip ? start : skip; t < end; t++)                    \
+                    for (int64_t i = 0; i < width; i++)                                        \
+                        a[i] += pg[t] * LOAD(v + t * token_stride + i * LANES);                \
+            }                                                                                  \
+            for (int64_t i = 0; i < width; i++) acc[g][c0 + i] = a[i];                         \
+        }                                                                                      \
+    }                                                                                          \
+}
+
+// The online softmax's step for one query row over a segment's scores `s`: keys outside
+// [skip, n) masked out, the new running max, exponentials by vector_exp in place, and the
+// row's correction (exp(old max - new max)) for its accumulators and running sum.
+static inline void segment_softmax(vec *s, const int64_t skip, const int64_t n,
+                                   const float softcap, float *running_max, float *running_sum,
+                                   float *correction) {
+    ivec lane;
+    for (int i = 0; i < LANES; i++) lane[i] = i;
+    const int64_t octets = (n + LANES - 1) / LANES;
+    vec top = (vec){0} - INFINITY;
+    for (int64_t o = 0; o < octets; o++) {
+        if (softcap > 0.0f)
+            for (int j = 0; j < LANES; j++) s[o][j] = softcap * tanhf(s[o][j] / softcap);
+        const ivec at = lane + (int32_t)(o * LANES);
+        const ivec live = (at >= (int32_t)skip) & (at < (int32_t)n);
+        s[o] = (vec)(((ivec)s[o] & live) | ((ivec)((vec){0} - INFINITY) & ~live));
+        top = vmax(s[o], top);
+    }
+    const float block_max = hmax(top);
+    const float new_max = block_max > *running_max ? block_max : *running_max;
+    *correction = expf(*running_max - new_max);
+    *running_max = new_max;
+    vec sum = (vec){0};
+    for (int64_t o = 0; o < octets; o++) {
+        const ivec at = lane + (int32_t)(o * LANES);
+        const ivec live = (at >= (int32_t)skip) & (at < (int32_t)n);
+        s[o] = (vec)((ivec)vector_exp(s[o] - new_max) & live);
+        sum += s[o];
+    }
+    *running_sum = *running_sum * *correction + hsum(sum);
+}
+
+// One sequence's kv heads [kv_head, kv_head + heads), segment by segment: every head's scores
+// block by block (a block's rows, contiguous for all heads, are read once), each query row's
+// softmax step, then every head's weighted values. A segment is SEGMENT tokens of whole
+// blocks where the block size is a multiple of the lanes (else one block), starting at the
+// block that holds the first key in the window. Each query row's arithmetic is the same
+// whatever `heads` is, so a row's result does not depend on how the work was split.
+#define DEFINE_ATTEND(NAME, SUFFIX, CACHE_T, LOAD)                                             \
 static inline __attribute__((always_inline)) void NAME(                                        \
     const int64_t group, const int64_t chunks, const float *query, const CACHE_T *key_cache,   \
     const CACHE_T *value_cache, const int32_t *table, const int64_t seq_len, float *out,       \
     const int64_t token_stride, const int64_t block_stride, const int64_t block_size,          \
-    const int64_t kv_head, const float scale, const int64_t window, const float softcap,      \
-    const float *sinks) {                                                                      \
+    const int64_t kv_head, const int64_t heads, const float scale, const int64_t window,      \
+    const float softcap, const float *sinks) {                                                 \
     vec q[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];                                  \
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP];                                      \
-    vec scores[MAX_GROUP][MAX_BLOCK_SIZE / LANES];                                             \
-    for (int64_t g = 0; g < group; g++) {                                                      \
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP], correction[MAX_GROUP];               \
+    vec scores[MAX_GROUP][SEGMENT_OCTETS];                                                     \
+    const int64_t rows = heads * group, dim = chunks * LANES;                                  \
+    for (int64_t r = 0; r < rows; r++) {                                                       \
         for (int64_t c = 0; c < chunks; c++) {                                                 \
-            q[g][c] = load_f32(query + g * chunks * LANES + c * LANES) * scale;                \
-            acc[g][c] = (vec){0};                                                              \
+            q[r][c] = load_f32(query + r * dim + c * LANES) * scale;                           \
+            acc[r][c] = (vec){0};                                                              \
         }                                                                                      \
-        running_max[g] = sinks ? sinks[g] : -INFINITY; /* the sink: exp(sink - max) = 1 */    \
-        running_sum[g] = sinks ? 1.0f : 0.0f;                                                  \
+        running_max[r] = sinks ? sinks[r] : -INFINITY; /* the sink: exp(sink - max) = 1 */    \
+        running_sum[r] = sinks ? 1.0f : 0.0f;                                                  \
     }                                                                                          \
     const int64_t first = window < 0 ? (seq_len - 1) / -window * -window                      \
                           : window > 0 && seq_len > window ? seq_len - window : 0;              \
-    for (int64_t start = first / block_size * block_size; start < seq_len;                     \
-         start += block_size) {                                                                \
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;         \
+    const int64_t segment = block_size % LANES ? block_size : SEGMENT / block_size * block_size; \
+    const int64_t blocks = (seq_len + block_size - 1) / block_size;                            \
+    for (int64_t start = first / block_size * block_size; start < seq_len; start += segment) { \
+        const int64_t n = seq_len - start < segment ? seq_len - start : segment;               \
         const int64_t skip = first > start ? first - start : 0; /* keys left of the window */  \
-        const int64_t num_octets = (n + LANES - 1) / LANES;                                    \
-        const int64_t base = (int64_t)table[start / block_size] * block_stride                 \
-                             + kv_head * chunks * LANES;                                       \
-        const int64_t next = start + block_size < seq_len                                      \
-            ? (int64_t)table[start / block_size + 1] * block_stride + kv_head * chunks * LANES \
-            : -1;                                                                              \
-        for (int64_t o = 0; o < num_octets; o++) {                                             \
-            vec dot[MAX_GROUP][LANES];                                                         \
-            for (int64_t j = 0; j < LANES; j++) {                                              \
-                const int64_t t = o * LANES + j;                                               \
-                for (int64_t g = 0; g < group; g++) dot[g][j] = (vec){0};                      \
-                if (t >= n || t < skip) continue;                                              \
-                const CACHE_T *k = key_cache + base + t * token_stride;                        \
-                if (next >= 0) { /* the next block's row t: blocks sit anywhere, so the */     \
-                                 /* hardware prefetcher never sees them coming */              \
-                    const char *kn = (const char *)(key_cache + next + t * token_stride);      \
-                    const char *vn = (const char *)(value_cache + next + t * token_stride);    \
-                    for (int64_t b = 0; b < chunks * LANES * (int64_t)sizeof(CACHE_T);         \
-                         b += 64) {                                                            \
-                        __builtin_prefetch(kn + b, 0, 2);                                      \
-                        __builtin_prefetch(vn + b, 0, 2);                                      \
-                    }                                                                          \
-                }                                                                              \
-                vec d[MAX_GROUP]; /* in registers: one FMA chain per head */                   \
-                for (int64_t g = 0; g < group; g++) d[g] = (vec){0};                           \
-                for (int64_t c = 0; c < chunks; c++) {                                         \
-                    const vec kc = LOAD(k + c * LANES);                                        \
-                    for (int64_t g = 0; g < group; g++) d[g] += q[g][c] * kc;                  \
-                }                                                                              \
-                for (int64_t g = 0; g < group; g++) dot[g][j] = d[g];                          \
-            }                                                                                  \
-            for (int64_t g = 0; g < group; g++) {                                              \
-                scores[g][o] = sum8(dot[g]);                                                   \
-                if (softcap > 0.0f)                                                            \
-                    for (int64_t j = 0; j < LANES; j++)                                        \
-                        scores[g][o][j] = softcap * tanhf(scores[g][o][j] / softcap);          \
-            }                                                                                  \
+        const int32_t *segment_table = table + start / block_size;                             \
+        for (int64_t b = 0; b * block_size < n; b++) {                                         \
+            const int64_t base = (int64_t)segment_table[b] * block_stride + kv_head * dim;     \
+            const int64_t block = start / block_size + b;                                      \
+            const int64_t next = block + 1 < blocks                                            \
+                ? (int64_t)table[block + 1] * block_stride + kv_head * dim : -1;               \
+            const int64_t m = n - b * block_size < block_size ? n - b * block_size : block_size; \
+            for (int64_t h = 0; h < heads; h++)                                                \
+                scores_##SUFFIX(group, chunks, q + h * group, key_cache + base + h * dim,      \
+                                next >= 0 ? key_cache + next + h * dim : 0, token_stride, m,   \
+                                b * block_size / LANES, scores + h * group);                   \
         }                                                                                      \
-        for (int64_t g = 0; g < group; g++) {                                                  \
-            float block_max = running_max[g];                                                  \
-            for (int64_t o = 0; o < num_octets; o++) {                                         \
-                const int64_t valid = n - o * LANES;                                           \
-                for (int64_t j = skip > o * LANES ? skip - o * LANES : 0; j < LANES && j < valid; \
-                     j++)                                                                      \
-                    block_max = scores[g][o][j] > block_max ? scores[g][o][j] : block_max;     \
-            }                                                                                  \
-            const float correction = expf(running_max[g] - block_max);                         \
-            running_sum[g] *= correction;                                                      \
-            for (int64_t c = 0; c < chunks; c++) acc[g][c] *= correction;                      \
-            running_max[g] = block_max;                                                        \
-            vec sum = (vec){0};                                                                \
-            for (int64_t o = 0; o < num_octets; o++) {                                         \
-                vec p = vector_exp(scores[g][o] - block_max);                                  \
-                const int64_t valid = n - o * LANES;                                           \
-                for (int64_t j = valid; j < LANES; j++) p[j] = 0.0f;                           \
-                for (int64_t j = 0; j < LANES && j < skip - o * LANES; j++) p[j] = 0.0f;       \
-                scores[g][o] = p;                                                              \
-                sum += p;                                                                      \
-            }                                                                                  \
-            running_sum[g] += hsum(sum);                                                       \
-        }                                                                                      \
-        for (int64_t t = skip; t < n; t++) {                                                   \
-            const CACHE_T *v = value_cache + base + t * token_stride;                          \
-            for (int64_t c = 0; c < chunks; c++) {                                             \
-                const vec vc = LOAD(v + c * LANES);                                            \
-                for (int64_t g = 0; g < group; g++)                                            \
-                    acc[g][c] += scores[g][t / LANES][t % LANES] * vc;                         \
-            }                                                                                  \
-        }                                                                                      \
+        for (int64_t r = 0; r < rows; r++)                                                     \
+            segment_softmax(scores[r], skip, n, softcap, running_max + r, running_sum + r,     \
+                            correction + r);                                                   \
+        for (int64_t h = 0; h < heads; h++)                                                    \
+            values_##SUFFIX(group, chunks, acc + h * group, correction + h * group,            \
+                            value_cache, segment_table, block_stride, (kv_head + h) * dim,     \
+                            token_stride, block_size, skip, n, scores + h * group);            \
     }                                                                                          \
-    for (int64_t g = 0; g < group; g++) {                                                      \
-        const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;                \
+    for (int64_t r = 0; r < rows; r++) {                                                       \
+        const float inv = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;                \
         for (int64_t c = 0; c < chunks; c++) {                                                 \
-            const vec r = acc[g][c] * inv;                                                     \
-            memcpy(out + g * chunks * LANES + c * LANES, &r, sizeof(r));                       \
+            const vec res = acc[r][c] * inv;                                                   \
+            memcpy(out + r * dim + c * LANES, &res, sizeof(res));                              \
         }                                                                                      \
     }                                                                                          \
 }
@@ -177,28 +259,28 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define CASE(ATTEND, G, C)                                                                     \
     if (group == G && chunks == C)                                                             \
         return ATTEND(G, C, query, key_cache, value_cache, table, seq_len, out, token_stride,  \
-                      block_stride, block_size, kv_head, scale, window, softcap, sinks);
+                      block_stride, block_size, kv_head, heads, scale, window, softcap, sinks);
 #define CASES_FOR_GROUP(ATTEND, G)                                                             \
     CASE(ATTEND, G, 8) CASE(ATTEND, G, 16)
 
-// One (sequence, kv head) pair with literal sizes for head_dim 64/128 and groups 1-8,
-// runtime sizes for anything else. The choice is made per pair, inside the OpenMP region:
+// One task with literal sizes for head_dim 64/128 and groups 1-8, runtime sizes for
+// anything else. The choice is made per task, inside the OpenMP region:
 // an outlined parallel region would otherwise see the sizes as variables again.
 #define DEFINE_DISPATCH(NAME, ATTEND, CACHE_T)                                                 \
 static void NAME(const int64_t group, const int64_t chunks, const float *query,               \
                  const CACHE_T *key_cache, const CACHE_T *value_cache, const int32_t *table,  \
                  const int64_t seq_len, float *out, const int64_t token_stride,                \
                  const int64_t block_stride, const int64_t block_size, const int64_t kv_head,  \
-                 const float scale, const int64_t window, const float softcap,                 \
-                 const float *sinks) {                                                         \
+                 const int64_t heads, const float scale, const int64_t window,                 \
+                 const float softcap, const float *sinks) {                                    \
     CASES_FOR_GROUP(ATTEND, 1) CASES_FOR_GROUP(ATTEND, 2) CASES_FOR_GROUP(ATTEND, 3)           \
     CASES_FOR_GROUP(ATTEND, 4) CASES_FOR_GROUP(ATTEND, 5) CASES_FOR_GROUP(ATTEND, 6)           \
     CASES_FOR_GROUP(ATTEND, 7) CASES_FOR_GROUP(ATTEND, 8)                                      \
     ATTEND(group, chunks, query, key_cache, value_cache, table, seq_len, out, token_stride,    \
-           block_stride, block_size, kv_head, scale, window, softcap, sinks);                  \
+           block_stride, block_size, kv_head, heads, scale, window, softcap, sinks);           \
 }
 
-// The exported entry point: an OpenMP loop over (sequence, kv head) pairs, sequence-major.
+// The exported entry point: an OpenMP loop over tasks, sequence-major.
 #define DEFINE_DECODE(NAME, DISPATCH, CACHE_T)                                                 \
 int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,                   \
          const CACHE_T *value_cache, const int32_t *block_tables, int64_t table_stride,        \
@@ -210,30 +292,39 @@ int NAME(const float *query, int64_t query_stride, const CACHE_T *key_cache,    
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size > MAX_BLOCK_SIZE) return -1;    \
     const int64_t token_stride = num_kv_heads * head_dim;                                      \
     const int64_t block_stride = block_size * token_stride;                                    \
-    /* a thread takes a sequence's kv heads together, unless too few sequences for the threads */ \
-    const int64_t per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;                   \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, per_task) num_threads(num_threads)") \
+    /* a task: a sequence's kv heads together (up to MAX_GROUP query rows), unless too few */ \
+    /* sequences for the threads: then one kv head a task */                                   \
+    const int64_t span = num_seqs >= 4 * num_threads                                           \
+        ? (MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads) : 1;           \
+    const int64_t slabs = (num_kv_heads + span - 1) / span;                                    \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")     \
     for (int64_t seq = 0; seq < num_seqs; seq++) {                                             \
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++) {                         \
+        for (int64_t slab = 0; slab < slabs; slab++) {                                         \
+            const int64_t kv_head = slab * span;                                               \
+            const int64_t heads = num_kv_heads - kv_head < span ? num_kv_heads - kv_head : span; \
             const int64_t first_head = seq * num_heads + kv_head * group;                      \
             DISPATCH(group, chunks, query + seq * query_stride + kv_head * group * head_dim,   \
                      key_cache, value_cache, block_tables + seq * table_stride,                \
                      seq_lens[seq], out + first_head * head_dim, token_stride, block_stride,   \
-                     block_size, kv_head, scale, window, softcap,                              \
+                     block_size, kv_head, heads, scale, window, softcap,                       \
                      sinks ? sinks + kv_head * group : 0);                                     \
         }                                                                                      \
     }                                                                                          \
     return 0;                                                                                  \
 }
 
-DEFINE_ATTEND(attend_f32, float, load_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16)
+DEFINE_SEGMENT_PASSES(f32, float, load_f32)
+DEFINE_ATTEND(attend_f32, f32, float, load_f32)
+DEFINE_SEGMENT_PASSES(bf16, uint16_t, load_bf16)
+DEFINE_ATTEND(attend_bf16, bf16, uint16_t, load_bf16)
 DEFINE_DISPATCH(dispatch_f32, attend_f32, float)
 DEFINE_DISPATCH(dispatch_bf16, attend_bf16, uint16_t)
 DEFINE_DECODE(paged_decode_f32, dispatch_f32, float)
 DEFINE_DECODE(paged_decode_bf16, dispatch_bf16, uint16_t)
-DEFINE_ATTEND(attend_fp8_e4m3, uint8_t, load_fp8_e4m3)
-DEFINE_ATTEND(attend_fp8_e5m2, uint8_t, load_fp8_e5m2)
+DEFINE_SEGMENT_PASSES(fp8_e4m3, uint8_t, load_fp8_e4m3)
+DEFINE_ATTEND(attend_fp8_e4m3, fp8_e4m3, uint8_t, load_fp8_e4m3)
+DEFINE_SEGMENT_PASSES(fp8_e5m2, uint8_t, load_fp8_e5m2)
+DEFINE_ATTEND(attend_fp8_e5m2, fp8_e5m2, uint8_t, load_fp8_e5m2)
 DEFINE_DISPATCH(dispatch_fp8_e4m3, attend_fp8_e4m3, uint8_t)
 DEFINE_DISPATCH(dispatch_fp8_e5m2, attend_fp8_e5m2, uint8_t)
 DEFINE_DECODE(paged_decode_fp8_e4m3, dispatch_fp8_e4m3, uint8_t)

@@ -124,3 +124,23 @@ def test_query_rows_may_be_apart():
     assert not view.is_contiguous()
     args = (batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert torch.equal(paged_decode(view, *args), paged_decode(batch.query.contiguous(), *args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_its_batch(dtype):
+    """A sequence alone (a task per kv head) and among many (its kv heads in one task, block
+    by block) gives bitwise the same rows, and so does a window that starts mid-segment."""
+    lens = [1, 16, 37, 130, 300, 257, 9, 64, 511, 2, 100, 40]  # segments of 256 split some
+    batch = make_batch([1] * len(lens), lens, 9, 3, 64, 16, dtype, "cpu")
+    args = (batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, 0.125)
+    for window in (0, 200):
+        together = paged_decode(batch.query, *args, window=window)
+        for seq in range(len(lens)):
+            alone = paged_decode(
+                batch.query[seq : seq + 1], batch.key_cache, batch.value_cache,
+                batch.block_tables[seq : seq + 1], batch.seq_lens[seq : seq + 1], 0.125,
+                window=window,
+            )  # fmt: skip
+            assert torch.equal(alone, together[seq : seq + 1]), (window, seq)
+        twin = decode_attention_ref(batch.query.float(), *args, window=window)
+        assert_close("vs twin", together, twin, torch.float32)
