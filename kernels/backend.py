@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from kvpager.kernels import ops, reference
+from kvpager.kernels import ops, reference, reference_mla, reference_moe
 from kvpager.schemas.errors import ConfigError
 
 
@@ -28,8 +28,8 @@ class KernelOps:
     silu_and_mul: ops.SiluAndMul = reference.silu_and_mul_ref
     gelu_tanh_and_mul: ops.GeluTanhAndMul = reference.gelu_tanh_and_mul_ref
     gelu_and_mul: ops.GeluAndMul = reference.gelu_and_mul_ref  # hidden_act "gelu" (exact)
-    fused_moe: ops.FusedMoe = reference.fused_moe_ref
-    mla_attention: ops.MlaAttention = reference.mla_paged_attention_ref  # DeepSeek's latents
+    fused_moe: ops.FusedMoe = reference_moe.fused_moe_ref
+    mla_attention: ops.MlaAttention = reference_mla.mla_paged_attention_ref  # DeepSeek's latents
     # routed experts on oneDNN-packed matmuls where the decoder packs its weights and that pays
     # (bf16: engine/model/packed_experts.py, the twin's loop) instead of `fused_moe`
     pack_experts: bool = False

@@ -18,10 +18,10 @@ from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 from kvpager.kernels.cpu_layer_ops import rows_of_heads
 from kvpager.kernels.reference import (
     FP8_DTYPES,
-    _gather_context,
     _visible,
     chunk_attention_ref,
     decode_attention_ref,
+    gather_context,
     paged_attention_ref,
     with_sink_column,
 )
@@ -231,7 +231,7 @@ def _bf16_chunk_attention(
     for seq_idx in torch.nonzero(chosen).flatten().tolist():
         start, end, seq_len = starts[seq_idx], starts[seq_idx + 1], lens[seq_idx]
         k, v = (
-            _gather_context(cache, block_tables[seq_idx], seq_len).transpose(0, 1).unsqueeze(0)
+            gather_context(cache, block_tables[seq_idx], seq_len).transpose(0, 1).unsqueeze(0)
             for cache in (key_cache, value_cache)
         )
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]

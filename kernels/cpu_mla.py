@@ -1,6 +1,6 @@
 """Latent attention on the CPU (kernels/cpu/mla_decode.c): decode tokens and short prefill
 chunks on the C kernel, a row per query token over the latent pages read in place; long
-chunks on the torch twin (kernels/reference.py: mla_paged_attention_ref, up-projected
+chunks on the torch twin (kernels/reference_mla.py: mla_paged_attention_ref, up-projected
 per-head K / V, where matmuls win). Routed by the cpu backend (kernels/backend.py).
 """
 
@@ -8,7 +8,8 @@ import torch
 from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 from kvpager.kernels.cpu_decode import _token_rows
 from kvpager.kernels.mla_absorb import absorbed_query, latent_output
-from kvpager.kernels.reference import FP8_DTYPES, mla_paged_attention_ref
+from kvpager.kernels.reference import FP8_DTYPES
+from kvpager.kernels.reference_mla import mla_paged_attention_ref
 
 _ARGTYPES = (PTR, PTR, PTR, PTR, I64, PTR, PTR) + (I64,) * 5 + (FLOAT,)
 _FUNCTIONS = {

@@ -2,7 +2,7 @@
 Triton, kernels/cpu_mla.py in C): W_UK absorbed into the query before the kernel, W_UV
 applied after it. The kernels attend over whole latent page rows [latent | rope key] (K and V
 planes, each with its own fp8 scale); these turn their rows into what the torch twin,
-kernels/reference.py's mla_paged_attention_ref, returns.
+kernels/reference_mla.py's mla_paged_attention_ref, returns.
 """
 
 import torch

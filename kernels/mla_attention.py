@@ -20,7 +20,7 @@ Grid: (sequence, query tile, head tile); a tile's rows are BLOCK_Q tokens x BLOC
 
 An fp8 cache's planes have their own scales (k_scale, v_scale): folded into the query's
 halves for the scores and into the output's halves, so the kernel reads stored values.
-The torch twin is kernels/reference.py's mla_paged_attention_ref (same signature).
+The torch twin is kernels/reference_mla.py's mla_paged_attention_ref (same signature).
 """
 
 import torch
@@ -125,7 +125,7 @@ def mla_paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """kernels/reference.py's mla_paged_attention_ref on the Triton kernel: q_nope [T, H, n],
+    """kernels/reference_mla.py's mla_paged_attention_ref on the Triton kernel: q_nope [T, H, n],
     q_pe [T, H, r] (rotated), latent pages [num_blocks, block_size, 1, (L + r) / 2] (K and V
     planes, same strides, last dim contiguous), int32 block_tables [num_seqs, max_blocks],
     cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs]; w_uk [H, n, L], w_uv [H, v, L].

@@ -11,7 +11,7 @@ simple: the activation runs between the two launches, the top-k sum after them):
     launch 2  rows[p]  = act(inter)[p] @ down[e].T * weight[p]      [num_pairs, H]
     out[t]    = sum over slots of rows[t * top_k + slot]
 
-Same signature as kernels/reference.py's fused_moe_ref, its twin.
+Same signature as kernels/reference_moe.py's fused_moe_ref, its twin.
 """
 
 import torch

@@ -18,7 +18,7 @@ their dtype and ignore the scales. Cache layout everywhere:
     slot      = block_id * block_size + offset_in_block
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +137,7 @@ def reshape_and_cache_ref(
     value_cache[blocks, offsets] = quantise_ref(value[keep], value_cache.dtype, v_scale)
 
 
-def _gather_context(
+def gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scale: float = 1.0
 ) -> torch.Tensor:
     """[num_tokens, num_kv_heads, head_dim] of one sequence, read through its block table
@@ -225,8 +225,8 @@ def _sequence_attention(
 ):  # fmt: skip
     """Causal attention of one sequence's query chunk over its whole cached context."""
     q_len = q_seq.shape[0]
-    k = _gather_context(key_cache, block_table, seq_len, kv_scales[0]).transpose(0, 1)
-    v = _gather_context(value_cache, block_table, seq_len, kv_scales[1]).transpose(0, 1)
+    k = gather_context(key_cache, block_table, seq_len, kv_scales[0]).transpose(0, 1)
+    v = gather_context(value_cache, block_table, seq_len, kv_scales[1]).transpose(0, 1)
     k, v = k.unsqueeze(0), v.unsqueeze(0)
     # query i sits at position seq_len - q_len + i and sees keys 0..that position
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q_seq.device)
@@ -344,50 +344,6 @@ def swap_blocks_ref(
     dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
 
 
-def fused_moe_ref(
-    hidden: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Routed experts: each token's top-k experts' gated MLPs, weighted and summed.
-
-    hidden [T, H]; gate_up [E, 2 * I, H] (gate rows first); down [E, H, I]; topk_weights
-    [T, k] in hidden's dtype; topk_ids int [T, k]; gpt-oss's biases, gate_up_bias [E, 2 * I]
-    and down_bias [E, H], or None. Returns [T, H] in hidden's dtype. The
-    (token, slot) pairs are sorted by expert, so each expert runs two matmuls over all its
-    tokens at once; results are added back into their tokens' rows (index_add_)."""
-    top_k = topk_ids.shape[1]
-    out = torch.zeros_like(hidden)
-    for expert, pairs in pairs_by_expert(topk_ids, gate_up.shape[0]):
-        tokens = pairs // top_k
-        gate_up_rows = hidden[tokens] @ gate_up[expert].t()
-        if gate_up_bias is not None:
-            gate_up_rows = gate_up_rows + gate_up_bias[expert]
-        rows = activation(gate_up_rows) @ down[expert].t()
-        if down_bias is not None:
-            rows = rows + down_bias[expert]
-        out.index_add_(0, tokens, rows * topk_weights.flatten()[pairs, None])
-    return out
-
-
-def pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(expert, its pairs) for each expert with tokens; topk_ids [T, k], pair p = token * k +
-    slot, each expert's pairs in token order (a stable sort)."""
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            yield expert, order[start : start + count]
-        start += count
-
-
 def apply_token_bitmask_ref(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
 ) -> None:
@@ -417,77 +373,6 @@ def top_k_top_p_ref(
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-
-
-def _mla_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """[t, S] causal: the query i (at position S - t + i) sees the keys at or before it."""
-    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)
-    return torch.arange(num_keys, device=device)[None, :] <= q_pos[:, None]
-
-
-def mla_prefill_ref(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale: float) -> torch.Tensor:
-    """Latent attention with the latents up-projected to per-head K / V (a prefill chunk's
-    way), in fp32. q_nope [t, H, n], q_pe [t, H, r] (rotated), latent [S, L], k_pe [S, r]
-    (rotated) of the whole context, the t queries its last t positions; w_uk [H, n, L] and
-    w_uv [H, v, L] (kv_b_proj's rows). Returns fp32 [t, H, v]."""
-    q_nope, q_pe, latent, k_pe = q_nope.float(), q_pe.float(), latent.float(), k_pe.float()
-    k_nope = torch.einsum("sl,hnl->shn", latent, w_uk.float())
-    value = torch.einsum("sl,hvl->shv", latent, w_uv.float())
-    scores = torch.einsum("thn,shn->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)
-    mask = _mla_mask(q_nope.shape[0], latent.shape[0], latent.device)
-    probs = torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("hts,shv->thv", probs, value)
-
-
-def mla_decode_ref(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale: float) -> torch.Tensor:
-    """mla_prefill_ref's result with W_UK absorbed into the query and W_UV applied after
-    attention (decode's way): every head attends over the latents themselves, and no
-    per-head K or V is ever formed. Same arguments, fp32 [t, H, v]."""
-    q_nope, q_pe, latent, k_pe = q_nope.float(), q_pe.float(), latent.float(), k_pe.float()
-    q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk.float())
-    scores = torch.einsum("thl,sl->hts", q_latent, latent) + torch.einsum("thr,sr->hts", q_pe, k_pe)
-    mask = _mla_mask(q_nope.shape[0], latent.shape[0], latent.device)
-    probs = torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("thl,hvl->thv", torch.einsum("hts,sl->thl", probs, latent), w_uv.float())
-
-
-def mla_paged_attention_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    scale: float,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Latent attention over latent pages: each token's row [latent (L) | rotary key (r)] is
-    split in halves over key_cache and value_cache ([num_blocks, block_size, 1, (L + r) / 2]).
-    A single-token query (decode) attends absorbed (mla_decode_ref), a longer chunk
-    up-projected (mla_prefill_ref). Returns fp32 [T, H, v]."""
-    latent_rank = w_uk.shape[-1]
-    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=torch.float32)
-    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    for seq, num_keys in enumerate(lens):
-        first, last = starts[seq], starts[seq + 1]
-        if last == first:
-            continue
-        table = block_tables[seq]
-        rows = torch.cat(
-            (_gather_context(key_cache, table, num_keys, k_scale),
-             _gather_context(value_cache, table, num_keys, v_scale)), dim=-1,
-        )[:, 0].float()  # fmt: skip
-        attend = mla_decode_ref if last - first == 1 else mla_prefill_ref
-        out[first:last] = attend(
-            q_nope[first:last], q_pe[first:last], rows[:, :latent_rank], rows[:, latent_rank:],
-            w_uk, w_uv, scale,
-        )  # fmt: skip
-    return out
 
 
 def small_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -15,7 +15,7 @@ from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model.moe import route
 from kvpager.engine.model.packed_experts import PackedExperts
 from kvpager.kernels import cpu_layer_ops
-from kvpager.kernels.reference import fused_moe_ref
+from kvpager.kernels.reference_moe import fused_moe_ref
 
 HIDDEN, INTER, EXPERTS, TOP_K = 512, 256, 16, 2
 

@@ -5,7 +5,7 @@ shared by every head (`qk_rope_head_dim`), split in halves over the K and V plan
 one-head cache (ModelConfig.cache_head_dim); nothing per head. kv_b_proj's rows are W_UK
 (each head's key without RoPE) and W_UV (its value): a prefill chunk up-projects the
 context's latents to per-head keys and values, a decode token absorbs W_UK into its query and
-W_UV after attention, attending over the latents (kernels/reference.py: mla_paged_attention_ref,
+W_UV after attention, attending over the latents (kernels/reference_mla.py: mla_paged_attention_ref,
 the torch twin; the backend's `mla_attention`: C on the cpu set, Triton on the triton set).
 
 RoPE on adjacent pairs (`rope_interleave`) is turned into rotate-half by reordering the rotary

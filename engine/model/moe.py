@@ -22,7 +22,8 @@ from kvpager.engine.model.gpt_oss import route_top_logits
 from kvpager.engine.model.linear import release
 from kvpager.engine.model.packed_experts import PACKED_DTYPES, PackedExperts
 from kvpager.engine.model_config import ModelConfig
-from kvpager.kernels.reference import clamped_swiglu_ref, fused_moe_ref
+from kvpager.kernels.reference import clamped_swiglu_ref
+from kvpager.kernels.reference_moe import fused_moe_ref
 from torch import nn
 
 

@@ -1,7 +1,7 @@
 """Routed experts on CPU as oneDNN-prepacked matmuls (engine/model/linear.py's `make_linear`),
 one gate_up / down pair per expert, run over the rows of the tokens routed to that expert.
 
-The same math as kernels/reference.py's `fused_moe_ref`, its reference: (token, slot) pairs
+The same math as kernels/reference_moe.py's `fused_moe_ref`, its reference: (token, slot) pairs
 sorted by expert, each expert's two matmuls over all its tokens at once, the activation
 between them, the rows weighted and added back into their tokens (`index_add_`). Only the
 matmuls differ: a weight reordered once into oneDNN's blocked layout instead of MKL re-blocking
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 from kvpager.engine.model.linear import LinearFn, make_linear, onednn_packing_supported
-from kvpager.kernels.reference import pairs_by_expert
+from kvpager.kernels.reference_moe import pairs_by_expert
 
 # The decoder packs its experts in bf16 only (benchmarks/moe_experts.py compares the two). An
 # expert gets only T * k / E rows, and oneDNN's linear has a fixed cost a call outside its

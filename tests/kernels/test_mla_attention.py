@@ -12,7 +12,7 @@ from kvpager.kernels import cpu_mla
 from kvpager.kernels.backend import get_kernel_ops
 from kvpager.kernels.cpu_mla import mla_attention_cpu
 from kvpager.kernels.mla_attention import mla_paged_attention
-from kvpager.kernels.reference import mla_paged_attention_ref
+from kvpager.kernels.reference_mla import mla_paged_attention_ref
 
 from tests.kernels.test_fp8_kv import AVX2, SCALES
 from tests.kernels.test_paged_attention import CHUNKED, DECODE, MIXED, PREFILL, make_batch

@@ -5,7 +5,8 @@ get no token, intermediate sizes that are no power of two, top-1 and top-3)."""
 import pytest
 import torch
 from kvpager.kernels.moe import BLOCK_M, fused_moe, sort_pairs_by_expert
-from kvpager.kernels.reference import fused_moe_ref, gelu_tanh_and_mul_ref, silu_and_mul_ref
+from kvpager.kernels.reference import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from kvpager.kernels.reference_moe import fused_moe_ref
 
 from tests.kernels.test_paged_attention import TOLERANCES, assert_close
 

@@ -17,6 +17,8 @@ from kvpager.kernels import (
     ops,
     paged_attention,
     reference,
+    reference_mla,
+    reference_moe,
 )
 
 IMPLEMENTATIONS = {
@@ -41,9 +43,9 @@ IMPLEMENTATIONS = {
     "silu_and_mul": [reference.silu_and_mul_ref, cpu_layer_ops.silu_and_mul],
     "gelu_tanh_and_mul": [reference.gelu_tanh_and_mul_ref],
     "gelu_and_mul": [reference.gelu_and_mul_ref],
-    "fused_moe": [reference.fused_moe_ref, moe.fused_moe],
+    "fused_moe": [reference_moe.fused_moe_ref, moe.fused_moe],
     "mla_attention": [
-        reference.mla_paged_attention_ref,
+        reference_mla.mla_paged_attention_ref,
         cpu_mla.mla_attention_cpu,
         mla_attention.mla_paged_attention,
     ],

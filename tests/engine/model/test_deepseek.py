@@ -15,7 +15,7 @@ from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.loader import load_weights
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels.backend import get_kernel_ops
-from kvpager.kernels.reference import mla_decode_ref, mla_prefill_ref
+from kvpager.kernels.reference_mla import mla_decode_ref, mla_prefill_ref
 
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
 from tests.engine.model.test_bf16 import MAX_TOKENS as BF16_TOKENS

@@ -10,7 +10,8 @@ from kvpager.engine.model.moe import RoutedExperts
 from kvpager.engine.model.packed_experts import PackedExperts
 from kvpager.engine.model_config import ModelConfig
 from kvpager.kernels import cpu_layer_ops
-from kvpager.kernels.reference import fused_moe_ref, gelu_tanh_and_mul_ref
+from kvpager.kernels.reference import gelu_tanh_and_mul_ref
+from kvpager.kernels.reference_moe import fused_moe_ref
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 64, 48
 BF16 = pytest.param(
