@@ -202,6 +202,8 @@ class SchedulerInfo(msgspec.Struct):
     vocab_size: int = 0
     scheduler_id: str = ""
     executor_id: str = ""
-    # blocks held for peers to read (a drain's handoffs), plus a closing scheduler's
-    # unfinished requests (about to be handed on): the executor stays up meanwhile
+    # blocks held for peers to read (a drain's handoffs), and requests not yet finished:
+    # a stopping executor stays up while either is above 0 (whether or not the scheduler
+    # has had its own signal yet: `kvpager serve` signals both at once, in no fixed order)
     num_kv_held: int = 0
+    num_unfinished: int = 0

@@ -110,7 +110,9 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.block_manager.disk.waiting)
+        """The requests `has_unfinished` looks at, counted."""
+        waiting_on_kv = len(self.block_manager.disk.waiting) + len(self.importing)
+        return len(self.waiting) + len(self.running) + waiting_on_kv
 
     @property
     def num_swapped(self) -> int:

@@ -81,6 +81,7 @@ class ExecutorService:
         self._pieces = Pieces(settings.step_timeout, config.max_num_seqs * config.max_model_len)
         self._ahead: list[NewRequest] = []  # StepRequests of the next step
         self._last_step_id: int | None = None
+        self._stopped = False  # the step thread is gone: steps are refused
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
         self._reconnects = Reconnects(nc)
@@ -213,6 +214,10 @@ class ExecutorService:
     async def _run_step(self, step: ScheduledStep) -> None:
         """Steps run in order: an out-of-order one is refused and the order kept, so one stray
         or replayed step cannot move the executor's count."""
+        if self._stopped:  # past stop(): the step thread is gone
+            message = "the executor is shutting down"
+            await self._fail(step.step_id, message, "executor_unavailable")
+            return
         expected = None if self._last_step_id is None else self._last_step_id + 1
         if expected is not None and step.step_id != expected:
             self._pieces.clear()
@@ -288,23 +293,23 @@ class ExecutorService:
         await self.nc.publish(self.subjects.scheduler_outputs, pack(failed))
 
     async def _needed(self) -> bool:
-        """Pulls in flight, or a scheduler holding blocks for peers to read (a drain's
-        handoffs): they read them from us, so we stay until it lets them go."""
-        if self.kv is None:
-            return False
-        if self.kv.busy:
+        """Pulls in flight, or a scheduler with requests to finish or blocks held for peers
+        to read (a drain's handoffs): steps may still come, or peers read the blocks from
+        us. A scheduler that answers with an error is up, and may still need us."""
+        if self.kv is not None and self.kv.busy:
             return True
         try:
             reply = await ping(self.nc, self.subjects.scheduler_info, 0.5)
         except PeerGone:
             return False
-        if reply is None or not reply.data:  # empty: NATS's "no responders", the scheduler gone
-            return False
+        if reply is None:  # up but busy: the deadline bounds the wait
+            return True
         try:
-            return msgspec.msgpack.decode(reply.data, type=SchedulerInfo).num_kv_held > 0
+            info = msgspec.msgpack.decode(reply.data, type=SchedulerInfo)
         except msgspec.DecodeError:
-            log.warning("bad scheduler info ignored at stop")
-            return False
+            log.warning("bad scheduler info at stop", headers=reply.headers)
+            return True
+        return info.num_kv_held > 0 or info.num_unfinished > 0
 
     async def _exit_lost(self, reason: str) -> None:
         """A tensor-parallel rank is gone: no step can run again. Exit now (the ranks started
@@ -329,4 +334,5 @@ class ExecutorService:
         if self.kv is not None:
             self.kv.close()
         async with self._lock:  # tensor parallel: the other ranks exit too
+            self._stopped = True
             await asyncio.get_running_loop().run_in_executor(None, self.runner.close)

@@ -4,7 +4,10 @@ from kvpager.schemas.scheduler import ExecutorReady, SchedulerInfo
 
 
 def scheduler_info(
-    scheduler_id: str, ready: ExecutorReady | None, num_kv_held: int = 0
+    scheduler_id: str,
+    ready: ExecutorReady | None,
+    num_kv_held: int = 0,
+    num_unfinished: int = 0,
 ) -> SchedulerInfo:
     if ready is None:
         return SchedulerInfo(executor_attached=False, scheduler_id=scheduler_id)
@@ -16,4 +19,5 @@ def scheduler_info(
         scheduler_id=scheduler_id,
         executor_id=ready.executor_id,
         num_kv_held=num_kv_held,
+        num_unfinished=num_unfinished,
     )

@@ -310,12 +310,12 @@ class SchedulerService(KvMovesService):
 
     async def _on_info(self, msg: Msg) -> None:
         self.watch.check_reconnect()  # never report an executor that is about to be dropped
-        held = 0
+        held = unfinished = 0
         if self.core is not None:
             held = len(self.core.scheduler.held)
-            if self._closing:  # streams about to be handed on or finished: their blocks stay
-                held += self.core.scheduler.num_unfinished()
-        await msg.respond(pack(scheduler_info(self.scheduler_id, self.executor, held)))
+            unfinished = self.core.scheduler.num_unfinished
+        info = scheduler_info(self.scheduler_id, self.executor, held, unfinished)
+        await msg.respond(pack(info))
 
     async def _on_stats(self, msg: Msg) -> None:
         if self.core is None or not is_inbox(msg.reply):

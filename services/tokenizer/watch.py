@@ -88,7 +88,11 @@ class StreamWatch:
             error = ErrorInfo("unavailable", f"the scheduler did not answer for {limit} s")
             await self._move_all(instance, submitted, error)
         elif reply is not None:
-            scheduler_id = msgspec.msgpack.decode(reply.data, type=SchedulerInfo).scheduler_id
+            try:
+                scheduler_id = msgspec.msgpack.decode(reply.data, type=SchedulerInfo).scheduler_id
+            except msgspec.DecodeError:  # it answered, so it is up: its id is unknown this time
+                log.warning("bad scheduler info", instance=instance, headers=reply.headers)
+                return
             lost = [s for s in submitted if s.scheduler_id not in ("", scheduler_id)]
             error = ErrorInfo("unavailable", "the scheduler restarted")
             await self._move_all(instance, lost, error)

@@ -1,9 +1,11 @@
 """The executor service over a real nats-server, with this test as its scheduler: steps naming
 blocks outside the cache, out of order or undecodable are answered with a typed StepFailed (or
 dropped), the process keeps running and keeps its state, and the request it was running goes on
-with the tokens an undisturbed run samples."""
+with the tokens an undisturbed run samples. A stopping executor stays while its scheduler
+still has requests, however long no step comes."""
 
 import asyncio
+import signal
 
 import msgspec
 import nats
@@ -34,6 +36,7 @@ class FakeScheduler:
         self.nc, self.subjects = nc, subjects
         self.ready: ExecutorReady | None = None
         self.answers: asyncio.Queue = asyncio.Queue()
+        self.num_unfinished = 0  # what the info answers
         self._decoder = msgspec.msgpack.Decoder(ExecutorMessage)
 
     async def start(self) -> None:
@@ -48,7 +51,9 @@ class FakeScheduler:
 
     async def _info(self, msg) -> None:
         executor_id = self.ready.executor_id if self.ready else ""
-        info = SchedulerInfo(True, "m", 512, 384, "fake-scheduler", executor_id)
+        info = SchedulerInfo(
+            True, "m", 512, 384, "fake-scheduler", executor_id, num_unfinished=self.num_unfinished
+        )
         await msg.respond(msgspec.msgpack.encode(info))
 
     async def _output(self, msg) -> None:
@@ -105,6 +110,41 @@ async def test_bad_steps_get_typed_errors_and_the_executor_keeps_its_state(
         assert services.processes["executor"].poll() is None
         logs = "\n".join(services.log_lines("executor"))
         assert "undecodable message" in logs
+    finally:
+        services.stop()
+        await nc.close()
+
+
+async def test_a_stopping_executor_stays_while_its_scheduler_has_requests(
+    nats_server, tiny_llama, tmp_path
+):
+    """`kvpager serve` signals a scheduler and its executor at once; on a loaded host the
+    executor may handle it first, and no step come for a while. It must not go (its
+    scheduler's streams would fail) until the scheduler has no request left."""
+    subjects = Subjects("stopping", "default")
+    nc = await nats.connect(nats_server.url)
+    scheduler = FakeScheduler(nc, subjects)
+    await scheduler.start()
+    services = start_services(
+        nats_server.url, tiny_llama, tmp_path, prefix="stopping", names=("executor",)
+    )
+    executor = services.processes["executor"]
+    try:
+        while scheduler.ready is None:
+            assert executor.poll() is None, services.log_lines("executor")
+            await asyncio.sleep(0.1)
+        new = NewRequest("a", PROMPT, len(PROMPT), GREEDY, [2], 0)
+        first = await scheduler.step(
+            ScheduledStep(1, new_requests=[new], num_scheduled_tokens={"a": len(PROMPT)})
+        )
+        assert isinstance(first, StepDone)
+        scheduler.num_unfinished = 1
+        executor.send_signal(signal.SIGTERM)
+        await asyncio.sleep(2.0)  # four times the idle time after which it would go
+        assert executor.poll() is None, services.log_lines("executor")
+        assert isinstance(await scheduler.step(_decode(2, 12)), StepDone)
+        scheduler.num_unfinished = 0
+        assert await asyncio.to_thread(executor.wait, 10) == 0
     finally:
         services.stop()
         await nc.close()
