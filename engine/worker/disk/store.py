@@ -52,6 +52,9 @@ log = structlog.get_logger(__name__)
 RESCAN_S = 5.0  # an idle writer lists the folder this often (other instances' files)
 MAX_LISTED_PER_STEP = 8192  # hashes a step output carries (~300 kB)
 LOAD_WAIT_S = 5.0  # an idle step waits at most this long for reads in flight
+# a reset, flush or close waits at most this long for the threads: a read or write stuck in
+# the kernel (a hung network file system) fails loudly instead of hanging the executor
+DRAIN_WAIT_S = 120.0
 # reader threads: a read is bound by its HMAC (~1 GB/s a core), which hashlib computes
 # without the GIL, so a step's reads split over several threads go at several cores' pace
 NUM_READERS = max(1, min(4, os.cpu_count() or 1))
@@ -174,7 +177,9 @@ class DiskStore:
     def reset(self) -> None:
         """A new scheduler: finish the reads in flight (their blocks are its free blocks now)
         and tell it everything on disk again."""
-        futures.wait(self._loads)
+        _, stuck = futures.wait(self._loads, timeout=DRAIN_WAIT_S)
+        if stuck:  # they would write into blocks the new scheduler hands out
+            raise TimeoutError(f"disk tier: {len(stuck)} reads unfinished after {DRAIN_WAIT_S} s")
         self._loads = []
         with self._lock:
             self._removed = []
@@ -182,13 +187,21 @@ class DiskStore:
 
     def flush(self) -> None:
         """Wait until every block saved so far is on disk (or failed)."""
-        self._writes.join()
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while self._writes.unfinished_tasks:
+            if not self._writer.is_alive() or time.monotonic() > deadline:
+                raise TimeoutError("disk tier: the writer stopped with blocks unwritten")
+            time.sleep(0.001)
 
     def close(self) -> None:
-        """Finish the writes queued so far, then stop."""
+        """Finish the writes queued so far, then stop; threads still stuck are left behind
+        (daemons, with a warning), never waited for without end."""
         self._writes.put(None)
-        self._writer.join(timeout=60)
-        self._reader.shutdown(wait=True)
+        self._writer.join(timeout=DRAIN_WAIT_S)
+        _, stuck = futures.wait(self._loads, timeout=DRAIN_WAIT_S)
+        if stuck or self._writer.is_alive():
+            log.warning("disk tier closed with threads stuck", num_reads=len(stuck))
+        self._reader.shutdown(wait=not stuck, cancel_futures=True)
         os.close(self._dir_fd)
 
     # --- reads (the reader thread) --------------------------------------------------------
@@ -297,7 +310,10 @@ class DiskStore:
                 finally:
                     self._writes.task_done()
             if time.monotonic() - last_scan >= RESCAN_S and self._writes.empty():
-                self.rescan()
+                try:
+                    self.rescan()
+                except OSError as exc:  # the folder gone: the writer stays up for the writes
+                    log.warning("disk tier listing failed", error=str(exc))
                 last_scan = time.monotonic()
 
     def _write_batch(self, blocks: list[DiskBlock], snapshot: torch.Tensor) -> None:

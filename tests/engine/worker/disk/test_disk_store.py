@@ -4,12 +4,16 @@ bytes, the listing at start and a rescan of a folder another store writes to."""
 import hashlib
 import hmac
 import os
+import shutil
 import stat
+import threading
+import time
 import zlib
 
 import pytest
 import torch
 from blake3 import blake3
+from kvpager.engine.worker.disk import store as store_module
 from kvpager.engine.worker.disk.files import (
     HEADER,
     MAC_OFFSET,
@@ -194,3 +198,26 @@ def test_stores_sharing_a_folder_see_each_others_files(tmp_path):
     assert torch.equal(target[:, :, 1], cache[:, :, 1])
     first.close()
     second.close()
+
+
+def test_the_writer_outlives_its_folder_and_nothing_waits_without_end(tmp_path, monkeypatch):
+    """A folder removed under the store (a cleanup job): the idle listing fails, the writer
+    stays up, and later blocks fail as removed. A read stuck in the kernel makes a reset
+    fail loudly at its bound, not hang the executor."""
+    monkeypatch.setattr(store_module, "RESCAN_S", 0.05)
+    store = DiskStore(tmp_path, 1 << 20, LAYOUT, KEY)
+    report(store)
+    shutil.rmtree(store.folder)
+    time.sleep(0.3)  # several idle listings of a folder that is gone
+    cache = cpu_cache(2)
+    store.save(blocks(range(2)), cache, cache)
+    store.flush()  # a dead writer would leave this waiting forever
+    assert set(report(store).disk_removed) >= {block_hash(0), block_hash(1)}
+    monkeypatch.setattr(store_module, "DRAIN_WAIT_S", 0.2)
+    go, read_block = threading.Event(), store._read_block
+    store._read_block = lambda *args: go.wait(30.0) and read_block(*args)
+    store.load(blocks(range(1)), torch.zeros_like(cache))
+    with pytest.raises(TimeoutError, match="1 reads unfinished"):
+        store.reset()
+    go.set()
+    store.close()
