@@ -24,12 +24,14 @@ import json
 import os
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 from kvpager.engine.download import resolve_model
 from kvpager.kernels.isa import isa_flags
 from kvpager.services.serve.processes import python_module
 
+from benchmarks.serving import cpu_split
 from benchmarks.serving.nats_peer import free_port, stop
 from benchmarks.serving.servers import wait_http as wait_healthy
 from benchmarks.serving.ttft_split import describe, scrape, split
@@ -132,7 +134,7 @@ def run_engine(args, engine: str, out_dir: Path) -> dict[tuple[str, str], dict]:
             seed = 1000 if dataset in FRESH_PROMPTS else 0
             bench(args, port, dataset, "inf", args.warmup, warm, args.max_num_seqs, seed)
         for row in rows(args):
-            results[row] = bench_row(args, engine, port, row, out_dir)
+            results[row] = bench_row(args, engine, server, port, row, out_dir)
             print(f"{engine} {' '.join(map(str, row))}: {summary(results[row])}")
     finally:
         stop(server, timeout_s=60)
@@ -146,14 +148,22 @@ def rows(args) -> list[tuple[str, str, int]]:
     return [(d, r, c) for d in args.datasets for r in args.rates for c in levels]
 
 
-def bench_row(args, engine: str, port: int, row: tuple[str, str, int], out_dir: Path) -> dict:
-    """One row's result; kvpager's carries its TTFT split (`ttft_split`) from /metrics."""
+def bench_row(
+    args, engine: str, server: subprocess.Popen, port: int, row: tuple[str, str, int], out_dir
+) -> dict:
+    """One row's result; kvpager's carries its TTFT split (`ttft_split`) from /metrics; both
+    the server's CPU seconds by process (`cpu_s`)."""
     dataset, rate, concurrency = row
     prompts = args.num_prompts if rate == "inf" else args.moderate_prompts
     out = out_dir / f"{engine}-{dataset}-{rate}-c{concurrency}"
     before = scrape(port) if engine == "kvpager" else None
     seed = 1 + rows(args).index(row) if dataset in FRESH_PROMPTS else 0
+    cpu_before, started = cpu_split.cpu_seconds(server.pid), time.monotonic()
     result = bench(args, port, dataset, rate, prompts, out, concurrency, seed)
+    result["cpu_s"] = cpu_split.spent(cpu_before, cpu_split.cpu_seconds(server.pid))
+    wall_s = time.monotonic() - started
+    where = cpu_split.describe(result["cpu_s"], wall_s)
+    print(f"{engine} {dataset} rate {rate} x{concurrency}: {where}")
     if before is not None:
         result["ttft_split"] = split(before, scrape(port), result.get("mean_ttft_ms", 0.0))
         print(f"kvpager {dataset} rate {rate} x{concurrency}: {describe(result['ttft_split'])}")

@@ -75,8 +75,11 @@ async def test_flood_past_the_waiting_bound_is_overloaded_at_once(client: Client
     flooded = await asyncio.wait_for(flood(client, num, VOCAB_SIZE), PHASE_TIMEOUT_S)
     most_waiting = (await client.stats()).peak_waiting  # counted as requests were added
     assert flooded.other == [] and flooded.num_completed + len(flooded.refusal_s) == num
-    assert MAX_WAITING // 2 <= most_waiting <= MAX_WAITING, most_waiting  # filled, never past
-    assert len(flooded.refusal_s) >= num // 4
+    # the scheduler refuses only a full queue: refusals mean it filled, and never went past.
+    # How many are refused depends on how many finish while the flood is still arriving
+    # (233 of 1,024 in a CI run on 2 cores, 413 alone): more than running + waiting hold
+    # arrive within that time, so some are
+    assert flooded.refusal_s and most_waiting == MAX_WAITING, most_waiting
     slowest = max(flooded.refusal_s)
     assert slowest < 5.0, slowest
     print(
