@@ -64,6 +64,23 @@ class FakeScheduler:
         return await asyncio.wait_for(self.answers.get(), 30.0)
 
 
+async def _executor_for_this_test(nats_server, model, tmp_path, prefix: str):
+    """An executor service attached to this test as its scheduler: (nc, scheduler, services)."""
+    nc = await nats.connect(nats_server.url)
+    scheduler = FakeScheduler(nc, Subjects(prefix, "default"))
+    await scheduler.start()
+    services = start_services(nats_server.url, model, tmp_path, prefix=prefix, names=("executor",))
+    try:
+        while scheduler.ready is None:
+            assert services.processes["executor"].poll() is None, services.log_lines("executor")
+            await asyncio.sleep(0.1)
+    except BaseException:
+        services.stop()
+        await nc.close()
+        raise
+    return nc, scheduler, services
+
+
 def _decode(step_id: int, computed: int, **changes) -> ScheduledStep:
     cached = CachedRequest("a", computed, **changes)
     return ScheduledStep(step_id, cached_requests=[cached], num_scheduled_tokens={"a": 1})
@@ -75,17 +92,11 @@ async def test_bad_steps_get_typed_errors_and_the_executor_keeps_its_state(
     offline = LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=48)
     reference = offline.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
     offline.close()
-    subjects = Subjects("steps", "default")
-    nc = await nats.connect(nats_server.url)
-    scheduler = FakeScheduler(nc, subjects)
-    await scheduler.start()
-    services = start_services(
-        nats_server.url, tiny_llama, tmp_path, prefix="steps", names=("executor",)
+    nc, scheduler, services = await _executor_for_this_test(
+        nats_server, tiny_llama, tmp_path, "steps"
     )
+    subjects = scheduler.subjects
     try:
-        while scheduler.ready is None:
-            assert services.processes["executor"].poll() is None, services.log_lines("executor")
-            await asyncio.sleep(0.1)
         num_blocks = scheduler.ready.num_blocks
         new = NewRequest("a", PROMPT, len(PROMPT), GREEDY, [2], 0)
         first = await scheduler.step(
@@ -121,18 +132,11 @@ async def test_a_stopping_executor_stays_while_its_scheduler_has_requests(
     """`kvpager serve` signals a scheduler and its executor at once; on a loaded host the
     executor may handle it first, and no step come for a while. It must not go (its
     scheduler's streams would fail) until the scheduler has no request left."""
-    subjects = Subjects("stopping", "default")
-    nc = await nats.connect(nats_server.url)
-    scheduler = FakeScheduler(nc, subjects)
-    await scheduler.start()
-    services = start_services(
-        nats_server.url, tiny_llama, tmp_path, prefix="stopping", names=("executor",)
+    nc, scheduler, services = await _executor_for_this_test(
+        nats_server, tiny_llama, tmp_path, "stopping"
     )
     executor = services.processes["executor"]
     try:
-        while scheduler.ready is None:
-            assert executor.poll() is None, services.log_lines("executor")
-            await asyncio.sleep(0.1)
         new = NewRequest("a", PROMPT, len(PROMPT), GREEDY, [2], 0)
         first = await scheduler.step(
             ScheduledStep(1, new_requests=[new], num_scheduled_tokens={"a": len(PROMPT)})
