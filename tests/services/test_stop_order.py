@@ -14,7 +14,7 @@ from kvpager.services.subjects import Subjects
 from tests.services.conftest import start_services, stop_and_check
 
 PREFIX = "stoporder"
-NUM_TOKENS = 300
+NUM_TOKENS = 700  # with its prompt, under the 48 blocks of 16 the services have
 
 
 async def _info(nc, subject: str) -> SchedulerInfo:
