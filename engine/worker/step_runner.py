@@ -68,16 +68,12 @@ class InProcessExecutor:
         return await asyncio.wrap_future(self._pending.pop(step.step_id))
 
     def close(self) -> None:
-        """Idempotent. The executor closes on the step thread, after any step still in flight
-        (a step planned ahead may run on after the caller's last answer; closing beside it
-        shut the disk tier under its reads), and tensor-parallel ranks are told to stop before
-        the step thread (which started them, and whose end they would die of) goes."""
+        """Idempotent. Tensor-parallel ranks are told to stop before the step thread (which
+        started them, and whose end they would die of) goes."""
         if not self._closed:
             self._closed = True
-            try:
-                self._worker.submit(self.executor.close).result()
-            finally:
-                self._worker.shutdown(wait=True)
+            self.executor.close()
+            self._worker.shutdown(wait=True)
 
     def _timed(self, step: ScheduledStep) -> StepDone:
         started = time.monotonic()
