@@ -92,19 +92,15 @@ class LLM:
         self.scheduler = build_scheduler(self.config, self.executor.ready("in-process", str(path)))
         self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)
         self._loop = LoopThread()
-        # dropped without close(): the step thread, any other ranks and the loop thread end
-        # too. The garbage collector runs this on whatever thread it interrupts, perhaps
-        # inside threading's own locks, where joining a thread deadlocks (a CI run hung so:
-        # a disk reader thread's start collected an older LLM, whose close joined its step
-        # thread). So it joins nothing here: the loop's thread closes the runner.
-        weakref.finalize(self, self._loop.stop_after, self.runner.close)
+        weakref.finalize(self, self._loop.close)  # the loop thread ends with the LLM
+        weakref.finalize(self, self.runner.close)  # so do the step thread and any other ranks
         self._tracked: dict[str, _Tracked] = {}
         self._bar: tqdm | None = None
         self._ids = itertools.count()
 
     def close(self) -> None:
         """Stop the executor's thread and, under tensor parallelism, its other ranks (also when
-        the LLM is dropped, which ends the loop's thread too)."""
+        the LLM is dropped)."""
         self.runner.close()
 
     def __enter__(self) -> "LLM":
