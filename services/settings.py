@@ -224,7 +224,7 @@ class Settings(RequestCaps):
         from kvpager.engine.model_config import check_kv_cache_dtype  # the engine's own rule
 
         check_kv_cache_dtype(self.kv_cache_dtype)  # here, before any service starts
-        from kvpager.engine.speculative_config import SpeculativeConfig
+        from kvpager.engine.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # a bad field, before any starts
 

@@ -29,8 +29,8 @@ from functools import partial
 import numpy as np
 import torch
 from kvpager.engine import LLM, SamplingParams
+from kvpager.engine.config import SpeculativeConfig
 from kvpager.engine.download import resolve_model
-from kvpager.engine.speculative_config import SpeculativeConfig
 from kvpager.engine.worker.spec_decode.suffix_proposer import SuffixProposer
 
 from benchmarks.engine import spec_decode_vllm

@@ -33,9 +33,9 @@ the next:
 
 from dataclasses import dataclass, field
 
+from kvpager.engine.config import SpeculativeConfig
 from kvpager.engine.kv.block_manager import BlockManager
 from kvpager.engine.request import Request
-from kvpager.engine.speculative_config import SpeculativeConfig
 
 ACCEPTANCE_WINDOW = 32  # verified proposals judged at once, per request
 PAUSE_TOKENS = 64  # output tokens a request under the acceptance rate goes without proposals

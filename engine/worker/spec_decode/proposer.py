@@ -2,7 +2,7 @@
 
 from typing import Protocol
 
-from kvpager.engine.speculative_config import SpeculativeConfig
+from kvpager.engine.config import SpeculativeConfig
 from kvpager.engine.worker.input_batch import InputBatch, RequestState
 from kvpager.engine.worker.spec_decode.ngram_proposer import NgramProposer
 from kvpager.engine.worker.spec_decode.suffix_proposer import SuffixProposer

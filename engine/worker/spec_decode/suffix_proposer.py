@@ -17,7 +17,7 @@ verified the same way (verify.py): greedy outputs and seeded samples are unchang
 """
 
 import numpy as np
-from kvpager.engine.speculative_config import SpeculativeConfig
+from kvpager.engine.config import SpeculativeConfig
 from kvpager.engine.worker.input_batch import InputBatch, RequestState
 from kvpager.engine.worker.spec_decode.suffix_cache import SuffixCache
 from kvpager.engine.worker.spec_decode.suffix_match import DraftLimits, best_draft

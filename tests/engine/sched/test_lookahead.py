@@ -1,10 +1,9 @@
 """The scheduler's side of speculative decoding, driven by hand-made step outputs: lookahead
 slots in the budget, rollback of rejected tokens, the prefix cache, copy-on-write, tuning."""
 
-from kvpager.engine.config import CacheConfig, SchedulerConfig
+from kvpager.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvpager.engine.request import Request
 from kvpager.engine.sched.scheduler import Scheduler
-from kvpager.engine.speculative_config import SpeculativeConfig
 from kvpager.schemas.sampling import SamplingParams
 from kvpager.schemas.scheduler import StepOutput
 

@@ -166,7 +166,7 @@ def test_sampled_drafts_keep_the_distribution(looping, blurred, monkeypatch):  #
 
 
 def test_draft_config_as_vllm_writes_it(truncated):
-    from kvpager.engine.speculative_config import SpeculativeConfig
+    from kvpager.engine.config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(f'{{"model": "{truncated}", "num_speculative_tokens": 3}}')
     assert (config.method, config.model, config.num_speculative_tokens) == (

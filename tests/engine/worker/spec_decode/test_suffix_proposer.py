@@ -3,7 +3,7 @@ probability threshold and adaptive length, the cross-request cache and its LRU b
 
 import numpy as np
 import pytest
-from kvpager.engine.speculative_config import SpeculativeConfig
+from kvpager.engine.config import SpeculativeConfig
 from kvpager.engine.worker.spec_decode.suffix_match import DraftLimits, best_draft, walk
 from kvpager.engine.worker.spec_decode.suffix_proposer import SuffixProposer
 
