@@ -16,8 +16,6 @@ def label(process: psutil.Process) -> str:
     for role in ("executor", "scheduler", "tokenizer", "http", "serve"):
         if role in cmdline[1:]:
             return role
-    if "serve" in cmdline:
-        return "serve"
     return name
 
 
@@ -44,7 +42,7 @@ def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 
 def describe(seconds: dict[str, float], wall_s: float) -> str:
-    """`role s (share of 2 cores)`, the largest first."""
+    """The total, then `role seconds` for each role, the largest first."""
     total = sum(seconds.values())
     parts = [f"{role} {s:.1f}" for role, s in sorted(seconds.items(), key=lambda kv: -kv[1])]
     return f"CPU s in {wall_s:.1f} s wall: total {total:.1f}; " + ", ".join(parts)

@@ -188,10 +188,11 @@ class DiskStore:
     def flush(self) -> None:
         """Wait until every block saved so far is on disk (or failed)."""
         deadline = time.monotonic() + DRAIN_WAIT_S
-        while self._writes.unfinished_tasks:
-            if not self._writer.is_alive() or time.monotonic() > deadline:
-                raise TimeoutError("disk tier: the writer stopped with blocks unwritten")
-            time.sleep(0.001)
+        with self._writes.all_tasks_done:  # Queue.join's own wait, with a bound
+            while self._writes.unfinished_tasks:
+                if not self._writer.is_alive() or time.monotonic() > deadline:
+                    raise TimeoutError("disk tier: the writer stopped with blocks unwritten")
+                self._writes.all_tasks_done.wait(0.1)
 
     def close(self) -> None:
         """Finish the writes queued so far, then stop; threads still stuck are left behind
