@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 
+import nats
 import structlog
 from kvpager.engine.core import PREFILLED, EngineCore
 from kvpager.engine.frontend.migration import can_move
@@ -28,6 +29,8 @@ log = structlog.get_logger(__name__)
 
 GATHER_S = 0.25
 STOP_SETTLE_S = 0.5  # a signal to every instance at once reaches them all within this
+PEER_PATIENCE_S = 3.0  # at a stop, how long an instance seen lately may take to answer
+PEER_MEMORY_S = 10.0  # "lately"
 STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
 DECODE_ROLES = ("decode", "both")  # who takes a prefill instance's streams
 
@@ -42,37 +45,64 @@ def prefilled(request: Request) -> bool:
 
 
 async def other_instances(
-    nc: NATS, prefix: str, instance: str, roles: tuple[str, ...] = ROLES
+    nc: NATS,
+    prefix: str,
+    instance: str,
+    roles: tuple[str, ...] = ROLES,
+    expect: frozenset[str] = frozenset(),
+    patience_s: float = GATHER_S,
 ) -> set[str]:
-    """The other instances under `prefix` (of one of `roles`) that answer discovery now."""
+    """The other instances under `prefix` (of one of `roles`, not closing, with an executor)
+    that answer discovery now."""
+    answers = await gather_instances(nc, prefix, expect - {instance}, patience_s)
+    return {name for name, load in answers.items() if _accepts(load, roles)} - {instance}
+
+
+async def gather_instances(
+    nc: NATS, prefix: str, expect: frozenset[str] = frozenset(), patience_s: float = GATHER_S
+) -> dict[str, dict]:
+    """Every scheduler under `prefix` that answers discovery, with its load. Answers come for
+    GATHER_S; on a loaded host a busy peer may answer later, so the instances in `expect`
+    (seen lately) get up to `patience_s` before they count as gone."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    found: set[str] = set()
+    answers: dict[str, dict] = {}
+    start = time.monotonic()
     try:
         await nc.publish(STATS_SUBJECT, b"", reply=inbox)
-        await asyncio.sleep(GATHER_S)
-        while sub.pending_msgs:
-            msg = await sub.next_msg(timeout=0.01)
-            found |= _instance_of(msg.data, prefix, roles)
+        while True:
+            waiting = not expect <= answers.keys()
+            left = start + (max(patience_s, GATHER_S) if waiting else GATHER_S) - time.monotonic()
+            if left <= 0:
+                return answers
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                continue
+            answers.update(_answer(msg.data, prefix))
     finally:
         await sub.unsubscribe()
-    return found - {instance, ""}
 
 
-def _instance_of(data: bytes, prefix: str, roles: tuple[str, ...] = ROLES) -> set[str]:
+def _answer(data: bytes, prefix: str) -> dict[str, dict]:
+    """{instance: its load} from one $SRV.STATS answer under `prefix`; {} for another's."""
     try:
         stats = json.loads(data) if data else {}
     except ValueError:
-        return set()
+        return {}
     metadata = stats.get("metadata") or {} if isinstance(stats, dict) else {}
-    if metadata.get("prefix") != prefix or not stats.get("endpoints"):
-        return set()
+    name = str(metadata.get("instance", ""))
+    if metadata.get("prefix") != prefix or not stats.get("endpoints") or not name:
+        return {}
     load = stats["endpoints"][0].get("data") or {}
-    if not isinstance(load, dict) or load.get("closing") or not load.get("model"):
-        return set()  # shutting down too, or no executor: it would refuse the streams
-    if load.get("role", "both") not in roles:
-        return set()
-    return {str(metadata.get("instance", ""))}
+    return {name: load if isinstance(load, dict) else {}}
+
+
+def _accepts(load: dict, roles: tuple[str, ...]) -> bool:
+    """Up, with an executor, not shutting down (it would refuse the streams), of a role."""
+    if load.get("closing") or not load.get("model"):
+        return False
+    return load.get("role", "both") in roles
 
 
 class KvMovesService:
@@ -87,6 +117,7 @@ class KvMovesService:
     _work: asyncio.Event
     _closing: bool
     _decode_up: bool = False  # a prefill instance's: a decode instance answered lately
+    _peers_seen: dict[str, float]  # the other instances that answered: when, lately
 
     def _importable(self, source: KvHandoff | None) -> KvHandoff | None:
         """A handoff our executor can read (another instance's, a transfer id fit for a
@@ -166,12 +197,16 @@ class KvMovesService:
         """With another instance up and accepting, the running streams move there with their
         blocks. Every instance that a whole `kvpager serve` stops gets its signal at once:
         after STOP_SETTLE_S each says it is closing, so none hands its streams to another
-        that will refuse them (they finish where they are, as before)."""
+        that will refuse them (they finish where they are, as before). The instances seen
+        lately get PEER_PATIENCE_S to answer: a busy host answers late, not never."""
         if self.core is None or self.executor is None or not self.executor.kv_agent:
             return
         await asyncio.sleep(STOP_SETTLE_S)
         prefix, instance = self.settings.prefix, self.settings.instance
-        if await other_instances(self.nc, prefix, instance):
+        now = time.monotonic()
+        expect = frozenset(p for p, at in self._peers_seen.items() if now - at < PEER_MEMORY_S)
+        patience = PEER_PATIENCE_S
+        if await other_instances(self.nc, prefix, instance, ROLES, expect, patience):
             await self._drain("shutting down")
 
     async def _hand_on_prefilled(self) -> None:
@@ -189,14 +224,18 @@ class KvMovesService:
         if core.hand_off(self.settings.instance, agent, prefilled, PREFILLED):
             await core.publish()
 
-    async def _look_for_decode(self) -> None:
-        """A prefill instance hands streams on only while a decode instance (another, with an
-        executor, not closing) answers discovery; else they finish here."""
+    async def _look_for_peers(self) -> None:
+        """The other instances that answer discovery, remembered for a stop's drain; a
+        prefill instance hands streams on only while a decode instance (with an executor,
+        not closing) answers, else they finish here."""
         prefix, instance = self.settings.prefix, self.settings.instance
-        found = await other_instances(self.nc, prefix, instance, DECODE_ROLES)
-        if bool(found) != self._decode_up:
-            log.info("decode instances", found=sorted(found))
-        self._decode_up = bool(found)
+        answers = await gather_instances(self.nc, prefix)
+        answers.pop(instance, None)
+        self._peers_seen.update(dict.fromkeys(answers, time.monotonic()))
+        decode_up = any(_accepts(load, DECODE_ROLES) for load in answers.values())
+        if self.settings.role == "prefill" and decode_up != self._decode_up:
+            log.info("decode instances", up=decode_up, instances=sorted(answers))
+        self._decode_up = decode_up
 
     @property
     def _busy_stopping(self) -> bool:

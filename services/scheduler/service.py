@@ -86,6 +86,7 @@ class SchedulerService(KvMovesService):
             drop_tokenizer=self._drop_tokenizer,
         )
         self._closing = False  # refuse new requests
+        self._peers_seen: dict[str, float] = {}  # other instances, when they last answered
         self._stopped = False  # no more steps
         self._requests_sub = None
         self._loop_task: asyncio.Task | None = None
@@ -104,10 +105,7 @@ class SchedulerService(KvMovesService):
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._watch_task = repeat(self.settings.heartbeat_interval, self.watch.tick)
         self._expire_task = repeat(HOLD_CHECK_S, self._expire_holds)
-        self._decode_task = None
-        if self.settings.role == "prefill":
-            interval = self.settings.heartbeat_interval
-            self._decode_task = repeat(interval, self._look_for_decode)
+        self._peers_task = repeat(self.settings.heartbeat_interval, self._look_for_peers)
         log.info("scheduler waiting for its executor", attach=subjects.scheduler_attach)
 
     # --- the executor attaches ---------------------------------------------------------
@@ -336,8 +334,7 @@ class SchedulerService(KvMovesService):
         if self._watch_task is not None:
             self._watch_task.cancel()
             self._expire_task.cancel()
-            if self._decode_task is not None:
-                self._decode_task.cancel()
+            self._peers_task.cancel()
         self.link.cancel()  # do not wait for a step the executor may never answer
         self._work.set()
         if self._loop_task is not None:

@@ -1,0 +1,65 @@
+"""A stopping instance hands its streams to another only when one answers discovery
+($SRV.STATS). On a loaded host a busy peer answers late: the instances seen lately get
+PEER_PATIENCE_S to answer, the rest GATHER_S, and a peer that answers "closing" ends the wait."""
+
+import asyncio
+import json
+import time
+
+import nats
+from kvpager.services.scheduler.drain import GATHER_S, STATS_SUBJECT, other_instances
+
+PREFIX = "llm"
+
+
+def _stats(instance: str, closing: bool = False, prefix: str = PREFIX) -> bytes:
+    load = {"model": "tiny", "role": "both", "closing": closing}
+    metadata = {"prefix": prefix, "instance": instance}
+    return json.dumps({"metadata": metadata, "endpoints": [{"data": load}]}).encode()
+
+
+async def _peer(nc, answer: bytes, delay_s: float) -> None:
+    """Another scheduler, as discovery sees it: it answers after `delay_s`."""
+
+    async def respond(msg) -> None:
+        await asyncio.sleep(delay_s)
+        await nc.publish(msg.reply, answer)
+
+    await nc.subscribe(STATS_SUBJECT, cb=respond)
+    await nc.flush()
+
+
+async def _look(url: str, peers: list[tuple[bytes, float]], expect: frozenset, patience_s: float):
+    peer_nc, nc = await nats.connect(url), await nats.connect(url)
+    try:
+        for answer, delay_s in peers:
+            await _peer(peer_nc, answer, delay_s)
+        start = time.monotonic()
+        found = await other_instances(nc, PREFIX, "me", expect=expect, patience_s=patience_s)
+        return found, time.monotonic() - start
+    finally:
+        await nc.close()
+        await peer_nc.close()
+
+
+async def test_a_peer_seen_lately_gets_time_to_answer(nats_server):
+    found, took = await _look(nats_server.url, [(_stats("b"), 1.0)], frozenset({"b"}), 3.0)
+    assert found == {"b"} and 1.0 <= took < 3.0, (found, took)
+
+
+async def test_an_unknown_late_peer_is_not_waited_for(nats_server):
+    found, took = await _look(nats_server.url, [(_stats("b"), 1.0)], frozenset(), 3.0)
+    assert found == set() and GATHER_S <= took < 1.0, (found, took)
+
+
+async def test_a_closing_peer_ends_the_wait(nats_server):
+    """Every instance of a whole `kvpager serve` stops at once: none takes streams, and no
+    instance waits out the patience for the others."""
+    peers = [(_stats("b", closing=True), 0.0), (_stats("me"), 0.0), (_stats("x", prefix="y"), 0.0)]
+    found, took = await _look(nats_server.url, peers, frozenset({"b"}), 3.0)
+    assert found == set() and took < 1.0, (found, took)
+
+
+async def test_a_peer_gone_for_good_costs_the_patience_only(nats_server):
+    found, took = await _look(nats_server.url, [], frozenset({"b"}), 1.0)
+    assert found == set() and 1.0 <= took < 2.0, (found, took)
