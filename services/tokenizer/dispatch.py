@@ -8,6 +8,7 @@ error that made it move, as it would with one instance. Deltas from the instance
 dropped by their subject (the tokenizer checks `stream.instance`).
 """
 
+import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 
 import msgspec
@@ -179,6 +180,7 @@ class Dispatch:
             num_migrations=stream.num_migrations,
         )
         stream.submitted, stream.scheduler_id = True, result.scheduler_id
+        stream.answered.set()
         if stream.aborting:  # an abort or deadline that came while the add was on its way
             await self.send_finish(stream, FinishRequest(stream.request_id, "abort"))
 
@@ -193,6 +195,20 @@ class Dispatch:
             message = "sampling parameters: the request is over the server's NATS max_payload"
             return AddResult(ErrorInfo("invalid_request", message))
         return msgspec.msgpack.decode(reply.data, type=AddResult)
+
+    async def answered(self, stream: Stream) -> bool:
+        """Whether the stream's instance still has it once the add's answer came. That
+        instance's deltas come on another subscription than the answer, in no set order: a
+        quick instance hands a stream on (its first token computed from cached blocks, or a
+        drain) before the answer is in, and the handoff must wait for it, not be lost."""
+        instance, answered = stream.instance, stream.answered
+        if not stream.submitted:
+            try:
+                await asyncio.wait_for(answered.wait(), ADD_TIMEOUT_S + 1.0)
+            except TimeoutError:
+                return False
+        current = self.streams.get(stream.request_id) is stream
+        return current and stream.instance == instance and stream.submitted
 
     async def move(
         self, stream: Stream, error: ErrorInfo, kv_handoff: KvHandoff | None = None

@@ -207,6 +207,9 @@ class TokenizerService:
                 await self._lose(stream, ErrorInfo("internal_error", f"the stream failed: {exc!r}"))
 
     async def _on_delta(self, stream: Stream, delta: SampleDelta) -> None:
+        moves = delta.kv_handoff is not None or (delta.error is not None and movable(delta.error))
+        if moves and not stream.submitted and not await self.dispatch.answered(stream):
+            return  # the add failed or went elsewhere meanwhile: its route goes on
         if delta.kv_handoff is not None and delta.kv_handoff.prefilled:  # disaggregation
             if not (stream.aborting or stream.stopping):
                 await self.dispatch.hand_on(stream, delta.kv_handoff)

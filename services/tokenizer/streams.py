@@ -6,6 +6,7 @@ strings); a stop string makes the stream ask the scheduler to finish the sample
 follows the freeing of the request's blocks.
 """
 
+import asyncio
 import hmac
 import secrets
 import time
@@ -52,6 +53,7 @@ class Stream:
         self.error: ErrorInfo | None = None  # on the final event: why the request failed
         self.abort_error: ErrorInfo | None = None  # why we aborted it (deadline, shutdown)
         self.submitted = False  # the scheduler accepted it
+        self.answered = asyncio.Event()  # set with `submitted`: the add's answer came
         self.scheduler_id = ""  # the scheduler that accepted it
         self.instance = ""  # the instance it runs on
         # what migration needs: the request as prepared, and sample 0's tokens so far
@@ -219,13 +221,17 @@ class Stream:
         """Its instance failed: deltas from there are late from now on."""
         self.failed_instances.add(instance)
         self.num_migrations += 1
-        self.instance, self.submitted, self.scheduler_id = "", False, ""
+        self._leave()
 
     def handed_on(self, handoff: KvHandoff) -> None:
         """A prefill instance handed it on: it goes on elsewhere (no failure)."""
         self.num_handoffs += 1
         self.kv_held = handoff
+        self._leave()
+
+    def _leave(self) -> None:
         self.instance, self.submitted, self.scheduler_id = "", False, ""
+        self.answered = asyncio.Event()  # the next instance's answer
 
     def usage(self) -> Usage:
         return Usage(
