@@ -5,6 +5,7 @@ prompts -> InputProcessor.process (token ids, chat template, checks) -> EngineCo
    steps ahead as served) -> SampleDeltas -> SampleOutput per sample -> RequestOutputs
 """
 
+import gc
 import itertools
 import sys
 import weakref
@@ -92,8 +93,7 @@ class LLM:
         self.scheduler = build_scheduler(self.config, self.executor.ready("in-process", str(path)))
         self.core = EngineCore(self.scheduler, self.runner, self._on_deltas, self.config.plan_ahead)
         self._loop = LoopThread()
-        weakref.finalize(self, self._loop.close)  # the loop thread ends with the LLM
-        weakref.finalize(self, self.runner.close)  # so do the step thread and any other ranks
+        weakref.finalize(self, _end_dropped, self._loop, self.runner)
         self._tracked: dict[str, _Tracked] = {}
         self._bar: tqdm | None = None
         self._ids = itertools.count()
@@ -300,3 +300,18 @@ def _retention(
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError("priority: must be an integer", "priority")
     return cache, priority, cache_salt
+
+
+def _end_dropped(loop: LoopThread, runner: InProcessExecutor) -> None:
+    """An LLM dropped without close(): its step thread, any other ranks and its loop thread
+    end too. The garbage collector runs this on whatever thread it interrupts, perhaps inside
+    threading's own locks, where joining a thread deadlocks (a CI run hung so: a disk reader
+    thread's start collected an older LLM, whose close joined its step thread); so the loop's
+    thread closes the runner. At interpreter exit, weakref.finalize's hook (which turns the
+    collector off) closes it here instead: a daemon thread mid-close would die with the
+    interpreter ("terminate called without an active exception")."""
+    if gc.isenabled():
+        loop.stop_after(runner.close)
+    else:
+        runner.close()
+        loop.close()

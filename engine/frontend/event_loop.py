@@ -3,7 +3,7 @@ core there, so they work the same from plain scripts and from code already insid
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,3 +27,18 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5.0)
+
+    def stop_after(self, work: Callable[[], None]) -> None:
+        """Run `work` on the loop's thread, then end the loop. Returns at once, joins nothing
+        and takes no lock, so a garbage collector's finalizer may call it on any thread."""
+
+        def work_then_stop() -> None:
+            try:
+                work()
+            finally:
+                self.loop.stop()
+
+        try:
+            self.loop.call_soon_threadsafe(work_then_stop)
+        except RuntimeError:  # the loop is closed: nothing is left to end
+            pass
