@@ -5,9 +5,9 @@ prompts -> InputProcessor.process (token ids, chat template, checks) -> EngineCo
    steps ahead as served) -> SampleDeltas -> SampleOutput per sample -> RequestOutputs
 """
 
-import gc
 import itertools
 import sys
+import threading
 import weakref
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
@@ -304,14 +304,19 @@ def _retention(
 
 def _end_dropped(loop: LoopThread, runner: InProcessExecutor) -> None:
     """An LLM dropped without close(): its step thread, any other ranks and its loop thread
-    end too. The garbage collector runs this on whatever thread it interrupts, perhaps inside
-    threading's own locks, where joining a thread deadlocks (a CI run hung so: a disk reader
-    thread's start collected an older LLM, whose close joined its step thread); so the loop's
-    thread closes the runner. At interpreter exit, weakref.finalize's hook (which turns the
-    collector off) closes it here instead: a daemon thread mid-close would die with the
-    interpreter ("terminate called without an active exception")."""
-    if gc.isenabled():
+    end too, here, unless joining a thread here could deadlock; then the loop's thread closes
+    the runner (and the interpreter's exit waits for it)."""
+    if _inside_a_thread_start():
         loop.stop_after(runner.close)
     else:
         runner.close()
         loop.close()
+
+
+def _inside_a_thread_start() -> bool:
+    """A collection may run finalizers on whatever thread it interrupts. A new thread holds
+    threading's lock of locks while it boots, and a join waits for that lock: a CI run hung
+    so, a disk reader thread's start collecting an older LLM whose close joined its step
+    thread. Held by another thread, the lock only costs a deferred close."""
+    lock = getattr(threading, "_shutdown_locks_lock", None)  # CPython <= 3.12
+    return lock is not None and lock.locked()

@@ -2,11 +2,23 @@
 core there, so they work the same from plain scripts and from code already inside a loop."""
 
 import asyncio
+import atexit
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+EXIT_WAIT_S = 30.0
+_stopping: set[threading.Thread] = set()  # loop threads finishing a `stop_after`
+
+
+@atexit.register
+def _finish_stopping() -> None:
+    """The interpreter kills daemon threads at exit: one mid-close (a runner's executor,
+    native threads inside) aborts the process ("terminate called without an active
+    exception"). Let every `stop_after` finish first."""
+    for thread in list(_stopping):
+        thread.join(EXIT_WAIT_S)
 
 
 class LoopThread:
@@ -30,7 +42,8 @@ class LoopThread:
 
     def stop_after(self, work: Callable[[], None]) -> None:
         """Run `work` on the loop's thread, then end the loop. Returns at once, joins nothing
-        and takes no lock, so a garbage collector's finalizer may call it on any thread."""
+        and takes no lock, so a garbage collector's finalizer may call it on any thread; the
+        interpreter's exit waits for it."""
 
         def work_then_stop() -> None:
             try:
@@ -41,4 +54,5 @@ class LoopThread:
         try:
             self.loop.call_soon_threadsafe(work_then_stop)
         except RuntimeError:  # the loop is closed: nothing is left to end
-            pass
+            return
+        _stopping.add(self._thread)
