@@ -8,6 +8,7 @@ instance must hear (llm.stats, the scheduler's internal subjects) gets a group o
 process; a group of one member receives every message, as a plain subscription does.
 """
 
+import json
 import os
 from collections.abc import Awaitable, Callable
 from importlib import metadata
@@ -21,6 +22,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 MsgHandler = Callable[[Msg], Awaitable[None]]
+SCHEDULER_STATS = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers with its load
 
 
 def _version() -> str:
@@ -86,3 +88,21 @@ class Discovery:
     async def stop(self) -> None:
         """Unsubscribe every endpoint and leave discovery (draining: no new work comes)."""
         await self.service.stop()
+
+
+def scheduler_answer(data: bytes, prefix: str) -> tuple[str, Any] | None:
+    """(instance, its endpoint data) from one scheduler's $SRV.STATS answer under `prefix`;
+    None for another prefix's, or for anything malformed (trust nothing from the wire)."""
+    try:
+        stats = json.loads(data) if data else None  # empty: "no responders"
+    except ValueError:
+        return None
+    if not isinstance(stats, dict) or not isinstance(stats.get("metadata"), dict):
+        return None
+    metadata, endpoints = stats["metadata"], stats.get("endpoints")
+    name = metadata.get("instance")
+    if metadata.get("prefix") != prefix or not isinstance(name, str) or not name:
+        return None
+    if not isinstance(endpoints, list) or not endpoints or not isinstance(endpoints[0], dict):
+        return None
+    return name, endpoints[0].get("data") or {}

@@ -8,7 +8,6 @@ the blocks. Streams that cannot move (parallel samples, beams, penalties) finish
 """
 
 import asyncio
-import json
 import time
 
 import nats
@@ -19,6 +18,7 @@ from kvpager.engine.request import Request
 from kvpager.engine.router.routing import ROLES
 from kvpager.schemas.kv_transfer import DrainResult, KvHandoff, KvPulled, KvSent
 from kvpager.schemas.scheduler import ExecutorReady
+from kvpager.services.discovery import SCHEDULER_STATS, scheduler_answer
 from kvpager.services.settings import Settings
 from kvpager.services.subjects import TRANSFER_ID
 from kvpager.services.wire import pack
@@ -31,7 +31,6 @@ GATHER_S = 0.25
 STOP_SETTLE_S = 0.5  # a signal to every instance at once reaches them all within this
 PEER_PATIENCE_S = 3.0  # at a stop, how long an instance seen lately may take to answer
 PEER_MEMORY_S = 10.0  # "lately"
-STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"  # every scheduler answers (services/discovery.py)
 DECODE_ROLES = ("decode", "both")  # who takes a prefill instance's streams
 
 
@@ -69,7 +68,7 @@ async def gather_instances(
     answers: dict[str, dict] = {}
     start = time.monotonic()
     try:
-        await nc.publish(STATS_SUBJECT, b"", reply=inbox)
+        await nc.publish(SCHEDULER_STATS, b"", reply=inbox)
         while True:
             waiting = not expect <= answers.keys()
             left = start + (max(patience_s, GATHER_S) if waiting else GATHER_S) - time.monotonic()
@@ -86,15 +85,10 @@ async def gather_instances(
 
 def _answer(data: bytes, prefix: str) -> dict[str, dict]:
     """{instance: its load} from one $SRV.STATS answer under `prefix`; {} for another's."""
-    try:
-        stats = json.loads(data) if data else {}
-    except ValueError:
+    answer = scheduler_answer(data, prefix)
+    if answer is None:
         return {}
-    metadata = stats.get("metadata") or {} if isinstance(stats, dict) else {}
-    name = str(metadata.get("instance", ""))
-    if metadata.get("prefix") != prefix or not stats.get("endpoints") or not name:
-        return {}
-    load = stats["endpoints"][0].get("data") or {}
+    name, load = answer
     return {name: load if isinstance(load, dict) else {}}
 
 

@@ -10,13 +10,13 @@ does not replace that event's load (it would undo, say, an executor attaching me
 """
 
 import asyncio
-import json
 import time
 
 import msgspec
 import structlog
 from kvpager.engine.router.routing import Router, RouterConfig
 from kvpager.schemas.tokenizer import InstanceLoad, KvEvents
+from kvpager.services.discovery import SCHEDULER_STATS, scheduler_answer
 from kvpager.services.settings import Settings
 from kvpager.services.subjects import Subjects
 from kvpager.services.wire import unpack
@@ -25,7 +25,6 @@ from nats.aio.msg import Msg
 
 log = structlog.get_logger(__name__)
 
-STATS_SUBJECT = "$SRV.STATS.kvpager-scheduler"
 
 _events_decoder = msgspec.msgpack.Decoder(KvEvents)
 
@@ -61,7 +60,7 @@ class Instances:
         sub = await self.nc.subscribe(inbox)
         try:
             asked_at = time.monotonic()
-            await self.nc.publish(STATS_SUBJECT, b"", reply=inbox)
+            await self.nc.publish(SCHEDULER_STATS, b"", reply=inbox)
             await asyncio.sleep(self.window_s)
             while sub.pending_msgs:
                 self._on_stats((await sub.next_msg(timeout=0.01)).data, asked_at)
@@ -71,20 +70,14 @@ class Instances:
             log.info("instance gone", instance=name)
 
     def _on_stats(self, data: bytes, asked_at: float) -> None:
-        try:
-            stats = json.loads(data) if data else None  # empty: "no responders"
-        except ValueError:
-            stats = None
-        if not isinstance(stats, dict):
+        answer = scheduler_answer(data, self.prefix)
+        if answer is None:
             return
-        metadata = stats.get("metadata") or {}
-        if metadata.get("prefix") != self.prefix or not stats.get("endpoints"):
-            return
-        name = metadata.get("instance", "")
+        name, data = answer
         if name not in self.router.instances:
             log.info("instance found", instance=name)
         try:
-            load = msgspec.convert(stats["endpoints"][0].get("data") or {}, InstanceLoad)
+            load = msgspec.convert(data, InstanceLoad)
         except msgspec.ValidationError:
             log.warning("bad scheduler stats dropped", instance=name)
             return

@@ -7,7 +7,8 @@ import json
 import time
 
 import nats
-from kvpager.services.scheduler.drain import GATHER_S, STATS_SUBJECT, other_instances
+from kvpager.services.discovery import SCHEDULER_STATS
+from kvpager.services.scheduler.drain import GATHER_S, other_instances
 
 PREFIX = "llm"
 
@@ -25,7 +26,7 @@ async def _peer(nc, answer: bytes, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         await nc.publish(msg.reply, answer)
 
-    await nc.subscribe(STATS_SUBJECT, cb=respond)
+    await nc.subscribe(SCHEDULER_STATS, cb=respond)
     await nc.flush()
 
 
@@ -63,3 +64,19 @@ async def test_a_closing_peer_ends_the_wait(nats_server):
 async def test_a_peer_gone_for_good_costs_the_patience_only(nats_server):
     found, took = await _look(nats_server.url, [], frozenset({"b"}), 1.0)
     assert found == set() and 1.0 <= took < 2.0, (found, took)
+
+
+async def test_malformed_answers_are_ignored(nats_server):
+    """Trust nothing from the wire: a bad answer is no instance, and no crash of the stop."""
+    metadata = {"prefix": PREFIX, "instance": "z"}
+    bad = [
+        b"not json",
+        b"[1, 2]",
+        json.dumps({"metadata": [], "endpoints": []}).encode(),
+        json.dumps({"metadata": metadata, "endpoints": {"data": {}}}).encode(),
+        json.dumps({"metadata": metadata, "endpoints": [1]}).encode(),
+        json.dumps({"metadata": metadata, "endpoints": [{"data": [1]}]}).encode(),
+    ]
+    peers = [(answer, 0.0) for answer in bad] + [(_stats("b"), 0.0)]
+    found, _ = await _look(nats_server.url, peers, frozenset(), 3.0)
+    assert found == {"b"}, found
