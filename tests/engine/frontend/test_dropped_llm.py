@@ -18,6 +18,7 @@ from kvpager.engine import LLM
 def make():
     llm = LLM(sys.argv[1], dtype="float32", block_size=16, num_blocks=16)
     assert llm.generate([[5, 6, 7]], dict(temperature=0.0, max_tokens=2), use_tqdm=False)
+    llm.check_invariants()  # every block accounted for before it is dropped
     return llm
 
 llm = make()
