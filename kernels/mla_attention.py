@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from kvpager.kernels.mla_absorb import absorbed_query, latent_output
-from kvpager.kernels.paged_attention import LOG2E, _kv_tile_offsets
+from kvpager.kernels.paged_attention_triton import LOG2E, _kv_tile_offsets
 from kvpager.kernels.reference import FP8_DTYPES
 
 BLOCK_N = 32  # key positions per tile

@@ -36,7 +36,7 @@ MLA_CASES = [
 
 def _compile_all() -> None:
     import triton
-    from kvpager.kernels import kv_write, paged_attention
+    from kvpager.kernels import kv_write, paged_attention_triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -57,7 +57,7 @@ def _compile_all() -> None:
         pointers.update(value_cache_ptr=cache, block_tables_ptr="*i32", seq_lens_ptr="*i32")
         pointers.update(cu_seqlens_q_ptr="*i32", partial_out_ptr="*fp32")
         pointers.update(partial_m_ptr="*fp32", partial_l_ptr="*fp32", sinks_ptr="*fp32")
-        kernel = paged_attention._paged_attention_kernel
+        kernel = paged_attention_triton._paged_attention_kernel
         _compile(triton, ASTSource, kernel, pointers, const, target)
     _compile_mla(triton, ASTSource, target)
 

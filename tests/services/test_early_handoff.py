@@ -16,6 +16,7 @@ from kvpager.schemas.kv_transfer import KvHandoff
 from kvpager.schemas.scheduler import AddRequest, FinishRequest, PromptPiece, SchedulerInfo
 from kvpager.schemas.tokenizer import AddResult, SampleDelta, TokenBatch
 from kvpager.services.client import Client
+from kvpager.services.connection import flush_sent
 from kvpager.services.subjects import Subjects
 from kvpager.services.wire import pack
 
@@ -38,7 +39,7 @@ class Instance:
         subjects = Subjects(PREFIX).for_instance(INSTANCE)
         await self.nc.subscribe(subjects.scheduler_requests, cb=self._on_request)
         await self.nc.subscribe(subjects.scheduler_info, cb=self._on_info)
-        await self.nc.flush()
+        await flush_sent(self.nc)  # the server has both SUBs (nc.flush() does not promise it)
 
     async def _on_info(self, msg) -> None:
         await msg.respond(pack(SchedulerInfo(True, "tiny", 1024, 512, "sched-1", "exec-1")))

@@ -13,6 +13,7 @@ import nats
 import pytest
 from kvpager.schemas.public import GenerateRequest
 from kvpager.services import credentials
+from kvpager.services.connection import flush_sent
 
 from tests.services.http_fixture import gateway, nats_client, served  # noqa: F401
 
@@ -145,7 +146,7 @@ async def test_cache_control_reaches_the_engine_as_cache(claude, served, tiny_ll
     options = credentials.options_of(str(credentials.identity_path("service")))
     watcher = await nats.connect(served.nats_url, **options)
     subscription = await watcher.subscribe("llm.generate", cb=keep)
-    await watcher.flush()
+    await flush_sent(watcher)  # the server has the SUB (watcher.flush() does not promise it)
     hour = {"type": "ephemeral", "ttl": "1h"}
     system = [{"type": "text", "text": SYSTEM, "cache_control": hour}]
     messages = [

@@ -7,6 +7,7 @@ import json
 import time
 
 import nats
+from kvpager.services.connection import flush_sent
 from kvpager.services.discovery import SCHEDULER_STATS
 from kvpager.services.scheduler.drain import GATHER_S, other_instances
 
@@ -21,9 +22,8 @@ def _stats(instance: str, closing: bool = False, prefix: str = PREFIX) -> bytes:
 
 async def _peer(nc, answer: bytes, delay_s: float, seen: list) -> None:
     """Another scheduler, as discovery sees it: it answers each request `delay_s` after it
-    came. Each answer has its own timer, as a real scheduler answers each request at once: the
-    test server is the session's, where other tests' schedulers ask for their peers every
-    heartbeat, and a callback that slept in line would answer ours only after theirs."""
+    came, each on its own timer (a real scheduler's nats.micro endpoint answers each request at
+    once; a callback that slept would answer a second request only after the first)."""
     loop = asyncio.get_running_loop()
 
     async def respond(msg) -> None:
@@ -31,7 +31,7 @@ async def _peer(nc, answer: bytes, delay_s: float, seen: list) -> None:
         loop.call_later(delay_s, lambda: loop.create_task(nc.publish(msg.reply, answer)))
 
     await nc.subscribe(SCHEDULER_STATS, cb=respond)
-    await nc.flush()
+    await flush_sent(nc)  # nc.flush() can come back before the server has the SUB
 
 
 async def _look(url: str, peers: list[tuple[bytes, float]], expect: frozenset, patience_s: float):
@@ -58,6 +58,7 @@ async def test_a_peer_seen_lately_gets_time_to_answer(nats_server):
 async def test_an_unknown_late_peer_is_not_waited_for(nats_server):
     found, took, seen = await _look(nats_server.url, [(_stats("b"), 2.5)], frozenset(), 6.0)
     assert found == set() and GATHER_S <= took < 2.5, (found, took, seen)
+    assert len(seen) == 2, seen  # the peer was asked: not waited for, not missed
 
 
 async def test_a_closing_peer_ends_the_wait(nats_server):
@@ -66,6 +67,7 @@ async def test_a_closing_peer_ends_the_wait(nats_server):
     peers = [(_stats("b", closing=True), 0.0), (_stats("me"), 0.0), (_stats("x", prefix="y"), 0.0)]
     found, took, seen = await _look(nats_server.url, peers, frozenset({"b"}), 6.0)
     assert found == set() and took < 3.0, (found, took, seen)
+    assert len(seen) == 1 + len(peers), seen  # every peer was asked
 
 
 async def test_a_peer_gone_for_good_costs_the_patience_only(nats_server):
