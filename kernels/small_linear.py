@@ -6,11 +6,12 @@ out in its fp32 block order, [N/64][K][64] (a copy, made once at load), and
 `small_linear_bf16w` runs rows of any count over it: fp32 sums of the widened bf16 products,
 rounded once to bf16, as oneDNN's bf16 matmul computes them.
 
-`view_packed` checks, once per weight, that oneDNN's buffer is in the layout the C code reads
-(AB16b64a2b in bf16, AB16b64a in fp32: what oneDNN chose on AVX-512 hosts) by comparing its
-first and last 64-column blocks with the same reorder done in torch; a host, shape or version
-with another layout gets None and keeps oneDNN's matmul. The engine runs it for small row
-counts only (engine/model/linear.py); docs/design/packed-linears.md has why and the timings.
+`view_packed` checks, once per weight, that oneDNN's buffer is in a layout the C code reads
+(AB16b64a2b in bf16, AB16b64a in fp32: what oneDNN chose on AVX-512 hosts; AB16b32a2b in bf16
+on AMX hosts, which kernels/cpu/amx_linear.c runs on the tile unit) by comparing its first and
+last column blocks with the same reorder done in torch; a host, shape or version with another
+layout gets None and keeps oneDNN's matmul. The engine runs it for small row counts only
+(engine/model/linear.py); docs/design/packed-linears.md has why and the timings.
 """
 
 import ctypes
@@ -21,6 +22,7 @@ import torch
 from kvpager.kernels.cpu_build import I64, NATIVE, PTR, load_library
 
 COLS = 64  # output columns of a packed block
+AMX_COLS = 32  # ... in the layout oneDNN packs bf16 in on AMX hosts (AB16b32a2b)
 K_ALIGN = {torch.bfloat16: 32, torch.float32: 16}
 _ARGS = (PTR, I64, I64, PTR, I64, PTR, PTR, I64)
 _SIGNATURES = (
@@ -28,12 +30,25 @@ _SIGNATURES = (
     ("small_linear_f32", _ARGS),
     ("small_linear_bf16w", _ARGS),
 )
+_AMX_SIGNATURES = (("tiles_ready", ()), ("amx_linear_bf16", _ARGS))
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def load(march: str = NATIVE):
     """The compiled library for `march` (the host's; tests also load AVX2's), or None."""
     return load_library("small_linear", _SIGNATURES, march)
+
+
+def load_amx():
+    """The AMX library (kernels/cpu/amx_linear.c, built for the host), or None."""
+    return load_library("amx_linear", _AMX_SIGNATURES, NATIVE)
+
+
+@functools.cache
+def amx_available() -> bool:
+    """AMX linears run here: the build has the tile unit and the OS lets this process use it."""
+    library = load_amx()
+    return library is not None and library.tiles_ready() == 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,7 @@ class PackedView:
     out_features: int
     in_features: int
     dtype: torch.dtype
+    cols: int = COLS  # of a column block: AMX_COLS runs on the tile unit
 
 
 def column_blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -53,25 +69,26 @@ def column_blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // COLS, COLS, k).permute(0, 2, 1)
 
 
-def blocked_ref(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in the C code's layout, flat: bf16 [N/64][K/2][64][2], fp32 [N/64][K][64]."""
+def blocked_ref(weight: torch.Tensor, cols: int = COLS) -> torch.Tensor:
+    """`weight` [N, K] in the C code's layout, flat: bf16 [N/cols][K/2][cols][2], fp32
+    [N/64][K][64]."""
     n, k = weight.shape
     if weight.dtype == torch.bfloat16:
-        return weight.view(n // COLS, COLS, k // 2, 2).permute(0, 2, 1, 3).flatten()
+        return weight.view(n // cols, cols, k // 2, 2).permute(0, 2, 1, 3).flatten()
     return column_blocks(weight).flatten()
 
 
-def fits(weight: torch.Tensor) -> bool:
+def fits(weight: torch.Tensor, cols: int = COLS) -> bool:
     """A shape and dtype the C code takes (oneDNN pads other shapes)."""
     n, k = weight.shape
     align = K_ALIGN.get(weight.dtype)
-    return align is not None and n % COLS == 0 and k % align == 0 and weight.device.type == "cpu"
+    return align is not None and n % cols == 0 and k % align == 0 and weight.device.type == "cpu"
 
 
 def view_packed(weight: torch.Tensor, packed: torch.Tensor) -> PackedView | None:
     """The C code's view of `packed` (oneDNN's reorder of `weight`), or None where the buffer
-    is not in the layout it reads."""
-    if not fits(weight) or not packed.is_mkldnn or not hasattr(torch.ops.mkldnn, "data_ptr"):
+    is in no layout it reads."""
+    if not packed.is_mkldnn or not hasattr(torch.ops.mkldnn, "data_ptr"):
         return None  # (data_ptr and _nbytes: the ops inductor's C++ wrapper reads buffers by)
     nbytes = torch.ops.mkldnn._nbytes(packed)
     if nbytes != weight.numel() * weight.element_size():
@@ -79,16 +96,21 @@ def view_packed(weight: torch.Tensor, packed: torch.Tensor) -> PackedView | None
     address = torch.ops.mkldnn.data_ptr(packed)
     buffer = (ctypes.c_char * nbytes).from_address(address)
     in_place = torch.frombuffer(buffer, dtype=weight.dtype)  # no copy
-    n, k = weight.shape
-    # the first and last 64-column blocks: the layout inside a block and the blocks' order
-    # (the whole weight took 0.4-0.5 s for SmolLM2's lm_head, at every load)
-    block = COLS * k
-    if not (
-        torch.equal(in_place[:block], blocked_ref(weight[:COLS]))
-        and torch.equal(in_place[-block:], blocked_ref(weight[-COLS:]))
-    ):
-        return None
-    return PackedView(packed, address, n, k, weight.dtype)
+    widths = (COLS, AMX_COLS) if weight.dtype == torch.bfloat16 else (COLS,)
+    for cols in widths:
+        if fits(weight, cols) and _blocks_match(in_place, weight, cols):
+            return PackedView(packed, address, *weight.shape, weight.dtype, cols)
+    return None
+
+
+def _blocks_match(in_place: torch.Tensor, weight: torch.Tensor, cols: int) -> bool:
+    """The buffer's first and last column blocks are `weight`'s in the layout of `cols`: the
+    layout inside a block and the blocks' order (the whole weight took 0.4-0.5 s for SmolLM2's
+    lm_head, at every load)."""
+    block = cols * weight.shape[1]
+    return torch.equal(in_place[:block], blocked_ref(weight[:cols], cols)) and torch.equal(
+        in_place[-block:], blocked_ref(weight[-cols:], cols)
+    )
 
 
 @functools.cache
@@ -97,18 +119,25 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in _SUFFIX and load() is not None
 
 
+def runs(view: PackedView) -> bool:
+    """The kernel for `view`'s layout runs here."""
+    return amx_available() if view.cols == AMX_COLS else available(view.dtype)
+
+
 def small_linear(
     x: torch.Tensor, weight: PackedView, bias: torch.Tensor | None, march: str = NATIVE
 ) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype, accumulated in float32."""
-    library = load(march)
-    assert library is not None, "the caller checks available()"
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in x's dtype, accumulated in float32; on the tile
+    unit where the view is oneDNN's AMX layout (then always the host's build)."""
+    library = load_amx() if weight.cols == AMX_COLS else load(march)
+    assert library is not None, "the caller checks runs()"
     assert x.dtype == weight.dtype and x.dim() == 2 and x.shape[1] == weight.in_features, (
         f"x {tuple(x.shape)} {x.dtype} against a {weight.out_features}x{weight.in_features} "
         f"{weight.dtype} weight"
     )
     assert bias is None or (bias.dtype == x.dtype and bias.shape == (weight.out_features,))
-    return _run(getattr(library, f"small_linear_{_SUFFIX[x.dtype]}"), x, weight, bias)
+    name = "amx_linear_bf16" if weight.cols == AMX_COLS else f"small_linear_{_SUFFIX[x.dtype]}"
+    return _run(getattr(library, name), x, weight, bias)
 
 
 def _run(function, x: torch.Tensor, weight: PackedView, bias: torch.Tensor | None):

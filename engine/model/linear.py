@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model.linear_choice import (
     ALWAYS_PACKED,
+    AMX_KERNEL_ROWS,
+    AMX_PASS_ROWS,
     AVX2_KERNEL_ROWS,
     KERNEL_OUT_ELEMENTS,
     KERNEL_ROWS,
@@ -107,14 +109,23 @@ _KERNEL_ISA = {
 KERNEL_ON = True
 
 
-def kernel_rows(weight: torch.Tensor, isa: list[str] | None = None) -> int:
+def kernel_rows(weight: torch.Tensor, isa: list[str] | None = None, amx: bool = False) -> int:
     """Rows up to which the small-row kernel runs `weight` on this host's ISA (0: it does not
-    pay here, so only timing would take it)."""
+    pay here, so only timing would take it); `amx`: oneDNN packed it for the tile unit."""
+    if amx:
+        wide = weight.shape[0] * AMX_KERNEL_ROWS > KERNEL_OUT_ELEMENTS
+        return AMX_PASS_ROWS if wide else AMX_KERNEL_ROWS
     flags = isa_flags() if isa is None else isa
     for flag, rows in _KERNEL_ISA.get(weight.dtype, ()):
         if flag in flags:
             return min(rows, KERNEL_OUT_ELEMENTS // weight.shape[0])
     return 0
+
+
+def view_rows(weight: torch.Tensor, view: small_linear.PackedView) -> int:
+    """Rows up to which the kernel over `view` runs `weight`: the tile unit's where oneDNN
+    packed it for AMX, else the host ISA's (KERNEL_ROWS where only timing would take it)."""
+    return kernel_rows(weight, amx=view.cols == small_linear.AMX_COLS) or KERNEL_ROWS
 
 
 def with_small_kernel(
@@ -123,11 +134,13 @@ def with_small_kernel(
 ) -> LinearFn:  # fmt: skip
     """`onednn`, with small row counts on the C kernel that reads the same packed buffer
     (kernels/small_linear.py): where the host has the ISA it pays on (or, with `measure`,
-    where it was timed faster) and oneDNN's layout is the one it reads. No second copy."""
-    rows = kernel_rows(weight) or (KERNEL_ROWS if measure else 0)
-    view = small_linear.view_packed(weight, packed) if rows else None
-    if view is None or not small_linear.available(weight.dtype):
+    where it was timed faster) and oneDNN's layout is one it reads (on AMX hosts, bf16 on the
+    tile unit). No second copy."""
+    # (an AMX host has AVX512-BF16, so kernel_rows is not 0 there either)
+    view = small_linear.view_packed(weight, packed) if kernel_rows(weight) or measure else None
+    if view is None or not small_linear.runs(view):
         return onednn
+    rows = view_rows(weight, view)
     mixed_bias = bias is not None and bias.dtype != weight.dtype
 
     def kernel_fn(x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,12 @@ KERNEL_ROWS = 8
 # each 196 KB apart, miss the TLB), so rows x out_features stays under KERNEL_OUT_ELEMENTS
 AVX2_KERNEL_ROWS = 64
 KERNEL_OUT_ELEMENTS = 1 << 21
+# bf16 on AMX tiles (kernels/cpu/amx_linear.c, oneDNN's AB16b32a2b read in place) beat
+# oneDNN's packed matmul at 1-128 rows of SmolLM2's decoder linears on a 2-core Xeon (1.1-2.9x;
+# level at 128 on gate_up, behind from 256); an output past KERNEL_OUT_ELEMENTS (the lm_head)
+# takes one pass of AMX_PASS_ROWS only: a second pass over its rows lost (0.66-0.87x at 33-128)
+AMX_KERNEL_ROWS = 128
+AMX_PASS_ROWS = 32
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,7 @@
 // P goes onto the tiles as bf16 twice, its rounding and what the rounding left (hi + lo), so
 // the weights carry ~16 bits and the output matches the float32 twin to ~1e-6 (P alone
 // rounded: 7e-4; the second product cost ~5% in decode, 8-10% in prefill).
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
 // the tile registers (the intrinsics take literal numbers)
 #define T_Q 0   // 32 dims of the unit's query rows       rows = rows, 64 bytes
@@ -18,17 +14,6 @@
 #define T_PL 4  // what rounding the weights left        rows = rows, 32 bytes
 #define T_V 5   // 8 token pairs x 16 dims               rows = 8, 64 bytes
 #define T_O 6   // output, rows x 16 dims (fp32)         rows = rows, 64 bytes
-
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-// Linux hands out the tile registers' state only to a process that asks for it.
-int tiles_ready(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
 
 // the tiles' shapes for units of `rows` query rows (a thread's units change rows rarely)
 static void tiles_for_rows(int64_t rows) {

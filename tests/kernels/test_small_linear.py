@@ -124,3 +124,56 @@ def test_block_bf16_refuses_what_it_cannot_run():
     assert small_linear.block_bf16(torch.randn(128, 64)) is None
     assert small_linear.block_bf16(torch.randn(72, 64).bfloat16()) is None
     assert small_linear.block_bf16(torch.randn(128, 40).bfloat16()) is None
+
+
+AMX_SHAPES = [(96, 64), (960, 576), (576, 1536), (3072, 576)]
+
+
+def _amx_view(out_f: int, in_f: int, seed: int = 0):
+    """A bf16 weight and its view in oneDNN's AMX layout (32-column blocks), or a skip."""
+    if not small_linear.amx_available():
+        pytest.skip("no AMX build, or the OS refused this process the tile registers")
+    weight, view, gen = _packed(out_f, in_f, torch.bfloat16, seed)
+    assert view.cols == small_linear.AMX_COLS  # what oneDNN packs bf16 in where AMX runs
+    return weight, view, gen
+
+
+@pytest.mark.parametrize("shape", AMX_SHAPES)
+@pytest.mark.parametrize("rows", [0, 1, 7, 15, 16, 17, 31, 32, 33, 48, 63, 64, 100, 128])
+def test_amx_tiles_match_the_twin(shape, rows):
+    """kernels/cpu/amx_linear.c over every tiling: one tile of fewer than 16 rows, two, whole
+    groups of 32 and a tail of each height; within one bf16 ulp of the float32 twin."""
+    weight, view, gen = _amx_view(*shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16() if rows % 2 else None
+    out = small_linear.small_linear(x, view, bias)
+    ref = small_linear_ref(x, weight, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-3)
+    assert ((out.float() - ref.float()).abs() <= ulp).all()
+
+
+def test_amx_rows_do_not_depend_on_the_batch():
+    """Each row's sums run over k in the same order whatever the tile heights, so a row
+    computed in a batch of 45 is bitwise the row computed alone or in a smaller batch."""
+    _, view, gen = _amx_view(960, 576)
+    x = torch.randn(45, 576, generator=gen).bfloat16()
+    batch = small_linear.small_linear(x, view, None)
+    for size in (1, 3, 16, 17, 32, 33):
+        assert torch.equal(small_linear.small_linear(x[:size], view, None), batch[:size])
+
+
+def test_the_amx_kernel_refuses_shapes_it_cannot_run():
+    """Shapes out of the layout (out not a multiple of 32, in not of 32) are the caller's to
+    keep from it; the C entry point answers them with an error, not a wrong product."""
+    if not small_linear.amx_available():
+        pytest.skip("no AMX here")
+    library = small_linear.load_amx()
+    x, out = torch.zeros(2, 48).bfloat16(), torch.empty(2, 64).bfloat16()
+    w = torch.zeros(64, 48).bfloat16()
+    assert (
+        library.amx_linear_bf16(x.data_ptr(), 2, 48, w.data_ptr(), 64, None, out.data_ptr(), 2) == 1
+    )
+    assert (
+        library.amx_linear_bf16(x.data_ptr(), 2, 64, w.data_ptr(), 40, None, out.data_ptr(), 2) == 1
+    )

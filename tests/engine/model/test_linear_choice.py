@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model import linear, linear_choice
 from kvpager.engine.model.decoder import Decoder
-from kvpager.engine.model.linear import make_linear, onednn_packing_supported
+from kvpager.engine.model.linear import make_linear, onednn_packing_supported, pack_weight
 from kvpager.engine.model.linear_choice import (
+    AMX_KERNEL_ROWS,
+    AMX_PASS_ROWS,
     AVX2_KERNEL_ROWS,
     KERNEL_ROWS,
     SMALL_ROWS,
@@ -118,7 +120,8 @@ def test_a_tied_lm_head_packs_a_copy_and_keeps_the_embedding(monkeypatch, tiny_q
     decoder.build_matmuls(pack=True)
     assert decoder.lm_head is decoder.embed_tokens
     assert torch.equal(decoder.embed_tokens, embedding)  # the table stays plain, unreleased
-    hidden = torch.randn(AVX2_KERNEL_ROWS + 1, config.hidden_size).to(dtype)  # oneDNN's rows
+    rows = max(AVX2_KERNEL_ROWS, AMX_KERNEL_ROWS) + 1  # oneDNN's rows
+    hidden = torch.randn(rows, config.hidden_size).to(dtype)
     tol = TOLERANCE[dtype]
     logits = decoder.compute_logits(hidden)
     assert len(calls) == 1  # the lm_head ran on its packed copy
@@ -147,7 +150,8 @@ def test_small_rows_take_the_kernel_where_it_wins(monkeypatch, dtype, kernel_win
     make_linear(weight + 1, bias, measure=True)  # same shape: no second timing
     assert unused and len(verdicts) == 1
     assert_matches_plain(fn, weight, bias)
-    limit = linear.kernel_rows(weight) or KERNEL_ROWS
+    view = small_linear.view_packed(weight, pack_weight(weight))
+    limit = linear.view_rows(weight, view) if view else 0
     assert calls == ([m for m in ROWS if m <= limit] if kernel_wins else [])
 
 
@@ -167,6 +171,31 @@ def test_unmeasured_small_rows_follow_the_isa(monkeypatch):
     assert calls == [m for m in ROWS if m <= limit]
 
 
+def test_bf16_on_amx_takes_the_tile_kernel_up_to_its_rows(monkeypatch):
+    """On an AMX host oneDNN packs bf16 for the tile unit (32-column blocks) and the AMX
+    kernel runs it up to AMX_KERNEL_ROWS rows, a wide output (the lm_head) up to one pass of
+    AMX_PASS_ROWS; oneDNN takes the rest. Outputs are F.linear's either way."""
+    if not (cpu_has_native_bf16() and small_linear.amx_available()):
+        pytest.skip("no AMX here")
+    calls = []
+    kernel = small_linear.small_linear
+    monkeypatch.setattr(
+        small_linear, "small_linear", lambda x, *a: calls.append(len(x)) or kernel(x, *a)
+    )
+    for out_f, limit in ((512, AMX_KERNEL_ROWS), (49152, AMX_PASS_ROWS)):
+        weight, bias = weights(out_f, 64, torch.bfloat16, bias=True)
+        view = small_linear.view_packed(weight, pack_weight(weight))
+        assert view is not None and view.cols == small_linear.AMX_COLS
+        fn, _ = make_linear(weight, bias)
+        calls.clear()
+        for rows in (1, limit, limit + 1):
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(
+                fn(x).float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2
+            )
+        assert calls == [1, limit]
+
+
 def test_kernel_rows_follow_the_isa_and_the_output_size():
     """AVX-512 takes KERNEL_ROWS rows, fp32 on AVX2 up to AVX2_KERNEL_ROWS, fewer on a wide
     output (an lm_head); bf16 needs AVX512-BF16, and a host with neither takes none."""
@@ -177,3 +206,5 @@ def test_kernel_rows_follow_the_isa_and_the_output_size():
     assert linear.kernel_rows(layer.bfloat16(), ["avx2", "fma", "avx512f"]) == 0
     assert linear.kernel_rows(layer.bfloat16(), ["avx512f", "avx512_bf16"]) == KERNEL_ROWS
     assert linear.kernel_rows(layer, []) == 0
+    assert linear.kernel_rows(layer.bfloat16(), amx=True) == AMX_KERNEL_ROWS
+    assert linear.kernel_rows(lm_head.bfloat16(), amx=True) == AMX_PASS_ROWS

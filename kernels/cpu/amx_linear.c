@@ -1,0 +1,157 @@
+// bf16 linears on AMX tiles, reading the weight oneDNN packed at load in place: out[M, N] =
+// x[M, K] @ W^T (+ bias). Its twin is kernels/reference.py's small_linear_ref (a plain matmul
+// in float32, rounded once); kernels/small_linear.py checks the layout and calls it,
+// engine/model/linear.py picks it for the row counts where it pays.
+//
+// Why: on an AMX host oneDNN packs a bf16 weight as AB16b32a2b and the C kernel for
+// AB16b64a2b (small_linear.c) cannot read it, so every decode-sized linear went through
+// `torch.ops.mkldnn._linear_pointwise`, which spent ~10 us a call outside oneDNN and streamed
+// the weights of a decode step at 12-17 GB/s where the host reads 24 GB/s
+// (benchmarks/reports/2026-12-07-xeon-amx-linears/).
+//
+// The layout, AB16b32a2b = [N / 32][K / 2][32 columns][2] (k in pairs), is what a tile load
+// takes as it is: one 32-column block's 32 k (16 pairs) are 16 rows of 128 bytes, two B tiles
+// of 16 columns a row apart by 64 bytes. Each thread takes a contiguous run of column blocks;
+// rows go in groups of 32 (two A tiles, four accumulators) under each block, so a block's
+// weight is read from memory once whatever M is. Sums are float32 in the tile unit and are
+// rounded once (to nearest even) to bf16, as oneDNN's bf16 matmul does.
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "amx.h"
+
+#define COLS 32         // output columns of a packed block: two tiles of 16
+#define K_STEP 32       // k of one tile product (16 pairs)
+#define GROUP 32        // rows a pass of the accumulators covers: two tiles of 16
+#define PREFETCH 4096   // bytes of weight ahead of the tile loads
+#define INLINE static inline __attribute__((always_inline))
+
+// the tile registers (the intrinsics take literal numbers, so no enum)
+#define T_A0 0   // rows 0-15 of the pass, 32 k               rows0 x 64 bytes
+#define T_A1 1   // rows 16-31                                rows1 x 64 bytes
+#define T_B0 2   // 16 k pairs x columns 0-15 of the block    16 x 64 bytes
+#define T_B1 3   // 16 k pairs x columns 16-31                16 x 64 bytes
+#define T_C00 4  // sums, rows 0-15 x columns 0-15 (fp32)     rows0 x 64 bytes
+#define T_C01 5
+#define T_C10 6  // rows 16-31
+#define T_C11 7
+
+// tiles for passes of rows0 + rows1 rows (rows1 may be 0: those tiles stay unused)
+static void configure(int rows0, int rows1) {
+    tile_config config;
+    memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    const int rows[] = {rows0, rows1, 16, 16, rows0, rows0, rows1, rows1};
+    for (int t = 0; t < 8; t++)
+        if (rows[t]) config.rows[t] = (uint8_t)rows[t], config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+INLINE void prefetch_step(const char *w) {  // the 32 lines of one k step, PREFETCH ahead
+    for (int line = 0; line < K_STEP * COLS * 2; line += 64)
+        _mm_prefetch(w + PREFETCH + line, _MM_HINT_T0);
+}
+
+// fp32 sums [rows][32] (+ bias) rounded to bf16 into out's rows, N apart
+INLINE void store_rows(const float sums[][COLS], int rows, const uint16_t *bias, uint16_t *out,
+                       int64_t N) {
+    __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+    if (bias) {
+        bias_lo = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)bias)), 16));
+        bias_hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16))), 16));
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(sums[r]), bias_lo);
+        const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(sums[r] + 16), bias_hi);
+        _mm512_storeu_si512(out + r * N, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// one column block (w: its K * 32 values) for rows [0, rows0 + rows1) of x (K apart)
+INLINE void block_pass(const uint16_t *w, const uint16_t *x, int64_t K, int rows0, int rows1,
+                       int prefetch, float sums[][COLS]) {
+    _tile_zero(T_C00);
+    _tile_zero(T_C01);
+    if (rows1) {
+        _tile_zero(T_C10);
+        _tile_zero(T_C11);
+    }
+    for (int64_t k = 0; k < K; k += K_STEP, w += K_STEP * COLS) {
+        if (prefetch) prefetch_step((const char *)w);
+        _tile_loadd(T_B0, w, COLS * 4);
+        _tile_loadd(T_B1, w + 32, COLS * 4);
+        _tile_loadd(T_A0, x + k, K * 2);
+        _tile_dpbf16ps(T_C00, T_A0, T_B0);
+        _tile_dpbf16ps(T_C01, T_A0, T_B1);
+        if (rows1) {
+            _tile_loadd(T_A1, x + 16 * K + k, K * 2);
+            _tile_dpbf16ps(T_C10, T_A1, T_B0);
+            _tile_dpbf16ps(T_C11, T_A1, T_B1);
+        }
+    }
+    _tile_stored(T_C00, sums[0], COLS * 4);
+    _tile_stored(T_C01, sums[0] + 16, COLS * 4);
+    if (rows1) {
+        _tile_stored(T_C10, sums[16], COLS * 4);
+        _tile_stored(T_C11, sums[16] + 16, COLS * 4);
+    }
+}
+
+// a pass's two tile heights for `rows` (1-32) rows
+INLINE int rows_high(int64_t rows) { return rows < 16 ? (int)rows : 16; }
+INLINE int rows_low(int64_t rows) { return (int)rows - rows_high(rows); }
+
+// one thread's column blocks [first, last), every row: whole groups of 32, then the tail with
+// tiles of its height (so the tiles are configured twice a block only where M has a tail)
+static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                       const uint16_t *bias, uint16_t *out, int64_t first, int64_t last) {
+    float sums[GROUP][COLS] __attribute__((aligned(64)));
+    const int64_t whole = M / GROUP * GROUP, tail = M - whole;
+    int configured = -1;  // rows of the tiles now configured
+    for (int64_t block = first; block < last; block++) {
+        const uint16_t *wb = w + block * K * COLS;
+        const uint16_t *block_bias = bias ? bias + block * COLS : 0;
+        for (int64_t row = 0; row < M; row += GROUP) {
+            const int64_t rows = row < whole ? GROUP : tail;
+            if (rows != configured) configure(rows_high(rows), rows_low(rows));
+            configured = (int)rows;
+            block_pass(wb, x + row * K, K, rows_high(rows), rows_low(rows), row == 0, sums);
+            store_rows(sums, (int)rows, block_bias, out + row * N + block * COLS, N);
+        }
+    }
+    _tile_release();
+}
+
+// out [M, N] = x [M, K] @ W^T + bias; W packed as above, N a multiple of 32, K of 32; bias [N]
+// or NULL. 0 on success, 1 for shapes it does not take.
+int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                    const uint16_t *bias, uint16_t *out, int64_t num_threads) {
+    if (M < 0 || K <= 0 || N <= 0 || K % K_STEP || N % COLS || num_threads < 1) return 1;
+    if (M == 0) return 0;
+    const int64_t blocks = N / COLS;
+    const int64_t threads = num_threads < blocks ? num_threads : blocks;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t n = omp_get_num_threads(), me = omp_get_thread_num();
+        run_blocks(x, M, K, w, N, bias, out, blocks * me / n, blocks * (me + 1) / n);
+    }
+    return 0;
+}
+
+#else  // no AMX in this build
+
+int tiles_ready(void) { return -1; }
+
+int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                    const uint16_t *bias, uint16_t *out, int64_t num_threads) {
+    return 1;
+}
+
+#endif
