@@ -7,7 +7,7 @@
 // AB16b64a2b (small_linear.c) cannot read it, so every decode-sized linear went through
 // `torch.ops.mkldnn._linear_pointwise`, which spent ~10 us a call outside oneDNN and streamed
 // the weights of a decode step at 12-17 GB/s where the host reads 24 GB/s
-// (benchmarks/reports/2026-12-07-xeon-amx-linears/).
+// (benchmarks/reports/2026-12-06-xeon-amx-linears/).
 //
 // The layout, AB16b32a2b = [N / 32][K / 2][32 columns][2] (k in pairs), is what a tile load
 // takes as it is: one 32-column block's 32 k (16 pairs) are 16 rows of 128 bytes, two B tiles

@@ -26,6 +26,11 @@
 #define COLS 64    // output columns of a weight block
 #define TILES 4    // 16-column vectors a block holds
 #define PREFETCH 1024  // bytes ahead of the loads (4 k pairs of bf16, 4 k of fp32)
+// into every cache level (prefetcht0): on a 2-core Xeon with AMX the non-temporal hint this
+// had (locality 0, chosen on AMD Zen 4) streamed a decode step's fp32 weights at 14 GB/s,
+// slower than oneDNN (0.74x at 1 row, 0.51x at 8); into L1 it ran 1.07-1.14x oneDNN at 1-32
+// rows, into L2 1.02-1.12x (benchmarks/reports/2026-12-06-xeon-amx-linears/)
+#define PREFETCH_LOCALITY 3
 #ifdef __AVX512F__
 #define ROWS 6  // rows an accumulator block holds: 6 x 4 zmm (of 32)
 #else
@@ -43,7 +48,8 @@ INLINE v16 load_v16(const void *p) {
 }
 
 INLINE void prefetch_lines(const char *p) {  // the four lines of one k step's 256 bytes
-    for (int line = 0; line < 4; line++) __builtin_prefetch(p + PREFETCH + 64 * line, 0, 0);
+    for (int line = 0; line < 4; line++)
+        __builtin_prefetch(p + PREFETCH + 64 * line, 0, PREFETCH_LOCALITY);
 }
 
 // acc += the 16 pairs of w (bf16, k even in the low half) times the pair x2 (same order)
