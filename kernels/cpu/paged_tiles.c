@@ -220,40 +220,62 @@ static const uint16_t *masked_values(const shape *s, const uint16_t *v, int64_t 
 // row before it): its weights are 0 and what it has stays. The row's scores stay in registers between the passes.
 // (Its first form, masking every tile through memory with simd.h's exp and a bit-twiddled
 // rounding, took most of a prefill chunk's time.)
+// a row's scores of the chunk, each tile masked where the row's window or causal edge crosses it
+INLINE void row_scores(const shape *s, const unit *u, const float scores[][CHUNK], int64_t g,
+                       int64_t tiles, int64_t start, vec x[CHUNK_TILES]) {
+    ivec lane;
+    for (int j = 0; j < LANES; j++) lane[j] = j;
+    const int64_t last = row_last(u, g) - start, first = row_first(s, last + start) - start;
+    for (int64_t t = 0; t < CHUNK_TILES; t++) {
+        x[t] = (vec){0} - INFINITY;
+        if (t >= tiles) continue;
+        x[t] = load_f32(&scores[g][t * TILE_TOKENS]);
+        if (first > t * TILE_TOKENS || last < (t + 1) * TILE_TOKENS) {
+            const ivec at = lane + (int)(t * TILE_TOKENS);
+            x[t] = pick((at >= (int)first) & (at < (int)last), x[t], (vec){0} - INFINITY);
+        }
+    }
+}
+
+// Scores of `tiles` tiles from `start` -> weights (as the ISA half keeps them), each row's
+// running max, sum and output rescaled, in base 2 (scores times scale * log2(e)). Only a tile
+// a row's window or causal edge crosses is masked; a row may see none of the chunk (a causal
+// row before it): its weights are 0 and what it has stays. The rows' new maxima and their
+// corrections are computed for all rows at once, one lane a row (MAX_ROWS == LANES): per row
+// they were a horizontal reduction, a scalar exp2f call and a dependent chain each, and took
+// most of a prefill chunk's softmax. (Its first form, masking every tile through memory with
+// simd.h's exp and a bit-twiddled rounding, took most of a prefill chunk's time.)
 INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float scores[][CHUNK],
                           weights *w, int64_t tiles, int64_t start) {
     const float to_base2 = s->scale * 1.44269504088896341f;
-    ivec lane;
-    for (int j = 0; j < LANES; j++) lane[j] = j;
+    float chunk_max[MAX_ROWS] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < MAX_ROWS; g++) chunk_max[g] = -INFINITY;
     for (int64_t g = 0; g < u->rows; g++) {
-        const int64_t last = row_last(u, g) - start, first = row_first(s, last + start) - start;
         vec x[CHUNK_TILES];
-        vec top = (vec){0} - INFINITY;
-        for (int64_t t = 0; t < CHUNK_TILES; t++) {
-            x[t] = (vec){0} - INFINITY;
-            if (t >= tiles) continue;
-            x[t] = load_f32(&scores[g][t * TILE_TOKENS]);
-            if (first > t * TILE_TOKENS || last < (t + 1) * TILE_TOKENS) {
-                const ivec at = lane + (int)(t * TILE_TOKENS);
-                x[t] = pick((at >= (int)first) & (at < (int)last), x[t], (vec){0} - INFINITY);
-            }
-            top = (vec)_mm512_max_ps((__m512)top, (__m512)x[t]);
-        }
-        const float m = fmaxf(st->max[g], _mm512_reduce_max_ps((__m512)top) * to_base2);
-        const float correction = m == -INFINITY ? 1.0f : exp2f(st->max[g] - m);
-        st->max[g] = m;
+        row_scores(s, u, scores, g, tiles, start, x);
+        vec top = x[0];
+        for (int64_t t = 1; t < CHUNK_TILES; t++) top = (vec)_mm512_max_ps((__m512)top, (__m512)x[t]);
+        chunk_max[g] = _mm512_reduce_max_ps((__m512)top) * to_base2;
+    }
+    const vec old_max = load_f32(st->max);
+    const vec new_max = (vec)_mm512_max_ps((__m512)old_max, (__m512)load_f32(chunk_max));
+    const vec none = (vec){0} - INFINITY;  // a row that has seen no key yet keeps 1
+    const vec correction = pick(new_max == none, (vec){0} + 1.0f, exp2_lanes(old_max - new_max));
+    memcpy(st->max, &new_max, sizeof(new_max));
+    for (int64_t g = 0; g < u->rows; g++) {
+        vec x[CHUNK_TILES];
+        row_scores(s, u, scores, g, tiles, start, x);
+        const float m = new_max[g];
         vec sum = (vec){0};
         for (int64_t t = 0; t < tiles; t++) {
-            vec p = exp2_lanes(x[t] * to_base2 - m);
-            if (first > t * TILE_TOKENS || last < (t + 1) * TILE_TOKENS)
-                p = pick(x[t] > -INFINITY, p, (vec){0});
+            const vec p = pick(x[t] > none, exp2_lanes(x[t] * to_base2 - m), (vec){0});
             sum += p;
             keep_weights(w, g, t * TILE_TOKENS, p);
         }
-        st->sum[g] = st->sum[g] * correction + _mm512_reduce_add_ps((__m512)sum);
-        if (correction == 1.0f) continue;
+        st->sum[g] = st->sum[g] * correction[g] + _mm512_reduce_add_ps((__m512)sum);
+        if (correction[g] == 1.0f) continue;
         for (int64_t d = 0; d < s->head_dim; d += LANES) {
-            const vec a = load_f32(&st->acc[g][d]) * correction;
+            const vec a = load_f32(&st->acc[g][d]) * correction[g];
             memcpy(&st->acc[g][d], &a, sizeof(a));
         }
     }
@@ -285,9 +307,9 @@ INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t 
 // the last chunk prefetches.
 static void attend(const shape *s, const unit *u, const unit *next) {
     unit_state st;
+    for (int64_t g = 0; g < MAX_ROWS; g++) st.max[g] = -INFINITY, st.sum[g] = 0.0f;  // all lanes
     for (int64_t g = 0; g < u->rows; g++) {
         memset(st.acc[g], 0, s->head_dim * sizeof(float));
-        st.max[g] = -INFINITY, st.sum[g] = 0.0f;
         if (s->sinks)  // the sink starts the running softmax, in base 2: exp2(max - max) = 1
             st.max[g] = s->sinks[u->head + g * u->head_step] * 1.44269504088896341f, st.sum[g] = 1.0f;
     }
