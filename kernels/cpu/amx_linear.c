@@ -24,6 +24,8 @@
 #include <omp.h>
 
 #include "amx.h"
+#define LANES 16
+#include "simd.h"
 
 #define COLS 32         // output columns of a packed block: two tiles of 16
 #define K_STEP 32       // k of one tile product (16 pairs)
@@ -60,17 +62,11 @@ INLINE void prefetch_step(const char *w) {  // the 32 lines of one k step, PREFE
 // fp32 sums [rows][32] (+ bias) rounded to bf16 into out's rows, N apart
 INLINE void store_rows(const float sums[][COLS], int rows, const uint16_t *bias, uint16_t *out,
                        int64_t N) {
-    __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
-    if (bias) {
-        bias_lo = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)bias)), 16));
-        bias_hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16))), 16));
-    }
+    const vec bias_lo = bias ? load_bf16(bias) : (vec){0};
+    const vec bias_hi = bias ? load_bf16(bias + 16) : (vec){0};
     for (int r = 0; r < rows; r++) {
-        const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(sums[r]), bias_lo);
-        const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(sums[r] + 16), bias_hi);
-        _mm512_storeu_si512(out + r * N, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        const vec lo = load_f32(sums[r]) + bias_lo, hi = load_f32(sums[r] + 16) + bias_hi;
+        _mm512_storeu_si512(out + r * N, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
     }
 }
 

@@ -243,8 +243,9 @@ INLINE void row_scores(const shape *s, const unit *u, const float scores[][CHUNK
 // row before it): its weights are 0 and what it has stays. The rows' new maxima and their
 // corrections are computed for all rows at once, one lane a row (MAX_ROWS == LANES): per row
 // they were a horizontal reduction, a scalar exp2f call and a dependent chain each, and took
-// most of a prefill chunk's softmax. (Its first form, masking every tile through memory with
-// simd.h's exp and a bit-twiddled rounding, took most of a prefill chunk's time.)
+// most of a prefill chunk's softmax. The second pass reads and masks each row's scores again,
+// from L1. (Its first form, masking every tile through memory with simd.h's exp and a
+// bit-twiddled rounding, took most of a prefill chunk's time.)
 INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float scores[][CHUNK],
                           weights *w, int64_t tiles, int64_t start) {
     const float to_base2 = s->scale * 1.44269504088896341f;
