@@ -7,8 +7,8 @@
 // query rows x the chunk's tiles accumulates at once, so each K load serves every row and each
 // broadcast every tile, and the dot products are independent chains. p.V stays in fp32: a V
 // pair row (16 dims x 2 tokens) splits into its even and odd tokens with one shift and one and,
-// and the weights keep all their bits (the output matches the float32 twin to ~1e-6), for the
-// same instruction count as AMX's hi + lo bf16 products.
+// and the weights keep all their bits (the output matches the float32 twin to ~1e-6). (The
+// AMX half rounds them to bf16 once, where a second product for their low bits cost 19%.)
 //
 // P rounded to bf16 for prefill units (p.V on vdpbf16ps, half its instructions) gained nothing
 // beyond the host's noise, so the weights keep all their bits. The measurements on a Zen 4 host:

@@ -145,14 +145,16 @@ def _fp32_tile_output(batch, scale):
 
 @pytest.mark.parametrize("case", [DECODE, MIXED, UNITS])
 @pytest.mark.usefixtures("tile_kernel")
-def test_rows_are_exact_to_the_fp32_twin(case):
-    """P carries ~16 bits (onto AMX tiles as bf16 twice: rounded, and what rounding left; in
-    fp32 in the AVX512-BF16 half): ~1e-6 of the fp32 twin on the same bf16 values, before the
-    output's own rounding to bf16; decode units and prefill units alike."""
+def test_rows_are_within_the_outputs_rounding_of_the_fp32_twin(case):
+    """P rounds to bf16 once on AMX tiles (as torch's CPU flash attention and vLLM's AMX kernel
+    round it; the AVX512-BF16 half keeps it in fp32): before the output's own rounding to bf16,
+    the kernel is nearer the fp32 twin on the same bf16 values than that rounding leaves the
+    twin itself, decode units and prefill units alike."""
     batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
     out = _fp32_tile_output(batch, 0.125)
     twin = paged_attention_ref(*dataclasses.replace(batch, query=batch.query.float()).args(0.125))
-    assert out is not None and (out - twin).abs().max() < 1e-5
+    rounding = (twin.bfloat16().float() - twin).abs().max()
+    assert out is not None and (out - twin).abs().max() < rounding
 
 
 @pytest.mark.usefixtures("tile_kernel")
