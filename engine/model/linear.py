@@ -17,6 +17,8 @@ from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model.linear_choice import (
     ALWAYS_PACKED,
     AMX_KERNEL_ROWS,
+    AMX_NARROW_COLS,
+    AMX_NARROW_ROWS,
     AMX_PASS_ROWS,
     AVX2_KERNEL_ROWS,
     KERNEL_OUT_ELEMENTS,
@@ -113,6 +115,8 @@ def kernel_rows(weight: torch.Tensor, isa: list[str] | None = None, amx: bool = 
     """Rows up to which the small-row kernel runs `weight` on this host's ISA (0: it does not
     pay here, so only timing would take it); `amx`: oneDNN packed it for the tile unit."""
     if amx:
+        if weight.shape[0] <= AMX_NARROW_COLS:
+            return AMX_NARROW_ROWS
         wide = weight.shape[0] * AMX_KERNEL_ROWS > KERNEL_OUT_ELEMENTS
         return AMX_PASS_ROWS if wide else AMX_KERNEL_ROWS
     flags = isa_flags() if isa is None else isa

@@ -55,6 +55,13 @@ KERNEL_OUT_ELEMENTS = 1 << 21
 # takes one pass of AMX_PASS_ROWS only: a second pass over its rows lost (0.66-0.87x at 33-128)
 AMX_KERNEL_ROWS = 128
 AMX_PASS_ROWS = 32
+# ...and a narrow weight (out_features up to AMX_NARROW_COLS: few column blocks, so x is read
+# few times) up to a prefill's AMX_NARROW_ROWS: oneDNN's matmul ran SmolLM2's qkv, o_proj and
+# down_proj at 1,000 rows at half its rate at 2,048 (its blocking for that M), where the kernel
+# was 1.7x (qkv) and 1.9x (down) faster, level on o_proj; gate_up (3072 wide) stays on oneDNN
+# (0.74-0.8x at 512-1,000) (benchmarks/reports/2026-12-06-xeon-amx-bf16-weights/)
+AMX_NARROW_COLS = 1024
+AMX_NARROW_ROWS = 1024
 
 
 @dataclass(frozen=True)

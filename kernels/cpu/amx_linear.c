@@ -31,6 +31,7 @@
 #define K_STEP 32       // k of one tile product (16 pairs)
 #define GROUP 32        // rows a pass of the accumulators covers: two tiles of 16
 #define PREFETCH 4096   // bytes of weight ahead of the tile loads
+#define ROW_CHUNK 128   // x's rows a chunk, under every column block of a thread
 #define INLINE static inline __attribute__((always_inline))
 
 // the tile registers (the intrinsics take literal numbers, so no enum)
@@ -105,21 +106,28 @@ INLINE int rows_high(int64_t rows) { return rows < 16 ? (int)rows : 16; }
 INLINE int rows_low(int64_t rows) { return (int)rows - rows_high(rows); }
 
 // one thread's column blocks [first, last), every row: whole groups of 32, then the tail with
-// tiles of its height (so the tiles are configured twice a block only where M has a tail)
+// tiles of its height (so the tiles are configured twice a block only where M has a tail). The
+// rows go in chunks of ROW_CHUNK, each under all the thread's blocks, so a prefill's x is read
+// from L2 under each block, not from memory (a decode step's rows are one chunk, its weights
+// read once): a 1,000-row down_proj (K 1536, x 3 MB) took 1.0 ms with the whole x under each
+// block and 0.71 in chunks (2-core Xeon, 2 threads).
 static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                        const uint16_t *bias, uint16_t *out, int64_t first, int64_t last) {
     float sums[GROUP][COLS] __attribute__((aligned(64)));
     const int64_t whole = M / GROUP * GROUP, tail = M - whole;
     int configured = -1;  // rows of the tiles now configured
-    for (int64_t block = first; block < last; block++) {
-        const uint16_t *wb = w + block * K * COLS;
-        const uint16_t *block_bias = bias ? bias + block * COLS : 0;
-        for (int64_t row = 0; row < M; row += GROUP) {
-            const int64_t rows = row < whole ? GROUP : tail;
-            if (rows != configured) configure(rows_high(rows), rows_low(rows));
-            configured = (int)rows;
-            block_pass(wb, x + row * K, K, rows_high(rows), rows_low(rows), row == 0, sums);
-            store_rows(sums, (int)rows, block_bias, out + row * N + block * COLS, N);
+    for (int64_t row0 = 0; row0 < M; row0 += ROW_CHUNK) {
+        const int64_t row_end = row0 + ROW_CHUNK < M ? row0 + ROW_CHUNK : M;
+        for (int64_t block = first; block < last; block++) {
+            const uint16_t *wb = w + block * K * COLS;
+            const uint16_t *block_bias = bias ? bias + block * COLS : 0;
+            for (int64_t row = row0; row < row_end; row += GROUP) {
+                const int64_t rows = row < whole ? GROUP : tail;
+                if (rows != configured) configure(rows_high(rows), rows_low(rows));
+                configured = (int)rows;
+                block_pass(wb, x + row * K, K, rows_high(rows), rows_low(rows), row == row0, sums);
+                store_rows(sums, (int)rows, block_bias, out + row * N + block * COLS, N);
+            }
         }
     }
     _tile_release();

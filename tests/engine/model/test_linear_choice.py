@@ -13,6 +13,8 @@ from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.linear import make_linear, onednn_packing_supported, pack_weight
 from kvpager.engine.model.linear_choice import (
     AMX_KERNEL_ROWS,
+    AMX_NARROW_COLS,
+    AMX_NARROW_ROWS,
     AMX_PASS_ROWS,
     AVX2_KERNEL_ROWS,
     KERNEL_ROWS,
@@ -120,7 +122,7 @@ def test_a_tied_lm_head_packs_a_copy_and_keeps_the_embedding(monkeypatch, tiny_q
     decoder.build_matmuls(pack=True)
     assert decoder.lm_head is decoder.embed_tokens
     assert torch.equal(decoder.embed_tokens, embedding)  # the table stays plain, unreleased
-    rows = max(AVX2_KERNEL_ROWS, AMX_KERNEL_ROWS) + 1  # oneDNN's rows
+    rows = max(AVX2_KERNEL_ROWS, AMX_KERNEL_ROWS, AMX_NARROW_ROWS) + 1  # oneDNN's rows
     hidden = torch.randn(rows, config.hidden_size).to(dtype)
     tol = TOLERANCE[dtype]
     logits = decoder.compute_logits(hidden)
@@ -173,8 +175,9 @@ def test_unmeasured_small_rows_follow_the_isa(monkeypatch):
 
 def test_bf16_on_amx_takes_the_tile_kernel_up_to_its_rows(monkeypatch):
     """On an AMX host oneDNN packs bf16 for the tile unit (32-column blocks) and the AMX
-    kernel runs it up to AMX_KERNEL_ROWS rows, a wide output (the lm_head) up to one pass of
-    AMX_PASS_ROWS; oneDNN takes the rest. Outputs are F.linear's either way."""
+    kernel runs it up to AMX_KERNEL_ROWS rows, a narrow weight up to a prefill's
+    AMX_NARROW_ROWS, a wide output (the lm_head) up to one pass of AMX_PASS_ROWS; oneDNN takes
+    the rest. Outputs are F.linear's either way."""
     if not (cpu_has_native_bf16() and small_linear.amx_available()):
         pytest.skip("no AMX here")
     calls = []
@@ -182,7 +185,8 @@ def test_bf16_on_amx_takes_the_tile_kernel_up_to_its_rows(monkeypatch):
     monkeypatch.setattr(
         small_linear, "small_linear", lambda x, *a: calls.append(len(x)) or kernel(x, *a)
     )
-    for out_f, limit in ((512, AMX_KERNEL_ROWS), (49152, AMX_PASS_ROWS)):
+    limits = ((512, AMX_NARROW_ROWS), (3072, AMX_KERNEL_ROWS), (49152, AMX_PASS_ROWS))
+    for out_f, limit in limits:
         weight, bias = weights(out_f, 64, torch.bfloat16, bias=True)
         view = small_linear.view_packed(weight, pack_weight(weight))
         assert view is not None and view.cols == small_linear.AMX_COLS
@@ -208,3 +212,5 @@ def test_kernel_rows_follow_the_isa_and_the_output_size():
     assert linear.kernel_rows(layer, []) == 0
     assert linear.kernel_rows(layer.bfloat16(), amx=True) == AMX_KERNEL_ROWS
     assert linear.kernel_rows(lm_head.bfloat16(), amx=True) == AMX_PASS_ROWS
+    narrow = torch.empty(AMX_NARROW_COLS, 1536).bfloat16()
+    assert linear.kernel_rows(narrow, amx=True) == AMX_NARROW_ROWS

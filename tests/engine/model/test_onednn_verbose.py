@@ -23,7 +23,7 @@ BF16 = pytest.param(
 )
 MARK = "=== calls start"
 # [out, in] of SmolLM2's o_proj and down, and the row counts of decode and of a prefill chunk
-# (256: past every kernel's rows, AMX's 128 included)
+# (2048: past every kernel's rows, AMX's 1,024 for narrow weights like these included)
 SCRIPT = """
 import sys, torch
 from kvpager.engine.model.linear import make_linear
@@ -35,7 +35,7 @@ fns = [make_linear(torch.randn(576, n).to(dtype), None, measure=False) for n in 
 assert all(packed for _, packed in fns)
 print("{mark}", flush=True)
 for (fn, _), n in zip(fns, (576, 1536)):
-    for rows in (1, 4, 256):
+    for rows in (1, 4, 2048):
         fn(torch.randn(rows, n).to(dtype))
 print("kernel calls", len(kernel_calls), flush=True)
 """
