@@ -24,6 +24,7 @@ from kvpager.engine.model.linear_choice import (
     KERNEL_OUT_ELEMENTS,
     KERNEL_ROWS,
     SMALL_ROWS,
+    XEON_FP32_KERNEL_ROWS,
     LinearFn,
     choose_linear,
     choose_small_kernel,
@@ -104,7 +105,11 @@ def make_linear(
 # oneDNN's). Without the ISA it still runs (tests) but is only taken when timed.
 _KERNEL_ISA = {
     torch.bfloat16: (("avx512_bf16", KERNEL_ROWS),),
-    torch.float32: (("avx512f", KERNEL_ROWS), ("avx2", AVX2_KERNEL_ROWS)),
+    torch.float32: (
+        ("amx_tile", XEON_FP32_KERNEL_ROWS),
+        ("avx512f", KERNEL_ROWS),
+        ("avx2", AVX2_KERNEL_ROWS),
+    ),
 }
 # False turns the small-row kernel off in every built linear, read at call time (the A/B
 # benchmark, benchmarks/engine/small_linear_ab.py)

@@ -19,6 +19,7 @@ from kvpager.engine.model.linear_choice import (
     AVX2_KERNEL_ROWS,
     KERNEL_ROWS,
     SMALL_ROWS,
+    XEON_FP32_KERNEL_ROWS,
     LinearChoice,
 )
 from kvpager.engine.model.loader import load_weights
@@ -201,10 +202,14 @@ def test_bf16_on_amx_takes_the_tile_kernel_up_to_its_rows(monkeypatch):
 
 
 def test_kernel_rows_follow_the_isa_and_the_output_size():
-    """AVX-512 takes KERNEL_ROWS rows, fp32 on AVX2 up to AVX2_KERNEL_ROWS, fewer on a wide
-    output (an lm_head); bf16 needs AVX512-BF16, and a host with neither takes none."""
+    """AVX-512 takes KERNEL_ROWS rows (fp32 on a Xeon with AMX up to XEON_FP32_KERNEL_ROWS),
+    fp32 on AVX2 up to AVX2_KERNEL_ROWS, fewer on a wide output (an lm_head); bf16 needs
+    AVX512-BF16, and a host with neither takes none."""
     layer, lm_head = torch.empty(3072, 576), torch.empty(49152, 576)
     assert linear.kernel_rows(layer, ["avx2", "fma", "avx512f"]) == KERNEL_ROWS
+    xeon = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]  # Sapphire Rapids' cores
+    assert linear.kernel_rows(layer, xeon) == XEON_FP32_KERNEL_ROWS
+    assert linear.kernel_rows(layer.bfloat16(), xeon) == KERNEL_ROWS  # unpacked for AMX
     assert linear.kernel_rows(layer, ["avx2", "fma"]) == AVX2_KERNEL_ROWS
     assert linear.kernel_rows(lm_head, ["avx2", "fma"]) == linear.KERNEL_OUT_ELEMENTS // 49152
     assert linear.kernel_rows(layer.bfloat16(), ["avx2", "fma", "avx512f"]) == 0
