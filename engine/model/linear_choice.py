@@ -64,7 +64,7 @@ XEON_FP32_KERNEL_ROWS = 128
 # few times) up to a prefill's AMX_NARROW_ROWS: oneDNN's matmul ran SmolLM2's qkv, o_proj and
 # down_proj at 1,000 rows at half its rate at 2,048 (its blocking for that M), where the kernel
 # was 1.7x (qkv) and 1.9x (down) faster, level on o_proj; gate_up (3072 wide) stays on oneDNN
-# (0.74-0.8x at 512-1,000) (benchmarks/reports/2026-12-06-xeon-amx-bf16-weights/)
+# (0.74-0.8x at 512-1,000) (benchmarks/reports/2026-12-06-xeon-amx-first-token/)
 AMX_NARROW_COLS = 1024
 AMX_NARROW_ROWS = 1024
 
