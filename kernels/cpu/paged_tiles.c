@@ -307,6 +307,16 @@ INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t 
     chunk_values(s, u, st, values, tiles, &w);
 }
 
+// the chunk after the one from `start`, or where this is the last (`end`), `next`'s first
+INLINE void prefetch_ahead(const shape *s, const unit *u, const unit *next, int64_t start,
+                           int64_t end) {
+    if (start + CHUNK < end)
+        prefetch_chunk(s, u->table, end, start + CHUNK, u->kv_head);
+    else if (next)
+        prefetch_chunk(s, next->table, row_last(next, next->rows - 1), unit_start(s, next),
+                       next->kv_head);
+}
+
 // One unit; `next`: the one this thread takes after it (NULL at the end), whose first chunk
 // the last chunk prefetches.
 static void attend(const shape *s, const unit *u, const unit *next) {
@@ -318,13 +328,8 @@ static void attend(const shape *s, const unit *u, const unit *next) {
             st.max[g] = s->sinks[u->head + g * u->head_step] * 1.44269504088896341f, st.sum[g] = 1.0f;
     }
     const int64_t first = row_first(s, u->last), end = row_last(u, u->rows - 1);
-    const int prefetch = !u->causal;  // a decode unit (see the file's head)
     for (int64_t start = unit_start(s, u); start < end; start += CHUNK) {
-        if (!prefetch) {
-        } else if (start + CHUNK < end) prefetch_chunk(s, u->table, end, start + CHUNK, u->kv_head);
-        else if (next)
-            prefetch_chunk(s, next->table, row_last(next, next->rows - 1), unit_start(s, next),
-                           next->kv_head);
+        if (!u->causal) prefetch_ahead(s, u, next, start, end);  // decode units alone
         attend_chunk(s, u, &st, start, first, end);
     }
     for (int64_t g = 0; g < u->rows; g++) {

@@ -5,8 +5,8 @@
 // kernel round it: the fp32 output is within 2-3e-3 of the float32 twin on the tests' batches,
 // nearer than the rounding to bf16 that follows leaves the twin itself (2-8e-3). Carried as
 // bf16 twice (its rounding and what that left, ~1e-6 of the twin), P cost a second product
-// and a second rounding a weight: 19% of a 1,000-token prefill's attention and 5% of a decode
-// step's on a 2-core Xeon (benchmarks/reports/2026-12-06-xeon-amx-first-token/).
+// and a second rounding a weight: 19% of a 1,000-token prefill's attention and 5-10% of a
+// decode step's on a 2-core Xeon (benchmarks/reports/2026-12-06-xeon-amx-first-token/).
 #include "amx.h"
 
 // the tile registers (the intrinsics take literal numbers)
