@@ -100,7 +100,8 @@ def make_linear(
 
 # the ISA flag a dtype's kernel needs to pay, and the rows it takes there
 # (docs/design/packed-linears.md): vdpbf16ps for bf16, AVX-512 FMAs for fp32, up to
-# KERNEL_ROWS; fp32's AVX2 build (kernels/cpu/small_linear_avx2.h) up to AVX2_KERNEL_ROWS, and
+# KERNEL_ROWS (fp32 on a host with AMX, Sapphire Rapids' cores: XEON_FP32_KERNEL_ROWS);
+# fp32's AVX2 build (kernels/cpu/small_linear_avx2.h) up to AVX2_KERNEL_ROWS, and
 # fewer where the output would be large (an lm_head's 64 rows, 49152 wide, wrote slower than
 # oneDNN's). Without the ISA it still runs (tests) but is only taken when timed.
 _KERNEL_ISA = {

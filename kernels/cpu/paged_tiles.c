@@ -217,12 +217,6 @@ static const uint16_t *masked_values(const shape *s, const uint16_t *v, int64_t 
 #include "tiles_dpbf16.h"
 #endif
 
-// Scores of `tiles` tiles from `start` -> weights (as the ISA half keeps them), each row's
-// running max, sum and output rescaled, in base 2 (scores times scale * log2(e)). Only a tile
-// a row's window or causal edge crosses is masked; a row may see none of the chunk (a causal
-// row before it): its weights are 0 and what it has stays. The row's scores stay in registers between the passes.
-// (Its first form, masking every tile through memory with simd.h's exp and a bit-twiddled
-// rounding, took most of a prefill chunk's time.)
 // a row's scores of the chunk, each tile masked where the row's window or causal edge crosses it
 INLINE void row_scores(const shape *s, const unit *u, const float scores[][CHUNK], int64_t g,
                        int64_t tiles, int64_t start, vec x[CHUNK_TILES]) {

@@ -144,17 +144,17 @@ def _fp32_tile_output(batch, scale):
 
 
 @pytest.mark.parametrize("case", [DECODE, MIXED, UNITS])
-@pytest.mark.usefixtures("tile_kernel")
-def test_rows_are_within_the_outputs_rounding_of_the_fp32_twin(case):
-    """P rounds to bf16 once on AMX tiles (as torch's CPU flash attention and vLLM's AMX kernel
-    round it; the AVX512-BF16 half keeps it in fp32): before the output's own rounding to bf16,
-    the kernel is nearer the fp32 twin on the same bf16 values than that rounding leaves the
-    twin itself, decode units and prefill units alike."""
+def test_rows_are_within_the_outputs_rounding_of_the_fp32_twin(case, tile_kernel):
+    """Before the output's own rounding to bf16, on the same bf16 values, decode units and
+    prefill units alike: the AVX512-BF16 half keeps P in fp32 and matches the fp32 twin to
+    ~1e-6; on AMX tiles P rounds to bf16 once (as torch's CPU flash attention and vLLM's AMX
+    kernel round it), and the kernel is nearer the twin than that rounding leaves the twin."""
     batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
     out = _fp32_tile_output(batch, 0.125)
     twin = paged_attention_ref(*dataclasses.replace(batch, query=batch.query.float()).args(0.125))
-    rounding = (twin.bfloat16().float() - twin).abs().max()
-    assert out is not None and (out - twin).abs().max() < rounding
+    on_amx = tile_kernel == "native" and "amx_tile" in isa_flags()
+    bound = (twin.bfloat16().float() - twin).abs().max() if on_amx else 1e-5
+    assert out is not None and (out - twin).abs().max() < bound
 
 
 @pytest.mark.usefixtures("tile_kernel")
