@@ -31,6 +31,7 @@ _SIGNATURES = (
     ("small_linear_bf16w", _ARGS),
 )
 _AMX_SIGNATURES = (("tiles_ready", ()), ("amx_linear_bf16", _ARGS))
+_AMX_F32_SIGNATURES = (("tiles_ready", ()), ("amx_linear_f32", _ARGS))
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -42,6 +43,11 @@ def load(march: str = NATIVE):
 def load_amx():
     """The AMX library (kernels/cpu/amx_linear.c, built for the host), or None."""
     return load_library("amx_linear", _AMX_SIGNATURES, NATIVE)
+
+
+def load_amx_f32():
+    """fp32 on the tile unit (kernels/cpu/amx_linear_f32.c, built for the host), or None."""
+    return load_library("amx_linear_f32", _AMX_F32_SIGNATURES, NATIVE)
 
 
 @functools.cache
@@ -181,3 +187,37 @@ def small_linear_bf16w(
     assert bias is None or bias.shape == (weight.out_features,)
     fp32_bias = None if bias is None else bias.float()
     return _run(library.small_linear_bf16w, x.float(), weight, fp32_bias).to(x.dtype)
+
+
+def split_planes(weight: torch.Tensor) -> PackedView | None:
+    """An fp32 `weight` [N, K] as three bf16 parts (w1 = bf16(w), w2 = bf16(w - w1),
+    w3 = bf16(w - w1 - w2)), each in the AMX layout, one after another, for `tile_linear_f32`;
+    None where the shape does not fit the tiles or the library does not run here."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or n % AMX_COLS or k % 32 or weight.device.type != "cpu":
+        return None
+    if not amx_available() or load_amx_f32() is None:
+        return None
+    planes = torch.cat([blocked_ref(part, AMX_COLS) for part in bf16_parts(weight)])
+    return PackedView(planes, planes.data_ptr(), n, k, torch.float32, AMX_COLS)
+
+
+def bf16_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 `values` as three bf16 parts, each the rounding (to nearest even) of what the ones
+    before it left; the remainders are exact in fp32, and for values of magnitude 2^-100 to
+    2^126 (where no remainder falls below fp32's normals) the three sum back to `values`
+    exactly: 8 significant bits each, 24 in all."""
+    first = values.to(torch.bfloat16)
+    rest = values - first.float()
+    second = rest.to(torch.bfloat16)
+    return first, second, (rest - second.float()).to(torch.bfloat16)
+
+
+def tile_linear_f32(x: torch.Tensor, weight: PackedView, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) -> [M, N] in float32, `weight` from split_planes: the six
+    largest of the parts' nine products, summed in float32 on the tile unit."""
+    library = load_amx_f32()
+    assert library is not None, "split_planes checked the library"
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == weight.in_features
+    assert bias is None or (bias.dtype == torch.float32 and bias.shape == (weight.out_features,))
+    return _run(library.amx_linear_f32, x, weight, bias)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kvpager.engine.memory import cpu_has_native_bf16
 from kvpager.engine.model.linear_choice import (
     ALWAYS_PACKED,
+    AMX_F32_ROWS,
     AMX_KERNEL_ROWS,
     AMX_NARROW_COLS,
     AMX_NARROW_ROWS,
@@ -90,7 +91,9 @@ def make_linear(
     def onednn_fn(x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, packed, bias)
 
-    packed_fn = with_small_kernel(weight, packed, bias, onednn_fn, measure)
+    packed_fn = with_f32_tiles(
+        weight, bias, with_small_kernel(weight, packed, bias, onednn_fn, measure)
+    )
     choice = choose_linear(weight, bias, plain_fn, packed_fn) if measure else ALWAYS_PACKED
     if not choice.mixed:
         return (packed_fn, True) if choice.packed_small else (plain_fn, False)
@@ -113,8 +116,9 @@ _KERNEL_ISA = {
     ),
 }
 # False turns the small-row kernel off in every built linear, read at call time (the A/B
-# benchmark, benchmarks/engine/small_linear_ab.py)
+# benchmark, benchmarks/engine/small_linear_ab.py); F32_TILES_ON the same for fp32 on tiles
 KERNEL_ON = True
+F32_TILES_ON = True
 
 
 def kernel_rows(weight: torch.Tensor, isa: list[str] | None = None, amx: bool = False) -> int:
@@ -161,6 +165,26 @@ def with_small_kernel(
     if measure and not choose_small_kernel(weight, onednn, kernel_fn):
         return onednn
     return lambda x: kernel_fn(x) if KERNEL_ON and x.shape[0] <= rows else onednn(x)
+
+
+def with_f32_tiles(weight: torch.Tensor, bias: torch.Tensor | None, fewer: LinearFn) -> LinearFn:
+    """An fp32 weight on an AMX host: from AMX_F32_ROWS rows on the tile unit, over the weight
+    split once into three bf16 parts (kernels/small_linear.py's split_planes: 6 bytes a weight
+    beside oneDNN's 4, which `fewer` keeps for fewer rows, where reading it is the cost). As
+    exact as fp32's own matmul: its error against float64 is the same size
+    (tests/kernels/test_amx_linear_f32.py). `fewer` everywhere else."""
+    if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return fewer
+    planes = small_linear.split_planes(weight)
+    if planes is None:
+        return fewer
+
+    def tiles_fn(x: torch.Tensor) -> torch.Tensor:
+        if F32_TILES_ON and x.dim() == 2 and x.dtype == torch.float32 and len(x) >= AMX_F32_ROWS:
+            return small_linear.tile_linear_f32(x, planes, bias)
+        return fewer(x)
+
+    return tiles_fn
 
 
 def bf16_blocks_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:

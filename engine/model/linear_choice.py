@@ -67,6 +67,11 @@ XEON_FP32_KERNEL_ROWS = 128
 # (0.74-0.8x at 512-1,000) (benchmarks/reports/2026-12-06-xeon-amx-first-token/)
 AMX_NARROW_COLS = 1024
 AMX_NARROW_ROWS = 1024
+# fp32 from this many rows on the tile unit, each value as three bf16 parts
+# (kernels/cpu/amx_linear_f32.c): 1.1-1.6x the faster of oneDNN and the AVX-512 kernel at 32 to
+# 2,048 rows of SmolLM2's linears and its lm_head on a 2-core Xeon, mixed at 16-24 (0.8-1.1x),
+# behind at 1 (0.3-0.6x: it reads 6 bytes a weight where fp32 reads 4)
+AMX_F32_ROWS = 32
 
 
 @dataclass(frozen=True)

@@ -200,12 +200,19 @@ class Scheduler(Admission, Preemption, OutputUpdate, KvMoves):
         request arriving just after it behind the steps already planned at full budget). A
         parent whose samples fork from it is not capped: its chunks take the budget until its
         prompt completes, so nothing admitted behind it can need the blocks of samples forked
-        in the same step (see _preempt). How many prompts prefill at once, long ones apart, is
-        decided at admission (engine/sched/prefill_limits.py)."""
+        in the same step (see _preempt). Nor is a request alone whose rest fits this step:
+        there is no one to protect, and one step plans nothing behind it at full budget. How
+        many prompts prefill at once, long ones apart, is decided at admission
+        (engine/sched/prefill_limits.py)."""
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new and not request.num_pending_forks:
-            num_new = threshold
+            if num_new > budget or not self._alone(request):
+                num_new = threshold
         return min(num_new, budget)
+
+    def _alone(self, request: Request) -> bool:
+        """Nothing but `request` is running or waiting."""
+        return all(r is request for r in self.running) and all(r is request for r in self.waiting)
 
     @staticmethod
     def _num_unscheduled(request: Request) -> int:

@@ -12,6 +12,7 @@ from kvpager.engine.model import linear, linear_choice
 from kvpager.engine.model.decoder import Decoder
 from kvpager.engine.model.linear import make_linear, onednn_packing_supported, pack_weight
 from kvpager.engine.model.linear_choice import (
+    AMX_F32_ROWS,
     AMX_KERNEL_ROWS,
     AMX_NARROW_COLS,
     AMX_NARROW_ROWS,
@@ -36,6 +37,12 @@ BF16 = pytest.param(
 )
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 ROWS = (1, SMALL_ROWS, SMALL_ROWS + 1, 37)
+
+
+@pytest.fixture(autouse=True)
+def _no_fp32_tiles(monkeypatch):
+    """oneDNN and the small-row kernel alone: fp32's tiles (AMX hosts) have their own test."""
+    monkeypatch.setattr(linear, "F32_TILES_ON", False)
 
 
 def weights(out_f: int, in_f: int, dtype: torch.dtype, bias: bool = False):
@@ -199,6 +206,29 @@ def test_bf16_on_amx_takes_the_tile_kernel_up_to_its_rows(monkeypatch):
                 fn(x).float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2
             )
         assert calls == [1, limit]
+
+
+def test_fp32_on_amx_takes_the_tiles_from_their_rows(monkeypatch):
+    """On an AMX host an fp32 weight runs on the tile unit from AMX_F32_ROWS rows (its three
+    bf16 parts, kernels/cpu/amx_linear_f32.c), the small-row kernel or oneDNN below; outputs
+    are F.linear's within fp32's own error either way."""
+    if small_linear.split_planes(torch.zeros(32, 32)) is None:
+        pytest.skip("no AMX here")
+    monkeypatch.setattr(linear, "F32_TILES_ON", True)
+    calls = []
+    tiles = small_linear.tile_linear_f32
+    monkeypatch.setattr(
+        small_linear, "tile_linear_f32", lambda x, *a: calls.append(len(x)) or tiles(x, *a)
+    )
+    weight, bias = weights(3072, 64, torch.float32, bias=True)
+    fn, _ = make_linear(weight, bias)
+    for rows in (1, AMX_F32_ROWS - 1, AMX_F32_ROWS, 300):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(fn(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert calls == [AMX_F32_ROWS, 300]
+    monkeypatch.setattr(linear, "F32_TILES_ON", False)
+    fn(torch.randn(300, 64))
+    assert calls == [AMX_F32_ROWS, 300]
 
 
 def test_kernel_rows_follow_the_isa_and_the_output_size():

@@ -8,7 +8,7 @@ from kvpager.engine.sched.scheduler import Scheduler
 from kvpager.schemas.errors import ConfigError
 
 from tests.engine.helpers import assert_all_free, make_llm, random_prompts
-from tests.engine.sched.test_scheduler import add, run_step
+from tests.engine.sched.test_scheduler import add, drain, run_step
 
 
 def make_scheduler(num_blocks=64, budget=64, threshold=16, partial=4, long=1, reserve=False):
@@ -23,12 +23,6 @@ def make_scheduler(num_blocks=64, budget=64, threshold=16, partial=4, long=1, re
     )
     cache = CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=False)
     return Scheduler(limits, cache)
-
-
-def drain(scheduler) -> None:
-    while scheduler.has_unfinished:
-        run_step(scheduler)
-    assert scheduler.block_manager.num_free_blocks == scheduler.cache_config.num_blocks
 
 
 def test_long_prompts_prefill_one_after_another():

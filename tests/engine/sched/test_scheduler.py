@@ -152,6 +152,37 @@ def test_a_long_prefill_leaves_room_for_short_requests():
     assert scheduler.seqs["long"].num_computed_tokens == 32
 
 
+def test_a_prompt_alone_that_fits_the_step_is_not_capped():
+    """Capping a lone prompt would only split it: one that fits the budget takes one step.
+    One that does not fit, or one with others waiting, is still capped."""
+    scheduler = make_scheduler(num_blocks=64, max_model_len=256, threshold=16)
+    add(scheduler, "alone", 60)
+    assert run_step(scheduler).num_scheduled_tokens == {"alone": 60}
+    add(scheduler, "beside", 60)  # the first one decodes: the second is capped
+    assert run_step(scheduler).num_scheduled_tokens == {"alone": 1, "beside": 16}
+    drain(scheduler)
+
+    scheduler = make_scheduler(num_blocks=64, max_model_len=256, threshold=16)
+    add(scheduler, "longer", 100)  # past the 64-token budget
+    assert run_step(scheduler).num_scheduled_tokens == {"longer": 16}
+    drain(scheduler)
+
+    scheduler = make_scheduler(num_blocks=64, max_model_len=256, threshold=16)
+    add(scheduler, "first", 60)
+    add(scheduler, "second", 4)
+    assert run_step(scheduler).num_scheduled_tokens == {"first": 16, "second": 4}
+    add(scheduler, "third", 4)  # the first's rest fits, but others run
+    assert run_step(scheduler).num_scheduled_tokens == {"first": 16, "second": 1, "third": 4}
+    drain(scheduler)
+
+
+def drain(scheduler) -> None:
+    """Run to the end; every block comes back."""
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == scheduler.cache_config.num_blocks
+
+
 def test_a_forking_parent_is_not_capped():
     scheduler = make_scheduler(num_blocks=64, max_model_len=256, threshold=16)
     add(scheduler, "long", 120)
