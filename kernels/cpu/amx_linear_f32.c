@@ -24,35 +24,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include "amx.h"
-
-#define COLS 32        // output columns of a packed block: two tiles of 16
-#define K_STEP 32      // k of one tile product (16 pairs)
-#define GROUP 32       // rows a pass of the accumulators covers: two tiles of 16
-#define ROW_CHUNK 128  // x's rows a chunk, under every column block of a thread (amx_linear.c)
-#define PREFETCH 4096  // bytes of each weight part ahead of the tile loads
-#define INLINE static inline __attribute__((always_inline))
-
-// the tile registers (the intrinsics take literal numbers, so no enum)
-#define T_A0 0   // one part of x: rows 0-15 of the pass, 32 k
-#define T_A1 1   //                rows 16-31
-#define T_B0 2   // one part of the weight: 16 k pairs x columns 0-15 of the block
-#define T_B1 3   //                                        columns 16-31
-#define T_C00 4  // sums, rows 0-15 x columns 0-15 (fp32)
-#define T_C01 5
-#define T_C10 6  // rows 16-31
-#define T_C11 7
-
-// tiles for passes of rows0 + rows1 rows (rows1 may be 0: those tiles stay unused)
-static void configure(int rows0, int rows1) {
-    tile_config config;
-    memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    const int rows[] = {rows0, rows1, 16, 16, rows0, rows0, rows1, rows1};
-    for (int t = 0; t < 8; t++)
-        if (rows[t]) config.rows[t] = (uint8_t)rows[t], config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
+#include "amx_pass.h"
 
 INLINE __m512 widen(__m256i bf16) {  // bf16 is the top half of a float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
@@ -69,11 +41,6 @@ INLINE void split16(const float *x, uint16_t *p1, uint16_t *p2, uint16_t *p3) {
     _mm256_storeu_si256((__m256i *)p1, v1);
     _mm256_storeu_si256((__m256i *)p2, v2);
     _mm256_storeu_si256((__m256i *)p3, v3);
-}
-
-INLINE void prefetch_step(const char *w) {  // one weight part's 32 lines of a k step, ahead
-    for (int line = 0; line < K_STEP * COLS * 2; line += 64)
-        _mm_prefetch(w + PREFETCH + line, _MM_HINT_T0);
 }
 
 #define LOAD_X(part)                                                \
@@ -138,10 +105,6 @@ INLINE void block_pass(const uint16_t *w, int64_t plane, const uint16_t *x1, con
         _tile_stored(T_C11, out + 16 * N + 16, N * 4);
     }
 }
-
-// a pass's two tile heights for `rows` (1-32) rows
-INLINE int rows_high(int64_t rows) { return rows < 16 ? (int)rows : 16; }
-INLINE int rows_low(int64_t rows) { return (int)rows - rows_high(rows); }
 
 INLINE void add_bias(const float *bias, int rows, float *out, int64_t N) {
     const __m512 lo = _mm512_loadu_ps(bias), hi = _mm512_loadu_ps(bias + 16);
