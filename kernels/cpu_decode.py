@@ -121,11 +121,16 @@ SDPA_MIN_CHUNK = 128
 # A bf16 model's chunks go to bf16 SDPA from 16 tokens (on a bf16 host SDPA won from there,
 # the kernel below it): suffixes after a cached prefix are short.
 BF16_SDPA_MIN_CHUNK = 16
-# Where the prefill kernel fits (cpu_prefill.fits), chunks from this length run on it, fp32 and
-# bf16 models alike: on a loaded 2-core AVX-512 host (1 thread, CPU time) it beat the row-per-
-# token kernel 1.1-2x from 8 tokens, and SDPA over gathered copies 1.3-2.4x on 256- and
-# 512-token chunks (benchmarks/reports/2026-12-05-cpu-prefill-attention/).
+# Where the prefill kernel fits (cpu_prefill.fits), chunks from this length run on it: on a loaded
+# 2-core AVX-512 host (1 thread, CPU time) it beat the row-per-token kernel 1.1-2x from 8 tokens,
+# and SDPA over gathered copies 1.3-2.4x on 256- and 512-token chunks
+# (benchmarks/reports/2026-12-05-cpu-prefill-attention/). Rows read the context once a token,
+# the kernel once a chunk, so where the cache is 4 bytes a value it pays sooner: a speculative
+# verify chunk of 3-5 tokens over 500-3,000 keys ran 1.10-1.59x faster in fp32 on the 2-core
+# Xeon over two runs (2 tokens: 0.93-1.19x); in bf16 (token-major) rows still won at 2-3
+# tokens and lost from 5 (benchmarks/reports/2026-12-07-xeon-amx-fp32-tiles/)
 PREFILL_MIN_CHUNK = 8
+PREFILL_MIN_CHUNK_F32 = 3
 
 
 def _token_rows(
@@ -174,9 +179,10 @@ def paged_attention_cpu(
         return out.to(query.dtype)
     in_place = cpu_prefill.fits(query, key_cache, value_cache)
     native_bf16 = not in_place and _native_bf16_chunks(query, key_cache, softcap)
-    min_chunk = (
-        PREFILL_MIN_CHUNK if in_place else BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
-    )
+    if in_place:
+        min_chunk = prefill_min_chunk(key_cache)
+    else:
+        min_chunk = BF16_SDPA_MIN_CHUNK if native_bf16 else SDPA_MIN_CHUNK
     out = torch.empty(query.shape, dtype=query.dtype if native_bf16 else torch.float32)
     long_chunks = _short_rows(query, *args[:-1], min_chunk, out, **masking)
     if long_chunks is None:
@@ -187,6 +193,11 @@ def paged_attention_cpu(
     elif not (in_place and cpu_prefill.prefill_chunks(query, *args[:-1], min_chunk, out, *chunks)):
         chunk_attention_ref(query, *args[:-1], long_chunks, out, *chunks)
     return out.to(query.dtype)
+
+
+def prefill_min_chunk(key_cache: torch.Tensor) -> int:
+    """Chunks from this many tokens run on the prefill kernel, by the cache's bytes a value."""
+    return PREFILL_MIN_CHUNK_F32 if key_cache.element_size() == 4 else PREFILL_MIN_CHUNK
 
 
 def _short_rows(

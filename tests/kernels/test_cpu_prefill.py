@@ -81,15 +81,17 @@ def test_matches_dense_attention():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_backend_routes_chunks_to_it(dtype, monkeypatch):
-    """paged_attention_cpu: chunks of PREFILL_MIN_CHUNK tokens or more on the kernel, a
-    query view of a fused qkv row included; the twin's answer."""
+    """paged_attention_cpu: chunks of prefill_min_chunk tokens or more on the kernel (3 over
+    an fp32 cache, 8 over bf16), a query view of a fused qkv row included; the twin's answer."""
     calls = []
     real = cpu_prefill.prefill_chunks
     monkeypatch.setattr(
         cpu_prefill, "prefill_chunks", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    q_lens = [1, cpu_decode.PREFILL_MIN_CHUNK - 1, cpu_decode.PREFILL_MIN_CHUNK, 70]
+    min_chunk = cpu_decode.PREFILL_MIN_CHUNK_F32 if dtype == torch.float32 else 8
+    q_lens = [1, min_chunk - 1, min_chunk, 70]
     batch = make_batch(q_lens, [50, 7, 8, 300], 9, 3, 64, 16, dtype, "cpu")
+    assert cpu_decode.prefill_min_chunk(batch.key_cache) == min_chunk
     fused = torch.cat([batch.query, torch.randn(batch.query.shape).to(dtype)], dim=1)
     batch.query = fused[:, :9]  # rows apart, as the executor's qkv view
     args = batch.args(0.125)
