@@ -1,9 +1,9 @@
 // fp32 linears on AMX tiles: out[M, N] = x[M, K] @ W^T (+ bias), every value split into three
 // bf16 parts (v = v1 + v2 + v3, each the rounding of what the parts before it left) and the
 // six largest of the nine part products summed in float32 on the tile unit: cuBLAS's BF16x9
-// emulation of fp32 less the three products below 2^-24 of the whole. Its twin is
-// kernels/reference.py's linear_f32_ref (F.linear in float32); the test holds the kernel's
-// error against float64 to the twin's own.
+// emulation of fp32 less the three products below 2^-24 of the whole. Its twin is F.linear in
+// float32; tests/kernels/test_amx_linear_f32.py holds the kernel's error against float64 to
+// the twin's own.
 //
 // Why: a 2-core Xeon's AVX-512 FMAs ran SmolLM2's fp32 linears at 190-280 GFLOP/s, near their
 // peak, where one tile product does 16x the multiply-adds of an FMA; six of them still leave the
@@ -12,9 +12,9 @@
 //
 // The weight comes as three planes (kernels/small_linear.py's split_planes), each in
 // amx_linear.c's layout [N / 32][K / 2][32 columns][2]; x's rows are split here, once a call,
-// into three bf16 copies [M][K] that the A tiles load as they are. A pass takes 16 rows under one
-// 32-column block: three A tiles (x's parts), two B tiles (one weight part, two halves of the
-// block) and two accumulators, the smallest products first.
+// into three bf16 copies [M][K] that the A tiles load as they are. A pass takes 32 rows under one
+// 32-column block (amx_pass.h's layout): two A tiles (one part of x), two B tiles (one part of
+// the weight) and four accumulators.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,8 +65,8 @@ INLINE void split16(const float *x, uint16_t *p1, uint16_t *p2, uint16_t *p3) {
 
 // one column block (weight part p at w + p * plane) for a pass's rows of x's parts (K apart);
 // the sums go to out (N apart) as they are, the bias after. Four accumulators, each taking one
-// product of a pair of parts in turn (one accumulator for all six was bound by the products'
-// latency), in an order that loads eight pairs of tiles for the six
+// product of a pair of parts in turn (two accumulators taking all six each were bound by the
+// products' latency, 0.85-0.9x this), in an order that loads eight pairs of tiles for the six
 INLINE void block_pass(const uint16_t *w, int64_t plane, const uint16_t *x1, const uint16_t *x2,
                        const uint16_t *x3, int64_t K, int rows1, int prefetch, float *out,
                        int64_t N) {
