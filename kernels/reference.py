@@ -375,6 +375,14 @@ def top_k_top_p_ref(
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+def draw_ref(logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's inverse-CDF draw: the first token whose running probability mass, of
+    softmax(logits * inv_temperature), passes u times the row's total; int64 [rows]."""
+    cdf = (logits * inv_temperature.unsqueeze(1)).softmax(dim=-1).cumsum(dim=-1)
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(cdf.shape[1] - 1)
+
+
 def small_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """x [M, K] @ weight [N, K].T (+ bias) in float32, rounded once to x's dtype: the twin of
     kernels/small_linear.py (which reads oneDNN's packed copy of `weight`)."""

@@ -161,8 +161,17 @@ def _run(function, x: torch.Tensor, weight: PackedView, bias: torch.Tensor | Non
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    assert status == 0, f"{function.__name__}: shapes the caller should have checked"
+    if status:
+        raise _failure(function, status)
     return out
+
+
+def _failure(function, status: int) -> Exception:
+    """The entry points' nonzero statuses: 1 a shape they do not take (the callers check
+    shapes first, so a bug), 2 no memory for amx_linear_f32's split of x."""
+    if status == 2:
+        return MemoryError(f"{function.__name__}: no memory for the parts of x")
+    return AssertionError(f"{function.__name__}: shapes the caller should have checked")
 
 
 def block_bf16(weight: torch.Tensor) -> PackedView | None:

@@ -61,6 +61,7 @@ def split(steps: list[StepRecord], tail_rows: int = 16) -> dict:
     tail = rest[len(decode) :]
     ttft = sorted(firsts.values())
     return {
+        "by_rows": by_rows(rest),
         "total_s": round(steps[-1].end_s, 3) if steps else 0.0,
         "ttft_p50_ms": round(1000 * statistics.median(ttft), 1) if ttft else 0.0,
         "prefill": _phase(prefill, 0.0),
@@ -68,6 +69,26 @@ def split(steps: list[StepRecord], tail_rows: int = 16) -> dict:
         "tail": _phase(tail, decode[-1].end_s if decode else prefill_end),
         "first_steps": [(round(s.end_s, 3), len(s.rows), s.num_tokens) for s in steps[:8]],
     }
+
+
+ROW_BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 1 << 30))
+
+
+def by_rows(steps: list[StepRecord]) -> list[tuple[str, int, float, float]]:
+    """Decode steps after the prefill phase by their rows: (rows, steps, ms a step, mean
+    context a row), a step's time from the previous step's end."""
+    buckets: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for before, step in zip(steps, steps[1:]):
+        rows = len(step.rows)
+        key = next(b for b in ROW_BUCKETS if b[0] <= rows <= b[1])
+        context = statistics.fmean(after for _, after, _ in step.rows.values())
+        buckets.setdefault(key, []).append((step.end_s - before.end_s, context))
+    rows = []
+    for (lo, hi), v in sorted(buckets.items()):
+        name = f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
+        ms = round(1000 * statistics.fmean(t for t, _ in v), 1)
+        rows.append((name, len(v), ms, round(statistics.fmean(c for _, c in v))))
+    return rows
 
 
 def markdown(name: str, result: dict) -> str:
@@ -84,4 +105,6 @@ def markdown(name: str, result: dict) -> str:
             f"{p['rows_mean']} | {p['tokens_mean']} | {p.get('prefill_tokens', 0)} |"
         )
     lines.append(f"first steps (end s, rows, tokens): {result['first_steps']}")
+    lines += ["| rows | steps | ms/step | context |", "|---|---|---|---|"]
+    lines += [f"| {rows} | {n} | {ms} | {ctx} |" for rows, n, ms, ctx in result.get("by_rows", ())]
     return "\n".join(lines)

@@ -2,17 +2,19 @@
 
 Order (vLLM's): grammar bitmask -> min_tokens -> logit_bias -> penalties -> [greedy rows: argmax] ->
 temperature -> min_p -> top_k -> top_p -> sample. Sampling is by inverse CDF: one uniform
-draw a row, looked up in the row's cumulative probabilities. A seeded row draws it from a
-generator seeded by (seed, output position) alone, so a seeded request samples the same
-tokens whatever else shares its batch, and a request re-sent elsewhere with its outputs so far
-(a migrated stream) goes on drawing exactly what it would have drawn: no generator state has
-to outlive a process.
+draw a row, looked up in the row's cumulative probabilities (on CPU by the C draw,
+kernels/cpu_sampling.py, which sums the row's mass in blocks and walks only u's block). A
+seeded row draws it from a generator seeded by (seed, output position) alone, so a seeded
+request samples the same tokens whatever else shares its batch, and a request re-sent
+elsewhere with its outputs so far (a migrated stream) goes on drawing exactly what it would
+have drawn: no generator state has to outlive a process.
 """
 
 from dataclasses import dataclass
 
 import torch
 from kvpager.engine.worker.top_k_top_p import top_k_top_p
+from kvpager.kernels import cpu_sampling
 from kvpager.kernels.bitmask import apply_token_bitmask
 from kvpager.schemas.sampling import SamplingParams
 
@@ -322,15 +324,25 @@ def _sample_random(
     logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Returns int64 [num_rows] (meaningless on greedy rows) and, with `keep_probs`, the
-    probabilities drawn from; logits stay as they are."""
-    logits = logits / batch.temperature.unsqueeze(1)
+    probabilities drawn from; logits stay as they are. Without filters the temperature goes
+    into the draw (no scaled copy of the logits)."""
+    filtered = batch.min_p is not None or not batch.no_top_k_p
+    inv_temperature = 1.0 / batch.temperature
+    if filtered or batch.keep_probs:
+        logits = logits / batch.temperature.unsqueeze(1)
+        inv_temperature = torch.ones_like(inv_temperature)
     if batch.min_p is not None:
         _apply_min_p(logits, batch.min_p)
     if not batch.no_top_k_p:
         logits = top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = logits.softmax(dim=-1)
-    kept = probs.clone() if batch.keep_probs else None  # the draw sums them in place
-    return _inverse_cdf(probs, batch, generator), kept
+    u = _uniforms(batch, len(logits), logits.device, generator)
+    if batch.keep_probs:
+        probs = logits.softmax(dim=-1)
+        return _inverse_cdf(probs.clone(), u), probs  # the draw sums its copy in place
+    drawn = cpu_sampling.draw(logits, inv_temperature, u)  # C, on CPU (none of torch's passes)
+    if drawn is None:
+        drawn = _inverse_cdf((logits * inv_temperature.unsqueeze(1)).softmax(dim=-1), u)
+    return drawn, None
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -340,24 +352,29 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _inverse_cdf(
-    probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+def _uniforms(
+    batch: SamplingBatch, rows: int, device: torch.device, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """One uniform draw u per row, found in the row's cumulative distribution: the first token
-    whose running mass exceeds u, so token i with probability probs[i] (a zero-probability
-    token never: its running mass equals the one before). One number a row, where an
-    exponential race draws one a vocabulary entry: on CPU those draws cost a large part of a
-    small model's step."""
-    cdf = probs.cumsum_(dim=-1)  # in place: probs are this step's own
-    u = torch.zeros(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device)
+    """One uniform draw a row in [0, 1): a seeded row's from its own (seed, position) stream,
+    the others' from the shared generator. One number a row, where an exponential race draws
+    one a vocabulary entry: on CPU those draws cost a large part of a small model's step."""
+    u = torch.zeros(rows, dtype=torch.float32, device=device)
     if batch.any_unseeded_random:
         u.uniform_(generator=generator)
     if batch.seeded_rows:
-        seeded = torch.Generator(cdf.device)  # reseeded for each row's draw
+        seeded = torch.Generator(device)  # reseeded for each row's draw
         for row, seed in batch.seeded_rows:
             u[row].uniform_(generator=seeded.manual_seed(seed))
-    u.mul_(cdf[:, -1:])  # the row's total, 1 up to rounding
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(cdf.shape[1] - 1)
+    return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose running mass passes u times the row's total, so token i with
+    probability probs[i] (a zero-probability token never: its running mass equals the one
+    before); probs are summed in place (kernels/reference.py's draw_ref, the C draw's twin)."""
+    cdf = probs.cumsum_(dim=-1)
+    target = u.unsqueeze(1) * cdf[:, -1:]  # the row's total, 1 up to rounding
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(cdf.shape[1] - 1)
 
 
 def _output(

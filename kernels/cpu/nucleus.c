@@ -1,3 +1,6 @@
+// Sampling float32 logits on the CPU without sorting or summing a whole row in order: top-p
+// filtering (top_p_f32) and the inverse-CDF draw that follows every random row (draw_f32).
+//
 // Top-p (nucleus) filtering of float32 logits without sorting the vocabulary: each row keeps
 // the smallest set of its largest logits whose probability mass reaches top_p (the definition:
 // kernels/reference.py's top_k_top_p_ref, a row sorted whole), the rest become -inf.
@@ -119,6 +122,106 @@ int top_p_f32(const float *logits, float *out, const float *top_p, int64_t rows,
                 status = -1;
         free(buckets);
         free(t);
+    }
+    return status;
+}
+
+// The draw: a row's token is the first whose running probability mass passes u times the
+// row's total (kernels/reference.py's draw_ref: softmax, cumsum, searchsorted), so token i with
+// probability p[i] and a zero-probability (-inf) token never. The row's exps are summed in
+// blocks of DRAW_BLOCK (double), u's block is found among the block sums, and only that block
+// is walked token by token. torch's CPU cumsum ran one row after another, ~1 ns a logit: 3 ms
+// of a 64-row SmolLM2 decode step's ~7 ms of sampling, with the softmax and the division by
+// the temperature (benchmarks/reports/2026-12-07-xeon-amx-decode-overheads/); here a row costs
+// a max and a pass of exps. The masses differ from the twin's float cumsum by rounding only, so
+// the two draw the same token except where u falls within rounding of a boundary.
+#define DRAW_BLOCK 256
+
+// exp((x[i] - max) * inv_t) over [from, to), into out where not NULL: 0 for -inf; returns
+// their sum (lanes summed apart, then together: one add chain per element ran 4x slower)
+static double scaled_exps(const float *x, int64_t from, int64_t to, float max, float inv_t,
+                          float *out) {
+    vec lanes = (vec){0};
+    int64_t i = from;
+    for (; i + LANES <= to; i += LANES) {
+        const vec v = load_f32(x + i);
+        const ivec finite = v > -INFINITY;
+        const vec e = (vec)((ivec)vector_exp((v - max) * inv_t) & finite);
+        if (out) memcpy(out + i - from, &e, sizeof(e));
+        lanes += e;
+    }
+    double total = 0.0;
+    for (int j = 0; j < LANES; j++) total += lanes[j];
+    for (; i < to; i++) {
+        const float e = x[i] == -INFINITY ? 0.0f : expf((x[i] - max) * inv_t);
+        if (out) out[i - from] = e;
+        total += e;
+    }
+    return total;
+}
+
+static float vector_row_max(const float *x, int64_t n) {
+    vec lanes = (vec){0} - INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vec v = load_f32(x + i);
+        lanes = (vec)(((ivec)v & (v > lanes)) | ((ivec)lanes & ~(v > lanes)));
+    }
+    float m = -INFINITY;
+    for (int j = 0; j < LANES; j++) m = lanes[j] > m ? lanes[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+// one row's token; `mass` has room for a sum per DRAW_BLOCK logits
+static int64_t draw_row(const float *x, int64_t n, float inv_t, float u, double *mass) {
+    const float max = vector_row_max(x, n);
+    if (max == -INFINITY) return n - 1;  // no mass at all: the twin's clamp to the last index
+    const int64_t blocks = (n + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    double total = 0.0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * DRAW_BLOCK < n ? (b + 1) * DRAW_BLOCK : n;
+        total += mass[b] = scaled_exps(x, b * DRAW_BLOCK, end, max, inv_t, 0);
+    }
+    const double target = (double)u * total;
+    double before = 0.0;  // the mass of the blocks before b
+    int64_t b = 0, found = 0;  // found: the last block with mass so far (the max's has some)
+    for (; b < blocks; b++) {
+        if (mass[b] <= 0.0) continue;
+        found = b;
+        if (before + mass[b] > target) break;
+        before += mass[b];
+    }
+    if (b == blocks) before -= mass[b = found];  // u within rounding of 1: the last block
+    const int64_t start = b * DRAW_BLOCK, end = start + DRAW_BLOCK < n ? start + DRAW_BLOCK : n;
+    float e[DRAW_BLOCK];
+    scaled_exps(x, start, end, max, inv_t, e);
+    int64_t last = start;
+    for (int64_t i = start; i < end; i++) {
+        if (e[i - start] <= 0.0f) continue;
+        last = i;
+        before += e[i - start];
+        if (before > target) return i;
+    }
+    return last;  // the block's sum passed target, its walk summed a hair less: its last token
+}
+
+// logits [rows, vocab] (rows `stride` apart), inv_temperature and u [rows] (u in [0, 1)),
+// out int64 [rows]; 0, or -1 out of memory
+int draw_f32(const float *logits, const float *inv_temperature, const float *u, int64_t *out,
+             int64_t rows, int64_t vocab, int64_t stride) {
+    int status = 0;
+#pragma omp parallel
+    {
+        double *mass = malloc(((vocab + DRAW_BLOCK - 1) / DRAW_BLOCK + 1) * sizeof(double));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (mass)
+                out[r] = draw_row(logits + r * stride, vocab, inv_temperature[r], u[r], mass);
+            else
+                status = -1;
+        }
+        free(mass);
     }
     return status;
 }

@@ -36,6 +36,8 @@ def test_split_by_first_tokens_and_rows():
     assert (decode["steps"], decode["wall_s"], decode["rows_mean"]) == (2, 1.0, 2.0)
     assert (tail["steps"], tail["wall_s"], tail["rows_mean"]) == (2, 0.4, 1.0)
     assert prefill["steps"] + decode["steps"] + tail["steps"] == len(_steps())
+    # the steps after the prefill by rows: each timed from the one before, its mean context
+    assert result["by_rows"] == [("1-1", 2, 200.0, 16), ("2-3", 1, 500.0, 14)]
 
 
 def test_kvpager_phases_of_a_real_run(tiny_llama):

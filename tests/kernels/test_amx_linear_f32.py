@@ -71,3 +71,7 @@ def test_shapes_off_the_tiles_are_refused():
     library = small_linear.load_amx_f32()
     x, out, w = torch.zeros(2, 48), torch.empty(2, 64), torch.zeros(3 * 64 * 48).bfloat16()
     assert library.amx_linear_f32(x.data_ptr(), 2, 48, w.data_ptr(), 64, None, out.data_ptr(), 2)
+    # through the Python entry, such a status is an error that names the shape, not a result
+    view = small_linear.PackedView(w, w.data_ptr(), 64, 48, torch.float32, small_linear.AMX_COLS)
+    with pytest.raises(AssertionError, match="shapes the caller should have checked"):
+        small_linear._run(library.amx_linear_f32, x, view, None)
