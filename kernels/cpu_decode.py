@@ -75,11 +75,12 @@ def paged_decode(
 
 def call_decode_kernel(
     function, query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
-    cu_seqlens_q=None, sinks=None,
+    cu_seqlens_q=None, sinks=None, out_dtype=torch.float32,
 ) -> torch.Tensor | None:  # fmt: skip
     """A C kernel with paged_decode.c's entry point (its query in the kernel's dtype), or with
-    a varlen batch's `cu_seqlens_q` after the block tables (paged_tiles.c's): fp32
-    [num_tokens, heads, d], or None when the caches are not contiguous or it declines.
+    a varlen batch's `cu_seqlens_q` after the block tables (paged_tiles.c's): [num_tokens,
+    heads, d] in `out_dtype` (the one `function` writes: fp32 but for paged_tiles.c's bf16
+    entry), or None when the caches are not contiguous or it declines.
     sinks: fp32 [heads] (passed as a pointer) or None (NULL)."""
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
@@ -88,7 +89,7 @@ def call_decode_kernel(
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     starts = () if cu_seqlens_q is None else (cu_seqlens_q.to(torch.int32).contiguous(),)
-    out = torch.empty(query.shape, dtype=torch.float32)
+    out = torch.empty(query.shape, dtype=out_dtype)
     _, num_heads, head_dim = query.shape
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()

@@ -37,6 +37,7 @@ _SIGNATURES = (
     ("tiles_ready", ()),
     ("write_kv_tiles_bf16", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64)),
     ("paged_attention_tiles_bf16", _ATTENTION),
+    ("paged_attention_tiles_bf16_out", _ATTENTION),  # bf16 out (AVX512-BF16 builds)
 )
 
 
@@ -166,9 +167,10 @@ def paged_decode_tiles(
 
 def _tile_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, window, softcap,
-    sinks=None,
+    sinks=None, out_dtype=torch.float32,
 ) -> torch.Tensor | None:  # fmt: skip
-    """The tile kernel over a varlen batch: fp32 [num_tokens, heads, d], or None where it
+    """The tile kernel over a varlen batch: [num_tokens, heads, d] in `out_dtype` (fp32, or
+    bf16 rounded as the kernel stores it: no conversion pass after it), or None where it
     declines (no AMX or AVX512-BF16, not bf16, a soft-cap, shapes it does not take)."""
     bf16 = query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
     if not (available() and bf16) or softcap:
@@ -176,9 +178,14 @@ def _tile_attention(
     covers = int(cu_seqlens_q[0]) == 0 and int(cu_seqlens_q[-1]) == query.shape[0]
     if len(cu_seqlens_q) != len(seq_lens) + 1 or not covers:  # the kernel checks each length
         raise ValueError(f"cu_seqlens_q {cu_seqlens_q.tolist()} does not cover {len(query)} tokens")
+    library = load()
+    bf16_out = out_dtype == torch.bfloat16
+    function = (
+        library.paged_attention_tiles_bf16_out if bf16_out else library.paged_attention_tiles_bf16
+    )
     return cpu_decode.call_decode_kernel(
-        load().paged_attention_tiles_bf16, query, key_cache, value_cache, block_tables, seq_lens,
-        scale, window, softcap, cu_seqlens_q, sinks,
+        function, query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
+        cu_seqlens_q, sinks, out_dtype,
     )  # fmt: skip
 
 
@@ -202,7 +209,9 @@ def paged_attention_tiles(
     and prefill chunks alike, on the tile kernel, read in place (no gathered copies); the twin
     for what the kernel does not take (a soft-capped layer: the layout is not picked for one)."""
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    out = _tile_attention(*args, window, softcap, sinks)
+    out = _tile_attention(*args, window, softcap, sinks, torch.bfloat16)  # rounded as stored
+    if out is None:  # a build without the bf16 store (or inputs the kernel declines)
+        out = _tile_attention(*args, window, softcap, sinks)
     if out is None:
         return paged_attention_tiles_ref(
             *args, max_seqlen_q, window=window, softcap=softcap, sinks=sinks

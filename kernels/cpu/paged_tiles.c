@@ -97,12 +97,13 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 
 // The entry point's parameters: a varlen batch (cu_seqlens_q: where each sequence's query
 // tokens start, as kernels/reference.py's paged_attention_ref), with AMX or without.
-#define ATTENTION_PARAMS                                                                       \
+#define ATTENTION_PARAMS_OUT(OUT)                                                              \
     const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,                   \
         const uint16_t *value_cache, const int32_t *block_tables, int64_t table_stride,      \
-        const int32_t *cu_seqlens_q, const int32_t *seq_lens, float *out, int64_t num_seqs,   \
+        const int32_t *cu_seqlens_q, const int32_t *seq_lens, OUT, int64_t num_seqs,          \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,        \
         int64_t num_threads, float scale, int64_t window, float softcap, const float *sinks
+#define ATTENTION_PARAMS ATTENTION_PARAMS_OUT(float *out)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define TILES_AMX 1
@@ -150,7 +151,7 @@ static inline vec exp2_lanes(vec y) {
 // of a prefill chunk under one query head (row r sees one key more than row r - 1: causal).
 typedef struct {
     const uint16_t *query;  // row r at query + r * query_step
-    float *out;             // row r at out + r * out_step
+    char *out;              // row r at out + r * out_step values (fp32 or bf16: shape's)
     const int32_t *table;
     int64_t query_step, out_step, rows, kv_head;
     int64_t last, causal;   // row r sees the keys before last + r * causal (a window: fewer)
@@ -168,6 +169,7 @@ typedef struct {  // what every unit of a call shares
     float scale;
     int64_t window;
     const float *sinks;  // a logit per query head that joins every softmax (gpt-oss); NULL: none
+    int64_t out_bf16;    // rows out in bf16 (rounded to nearest even), else fp32
 } shape;
 
 static inline int64_t row_last(const unit *u, int64_t r) { return u->last + r * u->causal; }
@@ -311,6 +313,19 @@ INLINE void prefetch_ahead(const shape *s, const unit *u, const unit *next, int6
                        next->kv_head);
 }
 
+// a row's output, acc * inv, rounded to bf16 (to nearest even, as torch's .to(bfloat16) of
+// the fp32 row: the o_proj's input without a conversion pass over the step's attention out)
+INLINE void store_bf16_row(const float *acc, float inv, uint16_t *row, int64_t head_dim) {
+#ifdef __AVX512BF16__
+    for (int64_t d = 0; d < head_dim; d += 32) {  // head_dim is a multiple of 32
+        const vec lo = load_f32(acc + d) * inv, hi = load_f32(acc + d + 16) * inv;
+        _mm512_storeu_si512(row + d, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+    }
+#else
+    (void)acc, (void)inv, (void)row, (void)head_dim;  // not built: the entry point declines
+#endif
+}
+
 // One unit; `next`: the one this thread takes after it (NULL at the end), whose first chunk
 // the last chunk prefetches.
 static void attend(const shape *s, const unit *u, const unit *next) {
@@ -328,7 +343,11 @@ static void attend(const shape *s, const unit *u, const unit *next) {
     }
     for (int64_t g = 0; g < u->rows; g++) {
         const float inv = st.sum[g] > 0.0f ? 1.0f / st.sum[g] : 0.0f;
-        float *row = u->out + g * u->out_step;
+        if (s->out_bf16) {
+            store_bf16_row(st.acc[g], inv, (uint16_t *)u->out + g * u->out_step, s->head_dim);
+            continue;
+        }
+        float *row = (float *)u->out + g * u->out_step;
         for (int64_t d = 0; d < s->head_dim; d++) row[d] = st.acc[g][d] * inv;
     }
 }
@@ -346,22 +365,23 @@ static int64_t units_of(int64_t q_len, const shape *s) {
 // One sequence's units into `units`, kv head by kv head (a kv head's context stays in L2 while
 // its units read it); returns how many.
 static int64_t sequence_units(const shape *s, unit *units, const uint16_t *query,
-                              int64_t query_stride, float *out, const int32_t *table,
+                              int64_t query_stride, char *out, const int32_t *table,
                               int64_t q_len, int64_t seq_len) {
     const int64_t hd = s->head_dim, num_kv_heads = s->num_heads / s->group, first_last = seq_len - q_len + 1;
+    const int64_t size = s->out_bf16 ? 2 : 4;  // bytes an output value
     int64_t n = 0;
     if (!prefill_units(q_len, s->group)) {
         for (int64_t h = 0; h < num_kv_heads; h++)
             for (int64_t i = 0; i < q_len; i++)
                 units[n++] = (unit){query + i * query_stride + h * s->group * hd,
-                                    out + (i * s->num_heads + h * s->group) * hd, table, hd, hd,
+                                    out + (i * s->num_heads + h * s->group) * hd * size, table, hd, hd,
                                     s->group, h, first_last + i, 0, h * s->group, 1};
         return n;
     }
     for (int64_t head = 0; head < s->num_heads; head++)
         for (int64_t i = 0; i < q_len; i += TILE_TOKENS)
             units[n++] = (unit){query + i * query_stride + head * hd,
-                                out + (i * s->num_heads + head) * hd, table, query_stride,
+                                out + (i * s->num_heads + head) * hd * size, table, query_stride,
                                 s->num_heads * hd, q_len - i < TILE_TOKENS ? q_len - i : TILE_TOKENS,
                                 head / s->group, first_last + i, 1, head, 0};
     return n;
@@ -398,14 +418,14 @@ static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_
     }
 }
 
-// The exported entry point: every query token of the batch, fp32 out [num_tokens, heads, d].
-int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
+// Every query token of the batch into out [num_tokens, heads, d], fp32 or bf16.
+static int attention_tiles(ATTENTION_PARAMS_OUT(void *out), int64_t out_bf16) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 32 || head_dim > MAX_DIM ||
         block_size % TILE_TOKENS || num_heads / num_kv_heads > MAX_ROWS || softcap > 0.0f)
         return -1;  // a soft-capped layer has the token-major layout (kernels/cpu_tiles.py fits)
     const shape s = {key_cache, value_cache, num_heads / num_kv_heads, head_dim, num_heads,
                      block_size, block_size * head_dim, block_size * num_kv_heads * head_dim,
-                     scale, window, sinks};
+                     scale, window, sinks, out_bf16};
     int64_t n = 0;
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
@@ -418,12 +438,31 @@ int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t token = cu_seqlens_q[seq];
         n += sequence_units(&s, units + n, query + token * query_stride, query_stride,
-                            out + token * num_heads * head_dim, block_tables + seq * table_stride,
-                            cu_seqlens_q[seq + 1] - token, seq_lens[seq]);
+                            (char *)out + token * num_heads * head_dim * (out_bf16 ? 2 : 4),
+                            block_tables + seq * table_stride, cu_seqlens_q[seq + 1] - token,
+                            seq_lens[seq]);
     }
     run_units(&s, units, n, num_threads);
     free(units);
     return 0;
+}
+
+// The exported entry points: fp32 out, and bf16 out (where the build has AVX512-BF16's
+// conversion: else -1, and the caller takes fp32)
+int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
+    return attention_tiles(query, query_stride, key_cache, value_cache, block_tables, table_stride,
+                           cu_seqlens_q, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                           head_dim, block_size, num_threads, scale, window, softcap, sinks, 0);
+}
+
+int paged_attention_tiles_bf16_out(ATTENTION_PARAMS_OUT(uint16_t *out)) {
+#ifdef __AVX512BF16__
+    return attention_tiles(query, query_stride, key_cache, value_cache, block_tables, table_stride,
+                           cu_seqlens_q, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                           head_dim, block_size, num_threads, scale, window, softcap, sinks, 1);
+#else
+    return -1;
+#endif
 }
 
 #else  // neither AMX nor AVX512-BF16 in this build
@@ -431,6 +470,10 @@ int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
 int tiles_ready(void) { return -1; }
 
 int paged_attention_tiles_bf16(ATTENTION_PARAMS) {
+    return -1;
+}
+
+int paged_attention_tiles_bf16_out(ATTENTION_PARAMS_OUT(uint16_t *out)) {
     return -1;
 }
 

@@ -157,6 +157,22 @@ def test_rows_are_within_the_outputs_rounding_of_the_fp32_twin(case, tile_kernel
     assert out is not None and (out - twin).abs().max() < bound
 
 
+@pytest.mark.parametrize("case", [DECODE, MIXED, UNITS])
+@pytest.mark.usefixtures("tile_kernel")
+def test_bf16_rows_out_are_the_fp32_rows_rounded(case):
+    """The bf16 entry point stores each row rounded to nearest even: bit for bit the fp32
+    entry's output converted by torch, decode units and prefill units alike (the layer's
+    attention output without a conversion pass)."""
+    batch = make_batch(*case, 9, 3, 64, 16, torch.bfloat16, "cpu")
+    tiled = _tiled(batch)
+    args = (batch.query, tiled.key_cache, tiled.value_cache, batch.block_tables,
+            batch.cu_seqlens_q, batch.seq_lens, 0.125, 0, 0.0)  # fmt: skip
+    rows = cpu_tiles._tile_attention(*args, None, torch.bfloat16)
+    assert rows is not None and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, cpu_tiles._tile_attention(*args).bfloat16())
+    assert torch.equal(paged_attention_tiles(*tiled.args(0.125)), rows)
+
+
 @pytest.mark.usefixtures("tile_kernel")
 def test_decode_calls_take_one_token_a_sequence():
     batch = make_batch(*DECODE, 9, 3, 64, 16, torch.bfloat16, "cpu")
