@@ -8,11 +8,9 @@ runs it, sampling.
         float32 3 540
 """
 
-import ctypes
-import gc
 import time
 
-from decode_setup import decoding_setup
+from decode_setup import decoding_setup, wrap_kernels
 from kvpager.engine import SamplingParams
 
 
@@ -31,10 +29,7 @@ def main() -> None:
 
         return call
 
-    for library in [o for o in gc.get_objects() if isinstance(o, ctypes.CDLL)]:
-        for name, fn in list(vars(library).items()):
-            if isinstance(fn, ctypes._CFuncPtr):
-                setattr(library, name, timed_call(fn))
+    wrap_kernels(timed_call)
     executor, execute = llm.executor, llm.executor._execute
     steps, calls = [], []
 

@@ -2,6 +2,8 @@
 prompts of `context` distinct tokens, prefilled (and their cache blocks reused by the prefix
 cache on the measured run), and a timer of calls. The scripts import it from their folder."""
 
+import ctypes
+import gc
 import sys
 import time
 
@@ -30,3 +32,12 @@ def mean_call_s(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls
+
+
+def wrap_kernels(wrapper) -> None:
+    """Every typed function of every loaded kernel library (kernels/cpu/*.so) replaced by
+    wrapper(function): the engine looks them up on the library at each call."""
+    for library in [o for o in gc.get_objects() if isinstance(o, ctypes.CDLL)]:
+        for name, fn in list(vars(library).items()):
+            if isinstance(fn, ctypes._CFuncPtr):
+                setattr(library, name, wrapper(fn))
