@@ -327,10 +327,11 @@ def _sample_random(
     probabilities drawn from; logits stay as they are. Without filters the temperature goes
     into the draw (no scaled copy of the logits)."""
     filtered = batch.min_p is not None or not batch.no_top_k_p
-    inv_temperature = 1.0 / batch.temperature
     if filtered or batch.keep_probs:
         logits = logits / batch.temperature.unsqueeze(1)
-        inv_temperature = torch.ones_like(inv_temperature)
+        inv_temperature = torch.ones_like(batch.temperature)
+    else:
+        inv_temperature = 1.0 / batch.temperature
     if batch.min_p is not None:
         _apply_min_p(logits, batch.min_p)
     if not batch.no_top_k_p:

@@ -42,9 +42,17 @@ static inline int64_t bucket_of(float x, float max) {
     return b < BUCKETS - 1 ? (int64_t)b : BUCKETS - 1;  // -inf lands in the last bucket
 }
 
+// the row's largest value (NaN skipped, as each comparison with it is false)
 static float row_max(const float *x, int64_t n) {
+    vec lanes = (vec){0} - INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vec v = load_f32(x + i);
+        lanes = (vec)(((ivec)v & (v > lanes)) | ((ivec)lanes & ~(v > lanes)));
+    }
     float m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int j = 0; j < LANES; j++) m = lanes[j] > m ? lanes[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
     return m;
 }
 
@@ -160,28 +168,18 @@ static double scaled_exps(const float *x, int64_t from, int64_t to, float max, f
     return total;
 }
 
-static float vector_row_max(const float *x, int64_t n) {
-    vec lanes = (vec){0} - INFINITY;
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const vec v = load_f32(x + i);
-        lanes = (vec)(((ivec)v & (v > lanes)) | ((ivec)lanes & ~(v > lanes)));
-    }
-    float m = -INFINITY;
-    for (int j = 0; j < LANES; j++) m = lanes[j] > m ? lanes[j] : m;
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
+static inline int64_t block_end(int64_t b, int64_t n) {  // DRAW_BLOCK b's end in a row of n
+    return (b + 1) * DRAW_BLOCK < n ? (b + 1) * DRAW_BLOCK : n;
 }
 
 // one row's token; `mass` has room for a sum per DRAW_BLOCK logits
 static int64_t draw_row(const float *x, int64_t n, float inv_t, float u, double *mass) {
-    const float max = vector_row_max(x, n);
+    const float max = row_max(x, n);
     if (max == -INFINITY) return n - 1;  // no mass at all: the twin's clamp to the last index
     const int64_t blocks = (n + DRAW_BLOCK - 1) / DRAW_BLOCK;
     double total = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t end = (b + 1) * DRAW_BLOCK < n ? (b + 1) * DRAW_BLOCK : n;
-        total += mass[b] = scaled_exps(x, b * DRAW_BLOCK, end, max, inv_t, 0);
+        total += mass[b] = scaled_exps(x, b * DRAW_BLOCK, block_end(b, n), max, inv_t, 0);
     }
     const double target = (double)u * total;
     double before = 0.0;  // the mass of the blocks before b
@@ -193,7 +191,7 @@ static int64_t draw_row(const float *x, int64_t n, float inv_t, float u, double 
         before += mass[b];
     }
     if (b == blocks) before -= mass[b = found];  // u within rounding of 1: the last block
-    const int64_t start = b * DRAW_BLOCK, end = start + DRAW_BLOCK < n ? start + DRAW_BLOCK : n;
+    const int64_t start = b * DRAW_BLOCK, end = block_end(b, n);
     float e[DRAW_BLOCK];
     scaled_exps(x, start, end, max, inv_t, e);
     int64_t last = start;

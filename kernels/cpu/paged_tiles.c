@@ -173,6 +173,7 @@ typedef struct {  // what every unit of a call shares
 } shape;
 
 static inline int64_t row_last(const unit *u, int64_t r) { return u->last + r * u->causal; }
+static inline int64_t out_bytes(const shape *s) { return s->out_bf16 ? 2 : 4; }  // a value out
 
 static inline int64_t row_first(const shape *s, int64_t last) {  // window < 0: its chunk's
     if (s->window < 0) return (last - 1) / -s->window * -s->window;
@@ -368,7 +369,7 @@ static int64_t sequence_units(const shape *s, unit *units, const uint16_t *query
                               int64_t query_stride, char *out, const int32_t *table,
                               int64_t q_len, int64_t seq_len) {
     const int64_t hd = s->head_dim, num_kv_heads = s->num_heads / s->group, first_last = seq_len - q_len + 1;
-    const int64_t size = s->out_bf16 ? 2 : 4;  // bytes an output value
+    const int64_t size = out_bytes(s);
     int64_t n = 0;
     if (!prefill_units(q_len, s->group)) {
         for (int64_t h = 0; h < num_kv_heads; h++)
@@ -438,7 +439,7 @@ static int attention_tiles(ATTENTION_PARAMS_OUT(void *out), int64_t out_bf16) {
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         const int64_t token = cu_seqlens_q[seq];
         n += sequence_units(&s, units + n, query + token * query_stride, query_stride,
-                            (char *)out + token * num_heads * head_dim * (out_bf16 ? 2 : 4),
+                            (char *)out + token * num_heads * head_dim * out_bytes(&s),
                             block_tables + seq * table_stride, cu_seqlens_q[seq + 1] - token,
                             seq_lens[seq]);
     }
