@@ -324,6 +324,8 @@ class ExecutorConfig:
     grammar_compile_timeout: float = 10.0
     # the tokenizer's folder when not the model's (--tokenizer): grammars compile against it
     tokenizer: str | None = None
+    # no decode graphs on CPU (engine/worker/decode_graphs.py): every step runs eagerly
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_timeout)
@@ -394,6 +396,7 @@ class EngineConfig:
     allow_special_tokens_in_content: bool = False
     grammar_compile_timeout: float = 10.0  # seconds one grammar may take to compile
     tokenizer: str | None = None  # a tokenizer folder other than the model's (vLLM's)
+    enforce_eager: bool = False  # vLLM's: no decode graphs (CPU: engine/worker/decode_graphs.py)
     # pinned prompt-cache blocks (GenerateRequest.cache): CacheConfig's bounds
     max_pinned_fraction: float = 0.5
     max_pinned_blocks_per_key: int = 0

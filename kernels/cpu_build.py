@@ -35,6 +35,7 @@ FLAGS = [
 # the code that hosts without AVX-512 run
 NATIVE = "native"
 I64, PTR, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_LOADED: list[ctypes.CDLL] = []  # every library loaded, for kernels/cpu_graph.py's captures
 
 
 def _compiler() -> str | None:
@@ -105,4 +106,10 @@ def load_library(
     for function_name, argtypes in signatures:
         function = getattr(library, function_name)
         function.restype, function.argtypes = ctypes.c_int, list(argtypes)
+    _LOADED.append(library)
     return library
+
+
+def loaded_libraries() -> list[ctypes.CDLL]:
+    """The kernel libraries this process has loaded (each once)."""
+    return list(_LOADED)

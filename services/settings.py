@@ -50,6 +50,10 @@ class Settings(RequestCaps):
         "bf16 model on an AMX or AVX512-BF16 CPU) | token-major",
         default="auto",
     )
+    enforce_eager: bool = option(
+        "no decode graphs: every step runs its kernels from Python (vLLM's --enforce-eager)",
+        default=False,
+    )
     block_size: int = option("tokens per KV block", default=16)
     num_blocks: int | None = option("KV blocks (default: what fits)", default=None)
     kv_cache_memory: int | None = option("bytes for the KV cache", default=None)

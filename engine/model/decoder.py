@@ -335,6 +335,13 @@ class Decoder(nn.Module):
         """input_ids, positions int64 [T]; kv_cache [slots, 2, blocks, bs, kv_heads, d]: one
         slot per layer, or with several KV groups (engine/kv/kv_groups.py) one per layer of
         a group, and `meta` one per group; `recurrent` the recurrent layers' states."""
+        x, rope = self.embed(input_ids, positions, meta)
+        return self.run_layers(x, rope, kv_cache, attention, meta, recurrent)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, "RopeRows"]:
+        """The first layer's input and the batch's rotary rows (forward's first part)."""
         x = self._embed(input_ids)
         dtype = self.embed_tokens.dtype
         if self.config.embedding_multiplier != 1.0:  # Granite's
@@ -342,9 +349,24 @@ class Decoder(nn.Module):
         if self.config.gemma_norms:  # the scale rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=dtype)
         metas = meta if isinstance(meta, tuple) else (meta,)
-        delta, rope = None, self._rope_rows(positions, metas[0], dtype)
+        rope = self._rope_rows(positions, metas[0], dtype)
         if self.config.attn_temperature is not None:
             rope = rope._replace(temperature=self._temperature(positions))
+        return x, rope
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        rope: "RopeRows",
+        kv_cache: torch.Tensor,
+        attention: PagedAttention,
+        meta: AttentionMetadata,
+        recurrent: RecurrentBatch | None = None,
+    ) -> torch.Tensor:
+        """The layers and the final norm over embed's output (forward's second part: what a
+        decode step's graph replays, engine/worker/decode_graphs.py). Changes x in place."""
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        delta = None
         layers = zip(self.layers, self.kv.layer_group, self.kv.layer_slot, self.state_idx)
         for layer, group, slot, state_idx in layers:
             cache = kv_cache[slot] if state_idx < 0 else recurrent.layer(state_idx)

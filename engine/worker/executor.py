@@ -20,6 +20,7 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.parallel.group import TensorParallel
 from kvpager.engine.parallel.ranks import Ranks
 from kvpager.engine.worker.beam_candidates import top_continuations
+from kvpager.engine.worker.decode_graphs import DecodeGraphs
 from kvpager.engine.worker.disk.store import open_disk
 from kvpager.engine.worker.grammar_rows import GrammarRows
 from kvpager.engine.worker.host_malloc import retain_freed_memory
@@ -89,6 +90,7 @@ class Executor:
             self.ops.kv_layout,
         )  # fmt: skip
         self.attention = PagedAttention(self.ops, model_config.attention_scale)
+        self.graphs = self._decode_graphs()
         self.batch = self._new_batch()
         # unseeded requests draw from one engine-wide generator seeded by `seed`
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
@@ -102,6 +104,14 @@ class Executor:
         self.step_sampler = StepSampler(self.sampler, self.grammars, model_config, self.device)
         self.proposer = make_proposer(config.speculative_config, self._draft_proposer())
         self._log_ready(rank, size, time.perf_counter() - started)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Replayed decode steps, on the cpu backend alone (engine/worker/decode_graphs.py)."""
+        config = self.config
+        if config.enforce_eager or self.device.type != "cpu" or self.backend != "cpu":
+            return None
+        max_blocks = -(-config.max_model_len // config.block_size)  # the longest context's
+        return DecodeGraphs(self.model, self.attention, max_blocks)
 
     def _new_batch(self) -> InputBatch:
         config = self.config
@@ -295,10 +305,12 @@ class Executor:
         if self.state_cache is not None:
             prompt_counts = self.batch.prompt_counts(step.num_scheduled_tokens)
             recurrent = self.state_cache.batch(step, prompt_counts)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache, self.attention, inputs.meta,
-            recurrent,
+        step_inputs = (inputs.input_ids, inputs.positions, self.kv_cache)
+        hidden = None if self.graphs is None else self.graphs.forward(
+            *step_inputs, inputs.meta, recurrent
         )  # fmt: skip
+        if hidden is None:
+            hidden = self.model(*step_inputs, self.attention, inputs.meta, recurrent)
         # under tensor parallelism every rank gathers the logits, rank 0 alone reports
         prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, inputs.prompt_spans, self.batch.token_ids, self.shard.rank == 0

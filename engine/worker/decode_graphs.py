@@ -1,0 +1,132 @@
+"""Decode steps on CPU replayed from their kernel calls (kernels/cpu_graph.py): one graph per
+batch size, captured the first time a decode step of that size runs, as vLLM replays a CUDA
+graph per batch size. `enforce_eager` turns them off.
+
+A graph's inputs are tensors of its own, refilled each step: the first layer's input and the
+rotary rows (Decoder.embed, computed as before), and the attention metadata, with block tables
+as wide as the longest context (the kernels read as far as each row's length). What runs
+between the kernels in an eager step (the wrappers' checks, output allocations, argument
+building) ran once, at capture.
+
+Only decode steps (one new token per sequence) of a model on one CPU process with no
+recurrent layers are replayed. Where a model's layers do something a replay would not repeat
+(kernels/cpu_graph.py says what), graphs turn off for it, logged once, and every step runs as
+before.
+"""
+
+from collections import OrderedDict
+
+import structlog
+import torch
+from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
+from kvpager.engine.model.decoder import Decoder, RopeRows
+from kvpager.kernels import cpu_graph
+
+log = structlog.get_logger(__name__)
+
+# graphs kept (least recently used go first): a 64-row bf16 SmolLM2 graph holds ~1 MB
+MAX_GRAPHS = 64
+
+
+class _StaticInputs:
+    """The tensors one graph reads: refilled in place from each step's own."""
+
+    def __init__(self, x: torch.Tensor, rope: RopeRows, metas: tuple, max_blocks: int) -> None:
+        self.x = torch.empty_like(x)
+        self.rope = _map_rope(rope, torch.empty_like)
+        rows = len(metas[0].seq_lens)
+        seq_lens = torch.empty(rows, dtype=torch.int32)
+        self.cu_seqlens_q = torch.arange(rows + 1, dtype=torch.int32)  # one token each
+        self.metas = tuple(
+            AttentionMetadata(
+                slot_mapping=torch.empty(rows, dtype=torch.int64),
+                block_tables=torch.zeros(rows, max_blocks, dtype=torch.int32),
+                cu_seqlens_q=self.cu_seqlens_q,
+                seq_lens=seq_lens,
+                max_seqlen_q=1,
+            )
+            for _ in metas
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        meta_tensors = [(m.slot_mapping, m.block_tables) for m in self.metas]
+        rope = [t for part in self.rope if part is not None for t in _parts(part)]
+        return [self.x, *rope, self.metas[0].seq_lens, *(t for pair in meta_tensors for t in pair)]
+
+    def fill(self, x: torch.Tensor, rope: RopeRows, metas: tuple) -> None:
+        self.x.copy_(x)
+        for static, step in zip(self.rope, rope):
+            for dst, src in zip(_parts(static), _parts(step)):
+                dst.copy_(src)
+        self.metas[0].seq_lens.copy_(metas[0].seq_lens)
+        for static, step in zip(self.metas, metas):
+            static.slot_mapping.copy_(step.slot_mapping)
+            static.block_tables[:, : step.block_tables.shape[1]].copy_(step.block_tables)
+
+
+def _parts(part) -> tuple:
+    return part if isinstance(part, tuple) else () if part is None else (part,)
+
+
+def _map_rope(rope: RopeRows, fn) -> RopeRows:
+    return RopeRows(*(None if p is None else tuple(map(fn, _parts(p))) if isinstance(p, tuple)
+                      else fn(p) for p in rope))  # fmt: skip
+
+
+class DecodeGraphs:
+    """The executor's decode graphs: `forward` returns a decode step's hidden states from a
+    replay, or None where the step runs eagerly."""
+
+    def __init__(self, model: Decoder, attention: PagedAttention, max_blocks: int) -> None:
+        self.model, self.attention, self.max_blocks = model, attention, max_blocks
+        self.graphs: OrderedDict[int, tuple] = OrderedDict()  # rows -> (inputs, graph)
+        self.cache_ptr = 0  # the KV cache the graphs point into
+        self.off = model.group is not None  # a collective is no kernel call
+
+    def forward(self, input_ids, positions, kv_cache, meta, recurrent) -> torch.Tensor | None:
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        rows = len(input_ids)
+        decode = metas[0].max_seqlen_q == 1 and len(metas[0].seq_lens) == rows
+        if self.off or recurrent is not None or not decode or input_ids.device.type != "cpu":
+            return None
+        if kv_cache.data_ptr() != self.cache_ptr:  # a new cache: the old graphs point away
+            self.graphs.clear()
+            self.cache_ptr = kv_cache.data_ptr()
+        x, rope = self.model.embed(input_ids, positions, meta)
+        entry = self.graphs.get(rows)
+        if entry is None:
+            return self._capture(x, rope, metas, kv_cache, isinstance(meta, tuple))
+        self.graphs.move_to_end(rows)
+        inputs, graph = entry
+        inputs.fill(x, rope, metas)
+        try:
+            return graph.replay().clone()
+        except cpu_graph.ReplayError as error:  # this step runs eagerly, the next captures anew
+            log.warning("decode graph replay failed", rows=rows, error=str(error))
+            del self.graphs[rows]
+            return None
+
+    def _capture(self, x, rope, metas, kv_cache, grouped: bool) -> torch.Tensor | None:
+        inputs = _StaticInputs(x, rope, metas, self.max_blocks)
+        inputs.fill(x, rope, metas)
+        meta = inputs.metas if grouped else inputs.metas[0]
+
+        def region() -> torch.Tensor:
+            return self.model.run_layers(inputs.x, inputs.rope, kv_cache, self.attention, meta)
+
+        try:
+            graph = cpu_graph.capture(region, inputs.tensors(), [inputs.cu_seqlens_q])
+        except cpu_graph.CaptureError as error:
+            self.off = True
+            log.info("decode graphs off for this model", reason=str(error))
+            return None
+        except Exception:  # a capture's own fault must not fail the step: it runs eagerly
+            self.off = True
+            log.exception("decode graph capture failed; graphs off for this model")
+            return None
+        self.graphs[len(x)] = (inputs, graph)
+        if len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        log.debug("decode graph captured", rows=len(x), calls=len(graph.calls),
+                  buffer_bytes=graph.num_bytes)  # fmt: skip
+        return graph.output.clone()

@@ -1,0 +1,106 @@
+"""Decode graphs (engine/worker/decode_graphs.py): decode steps on the cpu backend replay their
+captured kernel calls, one graph per batch size, with the tokens of eager steps and of
+transformers; models whose layers work outside the kernels run eagerly; a replay whose kernel
+answers otherwise falls back; `enforce_eager` turns graphs off."""
+
+import pytest
+from kvpager.engine import SamplingParams
+from kvpager.engine.worker import decode_graphs
+from kvpager.kernels import cpu_layer_ops, cpu_tiles
+
+from tests import model_families
+from tests.engine.helpers import assert_all_free, hf_generate, make_llm, random_prompts
+from tests.models import build_llama
+
+pytestmark = pytest.mark.skipif(cpu_layer_ops.load() is None, reason="no C compiler")
+CPU = dict(attention_backend="cpu")
+LENGTHS = [3, 9, 17, 30, 5]
+# different lengths of output: the batch shrinks, so several batch sizes are captured
+MAX_TOKENS = [6, 9, 12, 12, 15]
+
+
+def _greedy(llm, prompts) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _eager(path, prompts, **overrides) -> list[list[int]]:
+    llm = make_llm(path, enforce_eager=True, **CPU, **overrides)
+    assert llm.executor.graphs is None
+    outputs = _greedy(llm, prompts)
+    assert_all_free(llm)
+    return outputs
+
+
+def test_replayed_decode_steps_give_the_eager_tokens_and_transformers(tiny_llama):
+    prompts = random_prompts(LENGTHS, seed=3)
+    llm = make_llm(tiny_llama, **CPU)
+    outputs = _greedy(llm, prompts)
+    graphs = llm.executor.graphs
+    assert not graphs.off
+    assert sorted(graphs.graphs) == [1, 3, 4, 5]  # the batch sizes decode steps ran at
+    assert outputs == _eager(tiny_llama, prompts)
+    expected = [hf_generate(tiny_llama, [p], max_new_tokens=n, do_sample=False)[0]
+                for p, n in zip(prompts, MAX_TOKENS)]  # fmt: skip
+    assert outputs == expected
+    assert_all_free(llm)
+
+
+def test_seeded_sampling_draws_the_same_tokens_replayed(tiny_llama):
+    prompts = random_prompts(LENGTHS, seed=4)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10) for i in range(5)]
+    runs = []
+    for eager in (False, True):
+        llm = make_llm(tiny_llama, enforce_eager=eager, **CPU)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert_all_free(llm)
+    assert runs[0] == runs[1]
+
+
+def test_layers_that_compute_outside_the_kernels_run_eagerly(tmp_path):
+    path = model_families.build_mixtral(tmp_path)  # the experts' routing runs in torch
+    prompts = random_prompts(LENGTHS, seed=5)
+    llm = make_llm(path, **CPU)
+    outputs = _greedy(llm, prompts)
+    assert llm.executor.graphs.off and not llm.executor.graphs.graphs
+    assert outputs == _eager(path, prompts)
+    assert_all_free(llm)
+
+
+def test_a_replay_a_kernel_answers_otherwise_falls_back_and_captures_anew(tiny_llama):
+    prompts = random_prompts(LENGTHS, seed=6)
+    llm = make_llm(tiny_llama, **CPU)
+    first = _greedy(llm, prompts)
+    graphs = llm.executor.graphs
+    tampered = {}
+    for rows, (_, graph) in graphs.graphs.items():
+        fn, args, status = graph.calls[0]
+        graph.calls[0] = (fn, args, status + 1)  # the status the replay will not see
+        tampered[rows] = graph
+    assert _greedy(llm, prompts) == first
+    assert not graphs.off
+    for rows, (_, graph) in graphs.graphs.items():
+        assert graph is not tampered.get(rows)
+    assert_all_free(llm)
+
+
+def test_graphs_kept_are_bounded(tiny_llama, monkeypatch):
+    monkeypatch.setattr(decode_graphs, "MAX_GRAPHS", 2)
+    llm = make_llm(tiny_llama, **CPU)
+    prompts = random_prompts(LENGTHS, seed=7)
+    assert _greedy(llm, prompts) == _eager(tiny_llama, prompts)
+    assert len(llm.executor.graphs.graphs) == 2
+    assert_all_free(llm)
+
+
+@pytest.mark.skipif(not cpu_tiles.available(), reason="neither AMX nor AVX512-BF16 on this host")
+def test_bf16_on_the_tile_layout_replays_the_eager_tokens(tmp_path):
+    path = build_llama(tmp_path, head_dim=32)  # a head size the tiles take
+    tiles = dict(dtype="bfloat16", block_size=16)
+    prompts = random_prompts(LENGTHS, seed=8)
+    llm = make_llm(path, **tiles, **CPU)
+    assert llm.executor.ops.kv_layout == cpu_tiles.LAYOUT
+    outputs = _greedy(llm, prompts)
+    assert not llm.executor.graphs.off and llm.executor.graphs.graphs
+    assert outputs == _eager(path, prompts, **tiles)
+    assert_all_free(llm)
