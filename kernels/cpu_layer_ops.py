@@ -21,9 +21,12 @@ _PER_DTYPE = (
 )
 _WRITE_KV_FP8 = (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, FLOAT, FLOAT)
 _SUFFIXES = ("f32", "bf16")
+_HEAD_RMS_NORM = (PTR, I64, PTR, PTR, I64, I64, I64, FLOAT)
 _SIGNATURES = (
     ("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),
     ("add_rms_norm_bf16_f32_weight", _ADD_RMS_NORM),  # bf16 rows, Gemma's fp32 (1 + w)
+    ("head_rms_norm_bf16_f32_weight", _HEAD_RMS_NORM),
+    *((f"head_rms_norm_{suffix}", _HEAD_RMS_NORM) for suffix in ("f32", "bf16")),
     *((f"write_kv_{fp8}_{suffix}", _WRITE_KV_FP8) for fp8 in _FP8.values() for suffix in _SUFFIXES),
     *((f"{name}_{suffix}", argtypes) for name, argtypes in _PER_DTYPE for suffix in _SUFFIXES),
 )
@@ -135,21 +138,35 @@ def _rotary_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (q.as_strided((q.shape[0], num_heads, q.shape[2]), q.stride()),)
 
 
-def _norm_kernel(rows: tuple[torch.Tensor, ...], weight: torch.Tensor):
-    """The C add_rms_norm for rows and a weight of one dtype, or for bf16 rows beside a
+def _norm_kernel(rows: tuple[torch.Tensor, ...], weight: torch.Tensor, name: str = "add_rms_norm"):
+    """The C norm `name` for rows and a weight of one dtype, or for bf16 rows beside a
     float32 weight (Gemma's (1 + w), scaled in fp32 as the twin does); None otherwise."""
     gemma = rows[0].dtype == torch.bfloat16 and weight.dtype == torch.float32
     if not gemma:
-        return _kernel("add_rms_norm", *rows, weight)
+        return _kernel(name, *rows, weight)
     library = load()
     if library is None or not (_same_cpu_dtype(*rows) and weight.device.type == "cpu"):
         return None
-    return library.add_rms_norm_bf16_f32_weight
+    return getattr(library, f"{name}_bf16_f32_weight")
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head of x [T, heads, d] normed (q/k norms), read in place from a qkv view."""
+    kernel = _norm_kernel((x,), weight, "head_rms_norm")
+    if kernel is None or not (rows_of_heads(x) and weight.is_contiguous()):
+        return reference.rms_norm_ref(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    num_tokens, num_heads, head_dim = x.shape
+    kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), num_tokens, num_heads,
+           head_dim, eps)  # fmt: skip
+    return out
 
 
 def add_rms_norm(
     residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta is None and residual.dim() == 3:  # heads [T, heads, d]: q/k norms
+        return _head_rms_norm(residual, weight, eps), residual
     rows = (residual,) if delta is None else (residual, delta)
     tensors = (*rows, weight)
     kernel = _norm_kernel(rows, weight)

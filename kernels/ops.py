@@ -80,8 +80,10 @@ class AddRmsNorm(Protocol):
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed, new residual): residual + delta (delta None: residual alone), RMS-normed
-        and scaled by `weight`: of residual's dtype (Llama's rule), or float32 beside bf16
-        rows (Gemma's, scaled in fp32 before the one rounding; kernels/reference.py)."""
+        over its last dimension and scaled by `weight`: of residual's dtype (Llama's rule), or
+        float32 beside bf16 rows (Gemma's, scaled in fp32 before the one rounding;
+        kernels/reference.py). Residual is [T, hidden], or with delta None [T, heads, d], a
+        q or k view whose heads are normed each (q/k norms)."""
 
 
 class SiluAndMul(Protocol):

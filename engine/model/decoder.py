@@ -231,11 +231,11 @@ class DecoderLayer(nn.Module):
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
     def _head_norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
-        """Per-head RMSNorm of [T, heads, d] (Qwen3, Gemma 3), as rows of head_dim."""
+        """Per-head RMSNorm of [T, heads, d] (Qwen3, Gemma 3): the norms take the heads as
+        they are, a view into the qkv rows (kernels/ops.py AddRmsNorm)."""
         if weight is None:
             return x
-        rows = x.reshape(-1, self.head_dim)
-        return self.ops.add_rms_norm(rows, None, weight, self.eps)[0].view(x.shape)
+        return self.ops.add_rms_norm(x, None, weight, self.eps)[0]
 
     def _norm(self, x: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
         return x if weight is None else self.ops.add_rms_norm(x, None, weight, self.eps)[0]

@@ -82,6 +82,8 @@ class DecodeGraphs:
         self.graphs: OrderedDict[int, tuple] = OrderedDict()  # rows -> (inputs, graph)
         self.cache_ptr = 0  # the KV cache the graphs point into
         self.off = model.group is not None  # a collective is no kernel call
+        # kernels of graphs a replay has checked: a capture calling others is checked too
+        self.checked: frozenset[str] = frozenset()
 
     def forward(self, input_ids, positions, kv_cache, meta, recurrent) -> torch.Tensor | None:
         metas = meta if isinstance(meta, tuple) else (meta,)
@@ -106,6 +108,9 @@ class DecodeGraphs:
             del self.graphs[rows]
             return None
 
+    def _needs_check(self, kernels: frozenset[str]) -> bool:
+        return not kernels <= self.checked
+
     def _capture(self, x, rope, metas, kv_cache, grouped: bool) -> torch.Tensor | None:
         inputs = _StaticInputs(x, rope, metas, self.max_blocks)
         inputs.fill(x, rope, metas)
@@ -115,7 +120,9 @@ class DecodeGraphs:
             return self.model.run_layers(inputs.x, inputs.rope, kv_cache, self.attention, meta)
 
         try:
-            graph = cpu_graph.capture(region, inputs.tensors(), [inputs.cu_seqlens_q])
+            graph = cpu_graph.capture(
+                region, inputs.tensors(), [inputs.cu_seqlens_q], self._needs_check
+            )
         except cpu_graph.CaptureError as error:
             self.off = True
             log.info("decode graphs off for this model", reason=str(error))
@@ -124,6 +131,7 @@ class DecodeGraphs:
             self.off = True
             log.exception("decode graph capture failed; graphs off for this model")
             return None
+        self.checked |= graph.kernels
         self.graphs[len(x)] = (inputs, graph)
         if len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)

@@ -5,7 +5,8 @@
 //                 clamped and rounded to e4m3 or e5m2 (fp8.h)
 //   rope_neox     rotate-half rotary embedding, in place on the q and k heads of a qkv row
 //   add_rms_norm  residual += delta, then out = weight * residual / rms(residual) (also
-//                 bf16 rows with a float32 weight: Gemma's)
+//                 bf16 rows with a float32 weight: Gemma's); head_rms_norm the same norm
+//                 over the heads of a q or k view
 //   silu_and_mul  out = silu(gate) * up for the [gate | up] halves of the gate_up matmul
 // Each comes in float32 (_f32) and bfloat16 (_bf16): bf16 values are widened as they are
 // loaded, computed on in float32 and rounded once (to nearest even) as they are stored, so a
@@ -156,9 +157,28 @@ static inline float sum_of_lanes(vec v) {  // a fixed pairwise tree: the same or
 // sums, as torch's vectorised mean does (not bit-equal to it: ~1e-7 relative). The weight is
 // of type W: T, or float beside bf16 rows (Gemma's (1 + w) kept in fp32; the product is in
 // float and rounded once either way). LANES at a time, as the rest of the file.
-#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, GET, PUT, W, LOAD_W, GET_W)                  \
-int NAME(T *residual, const T *delta, const W *weight, T *out, int64_t num_tokens,            \
-         int64_t hidden, float eps) {                                                          \
+// head_rms_norm: the same norm (no add) over each head of x [num_tokens, heads, head_dim]
+// whose tokens are token_stride apart (q or k, a view into a qkv row: Qwen3's and Gemma 3's
+// q/k norms) into out [num_tokens, heads, head_dim], contiguous: no gathered copy.
+#define DEFINE_RMS_NORMS(SUFFIX, T, LOAD, STORE, GET, PUT, W, LOAD_W, GET_W)                    \
+static inline void rms_norm_row_##SUFFIX(const T *x, const W *weight, T *y, int64_t hidden,  \
+                                         float eps) {                                          \
+    const int64_t full = hidden / LANES * LANES;                                               \
+    vec sums = (vec){0};                                                                       \
+    for (int64_t i = 0; i < full; i += LANES) {                                                \
+        const vec v = LOAD(x + i);                                                             \
+        sums += v * v;                                                                         \
+    }                                                                                          \
+    float total = sum_of_lanes(sums);                                                          \
+    for (int64_t i = full; i < hidden; i++) total += GET(x + i) * GET(x + i);                  \
+    const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);                           \
+    for (int64_t k = 0; k < full; k += LANES)                                                  \
+        STORE(y + k, LOAD_W(weight + k) * (LOAD(x + k) * inv_rms));                            \
+    for (int64_t k = full; k < hidden; k++)                                                    \
+        PUT(y + k, GET_W(weight + k) * (GET(x + k) * inv_rms));                                \
+}                                                                                              \
+int add_rms_norm_##SUFFIX(T *residual, const T *delta, const W *weight, T *out,               \
+                          int64_t num_tokens, int64_t hidden, float eps) {                     \
     _Pragma("omp parallel for if (num_tokens * hidden >= PARALLEL_ELEMENTS)")                  \
     for (int64_t t = 0; t < num_tokens; t++) {                                                 \
         T *x = residual + t * hidden;                                                          \
@@ -168,19 +188,18 @@ int NAME(T *residual, const T *delta, const W *weight, T *out, int64_t num_token
             for (int64_t i = 0; i < full; i += LANES) STORE(x + i, LOAD(x + i) + LOAD(d + i)); \
             for (int64_t i = full; i < hidden; i++) PUT(x + i, GET(x + i) + GET(d + i));       \
         }                                                                                      \
-        vec sums = (vec){0};                                                                   \
-        for (int64_t i = 0; i < full; i += LANES) {                                            \
-            const vec v = LOAD(x + i);                                                         \
-            sums += v * v;                                                                     \
-        }                                                                                      \
-        float total = sum_of_lanes(sums);                                                      \
-        for (int64_t i = full; i < hidden; i++) total += GET(x + i) * GET(x + i);              \
-        const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);                       \
-        T *y = out + t * hidden;                                                               \
-        for (int64_t k = 0; k < full; k += LANES)                                              \
-            STORE(y + k, LOAD_W(weight + k) * (LOAD(x + k) * inv_rms));                        \
-        for (int64_t k = full; k < hidden; k++)                                                \
-            PUT(y + k, GET_W(weight + k) * (GET(x + k) * inv_rms));                            \
+        rms_norm_row_##SUFFIX(x, weight, out + t * hidden, hidden, eps);                       \
+    }                                                                                          \
+    return 0;                                                                                  \
+}                                                                                              \
+int head_rms_norm_##SUFFIX(const T *x, int64_t token_stride, const W *weight, T *out,         \
+                           int64_t num_tokens, int64_t num_heads, int64_t head_dim,           \
+                           float eps) {                                                        \
+    const int64_t rows = num_tokens * num_heads;                                               \
+    _Pragma("omp parallel for if (rows * head_dim >= PARALLEL_ELEMENTS)")                      \
+    for (int64_t r = 0; r < rows; r++) {                                                       \
+        const T *row = x + (r / num_heads) * token_stride + (r % num_heads) * head_dim;        \
+        rms_norm_row_##SUFFIX(row, weight, out + r * head_dim, head_dim, eps);                 \
     }                                                                                          \
     return 0;                                                                                  \
 }
@@ -208,11 +227,10 @@ int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {         
 
 DEFINE_ROPE(rope_neox_f32, float, load_f32, store_f32, get_f32, put_f32)
 DEFINE_ROPE(rope_neox_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, load_f32, store_f32, get_f32, put_f32, float,
-                    load_f32, get_f32)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16,
-                    uint16_t, load_bf16, get_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16_f32_weight, uint16_t, load_bf16, store_bf16, get_bf16,
-                    put_bf16, float, load_f32, get_f32)
+DEFINE_RMS_NORMS(f32, float, load_f32, store_f32, get_f32, put_f32, float, load_f32, get_f32)
+DEFINE_RMS_NORMS(bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16, uint16_t, load_bf16,
+                 get_bf16)
+DEFINE_RMS_NORMS(bf16_f32_weight, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16, float,
+                 load_f32, get_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16)

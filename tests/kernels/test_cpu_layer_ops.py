@@ -225,3 +225,33 @@ def test_bf16_silu_and_mul_lanes_and_tail(inter):
     torch.testing.assert_close(
         cpu_layer_ops.silu_and_mul(gate_up).float(), want, rtol=BF16_ULP, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])  # 20: lanes and a scalar tail
+@pytest.mark.parametrize(
+    "dtype, weight_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],  # fmt: skip
+)
+def test_head_norms_read_qkv_views_in_place_as_rows_would(head_dim, dtype, weight_dtype, build):
+    """q/k norms over heads still inside the qkv rows: the same values, bit for bit, as the
+    row norm over the heads gathered into rows, and the twin's within rounding."""
+    torch.manual_seed(head_dim)
+    sizes = [HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim]
+    qkv = torch.randn(5, sum(sizes)).to(dtype)
+    q, k, _ = (part.view(5, -1, head_dim) for part in qkv.split(sizes, dim=-1))
+    weight = (torch.rand(head_dim) + 0.5).to(weight_dtype)
+    for heads in (q, k):
+        assert not heads.is_contiguous()
+        got, residual = cpu_layer_ops.add_rms_norm(heads, None, weight, 1e-6)
+        assert residual is heads and got.shape == heads.shape and got.is_contiguous()
+        rows = heads.reshape(-1, head_dim).contiguous()
+        assert torch.equal(
+            got, cpu_layer_ops.add_rms_norm(rows, None, weight, 1e-6)[0].view(got.shape)
+        )
+        want = add_rms_norm_ref(heads, None, weight, 1e-6)[0]
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

@@ -46,6 +46,17 @@ def test_replayed_decode_steps_give_the_eager_tokens_and_transformers(tiny_llama
     assert_all_free(llm)
 
 
+def test_q_k_norms_replay_over_the_heads_in_place(tmp_path):
+    """Qwen3's q/k norms read each head inside the qkv rows (no gathered copy to refuse)."""
+    path = model_families.build_qwen3(tmp_path)
+    prompts = random_prompts(LENGTHS, seed=9)
+    llm = make_llm(path, **CPU)
+    outputs = _greedy(llm, prompts)
+    assert not llm.executor.graphs.off and llm.executor.graphs.graphs
+    assert outputs == _eager(path, prompts)
+    assert_all_free(llm)
+
+
 def test_seeded_sampling_draws_the_same_tokens_replayed(tiny_llama):
     prompts = random_prompts(LENGTHS, seed=4)
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10) for i in range(5)]
@@ -94,8 +105,12 @@ def test_graphs_kept_are_bounded(tiny_llama, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_tiles.available(), reason="neither AMX nor AVX512-BF16 on this host")
-def test_bf16_on_the_tile_layout_replays_the_eager_tokens(tmp_path):
-    path = build_llama(tmp_path, head_dim=32)  # a head size the tiles take
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_on_the_tile_layout_replays_the_eager_tokens(tmp_path, family):
+    if family == "llama":
+        path = build_llama(tmp_path, head_dim=32)  # a head size the tiles take
+    else:
+        path = model_families.build_qwen3(tmp_path)
     tiles = dict(dtype="bfloat16", block_size=16)
     prompts = random_prompts(LENGTHS, seed=8)
     llm = make_llm(path, **tiles, **CPU)
