@@ -21,11 +21,14 @@ in place), and every other pointer it took (weights, the KV cache) still holds i
 """
 
 import bisect
+import ctypes
+import functools
+import platform
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
-from kvpager.kernels.cpu_build import PTR, loaded_libraries
+from kvpager.kernels.cpu_build import FLOAT, I64, PTR, load_library, loaded_libraries
 from torch.overrides import TorchFunctionMode
 
 # torch functions whose result is new memory the region may use: buffers kernels fill
@@ -126,22 +129,74 @@ class _Recorder:
         return call
 
 
+# kernels/cpu/graph_runner.c: its call record's room, and the ABIs it runs on
+RUNNER_INTS, RUNNER_FLOATS = 20, 4
+RUNNER_ABIS = ("x86_64", "aarch64")
+
+
+class _RecordedCall(ctypes.Structure):
+    _fields_ = [
+        ("fn", ctypes.c_void_p),
+        ("status", ctypes.c_int64),
+        ("ints", ctypes.c_int64 * RUNNER_INTS),
+        ("floats", ctypes.c_float * RUNNER_FLOATS),
+    ]
+
+
+@functools.cache
+def _runner():
+    """graph_runner.c's run_calls, or None (another ABI, or no compiler)."""
+    if platform.system() != "Linux" or platform.machine() not in RUNNER_ABIS:
+        return None
+    library = load_library("graph_runner", (("run_calls", (PTR, I64)),))
+    return None if library is None else library.run_calls
+
+
+def _records(calls: list[tuple]) -> ctypes.Array | None:
+    """The calls as graph_runner.c's records, or None where one does not fit them."""
+    records = (_RecordedCall * len(calls))()
+    for record, (fn, args, status) in zip(records, calls):
+        ints = [a or 0 for a, kind in zip(args, fn.argtypes) if kind in (PTR, I64)]
+        floats = [a for a, kind in zip(args, fn.argtypes) if kind is FLOAT]
+        if len(ints) > RUNNER_INTS or len(floats) > RUNNER_FLOATS:
+            return None
+        if len(ints) + len(floats) != len(args) or not all(isinstance(a, int) for a in ints):
+            return None
+        record.fn = ctypes.cast(fn, ctypes.c_void_p).value
+        record.status = status
+        record.ints[: len(ints)] = ints
+        record.floats[: len(floats)] = floats
+    return records
+
+
 class CallGraph:
     """A captured region: `replay()` makes its kernel calls again and returns its output (a
-    view of a buffer the next replay overwrites)."""
+    view of a buffer the next replay overwrites): from C in one call (graph_runner.c) where
+    the calls fit its records, else from Python one call at a time."""
 
     def __init__(self, calls: list[tuple], output: torch.Tensor, buffers: list[torch.Tensor]):
-        self.calls = calls
+        self.calls = tuple(calls)  # (function, args, status)
         self.output = output
         self.buffers = buffers  # what the moved pointers point into: kept alive here
         self.num_bytes = sum(b.numel() for b in buffers)
         self.kernels = frozenset(fn.__name__ for fn, _, _ in calls)
+        self.run_calls = _runner()
+        self.records = None if self.run_calls is None else _records(calls)
 
     def replay(self) -> torch.Tensor:
+        if self.records is not None:
+            failed = self.run_calls(ctypes.addressof(self.records), len(self.calls))
+            if failed >= 0:
+                self._failed(self.calls[failed][0])
+            return self.output
         for fn, args, status in self.calls:
             if fn(*args) != status:
-                raise ReplayError(f"{fn.__name__} returned another status than at capture")
+                self._failed(fn)
         return self.output
+
+    @staticmethod
+    def _failed(fn) -> None:
+        raise ReplayError(f"{fn.__name__} returned another status than at capture")
 
 
 def capture(

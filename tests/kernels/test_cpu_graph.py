@@ -2,6 +2,8 @@
 itself computes them, its intermediates in buffers shared as an allocator shares them, and a
 region that computes, changes or reads tensors outside the kernels is refused."""
 
+import ctypes
+import ctypes.util
 import threading
 
 import pytest
@@ -126,9 +128,35 @@ def test_a_status_other_than_at_capture_is_an_error():
     x = torch.randn(ROWS, HIDDEN)
     graph = cpu_graph.capture(_region(x, [weight]), [x])
     fn, args, status = graph.calls[0]
-    graph.calls[0] = (fn, args, status + 1)
-    with pytest.raises(cpu_graph.ReplayError, match="another status"):
-        graph.replay()
+    calls = [(fn, args, status + 1), *graph.calls[1:]]
+    tampered = cpu_graph.CallGraph(calls, graph.output, graph.buffers)
+    for runner in (True, False):  # from C, and from Python
+        if not runner:
+            tampered.records = None
+        with pytest.raises(cpu_graph.ReplayError, match="another status"):
+            tampered.replay()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_runner_makes_the_calls_python_would(dtype):
+    weights = _weights(dtype)
+    x = torch.randn(ROWS, HIDDEN).to(dtype)
+    graph = cpu_graph.capture(_region(x, weights), [x])
+    if cpu_graph._runner() is not None:
+        assert graph.records is not None  # every call here fits its records
+    fresh = torch.randn(ROWS, HIDDEN).to(dtype)
+    x.copy_(fresh)
+    from_c = graph.replay().clone()
+    graph.records = None
+    x.copy_(fresh)
+    assert torch.equal(graph.replay(), from_c)
+
+
+def test_calls_that_do_not_fit_the_runner_replay_from_python():
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.pow.argtypes = [ctypes.c_double, ctypes.c_double]  # doubles: not the records' kinds
+    assert cpu_graph._records([(libm.pow, (2.0, 3.0), 8)]) is None
 
 
 @needs_kernels
