@@ -58,6 +58,32 @@ def test_q_k_norms_replay_over_the_heads_in_place(tmp_path):
     assert_all_free(llm)
 
 
+def test_sliding_windows_and_kv_groups_replay(tmp_path):
+    """Mistral's window on every layer (the prompts run past it), and Qwen3 with sliding and
+    full layers in turn: two KV groups, a metadata set and block tables for each."""
+    builds = {
+        "mistral": lambda p: model_families.build_mistral(p),
+        "qwen3-groups": lambda p: model_families.build_qwen3(
+            p, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+            use_sliding_window=True, max_window_layers=0,
+        ),
+    }  # fmt: skip
+    prompts = random_prompts(LENGTHS, seed=10)
+    for name, build in builds.items():
+        path = build(tmp_path / name)
+        llm = make_llm(path, **CPU)
+        outputs = _greedy(llm, prompts)
+        assert not llm.executor.graphs.off and llm.executor.graphs.graphs, name
+        if name == "qwen3-groups":
+            assert llm.executor.kv_groups.num_groups == 2
+        assert outputs == _eager(path, prompts), name
+        expected = [hf_generate(path, [p], max_new_tokens=n, do_sample=False)[0]
+                    for p, n in zip(prompts, MAX_TOKENS)]  # fmt: skip
+        # transformers stops at an end token, where kvpager's ignore_eos runs on
+        assert [out[: len(want)] for out, want in zip(outputs, expected)] == expected, name
+        assert_all_free(llm)
+
+
 def test_seeded_sampling_draws_the_same_tokens_replayed(tiny_llama):
     prompts = random_prompts(LENGTHS, seed=4)
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10) for i in range(5)]
