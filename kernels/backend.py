@@ -64,6 +64,7 @@ def _cpu_ops() -> KernelOps:
         rotary=cpu_layer_ops.rotary,
         add_rms_norm=cpu_layer_ops.add_rms_norm,
         silu_and_mul=cpu_layer_ops.silu_and_mul,
+        gelu_tanh_and_mul=cpu_layer_ops.gelu_tanh_and_mul,
         swap_blocks=swap_blocks_cpu,
         pack_experts=True,
     )

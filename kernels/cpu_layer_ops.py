@@ -18,6 +18,7 @@ _PER_DTYPE = (
     ("rope_neox", (PTR, I64, I64, I64, I64, PTR, PTR)),
     ("add_rms_norm", _ADD_RMS_NORM),
     ("silu_and_mul", (PTR, PTR, I64, I64)),
+    ("gelu_tanh_and_mul", (PTR, PTR, I64, I64)),
 )
 _WRITE_KV_FP8 = (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, FLOAT, FLOAT)
 _SUFFIXES = ("f32", "bf16")
@@ -191,10 +192,19 @@ def add_rms_norm(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    kernel = _kernel("silu_and_mul", gate_up)
+    return _gated("silu_and_mul", gate_up, reference.silu_and_mul_ref)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gated("gelu_tanh_and_mul", gate_up, reference.gelu_tanh_and_mul_ref)
+
+
+def _gated(name: str, gate_up: torch.Tensor, twin) -> torch.Tensor:
+    """act(gate) * up over gate_up's halves on the C kernel `name`, else on the twin."""
+    kernel = _kernel(name, gate_up)
     fits = gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
     if kernel is None or not fits:
-        return reference.silu_and_mul_ref(gate_up)
+        return twin(gate_up)
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
     kernel(gate_up.data_ptr(), out.data_ptr(), num_tokens, inter)

@@ -9,6 +9,7 @@ from kvpager.engine.worker.host_malloc import retain_freed_memory
 from kvpager.kernels import cpu_layer_ops
 from kvpager.kernels.reference import (
     add_rms_norm_ref,
+    gelu_tanh_and_mul_ref,
     reshape_and_cache_ref,
     rotary_ref,
     silu_and_mul_ref,
@@ -255,3 +256,24 @@ def test_head_norms_read_qkv_views_in_place_as_rows_would(head_dim, dtype, weigh
         want = add_rms_norm_ref(heads, None, weight, 1e-6)[0]
         tolerance = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("inter", [1536, 37])
+def test_gelu_tanh_and_mul_matches_twin(inter, build):
+    """Gemma's GeGLU: full vectors and the scalar tail; gates out to where exp over- and
+    underflows; bf16 rounded once from the same float32 values."""
+    torch.manual_seed(inter)
+    gate_up = torch.randn(9, 2 * inter) * 4
+    gate_up[0, :inter] = torch.linspace(-200, 200, inter)
+    want = gelu_tanh_and_mul_ref(gate_up)
+    got = cpu_layer_ops.gelu_tanh_and_mul(gate_up)
+    # atol: where torch's tanh has rounded to -1 (gates below about -4) the twin gives 0, the
+    # kernel's g / (1 + exp(-2y)) the value itself, ~1e-7 of up
+    torch.testing.assert_close(got, want, rtol=4e-6, atol=3e-6)
+    narrow = gate_up.bfloat16()
+    torch.testing.assert_close(
+        cpu_layer_ops.gelu_tanh_and_mul(narrow).float(),
+        gelu_tanh_and_mul_ref(narrow.float()),
+        rtol=BF16_ULP,
+        atol=3e-6,
+    )

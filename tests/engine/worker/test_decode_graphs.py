@@ -59,10 +59,14 @@ def test_q_k_norms_replay_over_the_heads_in_place(tmp_path):
 
 
 def test_sliding_windows_and_kv_groups_replay(tmp_path):
-    """Mistral's window on every layer (the prompts run past it), and Qwen3 with sliding and
-    full layers in turn: two KV groups, a metadata set and block tables for each."""
+    """Mistral's window on every layer (the prompts run past it), Gemma 2 and 3, and Qwen3
+    with sliding and full layers in turn: two KV groups, a metadata set and block tables for
+    each."""
     builds = {
         "mistral": lambda p: model_families.build_mistral(p),
+        "gemma2": lambda p: model_families.build_gemma2(p),  # GeGLU, soft-caps, windows
+        # q/k norms, local RoPE, two groups; head_dim 32: every linear on the C kernels
+        "gemma3": lambda p: model_families.build_gemma3(p, head_dim=32),
         "qwen3-groups": lambda p: model_families.build_qwen3(
             p, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
             use_sliding_window=True, max_window_layers=0,
