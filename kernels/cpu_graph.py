@@ -9,7 +9,7 @@ Capture runs the region once with every loaded kernel library's functions record
 (kernels/cpu_build.py `loaded_libraries`), under a torch function mode that keeps every tensor
 the region makes alive and refuses what a replay could not repeat:
 - a torch op that computes (anything but a view, a no-op conversion or an empty buffer),
-- an in-place torch op or an item assignment,
+- an in-place torch op, an item assignment or an op writing into `out=`,
 - a read of tensor data into Python (a branch on it), but of the tensors named constant.
 Then each tensor the region made gets a buffer shared with others as an allocator would share
 it (by size, free after its last call), every pointer argument into one moves into its buffer,
@@ -85,7 +85,8 @@ class _Watch(TorchFunctionMode):
         inputs = _tensors(args) + _tensors(list(kwargs.values()))
         if name in _READS and not all(_storage(t)[0] in self.constants for t in inputs):
             raise CaptureError(f"reads tensor data into Python ({name})")
-        if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+        in_place = name.endswith("_") and not name.startswith("__")
+        if name == "__setitem__" or in_place or kwargs.get("out") is not None:
             raise CaptureError(f"changes a tensor in place outside the kernels ({name})")
         out = func(*args, **kwargs)
         shared = {_storage(t)[0] for t in inputs}

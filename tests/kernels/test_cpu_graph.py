@@ -68,6 +68,7 @@ def test_intermediates_share_buffers_once_dead():
         (lambda t: t + 1, "computes outside the kernels"),
         (lambda t: t.mul_(2), "in place"),
         (lambda t: t.__setitem__(0, 1.0), "in place"),
+        (lambda t: torch.add(t, 1, out=t), "in place"),  # its result shares t's memory
         (lambda t: int(t[0, 0]), "reads tensor data"),
         (lambda t: t.tolist(), "reads tensor data"),
     ],
