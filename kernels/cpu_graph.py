@@ -267,8 +267,7 @@ def _relocate(calls: list[tuple], made: list[torch.Tensor], output: torch.Tensor
             args[arg_idx] = buffers[span_idx].data_ptr() + offset
         moved.append((fn, tuple(args), status))
     if out_span is not None:
-        offset = output.data_ptr() - spans[out_span][0]
-        output = _view_at(buffers[out_span], offset, output)
+        output = _view_at(buffers[out_span], output)
     return CallGraph(moved, output, list({id(b): b for b in buffers.values()}.values()))
 
 
@@ -301,7 +300,7 @@ def _assign(first: dict, last: dict, spans: list, num_calls: int) -> dict[int, t
     return buffers
 
 
-def _view_at(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """`like`'s shape, strides and dtype over `buffer` from byte `offset`."""
-    assert offset == like.storage_offset() * like.element_size()
+def _view_at(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`like` over `buffer`, which stands in for its whole storage: same dtype, shape,
+    strides and offset."""
     return buffer.view(like.dtype).as_strided(like.shape, like.stride(), like.storage_offset())

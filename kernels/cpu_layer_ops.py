@@ -14,20 +14,20 @@ from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 _ADD_RMS_NORM = (PTR, PTR, PTR, PTR, I64, I64, FLOAT)
+_HEAD_RMS_NORM = (PTR, I64, PTR, PTR, I64, I64, I64, FLOAT)
 _PER_DTYPE = (
     ("rope_neox", (PTR, I64, I64, I64, I64, PTR, PTR)),
     ("add_rms_norm", _ADD_RMS_NORM),
     ("silu_and_mul", (PTR, PTR, I64, I64)),
     ("gelu_tanh_and_mul", (PTR, PTR, I64, I64)),
+    ("head_rms_norm", _HEAD_RMS_NORM),
 )
 _WRITE_KV_FP8 = (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, FLOAT, FLOAT)
 _SUFFIXES = ("f32", "bf16")
-_HEAD_RMS_NORM = (PTR, I64, PTR, PTR, I64, I64, I64, FLOAT)
 _SIGNATURES = (
     ("write_kv", (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64)),
     ("add_rms_norm_bf16_f32_weight", _ADD_RMS_NORM),  # bf16 rows, Gemma's fp32 (1 + w)
     ("head_rms_norm_bf16_f32_weight", _HEAD_RMS_NORM),
-    *((f"head_rms_norm_{suffix}", _HEAD_RMS_NORM) for suffix in ("f32", "bf16")),
     *((f"write_kv_{fp8}_{suffix}", _WRITE_KV_FP8) for fp8 in _FP8.values() for suffix in _SUFFIXES),
     *((f"{name}_{suffix}", argtypes) for name, argtypes in _PER_DTYPE for suffix in _SUFFIXES),
 )

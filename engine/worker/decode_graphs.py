@@ -69,8 +69,14 @@ def _parts(part) -> tuple:
 
 
 def _map_rope(rope: RopeRows, fn) -> RopeRows:
-    return RopeRows(*(None if p is None else tuple(map(fn, _parts(p))) if isinstance(p, tuple)
-                      else fn(p) for p in rope))  # fmt: skip
+    """fn over every tensor of rope, its pairs and Nones kept."""
+
+    def mapped(part):
+        if part is None:
+            return None
+        return tuple(map(fn, part)) if isinstance(part, tuple) else fn(part)
+
+    return RopeRows(*map(mapped, rope))
 
 
 class DecodeGraphs:
