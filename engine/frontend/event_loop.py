@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from kvpager.kernels.openmp import serial_here
+
 T = TypeVar("T")
 EXIT_WAIT_S = 30.0
 _stopping: set[threading.Thread] = set()  # loop threads finishing a `stop_after`
@@ -24,8 +26,12 @@ def _finish_stopping() -> None:
 class LoopThread:
     def __init__(self, name: str = "kvpager-engine") -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        serial_here()  # the engine core's torch ops stay off OpenMP (kernels/openmp.py)
+        self.loop.run_forever()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the loop and wait for its result (its exception is raised here)."""

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
+from kvpager.kernels.openmp import serial_here
 from kvpager.schemas.errors import InvalidRequestError
 
 STACK_BYTES = 256 << 20  # reserved address space; pages are only touched when used
@@ -57,6 +58,7 @@ class CompileThread:
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
+    serial_here()  # beside the steps: no OpenMP team of its own (kernels/openmp.py)
     while True:
         fn, future = jobs.get()
         if not future.set_running_or_notify_cancel():

@@ -23,6 +23,7 @@ from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.worker.executor import Executor
 from kvpager.engine.worker.step_runner import InProcessExecutor
 from kvpager.engine.worker.tensor_parallel import build_executor
+from kvpager.kernels.openmp import serial_pool
 from kvpager.schemas.errors import ExecutorUnavailableError, InvalidStepError
 from kvpager.schemas.executor import (
     Attached,
@@ -91,6 +92,8 @@ class ExecutorService:
         self.kv = KvEndpoint(nc, settings, transfer, self._to_scheduler) if transfer else None
 
     async def start(self) -> None:
+        # to_thread's workers (KV gathers and scatters) stay serial: kernels/openmp.py
+        asyncio.get_running_loop().set_default_executor(serial_pool(None, "kvpager-io"))
         await self._watch_ranks()
         if self.kv is not None:
             await self.kv.start()

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import structlog
@@ -42,6 +42,7 @@ from kvpager.engine.worker.disk.files import (
     read_open_block,
     write_block,
 )
+from kvpager.kernels import openmp
 from kvpager.kernels.cpu_block_ops import copy_block_in
 from kvpager.schemas.errors import ConfigError
 from kvpager.schemas.executor import DiskBlock
@@ -108,7 +109,7 @@ class DiskStore:
         self._removed: list[bytes] = []
         self._listed = False
         self._loads: list[Future] = []
-        self._reader = ThreadPoolExecutor(NUM_READERS, thread_name_prefix="kvpager-disk-read")
+        self._reader = openmp.serial_pool(NUM_READERS, "kvpager-disk-read")
         self._buffers = threading.local()  # each reader's file buffer, reused
         self._dir_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)  # reads open in it
         self._writes: queue.Queue = queue.Queue()
@@ -296,6 +297,7 @@ class DiskStore:
     # --- writes and listing (the writer thread) ---------------------------------------------
 
     def _write_loop(self) -> None:
+        openmp.serial_here()  # its copies stay on this thread (kernels/openmp.py)
         last_scan = time.monotonic()
         while True:
             try:

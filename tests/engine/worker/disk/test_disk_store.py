@@ -221,3 +221,25 @@ def test_the_writer_outlives_its_folder_and_nothing_waits_without_end(tmp_path, 
         store.reset()
     go.set()
     store.close()
+
+
+def test_the_readers_and_the_writer_start_no_openmp_team(tmp_path):
+    """Their copies of blocks above torch's grain size stay on their own threads, as
+    kernels/openmp.py wants: the OS threads the store added are its own Python threads."""
+    shape = (2, 2, 4, 8, 512)  # 65,536 values a block
+    layout = BlockLayout(shape, torch.float32, hashlib.sha256(b"wide layout").digest())
+    cache = torch.randn((shape[0], shape[1], 4, *shape[2:]))
+    torch.zeros_like(cache).copy_(cache)  # this thread's own team first, if it has one
+    before = len(os.listdir("/proc/self/task"))
+    store = DiskStore(tmp_path, 1 << 30, layout, KEY)
+    store.save(blocks(range(4)), cache, cache)
+    target = torch.zeros_like(cache)
+    store.load(blocks(range(2)), target)  # perhaps from the snapshots still pending
+    report(store)
+    store.flush()
+    store.load(blocks(range(2, 4)), target)  # from the files
+    assert report(store).disk_loaded == [block_hash(2), block_hash(3)]
+    assert torch.equal(target, cache)
+    own = sum(t.name.startswith("kvpager-disk") for t in threading.enumerate())
+    assert len(os.listdir("/proc/self/task")) - before == own
+    store.close()
