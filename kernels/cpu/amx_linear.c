@@ -11,7 +11,7 @@
 //
 // The layout, AB16b32a2b = [N / 32][K / 2][32 columns][2] (k in pairs), is what a tile load
 // takes as it is: one 32-column block's 32 k (16 pairs) are 16 rows of 128 bytes, two B tiles
-// of 16 columns a row apart by 64 bytes. Each thread takes a contiguous run of column blocks;
+// of 16 columns a row apart by 64 bytes. Each thread takes a run of column blocks;
 // rows go in groups of 32 (two A tiles, four accumulators) under each block, so a block's
 // weight is read from memory once whatever M is. Sums are float32 in the tile unit and are
 // rounded once (to nearest even) to bf16, as oneDNN's bf16 matmul does.
@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include "amx_pass.h"
+#include "steal.h"
 #define LANES 16
 #include "simd.h"
 
@@ -68,46 +69,58 @@ INLINE void block_pass(const uint16_t *w, const uint16_t *x, int64_t K, int rows
     }
 }
 
-// one thread's column blocks [first, last), every row: whole groups of 32, then the tail with
-// tiles of its height (so the tiles are configured twice a block only where M has a tail). The
-// rows go in chunks of ROW_CHUNK, each under all the thread's blocks, so a prefill's x is read
-// from L2 under each block, not from memory (a decode step's rows are one chunk, its weights
-// read once): a 1,000-row down_proj (K 1536, x 3 MB) took 1.0 ms with the whole x under each
-// block and 0.71 in chunks (2-core Xeon, 2 threads).
-static void run_blocks(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
-                       const uint16_t *bias, uint16_t *out, int64_t first, int64_t last) {
-    float sums[GROUP][COLS] __attribute__((aligned(64)));
+// one column block under rows [row0, row0 + ROW_CHUNK) of x: whole groups of 32, then the
+// tail with tiles of its height (so the tiles are configured twice a block only where M has
+// a tail); `configured` is the rows the thread's tiles are configured for now
+static void block_rows(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                       const uint16_t *bias, uint16_t *out, int64_t block, int64_t row0,
+                       int *configured, float sums[][COLS]) {
     const int64_t whole = M / GROUP * GROUP, tail = M - whole;
-    int configured = -1;  // rows of the tiles now configured
-    for (int64_t row0 = 0; row0 < M; row0 += ROW_CHUNK) {
-        const int64_t row_end = row0 + ROW_CHUNK < M ? row0 + ROW_CHUNK : M;
-        for (int64_t block = first; block < last; block++) {
-            const uint16_t *wb = w + block * K * COLS;
-            const uint16_t *block_bias = bias ? bias + block * COLS : 0;
-            for (int64_t row = row0; row < row_end; row += GROUP) {
-                const int64_t rows = row < whole ? GROUP : tail;
-                if (rows != configured) configure(rows_high(rows), rows_low(rows));
-                configured = (int)rows;
-                block_pass(wb, x + row * K, K, rows_high(rows), rows_low(rows), row == row0, sums);
-                store_rows(sums, (int)rows, block_bias, out + row * N + block * COLS, N);
-            }
-        }
+    const int64_t row_end = row0 + ROW_CHUNK < M ? row0 + ROW_CHUNK : M;
+    const uint16_t *wb = w + block * K * COLS;
+    const uint16_t *block_bias = bias ? bias + block * COLS : 0;
+    for (int64_t row = row0; row < row_end; row += GROUP) {
+        const int64_t rows = row < whole ? GROUP : tail;
+        if (rows != *configured) configure(rows_high(rows), rows_low(rows));
+        *configured = (int)rows;
+        block_pass(wb, x + row * K, K, rows_high(rows), rows_low(rows), row == row0, sums);
+        store_rows(sums, (int)rows, block_bias, out + row * N + block * COLS, N);
     }
-    _tile_release();
 }
 
 // out [M, N] = x [M, K] @ W^T + bias; W packed as above, N a multiple of 32, K of 32; bias [N]
 // or NULL. 0 on success, 1 for shapes it does not take.
+//
+// Each thread owns a contiguous run of column blocks and goes through it chunk of rows by
+// chunk, every block under each chunk, so a prefill's x is read from L2 under each block, not
+// from memory (a decode step's rows are one chunk, its weights read once): a 1,000-row
+// down_proj (K 1536, x 3 MB) took 1.0 ms with the whole x under each block and 0.71 in chunks
+// (2-core Xeon, 2 threads). A thread done with its run takes (chunk, block) items from the
+// back of the others' (steal.h).
 int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                     const uint16_t *bias, uint16_t *out, int64_t num_threads) {
     if (M < 0 || K <= 0 || N <= 0 || K % K_STEP || N % COLS || num_threads < 1) return 1;
     if (M == 0) return 0;
-    const int64_t blocks = N / COLS;
-    const int64_t threads = num_threads < blocks ? num_threads : blocks;
+    const int64_t blocks = N / COLS, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int64_t threads = team_size(num_threads < blocks ? num_threads : blocks);
+    if (chunks * blocks >= INT32_MAX) return 1;  // items share a word in steal.h
+    run runs[MAX_RUNS];
+    for (int64_t t = 0; t < threads; t++)
+        runs[t] = run_of(0, (uint64_t)(chunks * (blocks * (t + 1) / threads - blocks * t / threads)));
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t n = omp_get_num_threads(), me = omp_get_thread_num();
-        run_blocks(x, M, K, w, N, bias, out, blocks * me / n, blocks * (me + 1) / n);
+        float sums[GROUP][COLS] __attribute__((aligned(64)));
+        const int64_t me = omp_get_thread_num();
+        int configured = -1;
+        for (int64_t k = 0; k < threads; k++) {  // its own run, then the others'
+            const int64_t t = (me + k) % threads, first = blocks * t / threads;
+            const int64_t run_blocks = blocks * (t + 1) / threads - first;
+            int64_t item;
+            while ((item = take(&runs[t], k > 0)) >= 0)
+                block_rows(x, M, K, w, N, bias, out, first + item % run_blocks,
+                           item / run_blocks * ROW_CHUNK, &configured, sums);
+        }
+        if (configured >= 0) _tile_release();
     }
     return 0;
 }

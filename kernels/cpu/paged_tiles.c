@@ -114,6 +114,8 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 #if defined(TILES_AMX) || defined(TILES_DPBF16)
 #include <immintrin.h>
 #include <omp.h>
+
+#include "steal.h"
 #include <stdlib.h>
 
 #define LANES 16
@@ -394,27 +396,38 @@ static int64_t unit_cost(const shape *s, const unit *u) {
     return (row_last(u, u->rows - 1) - unit_start(s, u) + 1) * (u->rows + 8);
 }
 
-// Each thread takes one contiguous run of units holding an equal share of the cost (a unit
-// goes where its middle falls), so the unit it prefetches for is its own next one, which
-// OpenMP's dynamic schedule cannot promise.
-static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_threads) {
-    int64_t total = 0;
+// Threads' contiguous runs holding equal shares of the cost (a unit goes where its middle
+// falls), so the unit a thread prefetches for is usually its own next one.
+static void split_runs(const shape *s, const unit *units, int64_t n, int64_t threads,
+                       run *runs) {
+    int64_t total = 0, seen = 0, at = 0;
     for (int64_t i = 0; i < n; i++) total += unit_cost(s, &units[i]);
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t first = at, to = total * (t + 1) / threads;
+        while (at < n && seen + unit_cost(s, &units[at]) / 2 < to) seen += unit_cost(s, &units[at++]);
+        runs[t] = run_of((uint64_t)first, (uint64_t)(t + 1 == threads ? n : at));
+    }
+}
+
+// Each thread runs its own run, then takes what is left of the others' (steal.h); a team
+// smaller than asked for still runs every unit.
+static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_threads) {
+    run runs[MAX_RUNS];
+    num_threads = team_size(num_threads);
+    split_runs(s, units, n, num_threads, runs);
 #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t from = total * me / threads, to = total * (me + 1) / threads;
-        int64_t seen = 0, first = n, last = n;
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t cost = unit_cost(s, &units[i]), mid = seen + cost / 2;
-            seen += cost;
-            if (mid >= from && mid < to) last = i + 1, first = first < i ? first : i;
-        }
-        int64_t rows = -1;
-        for (int64_t i = first; i < last; i++) {
+        const int64_t me = omp_get_thread_num();
+        int64_t rows = -1, i;
+        while ((i = take(&runs[me], 0)) >= 0) {
             if (units[i].rows != rows) tiles_for_rows(rows = units[i].rows);
-            attend(s, &units[i], i + 1 < last ? &units[i + 1] : 0);
+            attend(s, &units[i], i + 1 < n ? &units[i + 1] : 0);
         }
+        for (int64_t k = 1; k < num_threads; k++)
+            while ((i = take(&runs[(me + k) % num_threads], 1)) >= 0) {
+                if (units[i].rows != rows) tiles_for_rows(rows = units[i].rows);
+                attend(s, &units[i], i > 0 ? &units[i - 1] : 0);
+            }
         if (rows >= 0) tiles_done();
     }
 }
@@ -433,6 +446,7 @@ static int attention_tiles(ATTENTION_PARAMS_OUT(void *out), int64_t out_bf16) {
         if (q_len < 0 || seq_lens[seq] < q_len) return -1;
         n += units_of(q_len, &s);
     }
+    if (n >= INT32_MAX) return -1;  // unit indices share a word in run_units
     unit *units = malloc((n ? n : 1) * sizeof(unit));
     if (!units) return -1;
     n = 0;

@@ -124,6 +124,23 @@ def test_tile_attention_equals_the_token_major_twin(
     assert_close("vs tile twin", out, twin, torch.bfloat16)
 
 
+@pytest.mark.parametrize("case", [DECODE, MIXED, UNITS])
+@pytest.mark.usefixtures("tile_kernel")
+def test_every_thread_count_gives_the_same_bits(case):
+    """Threads take what is left of each other's runs (a unit is computed whole by whichever
+    thread takes it), so 1 thread, 3, and more threads than units agree bit for bit."""
+    batch = _tiled(make_batch(*case, 8, 2, 64, 16, torch.bfloat16, "cpu"))
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for count in (1, 3, 64):
+            torch.set_num_threads(count)
+            outs.append(paged_attention_tiles(*batch.args(0.125)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 @pytest.mark.parametrize("case", [MIXED, PREFILL, UNITS])
 @pytest.mark.parametrize("window", [1, 17, 100])
 @pytest.mark.usefixtures("tile_kernel")

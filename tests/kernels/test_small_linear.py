@@ -139,7 +139,7 @@ def _amx_view(out_f: int, in_f: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("shape", AMX_SHAPES)
-@pytest.mark.parametrize("rows", [0, 1, 7, 15, 16, 17, 31, 32, 33, 48, 63, 64, 100, 128])
+@pytest.mark.parametrize("rows", [0, 1, 7, 15, 16, 17, 31, 32, 33, 48, 63, 64, 100, 128, 300])
 def test_amx_tiles_match_the_twin(shape, rows):
     """kernels/cpu/amx_linear.c over every tiling: one tile of fewer than 16 rows, two, whole
     groups of 32 and a tail of each height; within one bf16 ulp of the float32 twin."""
@@ -161,6 +161,22 @@ def test_amx_rows_do_not_depend_on_the_batch():
     batch = small_linear.small_linear(x, view, None)
     for size in (1, 3, 16, 17, 32, 33):
         assert torch.equal(small_linear.small_linear(x[:size], view, None), batch[:size])
+
+
+def test_amx_every_thread_count_gives_the_same_bits():
+    """Threads take (row chunk, column block) items from each other's runs (steal.h), and an
+    item is computed whole by whichever thread takes it: 1 thread, 3, and more threads than
+    column blocks agree bit for bit, over several row chunks."""
+    _, view, gen = _amx_view(960, 576)
+    x = torch.randn(300, 576, generator=gen).bfloat16()
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for count in (1, 3, 64):
+            torch.set_num_threads(count)
+            outs.append(small_linear.small_linear(x, view, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_the_amx_kernel_refuses_shapes_it_cannot_run():
