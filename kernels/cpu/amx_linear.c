@@ -112,13 +112,12 @@ int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, 
         float sums[GROUP][COLS] __attribute__((aligned(64)));
         const int64_t me = omp_get_thread_num();
         int configured = -1;
-        for (int64_t k = 0; k < threads; k++) {  // its own run, then the others'
+        int64_t k = 0, item;
+        while ((item = next_item(runs, threads, me, &k)) >= 0) {  // its own run, then others'
             const int64_t t = (me + k) % threads, first = blocks * t / threads;
             const int64_t run_blocks = blocks * (t + 1) / threads - first;
-            int64_t item;
-            while ((item = take(&runs[t], k > 0)) >= 0)
-                block_rows(x, M, K, w, N, bias, out, first + item % run_blocks,
-                           item / run_blocks * ROW_CHUNK, &configured, sums);
+            block_rows(x, M, K, w, N, bias, out, first + item % run_blocks,
+                       item / run_blocks * ROW_CHUNK, &configured, sums);
         }
         if (configured >= 0) _tile_release();
     }

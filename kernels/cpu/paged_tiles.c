@@ -114,9 +114,9 @@ int write_kv_tiles_bf16(const uint16_t *key, const uint16_t *value, int64_t key_
 #if defined(TILES_AMX) || defined(TILES_DPBF16)
 #include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "steal.h"
-#include <stdlib.h>
 
 #define LANES 16
 #include "simd.h"
@@ -418,16 +418,12 @@ static void run_units(const shape *s, const unit *units, int64_t n, int64_t num_
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t me = omp_get_thread_num();
-        int64_t rows = -1, i;
-        while ((i = take(&runs[me], 0)) >= 0) {
+        int64_t rows = -1, k = 0, i;
+        while ((i = next_item(runs, num_threads, me, &k)) >= 0) {
             if (units[i].rows != rows) tiles_for_rows(rows = units[i].rows);
-            attend(s, &units[i], i + 1 < n ? &units[i + 1] : 0);
+            const int64_t next = k ? i - 1 : i + 1;  // the way this run is being taken
+            attend(s, &units[i], next >= 0 && next < n ? &units[next] : 0);
         }
-        for (int64_t k = 1; k < num_threads; k++)
-            while ((i = take(&runs[(me + k) % num_threads], 1)) >= 0) {
-                if (units[i].rows != rows) tiles_for_rows(rows = units[i].rows);
-                attend(s, &units[i], i > 0 ? &units[i - 1] : 0);
-            }
         if (rows >= 0) tiles_done();
     }
 }

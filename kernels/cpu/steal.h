@@ -33,6 +33,17 @@ static inline int64_t take(run *r, int from_back) {
     }
 }
 
+// The calling thread's next item: from the front of its own run `me`, then from the backs of
+// the others' in turn; `*k` counts the runs done with (0 to start), so run (me + *k) % threads
+// holds the item returned. -1 when no run has any left.
+static inline int64_t next_item(run *runs, int64_t threads, int64_t me, int64_t *k) {
+    for (; *k < threads; ++*k) {
+        const int64_t item = take(&runs[(me + *k) % threads], *k > 0);
+        if (item >= 0) return item;
+    }
+    return -1;
+}
+
 // Threads to ask for: at least 1, at most MAX_RUNS.
 static inline int64_t team_size(int64_t num_threads) {
     return num_threads < 1 ? 1 : num_threads > MAX_RUNS ? MAX_RUNS : num_threads;
