@@ -39,6 +39,9 @@ static inline vec load_bf16(const uint16_t *p) {
 #if defined(__AVX2__) && LANES == 8
     return (vec)_mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#elif defined(__AVX512F__) && LANES == 16  // the same in one zmm, where GCC also split it
+    return (vec)_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 #else
     u16vec half;
     memcpy(&half, p, sizeof(half));
@@ -72,5 +75,35 @@ static inline vec vector_exp(vec x) {
     y = y * x * x + x + 1.0f;
     return y * (vec)((n + 127) << 23);
 }
+
+// exp and 1 / d for values rounded to bf16 next (kernels/cpu/layer_ops.c's bf16 gates), in
+// fewer instructions where the host has AVX-512: 2^(x log2 e) as vscalefps of a degree-6
+// polynomial of its fraction, and the reciprocal estimate with one Newton step; each within a
+// few float ulps, far under bf16's rounding. Elsewhere the exact forms above.
+#if defined(__AVX512F__) && LANES == 16
+static inline vec exp_for_bf16(vec x) {
+    // max/min return their second operand where either is a NaN, so a NaN stays one
+    const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(88.3f),
+                                         _mm512_max_ps(_mm512_set1_ps(-87.3f), (__m512)x));
+    const __m512 t = _mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vec f = (vec)_mm512_sub_ps(t, n);  // in [-0.5, 0.5]
+    vec p = 1.5403530393e-4f * f + 1.3333558146e-3f;  // Taylor terms of 2^f: (ln 2)^k / k!
+    p = p * f + 9.6181291076e-3f;
+    p = p * f + 5.5504108665e-2f;
+    p = p * f + 2.4022650696e-1f;
+    p = p * f + 6.9314718056e-1f;
+    p = p * f + 1.0f;
+    return (vec)_mm512_scalef_ps((__m512)p, n);
+}
+
+static inline vec recip_for_bf16(vec d) {
+    const vec r = (vec)_mm512_rcp14_ps((__m512)d);
+    return r * (2.0f - d * r);
+}
+#else
+static inline vec exp_for_bf16(vec x) { return vector_exp(x); }
+static inline vec recip_for_bf16(vec d) { return 1.0f / d; }
+#endif
 
 #endif

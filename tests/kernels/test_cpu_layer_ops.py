@@ -228,6 +228,25 @@ def test_bf16_silu_and_mul_lanes_and_tail(inter):
     )
 
 
+@pytest.mark.parametrize(
+    "gated, twin",
+    [
+        (cpu_layer_ops.silu_and_mul, silu_and_mul_ref),
+        (cpu_layer_ops.gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
+    ],
+)
+def test_bf16_gates_at_extremes(gated, twin):
+    """The bf16 gates' shorter exp and reciprocal (kernels/cpu/simd.h) past exp's clamp, near
+    0 and on a NaN: within a bf16 ulp of the float twin, and a NaN stays a NaN."""
+    gate = torch.tensor([-200.0, -90.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 0.5, 20.0, 88.0, 90.0,
+                         300.0, float("nan"), -3.0, 3.0, 1.0] * 2)  # fmt: skip
+    up = torch.linspace(-2.0, 2.0, len(gate))
+    gate_up = torch.cat([gate, up]).unsqueeze(0).bfloat16()
+    got, want = gated(gate_up).float(), twin(gate_up.float())
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(0.0), want.nan_to_num(0.0), rtol=BF16_ULP, atol=1e-6)
+
+
 @pytest.mark.parametrize("head_dim", [64, 20])  # 20: lanes and a scalar tail
 @pytest.mark.parametrize(
     "dtype, weight_dtype",
