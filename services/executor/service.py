@@ -3,7 +3,9 @@
 It announces its capacity until a scheduler answers, then runs each step it receives, in
 order, and returns the sampled tokens with its own timings. All tensors stay here; the steps
 carry ids only. Steps run on the InProcessExecutor's thread (the offline LLM's own), so the
-event loop keeps answering the scheduler's liveness pings during a long step.
+event loop keeps answering the scheduler's liveness pings during a long step; a step goes to
+that thread as it arrives and is answered from a task, in order, so a step planned ahead
+starts as the last one ends.
 
 When its scheduler is gone, restarted or has dropped it (or our NATS connection was
 interrupted, so a step may be lost), the executor forgets every request, takes a new id (the
@@ -85,6 +87,7 @@ class ExecutorService:
         self._stopped = False  # the step thread is gone: steps are refused
         self._last_activity = 0.0
         self._lock = asyncio.Lock()  # a step and a reset never overlap
+        self._answering: asyncio.Task | None = None  # the last step handed on, till answered
         self._reconnects = Reconnects(nc)
         self._ping_sub = None
         self._watch_task: asyncio.Task | None = None
@@ -186,6 +189,7 @@ class ExecutorService:
         log.warning("detached from the scheduler", reason=reason, scheduler=self.scheduler_id)
         self.scheduler_id = None
         async with self._lock:
+            await self._steps_answered()
             try:
                 self.executor.reset()
             except ExecutorUnavailableError as exc:
@@ -212,27 +216,52 @@ class ExecutorService:
             self._hold(message.new_requests)
         elif isinstance(message, RunStep):
             async with self._lock:
-                await self._run_step(message.step)
+                await self._start_step(message.step)
 
-    async def _run_step(self, step: ScheduledStep) -> None:
-        """Steps run in order: an out-of-order one is refused and the order kept, so one stray
-        or replayed step cannot move the executor's count."""
+    async def _start_step(self, step: ScheduledStep) -> None:
+        """Hand the step to the step thread now and answer it later, in order (_finish_step):
+        the scheduler plans a step ahead (engine/core.py), so the step thread goes on to it
+        from the last without a round through this loop. Steps run in order: an out-of-order
+        one is refused and the order kept, so one stray or replayed step cannot move the
+        executor's count."""
         if self._stopped:  # past stop(): the step thread is gone
-            message = "the executor is shutting down"
-            await self._fail(step.step_id, message, "executor_unavailable")
+            await self._fail_in_order(
+                step.step_id, "the executor is shutting down", "executor_unavailable"
+            )
             return
         expected = None if self._last_step_id is None else self._last_step_id + 1
         if expected is not None and step.step_id != expected:
             self._pieces.clear()
             self._ahead = []
-            await self._fail(
-                step.step_id, f"got step {step.step_id}, expected {expected}", "invalid_step"
-            )
+            message = f"got step {step.step_id}, expected {expected}"
+            await self._fail_in_order(step.step_id, message, "invalid_step")
             return
         self._last_step_id = step.step_id
-        step = self._with_pieces(step)
+        await self.runner.submit(self._with_pieces(step))
+        self._answering = asyncio.create_task(self._finish_step(step, self._answering))
+
+    async def _steps_answered(self) -> None:
+        """Wait until every step handed on has been answered (or failed to be)."""
+        if self._answering is not None:
+            await asyncio.wait({self._answering})
+
+    async def _fail_in_order(self, step_id: int, message: str, error_type: str) -> None:
+        await self._steps_answered()  # the answers of the steps before it go first
+        await self._fail(step_id, message, error_type)
+
+    async def _finish_step(self, step: ScheduledStep, before: asyncio.Task | None) -> None:
+        """Answer the step once the step before it was answered. A failure to answer ends
+        this step alone: it is logged, and the scheduler's step timeout covers the loss."""
+        if before is not None:
+            await asyncio.wait({before})
         try:
-            done = await self.runner.run(step)
+            await self._answer_step(step)
+        except Exception:
+            log.exception("answering a step failed", step_id=step.step_id)
+
+    async def _answer_step(self, step: ScheduledStep) -> None:
+        try:
+            done = await self.runner.result(step.step_id)
         except ExecutorUnavailableError as exc:  # its requests fail now, then we go
             await self._fail(step.step_id, str(exc), exc.type)
             await self._exit_lost(str(exc))
@@ -337,5 +366,6 @@ class ExecutorService:
         if self.kv is not None:
             self.kv.close()
         async with self._lock:  # tensor parallel: the other ranks exit too
+            await self._steps_answered()
             self._stopped = True
             await asyncio.get_running_loop().run_in_executor(None, self.runner.close)

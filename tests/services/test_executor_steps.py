@@ -152,3 +152,33 @@ async def test_a_stopping_executor_stays_while_its_scheduler_has_requests(
     finally:
         services.stop()
         await nc.close()
+
+
+async def test_steps_sent_ahead_are_answered_in_order(nats_server, tiny_llama, tmp_path):
+    """A scheduler plans a step ahead: the next step comes before the last one's answer. The
+    executor hands it on at once and answers both in order, with the tokens of an undisturbed
+    run; a refused step sent behind them is answered after them."""
+    offline = LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=48)
+    reference = offline.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    offline.close()
+    nc, scheduler, services = await _executor_for_this_test(
+        nats_server, tiny_llama, tmp_path, "ahead"
+    )
+    try:
+        new = NewRequest("a", PROMPT, len(PROMPT), GREEDY, [2], 0)
+        steps = [
+            ScheduledStep(1, new_requests=[new], num_scheduled_tokens={"a": len(PROMPT)}),
+            _decode(2, 12),
+            _decode(3, 13),
+            _decode(7, 14),  # out of order: refused after the answers before it
+        ]
+        for step in steps:
+            await nc.publish(scheduler.subjects.executor_steps, pack(RunStep(step)))
+        answers = [await asyncio.wait_for(scheduler.answers.get(), 30.0) for _ in steps]
+        assert [a.output.step_id for a in answers[:3]] == [1, 2, 3], answers
+        assert [a.output.sampled_token_ids[0] for a in answers[:3]] == reference[:3]
+        assert isinstance(answers[3], StepFailed) and answers[3].step_id == 7, answers[3]
+        assert services.processes["executor"].poll() is None
+    finally:
+        services.stop()
+        await nc.close()
