@@ -14,7 +14,9 @@ from kvpager.kernels.cpu_build import I64, NATIVE, PTR, load_library
 _SIGNATURES = (
     ("top_p_f32", (PTR, PTR, PTR, I64, I64, I64)),
     ("draw_f32", (PTR, PTR, PTR, PTR, I64, I64, I64)),
+    ("draw_bf16", (PTR, PTR, PTR, PTR, I64, I64, I64)),
 )
+_DRAWS = {torch.float32: "draw_f32", torch.bfloat16: "draw_bf16"}
 
 
 def load(march: str = NATIVE):
@@ -44,9 +46,10 @@ def draw(
 ) -> torch.Tensor | None:
     """draw_ref(logits, inv_temperature, u): int64 [rows], the same tokens but where u falls
     within rounding of a boundary between two; None where the kernel does not take these
-    inputs (not fp32 rows on the CPU, no compiler, out of memory)."""
+    inputs (not fp32 or bf16 rows on the CPU, no compiler, out of memory). bf16 logits are
+    widened a row at a time in the kernel, not copied to float first."""
     library = load()
-    fits = logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+    fits = logits.dtype in _DRAWS and logits.device.type == "cpu" and logits.dim() == 2
     if library is None or not fits or logits.stride(1) != 1:
         return None
     rows, vocab = logits.shape
@@ -56,7 +59,7 @@ def draw(
         raise ValueError(f"inv_temperature {tuple(inv_temperature.shape)} and u "
                          f"{tuple(u.shape)} for {rows} rows")  # fmt: skip
     out = torch.empty(rows, dtype=torch.int64)
-    status = library.draw_f32(
+    status = getattr(library, _DRAWS[logits.dtype])(
         logits.data_ptr(), inv_temperature.data_ptr(), u.data_ptr(), out.data_ptr(), rows,
         vocab, logits.stride(0),
     )  # fmt: skip

@@ -177,7 +177,8 @@ class Sampler:
         # the edits below are in place, and the caller's logits stay untouched: a copy where
         # there are edits (a bf16 model's logits become a new float tensor anyway)
         edits = (batch.bitmask, batch.banned_rows, batch.logit_bias, batch.penalties)
-        logits = logits.to(torch.float32, copy=any(e is not None for e in edits))
+        if _needs_float(batch, edits):
+            logits = logits.to(torch.float32, copy=any(e is not None for e in edits))
         if batch.bitmask is not None:  # the grammar first, as vLLM: logprobs see it too
             apply_token_bitmask(logits, batch.bitmask, batch.bitmask_rows)
         if batch.banned_rows is not None:
@@ -314,6 +315,15 @@ def _apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
     logits -= penalties.presence.unsqueeze(1) * (penalties.output_counts > 0).float()
 
 
+def _needs_float(batch: SamplingBatch, edits: tuple) -> bool:
+    """Whether sampling needs the logits as float32. Not where nothing edits them and they go
+    to argmax (exact in bf16: widening keeps every value) or the C draw alone (it widens bf16
+    rows itself): a bf16 model's step then writes and reads no float copy of its logits."""
+    plain = all(e is None for e in edits) and batch.max_num_logprobs is None
+    filtered = batch.min_p is not None or not batch.no_top_k_p
+    return not plain or (not batch.all_greedy and (filtered or batch.keep_probs))
+
+
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax a row (the first of equal maxima, as argmax): torch's CPU `max` over the last
     dim is the faster of the two (benchmarks/reports/2026-12-03-saturated-step-profile/)."""
@@ -342,7 +352,8 @@ def _sample_random(
         return _inverse_cdf(probs.clone(), u), probs  # the draw sums its copy in place
     drawn = cpu_sampling.draw(logits, inv_temperature, u)  # C, on CPU (none of torch's passes)
     if drawn is None:
-        drawn = _inverse_cdf((logits * inv_temperature.unsqueeze(1)).softmax(dim=-1), u)
+        scaled = logits.float() * inv_temperature.unsqueeze(1)
+        drawn = _inverse_cdf(scaled.softmax(dim=-1), u)
     return drawn, None
 
 

@@ -215,7 +215,7 @@ int head_rms_norm_##SUFFIX(const T *x, int64_t token_stride, const W *weight, T 
 // the float32 gates divide exactly; the bf16 ones take simd.h's shorter forms (their outputs
 // round to 8 bits, where a float ulp or two changes only a rare tie)
 #define GATE_F32(g, arg) ((g) / (1.0f + vector_exp(arg)))
-#define GATE_BF16(g, arg) ((g) * recip_for_bf16(1.0f + exp_for_bf16(arg)))
+#define GATE_BF16(g, arg) ((g) * recip_fast(1.0f + exp_fast(arg)))
 #define DEFINE_GATED(NAME, T, LOAD, STORE, GET, PUT, ARG, GATE)                                \
 int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {                        \
     _Pragma("omp parallel for if (num_tokens * inter >= PARALLEL_ELEMENTS)")                   \

@@ -154,7 +154,7 @@ static double scaled_exps(const float *x, int64_t from, int64_t to, float max, f
     for (; i + LANES <= to; i += LANES) {
         const vec v = load_f32(x + i);
         const ivec finite = v > -INFINITY;
-        const vec e = (vec)((ivec)vector_exp((v - max) * inv_t) & finite);
+        const vec e = (vec)((ivec)exp_fast((v - max) * inv_t) & finite);
         if (out) memcpy(out + i - from, &e, sizeof(e));
         lanes += e;
     }
@@ -219,6 +219,43 @@ int draw_f32(const float *logits, const float *inv_temperature, const float *u, 
             else
                 status = -1;
         }
+        free(mass);
+    }
+    return status;
+}
+
+// bf16 rows (exactly float32's top halves), in place of a float copy of the whole step's
+static void widen_row(const uint16_t *x, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vec v = load_bf16(x + i);
+        memcpy(out + i, &v, sizeof(v));
+    }
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(out + i, &bits, sizeof(float));
+    }
+}
+
+// draw_f32 over bf16 logits: each row widened into the thread's buffer (a row, in L2) and
+// drawn from there: a bf16 model's sampling writes and reads no float copy of its logits
+int draw_bf16(const uint16_t *logits, const float *inv_temperature, const float *u,
+              int64_t *out, int64_t rows, int64_t vocab, int64_t stride) {
+    int status = 0;
+#pragma omp parallel
+    {
+        double *mass = malloc(((vocab + DRAW_BLOCK - 1) / DRAW_BLOCK + 1) * sizeof(double));
+        float *row = malloc((vocab ? vocab : 1) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (mass && row) {
+                widen_row(logits + r * stride, row, vocab);
+                out[r] = draw_row(row, vocab, inv_temperature[r], u[r], mass);
+            } else {
+                status = -1;
+            }
+        }
+        free(row);
         free(mass);
     }
     return status;

@@ -133,21 +133,6 @@ static inline vec pick(ivec keep, vec a, vec b) {
     return (vec)(((ivec)a & keep) | ((ivec)b & ~keep));
 }
 
-// 2^y, Cephes' exp2f polynomial on [-0.5, 0.5] and vscalefps for the power (inputs clamped to
-// [-126, 126]: a normal float out): 11 operations where simd.h's exp takes 16
-static inline vec exp2_lanes(vec y) {
-    y = (vec)_mm512_min_ps(_mm512_max_ps((__m512)y, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
-    const vec n = (vec)_mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vec f = y - n;
-    vec p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return (vec)_mm512_scalef_ps((__m512)p, (__m512)n);
-}
-
 // A unit of work: up to 16 query rows over one kv head's context in one sequence, either a
 // decode token's group of query heads (the rows share one context), or 16 consecutive tokens
 // of a prefill chunk under one query head (row r sees one key more than row r - 1: causal).

@@ -101,11 +101,27 @@ def test_the_draw_never_takes_a_banned_token_and_covers_the_ends(library):
 
 
 def test_the_draw_declines_what_it_does_not_take(library):
-    """Not fp32, or rows whose logits are not adjacent: None, and the sampler keeps torch's
-    path; shapes that disagree: an error."""
+    """Not fp32 or bf16, or rows whose logits are not adjacent: None, and the sampler keeps
+    torch's path; shapes that disagree: an error."""
     logits = _logits(4, 64, 1.0)
     ones, u = torch.ones(4), torch.rand(4)
-    assert cpu_sampling.draw(logits.bfloat16(), ones, u) is None
+    assert cpu_sampling.draw(logits.half(), ones, u) is None
     assert cpu_sampling.draw(logits.t().contiguous().t(), ones, u) is None
     with pytest.raises(ValueError, match="for 4 rows"):
         cpu_sampling.draw(logits, torch.ones(3), u)
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_000, 37])
+def test_bf16_rows_draw_what_their_float_values_draw(library, vocab):
+    """bf16 logits (widened a row at a time in the kernel) draw the very tokens their float32
+    values draw, -inf tokens never, and a row past the vector lanes' end keeps its tail."""
+    rows, draws = 8, 16
+    logits = _logits(rows, vocab, 4.0).bfloat16().repeat(draws, 1)
+    logits[:, 5] = float("-inf")
+    inv_temperature = torch.tensor([1.0, 0.5, 2.0, 1.3, 0.7, 1.0, 4.0, 0.25]).repeat(draws)
+    u = torch.rand(rows * draws, generator=torch.Generator().manual_seed(2))
+    drawn = cpu_sampling.draw(logits, inv_temperature, u)
+    assert drawn is not None
+    assert torch.equal(drawn, cpu_sampling.draw(logits.float(), inv_temperature, u))
+    assert not (drawn == 5).any()
+    _consistent(logits.float(), inv_temperature, u, drawn)

@@ -305,3 +305,32 @@ def test_logit_bias_out_of_range_is_refused(bias) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(logit_bias=bias)
     assert caught.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # plain rows: bf16 straight to argmax and the C draw
+        {"top_p": 0.9},  # filtered: through float32
+        {"logprobs": 2},
+        {"repetition_penalty": 1.3},
+    ],
+)
+def test_bf16_logits_sample_as_their_float_values(extra) -> None:
+    """A bf16 model's logits, kept bf16 where nothing edits them, give the tokens (and
+    logprobs) of the same values in float32: greedy and seeded random rows in one batch."""
+    logits = (torch.randn(6, 4_000, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    params = [
+        SamplingParams(temperature=0.0, **extra),
+        SamplingParams(temperature=1.0, seed=11, **extra),
+        SamplingParams(temperature=0.7, seed=12, **extra),
+        SamplingParams(temperature=0.0, **extra),
+        SamplingParams(temperature=1.3, seed=13, **extra),
+        SamplingParams(temperature=1.0, seed=14, **extra),
+    ]
+    prompts = [[7, 8, 9]] * 6
+    got = sample(logits, params, seed_positions=[5] * 6, prompts=prompts)
+    want = sample(logits.float(), params, seed_positions=[5] * 6, prompts=prompts)
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    if extra.get("logprobs") is not None:
+        assert torch.equal(got.logprobs, want.logprobs)
