@@ -212,11 +212,7 @@ int head_rms_norm_##SUFFIX(const T *x, int64_t token_stride, const W *weight, T 
 // was slower than torch's own twin.
 #define SILU_ARG(g) (-(g))
 #define GELU_TANH_ARG(g) (-1.5957691216057308f * ((g) + 0.044715f * (g) * (g) * (g)))
-// the float32 gates divide exactly; the bf16 ones take simd.h's shorter forms (their outputs
-// round to 8 bits, where a float ulp or two changes only a rare tie)
-#define GATE_F32(g, arg) ((g) / (1.0f + vector_exp(arg)))
-#define GATE_BF16(g, arg) ((g) * recip_fast(1.0f + exp_fast(arg)))
-#define DEFINE_GATED(NAME, T, LOAD, STORE, GET, PUT, ARG, GATE)                                \
+#define DEFINE_GATED(NAME, T, LOAD, STORE, GET, PUT, ARG)                                      \
 int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {                        \
     _Pragma("omp parallel for if (num_tokens * inter >= PARALLEL_ELEMENTS)")                   \
     for (int64_t t = 0; t < num_tokens; t++) {                                                 \
@@ -225,7 +221,7 @@ int NAME(const T *gate_up, T *out, int64_t num_tokens, int64_t inter) {         
         int64_t i = 0;                                                                         \
         for (; i + LANES <= inter; i += LANES) {                                               \
             const vec g = LOAD(gate + i);                                                      \
-            STORE(y + i, GATE(g, ARG(g)) * LOAD(up + i));                                      \
+            STORE(y + i, g / (1.0f + vector_exp(ARG(g))) * LOAD(up + i));                      \
         }                                                                                      \
         for (; i < inter; i++) {                                                               \
             const float g = GET(gate + i);                                                     \
@@ -242,10 +238,8 @@ DEFINE_RMS_NORMS(bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16, uint
                  get_bf16)
 DEFINE_RMS_NORMS(bf16_f32_weight, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16, float,
                  load_f32, get_f32)
-DEFINE_GATED(silu_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32, SILU_ARG, GATE_F32)
-DEFINE_GATED(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16, SILU_ARG,
-             GATE_BF16)
-DEFINE_GATED(gelu_tanh_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32, GELU_TANH_ARG,
-             GATE_F32)
+DEFINE_GATED(silu_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32, SILU_ARG)
+DEFINE_GATED(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16, SILU_ARG)
+DEFINE_GATED(gelu_tanh_and_mul_f32, float, load_f32, store_f32, get_f32, put_f32, GELU_TANH_ARG)
 DEFINE_GATED(gelu_tanh_and_mul_bf16, uint16_t, load_bf16, store_bf16, get_bf16, put_bf16,
-             GELU_TANH_ARG, GATE_BF16)
+             GELU_TANH_ARG)
