@@ -69,6 +69,10 @@ class SamplingBatch:
     def no_top_k_p(self) -> bool:
         return self.top_k is None and self.top_p is None
 
+    @property
+    def filtered(self) -> bool:  # some row's distribution is cut (min-p, top-k or top-p)
+        return self.min_p is not None or not self.no_top_k_p
+
     @classmethod
     def build(
         cls,
@@ -320,8 +324,7 @@ def _needs_float(batch: SamplingBatch, edits: tuple) -> bool:
     to argmax (exact in bf16: widening keeps every value) or the C draw alone (it widens bf16
     rows itself): a bf16 model's step then writes and reads no float copy of its logits."""
     plain = all(e is None for e in edits) and batch.max_num_logprobs is None
-    filtered = batch.min_p is not None or not batch.no_top_k_p
-    return not plain or (not batch.all_greedy and (filtered or batch.keep_probs))
+    return not plain or (not batch.all_greedy and (batch.filtered or batch.keep_probs))
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -336,8 +339,7 @@ def _sample_random(
     """Returns int64 [num_rows] (meaningless on greedy rows) and, with `keep_probs`, the
     probabilities drawn from; logits stay as they are. Without filters the temperature goes
     into the draw (no scaled copy of the logits)."""
-    filtered = batch.min_p is not None or not batch.no_top_k_p
-    if filtered or batch.keep_probs:
+    if batch.filtered or batch.keep_probs:
         logits = logits / batch.temperature.unsqueeze(1)
         inv_temperature = torch.ones_like(batch.temperature)
     else:

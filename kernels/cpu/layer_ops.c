@@ -47,13 +47,6 @@ static inline void store_bf16(uint16_t *p, vec v) {
 static inline float get_f32(const float *p) { return *p; }
 static inline void put_f32(float *p, float x) { *p = x; }
 
-static inline float get_bf16(const uint16_t *p) {
-    const uint32_t bits = (uint32_t)*p << 16;
-    float x;
-    memcpy(&x, &bits, sizeof(x));
-    return x;
-}
-
 static inline void put_bf16(uint16_t *p, float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof(bits));

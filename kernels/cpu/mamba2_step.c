@@ -27,12 +27,6 @@ static inline void store_state_bf16(uint16_t *p, vec v) {
     const u16vec half = __builtin_convertvector(bits, u16vec);
     memcpy(p, &half, sizeof(half));
 }
-static inline float scalar_bf16(const uint16_t *p) {
-    const uint32_t bits = (uint32_t)*p << 16;
-    float v;
-    memcpy(&v, &bits, sizeof(v));
-    return v;
-}
 static inline void put_bf16(uint16_t *p, float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof(bits));

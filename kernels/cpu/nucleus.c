@@ -204,26 +204,6 @@ static int64_t draw_row(const float *x, int64_t n, float inv_t, float u, double 
     return last;  // the block's sum passed target, its walk summed a hair less: its last token
 }
 
-// logits [rows, vocab] (rows `stride` apart), inv_temperature and u [rows] (u in [0, 1)),
-// out int64 [rows]; 0, or -1 out of memory
-int draw_f32(const float *logits, const float *inv_temperature, const float *u, int64_t *out,
-             int64_t rows, int64_t vocab, int64_t stride) {
-    int status = 0;
-#pragma omp parallel
-    {
-        double *mass = malloc(((vocab + DRAW_BLOCK - 1) / DRAW_BLOCK + 1) * sizeof(double));
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (mass)
-                out[r] = draw_row(logits + r * stride, vocab, inv_temperature[r], u[r], mass);
-            else
-                status = -1;
-        }
-        free(mass);
-    }
-    return status;
-}
-
 // bf16 rows (exactly float32's top halves), in place of a float copy of the whole step's
 static void widen_row(const uint16_t *x, float *out, int64_t n) {
     int64_t i = 0;
@@ -231,32 +211,43 @@ static void widen_row(const uint16_t *x, float *out, int64_t n) {
         const vec v = load_bf16(x + i);
         memcpy(out + i, &v, sizeof(v));
     }
-    for (; i < n; i++) {
-        const uint32_t bits = (uint32_t)x[i] << 16;
-        memcpy(out + i, &bits, sizeof(float));
-    }
+    for (; i < n; i++) out[i] = get_bf16(x + i);
 }
 
-// draw_f32 over bf16 logits: each row widened into the thread's buffer (a row, in L2) and
-// drawn from there: a bf16 model's sampling writes and reads no float copy of its logits
-int draw_bf16(const uint16_t *logits, const float *inv_temperature, const float *u,
-              int64_t *out, int64_t rows, int64_t vocab, int64_t stride) {
+// the draw of every row of float32 `f32` or, where it is NULL, of bf16 `bf16`: each bf16 row
+// widened into the thread's buffer (a row, in L2) and drawn from there, so a bf16 model's
+// sampling writes and reads no float copy of its logits; 0, or -1 out of memory
+static int draw_rows(const float *f32, const uint16_t *bf16, const float *inv_temperature,
+                     const float *u, int64_t *out, int64_t rows, int64_t vocab, int64_t stride) {
     int status = 0;
 #pragma omp parallel
     {
         double *mass = malloc(((vocab + DRAW_BLOCK - 1) / DRAW_BLOCK + 1) * sizeof(double));
-        float *row = malloc((vocab ? vocab : 1) * sizeof(float));
+        float *row = f32 ? NULL : malloc((vocab ? vocab : 1) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (mass && row) {
-                widen_row(logits + r * stride, row, vocab);
-                out[r] = draw_row(row, vocab, inv_temperature[r], u[r], mass);
-            } else {
+            if (!mass || (!f32 && !row)) {
                 status = -1;
+                continue;
             }
+            if (!f32) widen_row(bf16 + r * stride, row, vocab);
+            const float *x = f32 ? f32 + r * stride : row;
+            out[r] = draw_row(x, vocab, inv_temperature[r], u[r], mass);
         }
         free(row);
         free(mass);
     }
     return status;
+}
+
+// logits [rows, vocab] (rows `stride` apart), inv_temperature and u [rows] (u in [0, 1)),
+// out int64 [rows]; 0, or -1 out of memory
+int draw_f32(const float *logits, const float *inv_temperature, const float *u, int64_t *out,
+             int64_t rows, int64_t vocab, int64_t stride) {
+    return draw_rows(logits, NULL, inv_temperature, u, out, rows, vocab, stride);
+}
+
+int draw_bf16(const uint16_t *logits, const float *inv_temperature, const float *u,
+              int64_t *out, int64_t rows, int64_t vocab, int64_t stride) {
+    return draw_rows(NULL, logits, inv_temperature, u, out, rows, vocab, stride);
 }

@@ -52,6 +52,13 @@ static inline vec load_bf16(const uint16_t *p) {
 #endif
 }
 
+static inline float get_bf16(const uint16_t *p) {  // one value, for a row's tail
+    const uint32_t bits = (uint32_t)*p << 16;
+    float x;
+    memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+
 static inline vec clamp(vec x, float lo, float hi) {
     const ivec low = x < lo, high = x > hi;
     const ivec lo_bits = (ivec)((vec){0} + lo), hi_bits = (ivec)((vec){0} + hi);
