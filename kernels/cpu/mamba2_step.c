@@ -27,6 +27,7 @@ static inline void store_state_bf16(uint16_t *p, vec v) {
     const u16vec half = __builtin_convertvector(bits, u16vec);
     memcpy(p, &half, sizeof(half));
 }
+static inline float scalar_bf16(const uint16_t *p) { return get_bf16(p); }  // DEFINE_STEP's name
 static inline void put_bf16(uint16_t *p, float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof(bits));
