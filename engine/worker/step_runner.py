@@ -49,7 +49,10 @@ class InProcessExecutor:
         self._closed = False
 
     async def submit(self, step: ScheduledStep) -> None:
-        self._pending[step.step_id] = self._worker.submit(self._timed, step)
+        # the step's log lines (a kernel built on first use, a path switched off) carry the
+        # caller's context, as the build's do: a service's name, a request's id
+        context = contextvars.copy_context()
+        self._pending[step.step_id] = self._worker.submit(context.run, self._timed, step)
 
     async def result(self, step_id: int) -> StepDone | ErrorInfo | None:
         pending = self._pending.pop(step_id, None)
