@@ -11,7 +11,9 @@ building) ran once, at capture.
 Only decode steps (one new token per sequence) of a model on one CPU process with no
 recurrent layers are replayed. Where a model's layers do something a replay would not repeat
 (kernels/cpu_graph.py says what), graphs turn off for it, logged once, and every step runs as
-before.
+before. A batch larger than the C small-row linears take (KERNEL_ROWS) may be refused where a
+smaller one is not: on a host without AMX its linears run oneDNN's matmul, outside the
+kernels; graphs then stay for the small batches, the long tail of a busy server's steps.
 """
 
 from collections import OrderedDict
@@ -20,6 +22,7 @@ import structlog
 import torch
 from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
 from kvpager.engine.model.decoder import Decoder, RopeRows
+from kvpager.engine.model.linear_choice import KERNEL_ROWS
 from kvpager.kernels import cpu_graph
 
 log = structlog.get_logger(__name__)
@@ -88,6 +91,7 @@ class DecodeGraphs:
         self.graphs: OrderedDict[int, tuple] = OrderedDict()  # rows -> (inputs, graph)
         self.cache_ptr = 0  # the KV cache the graphs point into
         self.off = model.group is not None  # a collective is no kernel call
+        self.max_rows: int | None = None  # larger batches run eagerly (None: no bound)
         # kernels of graphs a replay has checked: a capture calling others is checked too
         self.checked: frozenset[str] = frozenset()
 
@@ -96,6 +100,8 @@ class DecodeGraphs:
         rows = len(input_ids)
         decode = metas[0].max_seqlen_q == 1 and len(metas[0].seq_lens) == rows
         if self.off or recurrent is not None or not decode or input_ids.device.type != "cpu":
+            return None
+        if self.max_rows is not None and rows > self.max_rows:
             return None
         if kv_cache.data_ptr() != self.cache_ptr:  # a new cache: the old graphs point away
             self.graphs.clear()
@@ -114,6 +120,16 @@ class DecodeGraphs:
             del self.graphs[rows]
             return None
 
+    def _refused(self, rows: int, reason: str) -> None:
+        """A capture at `rows` computed outside the kernels: graphs for small batches alone
+        where a larger one was refused (a second capture then tells), else none at all."""
+        if rows > KERNEL_ROWS and self.max_rows is None:
+            self.max_rows = KERNEL_ROWS
+            log.info("decode graphs for small batches only", max_rows=KERNEL_ROWS, reason=reason)
+            return
+        self.off = True
+        log.info("decode graphs off for this model", reason=reason)
+
     def _needs_check(self, kernels: frozenset[str]) -> bool:
         return not kernels <= self.checked
 
@@ -130,8 +146,7 @@ class DecodeGraphs:
                 region, inputs.tensors(), [inputs.cu_seqlens_q], self._needs_check
             )
         except cpu_graph.CaptureError as error:
-            self.off = True
-            log.info("decode graphs off for this model", reason=str(error))
+            self._refused(len(x), str(error))
             return None
         except Exception:  # a capture's own fault must not fail the step: it runs eagerly
             self.off = True

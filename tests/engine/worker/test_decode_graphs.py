@@ -109,6 +109,31 @@ def test_layers_that_compute_outside_the_kernels_run_eagerly(tmp_path):
     assert_all_free(llm)
 
 
+def test_a_large_batch_refused_keeps_graphs_for_small_ones(tiny_llama, monkeypatch):
+    """As on a host without AMX, where a batch past the C small-row linears runs oneDNN's
+    matmul (outside the kernels): such a capture refused, larger batches run eagerly and the
+    small ones still replay, with the eager tokens."""
+    from kvpager.kernels import cpu_graph
+
+    capture = cpu_graph.capture
+
+    def refusing_large(region, inputs, *args):
+        if len(inputs[0]) > 3:
+            raise cpu_graph.CaptureError("computes outside the kernels (_linear_pointwise)")
+        return capture(region, inputs, *args)
+
+    monkeypatch.setattr(decode_graphs, "KERNEL_ROWS", 3)
+    monkeypatch.setattr(cpu_graph, "capture", refusing_large)
+    prompts = random_prompts(LENGTHS, seed=8)
+    llm = make_llm(tiny_llama, **CPU)
+    outputs = _greedy(llm, prompts)
+    graphs = llm.executor.graphs
+    assert not graphs.off and graphs.max_rows == 3
+    assert sorted(graphs.graphs) == [1, 3]  # of the sizes decode steps ran at: 5, 4, 3, 1
+    assert outputs == _eager(tiny_llama, prompts)
+    assert_all_free(llm)
+
+
 def test_a_replay_a_kernel_answers_otherwise_falls_back_and_captures_anew(tiny_llama):
     prompts = random_prompts(LENGTHS, seed=6)
     llm = make_llm(tiny_llama, **CPU)
