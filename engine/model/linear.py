@@ -22,10 +22,10 @@ from kvpager.engine.model.linear_choice import (
     AMX_NARROW_ROWS,
     AMX_PASS_ROWS,
     AVX2_KERNEL_ROWS,
+    AVX512_KERNEL_ROWS,
     KERNEL_OUT_ELEMENTS,
     KERNEL_ROWS,
     SMALL_ROWS,
-    XEON_FP32_KERNEL_ROWS,
     LinearFn,
     choose_linear,
     choose_small_kernel,
@@ -103,17 +103,13 @@ def make_linear(
 
 # the ISA flag a dtype's kernel needs to pay, and the rows it takes there
 # (docs/design/packed-linears.md): vdpbf16ps for bf16, AVX-512 FMAs for fp32, up to
-# KERNEL_ROWS (fp32 on a host with AMX, Sapphire Rapids' cores: XEON_FP32_KERNEL_ROWS);
-# fp32's AVX2 build (kernels/cpu/small_linear_avx2.h) up to AVX2_KERNEL_ROWS, and
-# fewer where the output would be large (an lm_head's 64 rows, 49152 wide, wrote slower than
-# oneDNN's). Without the ISA it still runs (tests) but is only taken when timed.
+# AVX512_KERNEL_ROWS; fp32's AVX2 build (kernels/cpu/small_linear_avx2.h) up to
+# AVX2_KERNEL_ROWS, and fewer where the output would be large (an lm_head's 64 rows, 49152
+# wide, wrote slower than oneDNN's). Without the ISA it still runs (tests) but is only taken
+# when timed.
 _KERNEL_ISA = {
-    torch.bfloat16: (("avx512_bf16", KERNEL_ROWS),),
-    torch.float32: (
-        ("amx_tile", XEON_FP32_KERNEL_ROWS),
-        ("avx512f", KERNEL_ROWS),
-        ("avx2", AVX2_KERNEL_ROWS),
-    ),
+    torch.bfloat16: (("avx512_bf16", AVX512_KERNEL_ROWS),),
+    torch.float32: (("avx512f", AVX512_KERNEL_ROWS), ("avx2", AVX2_KERNEL_ROWS)),
 }
 # False turns the small-row kernel off in every built linear, read at call time (the A/B
 # benchmark, benchmarks/engine/small_linear_ab.py); F32_TILES_ON the same for fp32 on tiles

@@ -55,11 +55,13 @@ KERNEL_OUT_ELEMENTS = 1 << 21
 # takes one pass of AMX_PASS_ROWS only: a second pass over its rows lost (0.66-0.87x at 33-128)
 AMX_KERNEL_ROWS = 128
 AMX_PASS_ROWS = 32
-# fp32's AVX-512 kernel with its L1 prefetch beat oneDNN 1.07-1.16x at 8-128 rows of a decode
-# step's decoder linears from memory on a 2-core Xeon with AMX (Sapphire Rapids' cores); the
-# AMX flag marks those cores, and KERNEL_ROWS stays for other AVX-512 hosts (a Zen 4's limit,
-# measured under the old non-temporal hint) until they are measured again
-XEON_FP32_KERNEL_ROWS = 128
+# on AVX-512 hosts since its L1 prefetch: fp32's kernel beat oneDNN 1.07-1.16x at 8-128 rows of
+# a decode step's decoder linears from memory on a 2-core Xeon with AMX (Sapphire Rapids'
+# cores), and on a 2-core Zen 4 (no AMX) fp32 1.0-1.17x and bf16's vdpbf16ps kernel 1.03-1.40x
+# at 8-128 rows (benchmarks/reports/2026-12-07-zen4-small-batch-graphs/); from 129 rows
+# oneDNN's large-M kernel. Batches up to these rows then replay as decode graphs, where
+# oneDNN's matmul, outside the C kernels, kept every step eager
+AVX512_KERNEL_ROWS = 128
 # ...and a narrow weight (out_features up to AMX_NARROW_COLS: few column blocks, so x is read
 # few times) up to a prefill's AMX_NARROW_ROWS: oneDNN's matmul ran SmolLM2's qkv, o_proj and
 # down_proj at 1,000 rows at half its rate at 2,048 (its blocking for that M), where the kernel

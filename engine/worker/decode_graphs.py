@@ -11,9 +11,9 @@ building) ran once, at capture.
 Only decode steps (one new token per sequence) of a model on one CPU process with no
 recurrent layers are replayed. Where a model's layers do something a replay would not repeat
 (kernels/cpu_graph.py says what), graphs turn off for it, logged once, and every step runs as
-before. A batch larger than the C small-row linears take (KERNEL_ROWS) may be refused where a
-smaller one is not: on a host without AMX its linears run oneDNN's matmul, outside the
-kernels; graphs then stay for the small batches, the long tail of a busy server's steps.
+before. A batch larger than the C small-row linears take may be refused where a smaller one is
+not (past AVX512_KERNEL_ROWS on a host without AMX, its linears run oneDNN's matmul, outside
+the kernels): graphs then stay for the smaller batches.
 """
 
 from collections import OrderedDict
@@ -121,11 +121,13 @@ class DecodeGraphs:
             return None
 
     def _refused(self, rows: int, reason: str) -> None:
-        """A capture at `rows` computed outside the kernels: graphs for small batches alone
-        where a larger one was refused (a second capture then tells), else none at all."""
+        """A capture at `rows` computed outside the kernels. Past the C small-row linears'
+        rows, larger batches run eagerly from now on and smaller ones replay (up to the largest
+        captured so far, else KERNEL_ROWS, which every host's kernels take); a second refusal,
+        or one at KERNEL_ROWS or fewer, turns graphs off."""
         if rows > KERNEL_ROWS and self.max_rows is None:
-            self.max_rows = KERNEL_ROWS
-            log.info("decode graphs for small batches only", max_rows=KERNEL_ROWS, reason=reason)
+            self.max_rows = max((n for n in self.graphs if n < rows), default=KERNEL_ROWS)
+            log.info("decode graphs for small batches only", max_rows=self.max_rows, reason=reason)
             return
         self.off = True
         log.info("decode graphs off for this model", reason=reason)

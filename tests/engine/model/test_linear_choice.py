@@ -18,9 +18,8 @@ from kvpager.engine.model.linear_choice import (
     AMX_NARROW_ROWS,
     AMX_PASS_ROWS,
     AVX2_KERNEL_ROWS,
-    KERNEL_ROWS,
+    AVX512_KERNEL_ROWS,
     SMALL_ROWS,
-    XEON_FP32_KERNEL_ROWS,
     LinearChoice,
 )
 from kvpager.engine.model.loader import load_weights
@@ -232,18 +231,18 @@ def test_fp32_on_amx_takes_the_tiles_from_their_rows(monkeypatch):
 
 
 def test_kernel_rows_follow_the_isa_and_the_output_size():
-    """AVX-512 takes KERNEL_ROWS rows (fp32 on a Xeon with AMX up to XEON_FP32_KERNEL_ROWS),
-    fp32 on AVX2 up to AVX2_KERNEL_ROWS, fewer on a wide output (an lm_head); bf16 needs
-    AVX512-BF16, and a host with neither takes none."""
+    """AVX-512 takes AVX512_KERNEL_ROWS rows (fp32; bf16 with AVX512-BF16), fp32 on AVX2 up
+    to AVX2_KERNEL_ROWS, fewer on a wide output (an lm_head); a host with neither takes none."""
     layer, lm_head = torch.empty(3072, 576), torch.empty(49152, 576)
-    assert linear.kernel_rows(layer, ["avx2", "fma", "avx512f"]) == KERNEL_ROWS
+    assert linear.kernel_rows(layer, ["avx2", "fma", "avx512f"]) == AVX512_KERNEL_ROWS
     xeon = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]  # Sapphire Rapids' cores
-    assert linear.kernel_rows(layer, xeon) == XEON_FP32_KERNEL_ROWS
-    assert linear.kernel_rows(layer.bfloat16(), xeon) == KERNEL_ROWS  # unpacked for AMX
+    assert linear.kernel_rows(layer, xeon) == AVX512_KERNEL_ROWS
+    assert linear.kernel_rows(layer.bfloat16(), xeon) == AVX512_KERNEL_ROWS  # unpacked for AMX
+    assert linear.kernel_rows(lm_head, xeon) == linear.KERNEL_OUT_ELEMENTS // 49152
     assert linear.kernel_rows(layer, ["avx2", "fma"]) == AVX2_KERNEL_ROWS
     assert linear.kernel_rows(lm_head, ["avx2", "fma"]) == linear.KERNEL_OUT_ELEMENTS // 49152
     assert linear.kernel_rows(layer.bfloat16(), ["avx2", "fma", "avx512f"]) == 0
-    assert linear.kernel_rows(layer.bfloat16(), ["avx512f", "avx512_bf16"]) == KERNEL_ROWS
+    assert linear.kernel_rows(layer.bfloat16(), ["avx512f", "avx512_bf16"]) == AVX512_KERNEL_ROWS
     assert linear.kernel_rows(layer, []) == 0
     assert linear.kernel_rows(layer.bfloat16(), amx=True) == AMX_KERNEL_ROWS
     assert linear.kernel_rows(lm_head.bfloat16(), amx=True) == AMX_PASS_ROWS
