@@ -6,7 +6,7 @@ answers otherwise falls back; `enforce_eager` turns graphs off."""
 import pytest
 from kvpager.engine import SamplingParams
 from kvpager.engine.worker import decode_graphs
-from kvpager.kernels import cpu_layer_ops, cpu_tiles
+from kvpager.kernels import cpu_graph, cpu_layer_ops, cpu_tiles
 from kvpager.kernels.cpu_graph import CallGraph
 
 from tests import model_families
@@ -113,8 +113,6 @@ def test_a_large_batch_refused_keeps_graphs_for_small_ones(tiny_llama, monkeypat
     """As on a host without AMX, where a batch past the C small-row linears runs oneDNN's
     matmul (outside the kernels): such a capture refused, larger batches run eagerly and the
     small ones still replay, with the eager tokens."""
-    from kvpager.kernels import cpu_graph
-
     capture = cpu_graph.capture
 
     def refusing_large(region, inputs, *args):
