@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 def _copy_on_a_new_thread(prepare) -> tuple[int, int]:
@@ -28,7 +28,8 @@ def _copy_on_a_new_thread(prepare) -> tuple[int, int]:
         prepare()
         before = _os_threads()
         torch.empty_like(source).copy_(source)
-        result["counts"] = torch.get_num_threads(), _os_threads() - before
+        # threads started, not the count's change: another test's threads may end meanwhile
+        result["counts"] = torch.get_num_threads(), len(_os_threads() - before)
 
     thread = threading.Thread(target=body)
     thread.start()
