@@ -3,10 +3,10 @@
 The continuation's prompt is the original prompt with the tokens sampled so far appended;
 `max_tokens` and `min_tokens` shrink by as many, and `seed_offset` grows by as many, so a
 seeded request draws each next token from the same (seed, output position) as it would
-have (engine/worker/sampler.py) and a greedy one computes the very same tokens. Presence and
-frequency penalties count output tokens only, which now sit in the prompt: those requests
-would change their outputs, so they do not move (nor parallel samples or beams, whose
-samples share one prompt).
+have (engine/worker/sampling/sampler.py) and a greedy one computes the very same tokens.
+Presence and frequency penalties count output tokens only, which now sit in the prompt:
+those requests would change their outputs, so they do not move (nor parallel samples or
+beams, whose samples share one prompt).
 """
 
 import msgspec

@@ -27,7 +27,8 @@ from kvpager.engine.worker.host_malloc import retain_freed_memory
 from kvpager.engine.worker.input_batch import InputBatch
 from kvpager.engine.worker.kv_cache import allocate_kv_caches, kv_cache_dtype
 from kvpager.engine.worker.prompt_logprobs import compute_prompt_logprobs
-from kvpager.engine.worker.sampler import Sampler
+from kvpager.engine.worker.sampling.sampler import Sampler
+from kvpager.engine.worker.sampling.step_sampling import StepSampler
 from kvpager.engine.worker.spec_decode.draft_model import (
     DraftProposer,
     load_draft,
@@ -36,7 +37,6 @@ from kvpager.engine.worker.spec_decode.draft_model import (
 from kvpager.engine.worker.spec_decode.proposer import make_proposer
 from kvpager.engine.worker.state_cache import make_state_cache, state_slot_bytes
 from kvpager.engine.worker.step_check import Capacity, StepCheck
-from kvpager.engine.worker.step_sampling import StepSampler
 from kvpager.kernels.backend import (
     check_backend_device,
     default_backend_name,

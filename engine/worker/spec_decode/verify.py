@@ -13,9 +13,9 @@ For greedy rows this is "accept while the argmax equals the proposal". For rando
 the standard accept/reject of speculative sampling with a deterministic proposer (q one-hot
 at x): P(accept x) = P(y = x) = p(x), and a rejection emits y ~ p given y != x, which is the
 residual norm(max(p - q, 0)) = p with x removed and renormalised. The residual is drawn
-implicitly, by the same inverse-CDF draw (engine/worker/sampler.py) that drew y, so a seeded
-row's tokens are a function of (seed, output position) and its prefix alone: the same tokens
-with or without speculation, whatever k, batch or instance (migrated streams stay
+implicitly, by the same inverse-CDF draw (engine/worker/sampling/sampler.py) that drew y, so a
+seeded row's tokens are a function of (seed, output position) and its prefix alone: the same
+tokens with or without speculation, whatever k, batch or instance (migrated streams stay
 reproducible). Unseeded rows draw each position independently from the engine's generator;
 rows after the first rejection are discarded, so every emitted token has exactly p.
 """

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from kvpager.engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvpager.engine.worker.sampling.batch import SamplingBatch
+from kvpager.engine.worker.sampling.sampler import Sampler, SamplerOutput
 from kvpager.schemas.sampling import SamplingParams
 
 CPU = torch.device("cpu")

@@ -1,10 +1,10 @@
-"""Top-k / top-p over candidates (engine/worker/top_k_top_p.py) keep exactly the tokens the
+"""Top-k / top-p over candidates (engine/worker/sampling/top_k_top_p.py) keep exactly the tokens the
 sorted definition keeps, on rows the candidates settle and on rows sorted whole."""
 
 import pytest
 import torch
-from kvpager.engine.worker import top_k_top_p as filters
-from kvpager.engine.worker.top_k_top_p import CANDIDATES, top_k_top_p
+from kvpager.engine.worker.sampling import top_k_top_p as filters
+from kvpager.engine.worker.sampling.top_k_top_p import CANDIDATES, top_k_top_p
 from kvpager.kernels.reference import top_k_top_p_ref as top_k_top_p_sorted
 
 VOCAB = 2_000

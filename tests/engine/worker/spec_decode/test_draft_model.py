@@ -12,7 +12,7 @@ draft with a noisy lm_head) is right less often, for the distribution test.
 import pytest
 import torch
 from kvpager.engine import SamplingParams
-from kvpager.engine.worker import step_sampling
+from kvpager.engine.worker.sampling import step_sampling
 from kvpager.schemas.errors import ConfigError
 from transformers import LlamaForCausalLM
 

@@ -1,7 +1,7 @@
-"""One step's sampling parameters as tensors (SamplingBatch.build): what engine/worker/
-sampler.py reads. Built from each row's SamplingParams, its output position (a seeded row's
-draw) and its prompt and output tokens (penalties, min_tokens); features no row uses stay
-None, so the sampler skips them.
+"""One step's sampling parameters as tensors (SamplingBatch.build), which sampler.py reads:
+built from each row's SamplingParams, its output position (a seeded row's draw) and its prompt
+and output tokens (penalties, min_tokens); features no row uses stay None, so the sampler
+skips them.
 """
 
 from dataclasses import dataclass

@@ -7,7 +7,8 @@ import torch
 from kvpager.engine.model_config import ModelConfig
 from kvpager.engine.worker.grammar_rows import GrammarRows
 from kvpager.engine.worker.input_batch import InputBatch
-from kvpager.engine.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from kvpager.engine.worker.sampling.batch import SamplingBatch
+from kvpager.engine.worker.sampling.sampler import Sampler, SamplerOutput
 from kvpager.engine.worker.spec_decode.rejection import accept_sampled_drafts
 from kvpager.engine.worker.spec_decode.verify import VerifyRows, accept, step_output
 from kvpager.schemas.scheduler import StepOutput, TokenLogprobs

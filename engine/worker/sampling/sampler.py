@@ -13,8 +13,8 @@ have drawn: no generator state has to outlive a process.
 from dataclasses import dataclass
 
 import torch
-from kvpager.engine.worker.sampling_batch import PenaltyTensors, SamplingBatch
-from kvpager.engine.worker.top_k_top_p import top_k_top_p
+from kvpager.engine.worker.sampling.batch import PenaltyTensors, SamplingBatch
+from kvpager.engine.worker.sampling.top_k_top_p import top_k_top_p
 from kvpager.kernels import cpu_sampling
 from kvpager.kernels.bitmask import apply_token_bitmask
 
