@@ -134,7 +134,7 @@ PREFILL_MIN_CHUNK = 8
 PREFILL_MIN_CHUNK_F32 = 3
 
 
-def _token_rows(
+def token_rows(
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For every query token: its sequence's index and the context it sees (causal: the keys
@@ -209,7 +209,7 @@ def _short_rows(
     a row per query token over the keys it sees, into `out`. Returns which sequences are left
     (bool [num_seqs]: their chunks are long), or None where the kernel declines."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
+    seq_of_token, context = token_rows(cu_seqlens_q, seq_lens, q_lens)
     short = torch.nonzero((q_lens < min_chunk)[seq_of_token]).flatten()
     if short.numel():
         tables = block_tables.index_select(0, seq_of_token[short])

@@ -6,7 +6,7 @@ per-head K / V, where matmuls win). Routed by the cpu backend (kernels/backend.p
 
 import torch
 from kvpager.kernels.cpu_build import FLOAT, I64, NATIVE, PTR, load_library
-from kvpager.kernels.cpu_decode import _token_rows
+from kvpager.kernels.cpu_decode import token_rows
 from kvpager.kernels.mla_absorb import absorbed_query, latent_output
 from kvpager.kernels.reference import FP8_DTYPES
 from kvpager.kernels.reference_mla import mla_paged_attention_ref
@@ -78,7 +78,7 @@ def mla_attention_cpu(
     args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, w_uk, w_uv, scale)
     scales = (k_scale, v_scale) if key_cache.dtype in FP8_DTYPES else (1.0, 1.0)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    seq_of_token, context = _token_rows(cu_seqlens_q, seq_lens, q_lens)
+    seq_of_token, context = token_rows(cu_seqlens_q, seq_lens, q_lens)
     short = torch.nonzero((q_lens < TWIN_MIN_CHUNK)[seq_of_token]).flatten()
     out = q_nope.new_empty(*q_nope.shape[:2], w_uv.shape[1], dtype=torch.float32)
     if short.numel():

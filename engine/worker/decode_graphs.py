@@ -8,12 +8,20 @@ as wide as the longest context (the kernels read as far as each row's length). W
 between the kernels in an eager step (the wrappers' checks, output allocations, argument
 building) ran once, at capture.
 
-Only decode steps (one new token per sequence) of a model on one CPU process with no
-recurrent layers are replayed. Where a model's layers do something a replay would not repeat
-(kernels/cpu_graph.py says what), graphs turn off for it, logged once, and every step runs as
-before. A batch larger than the C small-row linears take may be refused where a smaller one is
-not (past AVX512_KERNEL_ROWS on a host without AMX, its linears run oneDNN's matmul, outside
-the kernels): graphs then stay for the smaller batches.
+A step whose every sequence brings a few tokens (MAX_ROW_TOKENS: a speculative verify step,
+a short prompt) replays as a decode step of a row per token, each row with its sequence's
+block table and the context its token sees (causal), as the token-major kernels run short
+chunks eagerly (kernels/cpu_decode.py `token_rows`). Verify steps so share the decode steps'
+graphs. (Eagerly, fp32 chunks of PREFILL_MIN_CHUNK_F32 tokens or more run on the prefill
+kernel, and a tile-layout cache's chunks on the tile kernel whole: the same attention,
+summed in another order.)
+
+Only such steps of a model on one CPU process with no recurrent layers are replayed. Where a
+model's layers do something a replay would not repeat (kernels/cpu_graph.py says what), graphs
+turn off for it, logged once, and every step runs as before. A batch larger than the C
+small-row linears take may be refused where a smaller one is not (past AVX512_KERNEL_ROWS on a
+host without AMX, its linears run oneDNN's matmul, outside the kernels): graphs then stay for
+the smaller batches.
 """
 
 from collections import OrderedDict
@@ -24,11 +32,39 @@ from kvpager.engine.model.attention import AttentionMetadata, PagedAttention
 from kvpager.engine.model.decoder import Decoder, RopeRows
 from kvpager.engine.model.linear_choice import KERNEL_ROWS
 from kvpager.kernels import cpu_graph
+from kvpager.kernels.cpu_decode import token_rows
 
 log = structlog.get_logger(__name__)
 
 # graphs kept (least recently used go first): a 64-row bf16 SmolLM2 graph holds ~1 MB
 MAX_GRAPHS = 64
+# most tokens of one sequence in a step replayed as rows: a verify step's proposals and the
+# token before them (suffix decoding proposes up to 24 by default, vLLM's depth); longer
+# chunks read their context once a chunk on the prefill kernels, where rows read it once a
+# token, and rarely repeat a batch's size (each new size costs a capture)
+MAX_ROW_TOKENS = 32
+
+
+def as_token_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """meta as a decode step's: a row per query token, with its sequence's block table and
+    the context it sees (its own position and those before it)."""
+    cu_seqlens_q = meta.cu_seqlens_q
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq_of_token, context = token_rows(cu_seqlens_q, meta.seq_lens, q_lens)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables.index_select(0, seq_of_token),
+        cu_seqlens_q=torch.arange(len(context) + 1, dtype=torch.int32),
+        seq_lens=context,
+        max_seqlen_q=1,
+    )
+
+
+def _replayable(meta: AttentionMetadata, rows: int) -> bool:
+    """A decode step, or one whose every sequence brings at most MAX_ROW_TOKENS tokens."""
+    if meta.max_seqlen_q == 1:
+        return len(meta.seq_lens) == rows
+    return meta.max_seqlen_q <= MAX_ROW_TOKENS
 
 
 class _StaticInputs:
@@ -98,15 +134,19 @@ class DecodeGraphs:
     def forward(self, input_ids, positions, kv_cache, meta, recurrent) -> torch.Tensor | None:
         metas = meta if isinstance(meta, tuple) else (meta,)
         rows = len(input_ids)
-        decode = metas[0].max_seqlen_q == 1 and len(metas[0].seq_lens) == rows
-        if self.off or recurrent is not None or not decode or input_ids.device.type != "cpu":
+        if self.off or recurrent is not None or input_ids.device.type != "cpu":
+            return None
+        if not _replayable(metas[0], rows):
             return None
         if self.max_rows is not None and rows > self.max_rows:
             return None
         if kv_cache.data_ptr() != self.cache_ptr:  # a new cache: the old graphs point away
             self.graphs.clear()
             self.cache_ptr = kv_cache.data_ptr()
+        # the step's own metadata here: longrope picks its rows by the sequences' lengths
         x, rope = self.model.embed(input_ids, positions, meta)
+        if metas[0].max_seqlen_q > 1:
+            metas = tuple(map(as_token_rows, metas))
         entry = self.graphs.get(rows)
         if entry is None:
             return self._capture(x, rope, metas, kv_cache, isinstance(meta, tuple))

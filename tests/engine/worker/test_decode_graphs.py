@@ -39,7 +39,9 @@ def test_replayed_decode_steps_give_the_eager_tokens_and_transformers(tiny_llama
     outputs = _greedy(llm, prompts)
     graphs = llm.executor.graphs
     assert not graphs.off
-    assert sorted(graphs.graphs) == [1, 3, 4, 5]  # the batch sizes decode steps ran at
+    # the batch sizes decode steps ran at, and the prompts' step (64 tokens in chunks of at
+    # most 30: MAX_ROW_TOKENS) as a row per token
+    assert sorted(graphs.graphs) == [1, 3, 4, 5, sum(LENGTHS)]
     assert outputs == _eager(tiny_llama, prompts)
     expected = [hf_generate(tiny_llama, [p], max_new_tokens=n, do_sample=False)[0]
                 for p, n in zip(prompts, MAX_TOKENS)]  # fmt: skip
@@ -134,7 +136,8 @@ def test_a_large_batch_refused_keeps_graphs_for_small_ones(tiny_llama, monkeypat
 
 def test_a_replay_a_kernel_answers_otherwise_falls_back_and_captures_anew(tiny_llama):
     prompts = random_prompts(LENGTHS, seed=6)
-    llm = make_llm(tiny_llama, **CPU)
+    # no prefix cache: the prompts' step runs again whole, on its graph (64 rows)
+    llm = make_llm(tiny_llama, enable_prefix_caching=False, **CPU)
     first = _greedy(llm, prompts)
     graphs = llm.executor.graphs
     tampered = {}

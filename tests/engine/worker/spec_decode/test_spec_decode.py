@@ -10,6 +10,7 @@ lookup predicts, while attention still shapes every token.
 import pytest
 import torch
 from kvpager.engine import SamplingParams
+from kvpager.kernels import cpu_layer_ops
 from kvpager.schemas.errors import ConfigError
 from transformers import LlamaForCausalLM
 
@@ -174,6 +175,27 @@ def test_suffix_decoding_pauses_a_request_that_is_rarely_accepted(looping, expec
     assert [tokens[:48] for tokens in got] == expected
     assert llm.scheduler.lookahead.stats.num_pauses > 0
     assert_all_free(llm)
+
+
+@pytest.mark.skipif(cpu_layer_ops.load() is None, reason="no C compiler")
+def test_verify_steps_replay_as_decode_rows(looping):
+    """On the cpu backend a verify step (several tokens of a sequence) replays a decode graph
+    of a row per token (engine/worker/decode_graphs.py): one stream's speculation captures
+    graphs of several rows, and speculation alone and batched gives plain decoding's tokens,
+    as it does eagerly."""
+    cpu = dict(attention_backend="cpu")
+    prompts = _prompts()
+    plain = _tokens(make_llm(looping, **cpu), prompts, GREEDY)
+    runs = {}
+    for eager in (True, False):
+        llm = make_llm(looping, speculative_config=SUFFIX, enforce_eager=eager, **cpu)
+        alone = _tokens(llm, prompts[:1], GREEDY)
+        if not eager:  # one stream decodes one row a step: the larger graphs are verify steps
+            assert max(llm.executor.graphs.graphs) > 1, llm.executor.graphs.graphs
+        runs[eager] = alone + _tokens(llm, prompts, GREEDY)
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 20
+        assert_all_free(llm)
+    assert runs[False] == runs[True] == plain[:1] + plain
 
 
 @pytest.mark.parametrize(
