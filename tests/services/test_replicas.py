@@ -25,7 +25,7 @@ REPLICA_ENV = {
     "KVPAGER_LIVENESS_TIMEOUT": "3",
     "KVPAGER_NUM_BLOCKS": "160",
     "KVPAGER_DRAIN_TIMEOUT": "2",
-    # 8 running a instance: 64 streams there run in waves, so a kill that lands late (the
+    # 8 running an instance: 64 streams there run in waves, so a kill that lands late (the
     # client's view lags the engines' on busy cores) still finds most of them unfinished
     "KVPAGER_MAX_NUM_SEQS": "8",
 }
