@@ -185,7 +185,9 @@ def test_verify_steps_replay_as_decode_rows(looping):
     as it does eagerly."""
     cpu = dict(attention_backend="cpu")
     prompts = _prompts()
-    plain = _tokens(make_llm(looping, **cpu), prompts, GREEDY)
+    base = make_llm(looping, **cpu)
+    plain = _tokens(base, prompts, GREEDY)
+    assert_all_free(base)
     runs = {}
     for eager in (True, False):
         llm = make_llm(looping, speculative_config=SUFFIX, enforce_eager=eager, **cpu)
