@@ -22,8 +22,10 @@
 // Per unit, chunks of up to CHUNK_TILES x 16 keys: S = Q K^T (chunk_scores), an online softmax
 // per chunk on 16-lane vectors (masked only where a row's causal or window edge crosses a
 // tile), then O += P V (chunk_values); the two products are the ISA half's.
-// Whole chunks are prefetched one ahead into L2, the next unit's first chunk included, in one
-// burst a chunk: the same lines spread between the tile operations gained next to nothing.
+// Whole chunks are prefetched one ahead into L2, the next unit's first chunk included: on AMX
+// in one burst a chunk (the same lines spread between the tile operations gained next to
+// nothing there); the AVX512-BF16 half spreads them between its products, where on a Zen 4 a
+// burst held its products back (a 64 x 320 decode step's attention 0.77 -> 0.60 ms a layer).
 // Decode units alone prefetch: a prefill unit reads what the unit before it read (the same
 // head, 16 keys fewer), already cached, and its prefetches only waited for fill buffers (7% of
 // a 1,000-token prefill's attention; no gain either at 4k-16k tokens of context).
@@ -177,15 +179,39 @@ static inline const uint16_t *slab_at(const shape *s, const uint16_t *cache, con
            (pos % s->block_size) * unit;
 }
 
-// every line of the chunk of up to CHUNK tokens from `start` (none from `end`), into L2
-INLINE void prefetch_chunk(const shape *s, const int32_t *table, int64_t end, int64_t start,
-                           int64_t kv_head) {
+#define AHEAD_SLABS (2 * CHUNK_TILES)  // a chunk's K and V slabs
+
+// The lines of the chunk a decode unit prefetches (into L2) while it works on the one before:
+// a few at a time between its products (`ahead_take`, where the ISA half spreads them), the
+// rest at the chunk's end (`ahead_flush`).
+typedef struct {
+    const char *base[AHEAD_SLABS];
+    int64_t stride[AHEAD_SLABS];
+    int64_t slabs, lines, slab, line, per_take;  // lines a slab; the next line; lines a take
+} ahead;
+
+// every line of the chunk of up to CHUNK tokens from `start` (none from `end`), planned
+INLINE void plan_chunk(ahead *a, const shape *s, const int32_t *table, int64_t end,
+                       int64_t start, int64_t kv_head) {
     for (int64_t pos = start; pos < end && pos < start + CHUNK; pos += TILE_TOKENS) {
-        const char *k = (const char *)slab_at(s, s->key_cache, table, pos, kv_head, 2);
-        const char *v = (const char *)slab_at(s, s->value_cache, table, pos, kv_head, s->head_dim);
-        for (int64_t r = 0; r < s->head_dim / 2; r++) __builtin_prefetch(k + r * s->block_size * 4, 0, 2);
-        for (int64_t b = 0; b < TILE_TOKENS * s->head_dim * 2; b += 64) __builtin_prefetch(v + b, 0, 2);
+        a->base[a->slabs] = (const char *)slab_at(s, s->key_cache, table, pos, kv_head, 2);
+        a->stride[a->slabs++] = s->block_size * 4;  // a dim pair's 16 tokens
+        const uint16_t *v = slab_at(s, s->value_cache, table, pos, kv_head, s->head_dim);
+        a->base[a->slabs] = (const char *)v;
+        a->stride[a->slabs++] = 64;  // the 16 tokens' values back to back
     }
+}
+
+INLINE void ahead_take(ahead *a) {
+    for (int64_t n = 0; n < a->per_take && a->slab < a->slabs; n++) {
+        __builtin_prefetch(a->base[a->slab] + a->line * a->stride[a->slab], 0, 2);
+        if (++a->line == a->lines) a->line = 0, a->slab++;
+    }
+}
+
+INLINE void ahead_flush(ahead *a) {
+    a->per_take = a->lines * AHEAD_SLABS;
+    ahead_take(a);
 }
 
 // V rows outside [lo, hi) may hold anything (NaN too, and 0 * NaN is NaN): a zeroed copy
@@ -272,7 +298,7 @@ INLINE void softmax_chunk(const shape *s, const unit *u, unit_state *st, float s
 // One chunk of one unit: keys [start, start + CHUNK) of the context, none from `end` (its last
 // row's last) or before `first` (its first row's window start).
 INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t start,
-                         int64_t first, int64_t end) {
+                         int64_t first, int64_t end, ahead *a) {
     float scores[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
     weights w;
     static __thread uint16_t copies[CHUNK_TILES][TILE_TOKENS * MAX_DIM] __attribute__((aligned(64)));
@@ -286,19 +312,27 @@ INLINE void attend_chunk(const shape *s, const unit *u, unit_state *st, int64_t 
         if (first > pos || end < pos + TILE_TOKENS)
             values[t] = masked_values(s, values[t], first - pos, end - pos, copies[t]);
     }
-    chunk_scores(s, u, keys, tiles, scores);
+    chunk_scores(s, u, keys, tiles, scores, a);
     softmax_chunk(s, u, st, scores, &w, tiles, start);
-    chunk_values(s, u, st, values, tiles, &w);
+    chunk_values(s, u, st, values, tiles, &w, a);
+    ahead_flush(a);
 }
 
-// the chunk after the one from `start`, or where this is the last (`end`), `next`'s first
+// Plans the chunk after the one from `start`: this unit's, or where this is its last (`end`),
+// `next`'s first; `takes`: the takes the chunk from `start` spreads them over.
 INLINE void prefetch_ahead(const shape *s, const unit *u, const unit *next, int64_t start,
-                           int64_t end) {
+                           int64_t end, int64_t takes, ahead *a) {
+    a->slabs = a->slab = a->line = 0;
+    a->lines = s->head_dim / 2;  // a slab's 16 tokens: head_dim x 2 bytes x 16 / 64
     if (start + CHUNK < end)
-        prefetch_chunk(s, u->table, end, start + CHUNK, u->kv_head);
+        plan_chunk(a, s, u->table, end, start + CHUNK, u->kv_head);
     else if (next)
-        prefetch_chunk(s, next->table, row_last(next, next->rows - 1), unit_start(s, next),
-                       next->kv_head);
+        plan_chunk(a, s, next->table, row_last(next, next->rows - 1), unit_start(s, next),
+                   next->kv_head);
+    a->per_take = (a->slabs * a->lines + takes - 1) / takes;
+#ifndef SPREADS_PREFETCH
+    ahead_flush(a);  // the ISA half takes none: all at once, before the chunk
+#endif
 }
 
 // a row's output, acc * inv, rounded to bf16 (to nearest even, as torch's .to(bfloat16) of
@@ -325,9 +359,11 @@ static void attend(const shape *s, const unit *u, const unit *next) {
             st.max[g] = s->sinks[u->head + g * u->head_step] * 1.44269504088896341f, st.sum[g] = 1.0f;
     }
     const int64_t first = row_first(s, u->last), end = row_last(u, u->rows - 1);
+    ahead a = {.slabs = 0};
     for (int64_t start = unit_start(s, u); start < end; start += CHUNK) {
-        if (!u->causal) prefetch_ahead(s, u, next, start, end);  // decode units alone
-        attend_chunk(s, u, &st, start, first, end);
+        if (!u->causal)  // decode units alone
+            prefetch_ahead(s, u, next, start, end, chunk_takes(s, u, end - start), &a);
+        attend_chunk(s, u, &st, start, first, end, &a);
     }
     for (int64_t g = 0; g < u->rows; g++) {
         const float inv = st.sum[g] > 0.0f ? 1.0f / st.sum[g] : 0.0f;

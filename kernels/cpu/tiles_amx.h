@@ -39,9 +39,16 @@ INLINE void keep_weights(weights *w, int64_t row, int64_t at, vec p) {
     _mm256_storeu_si256((__m256i *)&w->p[row][at], (__m256i)_mm512_cvtneps_pbh((__m512)p));
 }
 
+// the takes a chunk spreads its prefetches over: none here
+INLINE int64_t chunk_takes(const shape *s, const unit *u, int64_t keys_left) {
+    (void)s, (void)u, (void)keys_left;
+    return 1;
+}
+
 // S = Q K^T for the chunk's `tiles` tiles of 16 keys
 INLINE void chunk_scores(const shape *s, const unit *u, const uint16_t *const keys[],
-                         int64_t tiles, float scores[][CHUNK]) {
+                         int64_t tiles, float scores[][CHUNK], ahead *a) {
+    (void)a;  // prefetches go at once, before the chunk (no SPREADS_PREFETCH)
     for (int64_t t = 0; t < tiles; t++) {
         _tile_zero(T_S);
         for (int64_t c = 0; c < s->head_dim / 32; c++) {
@@ -55,7 +62,9 @@ INLINE void chunk_scores(const shape *s, const unit *u, const uint16_t *const ke
 
 // O += P V for the chunk, into the unit's running output
 INLINE void chunk_values(const shape *s, const unit *u, unit_state *st,
-                         const uint16_t *const values[], int64_t tiles, const weights *w) {
+                         const uint16_t *const values[], int64_t tiles, const weights *w,
+                         ahead *a) {
+    (void)a;
     float out[MAX_ROWS][16] __attribute__((aligned(64)));
     for (int64_t c = 0; c < s->head_dim / 16; c++) {
         _tile_zero(T_O);
