@@ -78,6 +78,13 @@ static inline float hmax(vec v) {
     return m;
 }
 
+// `rows` rows of `row_bytes`, `step` bytes apart, into L2 (locality 2)
+static inline void prefetch_rows(const char *row, const int64_t step, const int64_t rows,
+                                 const int64_t row_bytes) {
+    for (int64_t i = 0; i < rows; i++, row += step)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+}
+
 // Tokens a score tile takes at once, by group size: tokens x group FMA chains, enough to keep
 // both FMA pipes busy through their latency and few enough for 16 registers.
 #define MAX_TILE 8
@@ -112,14 +119,9 @@ static inline __attribute__((always_inline)) void scores_##SUFFIX(              
         for (int64_t j0 = 0; j0 < LANES; j0 += tile) {                                         \
             const int64_t t0 = o * LANES + j0;                                                 \
             const int64_t live = n - t0 < tile ? (n - t0 > 0 ? n - t0 : 0) : tile;             \
-            for (int64_t i = 0; next_k && i < live; i++) {                                     \
-                const char *row = (const char *)(next_k + (t0 + i) * token_stride);            \
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2); \
-            }                                                                                  \
-            for (int64_t i = 0; i < live; i++) {                                               \
-                const char *row = (const char *)(v + (t0 + i) * token_stride);                 \
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2); \
-            }                                                                                  \
+            const int64_t step = token_stride * (int64_t)sizeof(CACHE_T); /* bytes a token */  \
+            if (next_k) prefetch_rows((const char *)next_k + t0 * step, step, live, row_bytes); \
+            prefetch_rows((const char *)v + t0 * step, step, live, row_bytes);                 \
             vec d[MAX_TILE][MAX_GROUP];                                                        \
             for (int64_t i = 0; i < tile; i++)                                                 \
                 for (int64_t g = 0; g < group; g++) d[i][g] = (vec){0};                        \

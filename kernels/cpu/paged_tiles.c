@@ -25,7 +25,7 @@
 // Whole chunks are prefetched one ahead into L2, the next unit's first chunk included: on AMX
 // in one burst a chunk (the same lines spread between the tile operations gained next to
 // nothing there); the AVX512-BF16 half spreads them between its products, where on a Zen 4 a
-// burst held its products back (a 64 x 320 decode step's attention 0.77 -> 0.60 ms a layer).
+// burst held its products back (a 64 x 320 decode step's attention 0.74 -> 0.60 ms a layer).
 // Decode units alone prefetch: a prefill unit reads what the unit before it read (the same
 // head, 16 keys fewer), already cached, and its prefetches only waited for fill buffers (7% of
 // a 1,000-token prefill's attention; no gain either at 4k-16k tokens of context).
